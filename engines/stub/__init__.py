@@ -1,0 +1,85 @@
+"""A deterministic engine for tests and demos (MIME ``application/x-wm-stub``).
+
+The code is a JSON object::
+
+    {"output_type": "orders.done",  # emit one event of this type (omit for no output)
+     "sleep_ms": 0,                  # busy time per event
+     "fail": "boom",                 # raise a WorkerExecutionError with this message
+     "fail_if_data_has": "poison",   # ...only for events whose data contains this key
+     "outputs": 1}                   # how many output events per input
+
+Each output's data records the input data, the worker version and the process id and
+start/end times, so tests can check who ran what, when and on which code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from engines.base import Engine, WorkerSpec
+from wm.errors import InvalidCode, WorkerExecutionError
+from wm.events import CloudEvent, make_event
+
+_KEYS = {"output_type": str, "sleep_ms": int, "fail": str, "fail_if_data_has": str, "outputs": int}
+
+
+def parse_stub_code(code: bytes) -> dict[str, Any]:
+    """Parse and check stub code; raise :class:`InvalidCode` naming the defect."""
+    try:
+        spec = json.loads(code.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidCode(f"stub code must be a JSON object: {exc}") from exc
+    if not isinstance(spec, dict):
+        raise InvalidCode("stub code must be a JSON object")
+    for key, value in spec.items():
+        expected = _KEYS.get(key)
+        if expected is None:
+            raise InvalidCode(f"stub code has unknown key {key!r}; known: {', '.join(_KEYS)}")
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise InvalidCode(f"stub code key {key!r} must be {expected.__name__}")
+    return spec
+
+
+class StubEngine(Engine):
+    """Runs stub code in-process."""
+
+    mime_type = "application/x-wm-stub"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._spec: dict[str, Any] = {}
+        self._worker: WorkerSpec | None = None
+
+    def load(self, code: bytes, worker: WorkerSpec) -> None:
+        self._spec = parse_stub_code(code)
+        self._worker = worker
+
+    def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
+        assert self._worker is not None, "load() first"
+        started = time.time()
+        sleep_s = self._spec.get("sleep_ms", 0) / 1000
+        if sleep_s:
+            time.sleep(sleep_s)
+        data = event.get_data()
+        poison = self._spec.get("fail_if_data_has")
+        if "fail" in self._spec and (
+            poison is None or (isinstance(data, dict) and poison in data)
+        ):
+            raise WorkerExecutionError(self._spec["fail"])
+        output_type = self._spec.get("output_type")
+        if not output_type:
+            return []
+        body = {
+            "input": data if not isinstance(data, bytes) else data.decode("latin-1"),
+            "version": self._worker.version,
+            "pid": os.getpid(),
+            "started_at": started,
+            "finished_at": time.time(),
+        }
+        return [
+            make_event(output_type, f"/workers/{self._worker.worker_id}", dict(body, index=i))
+            for i in range(self._spec.get("outputs", 1))
+        ]

@@ -1,0 +1,1 @@
+"""Alembic migrations of the worker store (PostgreSQL is the reference; SQLite must migrate)."""

@@ -1,0 +1,232 @@
+"""Topic routing and publishing (DESIGN.md §5.1).
+
+``publish(event, topic)`` looks the topic up in the routing table (a Redis hash per topic,
+rebuilt from the ``subscriptions`` table whenever it is missing) and sends one message per
+subscription to that subscription's own durable queue: a Celery task message for a worker,
+a plain structured-mode CloudEvent for a plain subscription (sinks, observers, ``wm tail``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu.exceptions import KombuError, OperationalError
+from sqlalchemy import select
+
+from wm import store
+from wm.celeryapp import DELIVER_TASK, EXCHANGE, make_app, subscription_queue
+from wm.config import Settings
+from wm.errors import BrokerUnavailable
+from wm.events import CloudEvent, encode
+from wm.models import Subscription
+from wm.state import redis_for, unavailable
+
+logger = logging.getLogger(__name__)
+
+_ROUTES = "wm:routes:"
+_ROUTES_READY = "wm:routes:ready"
+_DROPPED = "wm:stats:dropped"
+#: Content type of plain-subscription messages.
+CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
+
+
+def worker_queue_name(topic: str, worker_id: str) -> str:
+    return f"{topic}::{worker_id}"
+
+
+def plain_queue_name(topic: str, name: str) -> str:
+    return f"{topic}::sub::{name}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One subscription of a topic: its queue and, for a worker, the worker id."""
+
+    queue: str
+    worker_id: str | None
+
+
+class Bus:
+    """Publishes events to topics and maintains the routing table and queues."""
+
+    def __init__(self, settings: Settings, app: Celery | None = None) -> None:
+        self.settings = settings
+        self.app = app if app is not None else make_app(settings)
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis_for(self.settings)
+
+    # -- routing table ---------------------------------------------------------------------
+
+    def routes(self, topic: str) -> list[Route]:
+        """Subscriptions of ``topic``; rebuilds the table first if Redis lost it."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.exists(_ROUTES_READY)
+            pipe.hgetall(_ROUTES + topic)
+            ready, table = pipe.execute()
+            if not ready:
+                self.rebuild_routes()
+                table = self.redis.hgetall(_ROUTES + topic)
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+        return [Route(q.decode(), w.decode() or None) for q, w in sorted(table.items())]
+
+    def rebuild_routes(self) -> int:
+        """Rebuild the whole routing table from the ``subscriptions`` table."""
+        with store.session_scope(self.settings) as session:
+            subs = session.scalars(select(Subscription)).all()
+            rows = [(s.topic, s.queue, str(s.worker_id or "")) for s in subs]
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            for key in self.redis.scan_iter(match=_ROUTES + "*", count=500):
+                if key != _ROUTES_READY.encode():
+                    pipe.delete(key)
+            for topic, queue, worker in rows:
+                pipe.hset(_ROUTES + topic, queue, worker)
+            pipe.set(_ROUTES_READY, "1")
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+        logger.info("routing table rebuilt: %d subscription(s)", len(rows))
+        return len(rows)
+
+    def add_route(self, topic: str, queue: str, worker_id: str | None) -> None:
+        """Declare the queue, then route ``topic`` to it."""
+        self.declare_queue(queue)
+        try:
+            self.redis.hset(_ROUTES + topic, queue, worker_id or "")
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+
+    def remove_route(self, topic: str, queue: str, *, delete_queue: bool = True) -> None:
+        try:
+            self.redis.hdel(_ROUTES + topic, queue)
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+        if delete_queue:
+            self.delete_queue(queue)
+
+    def dropped(self, topic: str | None = None) -> int:
+        """Events dropped because nobody subscribed (per topic, or in total)."""
+        raw = self.redis.hget(_DROPPED, topic) if topic else self.redis.hget(_DROPPED, "*")
+        return int(raw or 0)
+
+    # -- queues ----------------------------------------------------------------------------
+
+    def declare_queue(self, name: str) -> None:
+        try:
+            with self.app.connection_for_write() as conn:
+                subscription_queue(name).bind(conn.default_channel).declare()
+        except (OSError, KombuError) as exc:
+            raise self._broker_down(exc) from exc
+
+    def delete_queue(self, name: str) -> None:
+        try:
+            with self.app.connection_for_write() as conn:
+                bound = subscription_queue(name).bind(conn.default_channel)
+                bound.delete()
+        except (OSError, KombuError) as exc:
+            raise self._broker_down(exc) from exc
+
+    def queue_depth(self, name: str) -> int:
+        """Messages ready in ``name`` (0 when the queue does not exist)."""
+        try:
+            with self.app.connection_for_write() as conn:
+                result = subscription_queue(name).bind(conn.default_channel).queue_declare(
+                    passive=True
+                )
+                return int(result.message_count)
+        except (OSError, KombuError):
+            return 0
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish(self, event: CloudEvent, topic: str | None = None) -> int:
+        """Send ``event`` to every subscription of ``topic`` (default: its type).
+
+        Returns how many subscriptions it was sent to; 0 means it was dropped and counted.
+        """
+        topic = topic or event.get_type()
+        routes = self.routes(topic)
+        if not routes:
+            self._count_dropped(topic)
+            logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
+            return 0
+        self.send(encode(event), routes)
+        return len(routes)
+
+    def send(self, payload: str, routes: Iterable[Route], **task_options: Any) -> None:
+        """Send an encoded event to the given subscriptions (publish and dead-letter replay)."""
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for route in routes:
+                    self._send_one(producer, route, payload, dict(task_options))
+        except (OSError, KombuError, OperationalError) as exc:
+            raise self._broker_down(exc) from exc
+
+    def _send_one(
+        self, producer: Any, route: Route, payload: str, task_options: dict[str, Any]
+    ) -> None:
+        queue = subscription_queue(route.queue)
+        if route.worker_id is None:
+            producer.publish(
+                payload,
+                exchange=EXCHANGE,
+                routing_key=route.queue,
+                declare=[queue],
+                content_type=CLOUDEVENT_CONTENT_TYPE,
+                content_encoding="utf-8",
+                serializer=None,
+                delivery_mode=2,
+                retry=True,
+            )
+            return
+        self.app.send_task(
+            DELIVER_TASK,
+            args=[route.worker_id, payload],
+            queue=queue,
+            task_id=task_options.pop("task_id", None) or str(uuid.uuid4()),
+            producer=producer,
+            **task_options,
+        )
+
+    def _count_dropped(self, topic: str) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(_DROPPED, topic, 1)
+            pipe.hincrby(_DROPPED, "*", 1)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+
+    def _broker_down(self, exc: Exception) -> BrokerUnavailable:
+        return BrokerUnavailable(
+            f"the broker at WM_BROKER_URL={self.settings.broker_url} is unreachable ({exc}); "
+            "start it or fix the setting"
+        )
+
+    # -- consumers on running nodes --------------------------------------------------------
+
+    def broadcast_consume(self, queue: str) -> None:
+        """Ask every node to consume ``queue`` now (the periodic reconcile is the safety net)."""
+        try:
+            self.app.control.add_consumer(
+                queue, exchange=EXCHANGE.name, exchange_type="direct", routing_key=queue,
+                reply=False,
+            )
+        except (OSError, KombuError) as exc:
+            logger.warning("could not broadcast add_consumer for %s: %s", queue, exc)
+
+    def broadcast_cancel(self, queue: str) -> None:
+        try:
+            self.app.control.cancel_consumer(queue, reply=False)
+        except (OSError, KombuError) as exc:
+            logger.warning("could not broadcast cancel_consumer for %s: %s", queue, exc)

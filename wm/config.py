@@ -1,0 +1,227 @@
+"""One frozen, typed settings object read from the environment.
+
+Names come from the seeds where they exist; every other variable is prefixed ``WM_``.
+Units are part of the names. An unknown ``WM_*`` variable or a malformed value stops
+start-up with a message that names the variable and what it expects.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from wm.errors import ConfigurationError
+
+#: Pure-stdlib modules a sandboxed Python worker may import when nothing else is configured.
+DEFAULT_PYTHON_ALLOWED_PACKAGES = (
+    "json,math,re,datetime,time,collections,itertools,functools,operator,string,decimal,"
+    "fractions,statistics,random,uuid,base64,hashlib,hmac,enum,dataclasses,typing,copy,"
+    "heapq,bisect,textwrap,unicodedata,zlib,binascii,struct,abc,numbers,contextlib,"
+    "calendar,array,pprint"
+)
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _parse_int(raw: str) -> int:
+    value = int(raw.strip())
+    if value < 0:
+        raise ValueError("expected a non-negative integer")
+    return value
+
+
+def _parse_float(raw: str) -> float:
+    value = float(raw.strip())
+    if value < 0:
+        raise ValueError("expected a non-negative number")
+    return value
+
+
+def _parse_csv(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _parse_str(raw: str) -> str:
+    return raw.strip()
+
+
+_EXPECTS: dict[Callable[[str], Any], str] = {
+    _parse_bool: "true or false",
+    _parse_int: "a non-negative integer",
+    _parse_float: "a non-negative number",
+    _parse_csv: "a comma-separated list",
+    _parse_str: "a string",
+}
+
+
+def _setting(env: str, default: Any, parse: Callable[[str], Any], doc: str) -> Any:
+    return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything WorkManager reads from the environment, parsed and validated once."""
+
+    database_url: str = _setting(
+        "WM_DATABASE_URL", "sqlite:///.wm/workmanager.db", _parse_str,
+        "SQLAlchemy URL of the worker store (PostgreSQL in production, SQLite embedded).",
+    )
+    broker_url: str = _setting(
+        "WM_BROKER_URL", "redis://127.0.0.1:6379/0", _parse_str,
+        "Celery/kombu broker URL: redis://… or amqp://…",
+    )
+    redis_url: str = _setting(
+        "WM_REDIS_URL", "redis://127.0.0.1:6379/1", _parse_str,
+        "Redis for derived state: routing table, locks, fences, outcomes, leases.",
+    )
+    group_lock_retry_base_delay_ms: int = _setting(
+        "GROUP_LOCK_RETRY_BASE_DELAY_MS", 500, _parse_int,
+        "Group-lock acquire backoff base; attempt n waits base × 2^n.",
+    )
+    group_lock_max_retries: int = _setting(
+        "GROUP_LOCK_MAX_RETRIES", 3, _parse_int,
+        "Acquire attempts before the delivery fails with lock contention.",
+    )
+    group_lock_max_age_s: float = _setting(
+        "WM_GROUP_LOCK_MAX_AGE_S", 30.0, _parse_float,
+        "Age after which a group lock whose holder has not written may be stolen.",
+    )
+    worker_recovery_on_start: bool = _setting(
+        "WORKER_RECOVERY_ON_START", True, _parse_bool,
+        "Reconcile Redis and queues with the database when a node starts.",
+    )
+    worker_recovery_lease_ttl_seconds: int = _setting(
+        "WORKER_RECOVERY_LEASE_TTL_SECONDS", 300, _parse_int,
+        "TTL of the recovery leader lease.",
+    )
+    worker_recovery_acquire_timeout_seconds: int = _setting(
+        "WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS", 30, _parse_int,
+        "How long a starting node waits for the recovery lease.",
+    )
+    python_allowed_packages: tuple[str, ...] = _setting(
+        "PYTHON_ALLOWED_PACKAGES", _parse_csv(DEFAULT_PYTHON_ALLOWED_PACKAGES), _parse_csv,
+        "Top-level modules a Python worker may import (plus the DevKit).",
+    )
+    message_handling_timeout_seconds: float = _setting(
+        "MESSAGE_HANDLING_TIMEOUT_SECONDS", 30.0, _parse_float,
+        "Per-message time limit of worker code (a worker's settings may override it).",
+    )
+    max_retries: int = _setting(
+        "WM_MAX_RETRIES", 5, _parse_int,
+        "Deliveries retried before dead-lettering (a worker's settings may override it).",
+    )
+    retry_base_delay_ms: int = _setting(
+        "WM_RETRY_BASE_DELAY_MS", 1000, _parse_int,
+        "Broker-level retry backoff base (exponential with full jitter).",
+    )
+    retry_max_delay_ms: int = _setting(
+        "WM_RETRY_MAX_DELAY_MS", 60000, _parse_int, "Upper bound of one retry delay.",
+    )
+    code_max_bytes: int = _setting(
+        "WM_CODE_MAX_BYTES", 16 * 1024 * 1024, _parse_int,
+        "Largest code payload accepted inline or from a URL.",
+    )
+    code_url_allowed_hosts: tuple[str, ...] = _setting(
+        "WM_CODE_URL_ALLOWED_HOSTS", (), _parse_csv,
+        "Hosts code URLs may name (exact or *.suffix); empty admits any public host.",
+    )
+    code_url_allow_http: bool = _setting(
+        "WM_CODE_URL_ALLOW_HTTP", False, _parse_bool, "Admit plain http:// code URLs.",
+    )
+    code_url_allow_private: bool = _setting(
+        "WM_CODE_URL_ALLOW_PRIVATE", False, _parse_bool,
+        "Admit loopback/private addresses for code URLs (tests and closed networks only).",
+    )
+    code_url_timeout_s: float = _setting(
+        "WM_CODE_URL_TIMEOUT_S", 10.0, _parse_float, "Total time limit of one code fetch.",
+    )
+    code_url_max_redirects: int = _setting(
+        "WM_CODE_URL_MAX_REDIRECTS", 3, _parse_int, "Redirects followed, each re-checked.",
+    )
+    gateway_allowed_hosts: tuple[str, ...] = _setting(
+        "WM_GATEWAY_ALLOWED_HOSTS", (), _parse_csv,
+        "Hosts a worker's gateway calls may reach (through the host); empty refuses all.",
+    )
+    gateway_timeout_s: float = _setting(
+        "WM_GATEWAY_TIMEOUT_S", 10.0, _parse_float, "Time limit of one gateway call.",
+    )
+    node_concurrency: int = _setting(
+        "WM_NODE_CONCURRENCY", 0, _parse_int,
+        "Celery processes per node; 0 means one per CPU.",
+    )
+    prefetch_multiplier: int = _setting(
+        "WM_PREFETCH_MULTIPLIER", 4, _parse_int, "Celery prefetch multiplier.",
+    )
+    reconcile_interval_s: float = _setting(
+        "WM_RECONCILE_INTERVAL_S", 10.0, _parse_float,
+        "How often a node re-checks that it consumes every running worker's queue.",
+    )
+    visibility_timeout_s: int = _setting(
+        "WM_VISIBILITY_TIMEOUT_S", 3600, _parse_int,
+        "Redis broker: unacknowledged messages of a lost node are redelivered after this.",
+    )
+    outcome_ttl_s: int = _setting(
+        "WM_OUTCOME_TTL_S", 7 * 24 * 3600, _parse_int,
+        "How long recorded outcomes (idempotency records) are kept in Redis.",
+    )
+    health_port: int = _setting(
+        "WM_HEALTH_PORT", 0, _parse_int, "Port of a node's /health and /metrics; 0 disables.",
+    )
+    log_level: str = _setting("WM_LOG_LEVEL", "INFO", _parse_str, "Logging level of the CLI.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``environ`` (default ``os.environ``), refusing bad input."""
+        env = os.environ if environ is None else environ
+        known = {f.metadata["env"]: f for f in fields(cls)}
+        _refuse_unknown(env, known)
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            raw = env.get(name)
+            if raw is None:
+                continue
+            parse = f.metadata["parse"]
+            try:
+                values[f.name] = parse(raw)
+            except ValueError as exc:
+                raise ConfigurationError(
+                    f"{name}={raw!r} is malformed: expected {_EXPECTS[parse]}"
+                ) from exc
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Settings:
+        """Return a copy with ``changes`` applied (settings stay immutable)."""
+        current = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(current)
+        if unknown:
+            raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        current.update(changes)
+        return Settings(**current)
+
+
+def _refuse_unknown(env: Mapping[str, str], known: Mapping[str, Any]) -> None:
+    for name in env:
+        if name.startswith("WM_") and name not in known:
+            hint = difflib.get_close_matches(name, list(known), n=1)
+            suggestion = f" Did you mean {hint[0]}?" if hint else ""
+            raise ConfigurationError(f"unknown setting {name}.{suggestion}")
+
+
+def settings_table() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) rows, used by ``wm config`` and the README."""
+    rows = []
+    for f in fields(Settings):
+        default = f.default
+        shown = ",".join(default) if isinstance(default, tuple) else str(default)
+        rows.append((f.metadata["env"], shown, f.metadata["doc"]))
+    return rows

@@ -1,0 +1,206 @@
+"""Dead letters you can operate: kept in the database (list, filter, show, replay, purge) and
+also published to the ``<topic>-dead`` topic for alerting and sinks."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from wm import store
+from wm.bus import Bus, Route, worker_queue_name
+from wm.config import Settings
+from wm.errors import DeadLetterNotFound, InvalidArgument, WorkerNotFound
+from wm.events import make_event
+from wm.lifecycle import Status
+from wm.models import DeadLetter, Worker
+
+logger = logging.getLogger(__name__)
+DEAD_SUFFIX = "-dead"
+DEAD_LETTER_TYPE = "com.virtufin.workmanager.deadletter"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Everything known about a delivery that is being parked."""
+
+    topic: str
+    worker_id: str | None
+    envelope: str
+    event_id: str | None
+    error_type: str
+    error_message: str
+    attempts: int
+    version: int | None = None
+    sha256: str | None = None
+    fence: int | None = None
+    first_failure_at: float | None = None
+
+    @property
+    def letter_id(self) -> str:
+        basis = f"{self.worker_id}\x00{self.event_id or self.envelope}"
+        return hashlib.sha256(basis.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class DeadLetterInfo:
+    id: str
+    topic: str
+    worker_id: str | None
+    event_id: str | None
+    error_type: str
+    error_message: str
+    attempts: int
+    version: int | None
+    sha256: str | None
+    fence: int | None
+    first_failure_at: datetime
+    last_failure_at: datetime
+    replay_count: int
+    replayed_at: datetime | None
+    envelope: str
+
+    @classmethod
+    def of(cls, row: DeadLetter) -> DeadLetterInfo:
+        return cls(row.id, row.topic, str(row.worker_id) if row.worker_id else None,
+                   row.event_id, row.error_type, row.error_message, row.attempts, row.version,
+                   row.sha256, row.fence, row.first_failure_at, row.last_failure_at,
+                   row.replay_count, row.replayed_at, row.envelope)
+
+    def to_json(self, *, envelope: bool = True) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("first_failure_at", "last_failure_at", "replayed_at"):
+            data[key] = data[key].isoformat() if data[key] else None
+        if not envelope:
+            data.pop("envelope")
+        return data
+
+
+class DeadLetters:
+    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
+        self.settings = settings
+        self.bus = bus or Bus(settings)
+
+    def park(self, failure: Failure) -> str:
+        """Store (upsert) the dead letter, then publish it to ``<topic>-dead``."""
+        now = datetime.now(UTC)
+        first = (datetime.fromtimestamp(failure.first_failure_at, UTC)
+                 if failure.first_failure_at else now)
+        letter_id = failure.letter_id
+        with store.session_scope(self.settings) as session:
+            row = session.get(DeadLetter, letter_id)
+            if row is None:
+                row = DeadLetter(id=letter_id, replay_count=0, first_failure_at=first)
+                session.add(row)
+            row.topic, row.envelope = failure.topic, failure.envelope
+            row.event_id = failure.event_id
+            row.worker_id = uuid.UUID(failure.worker_id) if failure.worker_id else None
+            row.error_type, row.error_message = failure.error_type, failure.error_message
+            row.attempts, row.version = failure.attempts, failure.version
+            row.sha256 = failure.sha256
+            row.fence, row.last_failure_at, row.replayed_at = failure.fence, now, None
+        self.bus.publish(self._event(failure, letter_id), failure.topic + DEAD_SUFFIX)
+        logger.warning("dead-lettered %s for worker %s: %s: %s", failure.event_id,
+                       failure.worker_id, failure.error_type, failure.error_message)
+        return letter_id
+
+    def _event(self, failure: Failure, letter_id: str) -> Any:
+        data = {k: v for k, v in asdict(failure).items() if k != "first_failure_at"}
+        data["dead_letter_id"] = letter_id
+        return make_event(DEAD_LETTER_TYPE, "/workmanager/deadletters", data,
+                          id=f"{letter_id}-{failure.attempts}",
+                          subject=failure.worker_id or failure.topic)
+
+    def list(
+        self, *, topic: str | None = None, worker_id: str | None = None,
+        error_type: str | None = None, include_replayed: bool = False, limit: int = 100,
+    ) -> builtins.list[DeadLetterInfo]:
+        with store.session_scope(self.settings) as session:
+            query = self._filtered(topic, worker_id, error_type, include_replayed)
+            rows = session.scalars(query.order_by(DeadLetter.last_failure_at).limit(limit)).all()
+            return [DeadLetterInfo.of(r) for r in rows]
+
+    def get(self, letter_id: str) -> DeadLetterInfo:
+        with store.session_scope(self.settings) as session:
+            row = session.get(DeadLetter, letter_id)
+            if row is None:
+                raise DeadLetterNotFound(f"no dead letter with id {letter_id}")
+            return DeadLetterInfo.of(row)
+
+    def replay(
+        self, letter_ids: builtins.list[str], *, to_version: str = "current",
+        rate_per_s: float = 50.0,
+    ) -> int:
+        """Send dead letters back to their worker's queue, at most ``rate_per_s`` per second.
+
+        ``to_version`` is ``current`` (the worker's current code) or ``same`` (the version
+        that failed).
+        """
+        if to_version not in ("current", "same"):
+            raise InvalidArgument("to_version must be 'current' or 'same'")
+        if rate_per_s <= 0:
+            raise InvalidArgument("rate_per_s must be positive")
+        interval, sent = 1.0 / rate_per_s, 0
+        for letter_id in letter_ids:
+            started = time.monotonic()
+            with store.session_scope(self.settings) as session:
+                self._replay_one(session, letter_id, to_version)
+            sent += 1
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+        return sent
+
+    def _replay_one(self, session: Session, letter_id: str, to_version: str) -> None:
+        row = session.get(DeadLetter, letter_id, with_for_update=True)
+        if row is None:
+            raise DeadLetterNotFound(f"no dead letter with id {letter_id}")
+        worker = session.get(Worker, row.worker_id) if row.worker_id else None
+        if worker is None or worker.status == Status.DELETED:
+            raise WorkerNotFound(
+                f"dead letter {letter_id}: its worker is gone; purge it instead"
+            )
+        options: dict[str, Any] = {"kwargs": {"replay": True}}
+        if to_version == "same" and row.version is not None:
+            options["kwargs"]["pin_version"] = row.version
+        route = Route(worker_queue_name(worker.topic, str(worker.id)), str(worker.id))
+        self.bus.send(row.envelope, [route], **options)
+        row.replay_count += 1
+        row.replayed_at = datetime.now(UTC)
+
+    def purge(
+        self, letter_ids: builtins.list[str] | None = None, *, topic: str | None = None,
+        worker_id: str | None = None, error_type: str | None = None,
+    ) -> int:
+        with store.session_scope(self.settings) as session:
+            query = delete(DeadLetter)
+            if letter_ids is not None:
+                query = query.where(DeadLetter.id.in_(letter_ids))
+            query = _where(query, topic, worker_id, error_type)
+            result = session.execute(query)
+            return int(getattr(result, "rowcount", 0) or 0)
+
+    @staticmethod
+    def _filtered(
+        topic: str | None, worker_id: str | None, error_type: str | None, include_replayed: bool
+    ) -> Any:
+        query = _where(select(DeadLetter), topic, worker_id, error_type)
+        if not include_replayed:
+            query = query.where(DeadLetter.replayed_at.is_(None))
+        return query
+
+
+def _where(query: Any, topic: str | None, worker_id: str | None, error_type: str | None) -> Any:
+    if topic is not None:
+        query = query.where(DeadLetter.topic == topic)
+    if worker_id is not None:
+        query = query.where(DeadLetter.worker_id == uuid.UUID(worker_id))
+    if error_type is not None:
+        query = query.where(DeadLetter.error_type == error_type)
+    return query

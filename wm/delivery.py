@@ -1,0 +1,165 @@
+"""The consumer side of one delivery (DESIGN.md §5.3): decode → idempotency check → group lock
+→ engine → record outcome → publish outputs. Failure policy lives in ``wm.tasks``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from celery import Celery
+
+from engines import Engine, WorkerSpec, engine_class
+from wm.bus import Bus
+from wm.config import Settings
+from wm.deadletters import DeadLetters
+from wm.directory import Directory, WorkerMeta
+from wm.events import CloudEvent, derive_id, with_attributes
+from wm.idempotency import Outcomes
+from wm.locks import GroupLocks, Lease
+from wm.state import redis_for
+
+logger = logging.getLogger(__name__)
+#: Engines kept loaded per process; the least recently used beyond this is closed.
+_ENGINE_CACHE_SIZE = 64
+#: Extension attributes copied from an input event to every output that lacks them.
+PROPAGATED = ("correlationid", "traceparent", "tracestate")
+FENCE_EXTENSION = "wmfence"
+
+
+class EngineCache:
+    """Loaded engines by worker id, reloaded when the worker's version moves."""
+
+    def __init__(self, settings: Settings, directory: Directory) -> None:
+        self.settings = settings
+        self.directory = directory
+        self._engines: OrderedDict[str, tuple[int, Engine]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def engine(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
+        """(engine, temporary): a pinned old version gets a temporary engine to close after."""
+        if version != meta.version:
+            return self._load(meta, version), True
+        with self._lock:
+            cached = self._engines.get(meta.id)
+            if cached is not None and cached[0] == version:
+                self._engines.move_to_end(meta.id)
+                return cached[1], False
+        engine = cached[1] if cached is not None else None
+        if engine is None:
+            engine = engine_class(meta.mime_type)(self.settings)
+        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
+        with self._lock:
+            self._engines[meta.id] = (version, engine)
+            self._evict()
+        return engine, False
+
+    def _load(self, meta: WorkerMeta, version: int) -> Engine:
+        engine = engine_class(meta.mime_type)(self.settings)
+        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
+        return engine
+
+    def _evict(self) -> None:
+        while len(self._engines) > _ENGINE_CACHE_SIZE:
+            _, (_, engine) = self._engines.popitem(last=False)
+            engine.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for _, engine in self._engines.values():
+                engine.close()
+            self._engines.clear()
+
+
+def _spec(meta: WorkerMeta, version: int) -> WorkerSpec:
+    return WorkerSpec(meta.id, meta.topic, meta.group, version, meta.sha256, None, meta.settings)
+
+
+class Runtime:
+    """Per-process collaborators of deliveries (created lazily, after fork)."""
+
+    def __init__(self, settings: Settings, app: Celery) -> None:
+        self.settings = settings
+        self.bus = Bus(settings, app)
+        self.directory = Directory(settings)
+        self.outcomes = Outcomes(settings)
+        self.locks = GroupLocks(redis_for(settings), settings)
+        self.dead_letters = DeadLetters(settings, self.bus)
+        self.engines = EngineCache(settings, self.directory)
+        self.node = f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class Delivery:
+    """One attempt to deliver one event to one worker."""
+
+    rt: Runtime
+    meta: WorkerMeta
+    event: CloudEvent
+    delivery_id: str
+    pin_version: int | None = None
+    lease: Lease | None = None
+
+    @property
+    def version(self) -> int:
+        return self.pin_version or self.meta.version
+
+    def run(self) -> list[CloudEvent]:
+        """Process the event, or republish its recorded outcome; returns the outputs."""
+        recorded = self.rt.outcomes.get(self.meta.id, self.event.get_id())
+        if recorded is not None:
+            logger.info("event %s already processed by worker %s; republishing its outcome",
+                        self.event.get_id(), self.meta.id)
+            self.publish(recorded)
+            return recorded
+        if self.meta.group:
+            owner = f"{self.rt.node}:{self.delivery_id}"
+            self.lease = self.rt.locks.acquire(self.meta.group, owner)
+        try:
+            outputs = self.stamp(self.execute())
+            if self.lease is not None:
+                self.rt.locks.mark_write(self.lease)
+            self.rt.outcomes.record(self.meta.id, self.event.get_id(), outputs)
+            self.publish(outputs)
+            return outputs
+        finally:
+            if self.lease is not None:
+                self.rt.locks.release(self.lease)
+
+    def execute(self) -> list[CloudEvent]:
+        engine, temporary = self.rt.engines.engine(self.meta, self.version)
+        timeout_s = float(self.meta.settings.get(
+            "timeout_s", self.rt.settings.message_handling_timeout_seconds))
+        try:
+            return engine.process(self.event, timeout_s)
+        finally:
+            if temporary:
+                engine.close()
+
+    def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
+        """Deterministic ids, propagated trace/correlation attributes and the fence."""
+        stamped = []
+        for index, output in enumerate(outputs):
+            extra: dict[str, object] = {"id": derive_id(self.event.get_id(), self.meta.id, index)}
+            for name in PROPAGATED:
+                value = self.event.get_extension(name)
+                if value is not None and output.get_extension(name) is None:
+                    extra[name] = value
+            if self.lease is not None:
+                extra[FENCE_EXTENSION] = self.lease.fence
+            stamped.append(with_attributes(output, **extra))
+        return stamped
+
+    def publish(self, outputs: list[CloudEvent]) -> None:
+        """Publish each output to the topic of its type, skipping ones already published."""
+        for output in outputs:
+            topic = output.get_type()
+            if self.rt.outcomes.published(topic, output.get_id()):
+                continue
+            if self.lease is not None:
+                self.rt.locks.mark_write(self.lease)
+            self.rt.bus.publish(output, topic)
+            self.rt.outcomes.mark_published(topic, output.get_id())

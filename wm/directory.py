@@ -1,0 +1,98 @@
+"""What a node needs to know about a worker to deliver to it, cached in Redis.
+
+The manager invalidates an entry after every committed change; a node that misses reads
+PostgreSQL and caches again, so a code update reaches every node on its next message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from sqlalchemy import select
+
+from wm import store
+from wm.config import Settings
+from wm.models import Worker, WorkerVersion
+from wm.state import redis_for, unavailable
+
+_KEY = "wm:worker:"
+#: A cached entry expires even if an invalidation was lost (e.g. Redis briefly down).
+_CACHE_TTL_S = 60
+
+
+@dataclass(frozen=True)
+class WorkerMeta:
+    id: str
+    topic: str
+    group: str | None
+    mime_type: str
+    status: str
+    version: int
+    sha256: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+class Directory:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis_for(self.settings)
+
+    def get(self, worker_id: str) -> WorkerMeta | None:
+        """The worker's delivery facts, or None if it never existed."""
+        try:
+            raw = self.redis.get(_KEY + worker_id)
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+        if raw is not None:
+            return WorkerMeta(**json.loads(raw))
+        meta = self.load(worker_id)
+        if meta is not None:
+            self.redis.set(_KEY + worker_id, meta.to_json(), ex=_CACHE_TTL_S)
+        return meta
+
+    def load(self, worker_id: str) -> WorkerMeta | None:
+        try:
+            wid = uuid.UUID(worker_id)
+        except ValueError:
+            return None
+        with store.session_scope(self.settings) as session:
+            row = session.execute(
+                select(Worker, WorkerVersion.sha256).join(
+                    WorkerVersion, (WorkerVersion.worker_id == Worker.id)
+                    & (WorkerVersion.version == Worker.current_version)
+                ).where(Worker.id == wid)
+            ).one_or_none()
+            if row is None:
+                return None
+            worker, sha256 = row
+            return WorkerMeta(str(worker.id), worker.topic, worker.group, worker.mime_type,
+                              worker.status, worker.current_version, sha256,
+                              dict(worker.settings or {}))
+
+    def code(self, worker_id: str, version: int) -> bytes:
+        with store.session_scope(self.settings) as session:
+            row = session.get(WorkerVersion, (uuid.UUID(worker_id), version))
+            if row is None:
+                raise LookupError(f"worker {worker_id} has no version {version}")
+            return bytes(row.code)
+
+    def invalidate(self, worker_id: str | None = None) -> None:
+        """Forget one worker (after a change) or all of them (reconcile)."""
+        try:
+            if worker_id is None:
+                for key in self.redis.scan_iter(match=_KEY + "*", count=500):
+                    self.redis.delete(key)
+            else:
+                self.redis.delete(_KEY + worker_id)
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc

@@ -1,0 +1,135 @@
+"""CloudEvents as immutable values: construction, structured-JSON encode/decode, lifecycle events.
+
+Events are objects of the ``cloudevents`` SDK (v1.0). On the wire they travel in structured
+JSON mode; binary ``data`` is base64-encoded into ``data_base64`` as the spec requires.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from cloudevents.core.exceptions import BaseCloudEventException
+from cloudevents.core.formats.json import JSONFormat
+from cloudevents.core.v1.event import CloudEvent
+
+from wm.errors import EventDecodeError
+
+__all__ = [
+    "LIFECYCLE_SOURCE",
+    "LIFECYCLE_TOPIC",
+    "LIFECYCLE_TYPE_PREFIX",
+    "CloudEvent",
+    "decode",
+    "derive_id",
+    "encode",
+    "event_to_dict",
+    "lifecycle_event",
+    "make_event",
+    "with_attributes",
+]
+
+#: Topic every lifecycle event is published to.
+LIFECYCLE_TOPIC = "workmanager.lifecycle"
+#: Prefix of lifecycle event types; the suffix names the event (created, started, …).
+LIFECYCLE_TYPE_PREFIX = "com.virtufin.workmanager.lifecycle."
+LIFECYCLE_SOURCE = "/workmanager"
+#: Namespace of deterministic output ids (input id + worker id + index).
+_OUTPUT_ID_NAMESPACE = uuid.UUID("0f4c2a3e-5d1b-4b7e-9a61-3c8e2f7d9b10")
+_FORMAT = JSONFormat()
+
+
+def make_event(
+    type: str,
+    source: str,
+    data: Any = None,
+    *,
+    id: str | None = None,
+    subject: str | None = None,
+    datacontenttype: str | None = None,
+    extensions: Mapping[str, Any] | None = None,
+) -> CloudEvent:
+    """Build a v1.0 CloudEvent; ``id`` and ``time`` are generated when not given."""
+    attributes: dict[str, Any] = {"type": type, "source": source}
+    if id is not None:
+        attributes["id"] = id
+    if subject is not None:
+        attributes["subject"] = subject
+    if datacontenttype is not None:
+        attributes["datacontenttype"] = datacontenttype
+    elif data is not None and not isinstance(data, bytes | str):
+        attributes["datacontenttype"] = "application/json"
+    attributes.update(extensions or {})
+    try:
+        return CloudEvent(attributes, data)
+    except BaseCloudEventException as exc:
+        raise EventDecodeError(f"invalid CloudEvent: {exc}") from exc
+
+
+def with_attributes(event: CloudEvent, **attributes: Any) -> CloudEvent:
+    """Return a copy of ``event`` with attributes or extensions set (None removes one)."""
+    merged = dict(event.get_attributes())
+    for name, value in attributes.items():
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    try:
+        return CloudEvent(merged, event.get_data())
+    except BaseCloudEventException as exc:
+        raise EventDecodeError(f"invalid CloudEvent attribute: {exc}") from exc
+
+
+def encode(event: CloudEvent) -> str:
+    """Structured-mode JSON text of ``event``."""
+    return _FORMAT.write(event).decode("utf-8")
+
+
+def event_to_dict(event: CloudEvent) -> dict[str, Any]:
+    """Structured-mode JSON object of ``event`` (what ``encode`` writes, as a dict)."""
+    result: dict[str, Any] = json.loads(encode(event))
+    return result
+
+
+def decode(raw: str | bytes | Mapping[str, Any]) -> CloudEvent:
+    """Parse a structured-mode CloudEvent; any defect raises :class:`EventDecodeError`."""
+    try:
+        if isinstance(raw, Mapping):
+            raw = json.dumps(dict(raw))
+        parsed = json.loads(raw)
+    except (TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise EventDecodeError(f"not a JSON CloudEvent: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise EventDecodeError("not a JSON CloudEvent: expected a JSON object")
+    missing = [k for k in ("id", "source", "type", "specversion") if not parsed.get(k)]
+    if missing:
+        raise EventDecodeError(f"CloudEvent lacks required attribute(s): {', '.join(missing)}")
+    if parsed["specversion"] != "1.0":
+        raise EventDecodeError(f"unsupported specversion {parsed['specversion']!r}; expected 1.0")
+    try:
+        event = _FORMAT.read(None, json.dumps(parsed))
+    except (BaseCloudEventException, ValueError, TypeError, OverflowError) as exc:
+        raise EventDecodeError(f"invalid CloudEvent: {exc}") from exc
+    assert isinstance(event, CloudEvent)
+    return event
+
+
+def derive_id(input_id: str, worker_id: str, index: int) -> str:
+    """Deterministic output id: the same input, worker and position give the same id."""
+    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{input_id}\x00{worker_id}\x00{index}"))
+
+
+def lifecycle_event(
+    kind: str, worker_id: str, data: Mapping[str, Any], *, event_id: str | None = None
+) -> CloudEvent:
+    """A ``com.virtufin.workmanager.lifecycle.<kind>`` event about one worker."""
+    payload = {"worker_id": worker_id, **data}
+    return make_event(
+        LIFECYCLE_TYPE_PREFIX + kind,
+        LIFECYCLE_SOURCE,
+        payload,
+        id=event_id,
+        subject=worker_id,
+    )

@@ -1,0 +1,67 @@
+"""Outcome records: no side effect without a recorded outcome (seed 002).
+
+The outcome of a delivery (the output events, with their deterministic ids) is recorded in
+Redis *before* any output is published. A redelivered event whose outcome is recorded
+republishes the recorded outputs instead of running the code again; outputs already
+published (per-output marker) are skipped, so a crash can at worst repeat the one output
+whose publish was in flight.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from wm.config import Settings
+from wm.events import CloudEvent, decode, encode
+from wm.state import redis_for, unavailable
+
+_OUTCOME = "wm:outcome:"
+_PUBLISHED = "wm:published:"
+
+
+class Outcomes:
+    """Recorded outcomes keyed by worker id and input event id."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.ttl_s = settings.outcome_ttl_s
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis_for(self.settings)
+
+    @staticmethod
+    def key(worker_id: str, event_id: str) -> str:
+        return f"{_OUTCOME}{{{worker_id}}}:{event_id}"
+
+    def get(self, worker_id: str, event_id: str) -> list[CloudEvent] | None:
+        """The recorded outputs, or None when this event has no recorded outcome."""
+        try:
+            raw = self.redis.get(self.key(worker_id, event_id))
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+        return None if raw is None else self.parse(raw)
+
+    @staticmethod
+    def parse(raw: bytes | str) -> list[CloudEvent]:
+        return [decode(item) for item in json.loads(raw)]
+
+    def record(self, worker_id: str, event_id: str, outputs: list[CloudEvent]) -> None:
+        """Record the outcome (idempotent: a second record keeps the first)."""
+        body = json.dumps([encode(event) for event in outputs])
+        try:
+            self.redis.set(self.key(worker_id, event_id), body, ex=self.ttl_s, nx=True)
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+
+    def forget(self, worker_id: str, event_id: str) -> None:
+        """Drop a recorded outcome so a replay runs the code again."""
+        self.redis.delete(self.key(worker_id, event_id))
+
+    def published(self, topic: str, event_id: str) -> bool:
+        return bool(self.redis.exists(f"{_PUBLISHED}{topic}:{event_id}"))
+
+    def mark_published(self, topic: str, event_id: str) -> None:
+        self.redis.set(f"{_PUBLISHED}{topic}:{event_id}", 1, ex=self.ttl_s)

@@ -1,0 +1,61 @@
+"""The worker state machine: one table of legal transitions (DESIGN.md §4, seeds 003/004).
+
+``created → starting → running ⇄ (stopping →) stopped``, ``starting|running → failed``,
+``failed → starting``, any → ``deleted`` (terminal; versions and transitions are kept).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from wm.errors import IllegalTransition
+
+
+class Status(StrEnum):
+    CREATED = "created"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    DELETED = "deleted"
+
+
+#: Legal transitions; anything else raises :class:`IllegalTransition`.
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.CREATED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.STARTING: frozenset({Status.RUNNING, Status.FAILED, Status.DELETED}),
+    Status.RUNNING: frozenset({Status.STOPPING, Status.STOPPED, Status.FAILED, Status.DELETED}),
+    Status.STOPPING: frozenset({Status.STOPPED, Status.FAILED, Status.DELETED}),
+    Status.STOPPED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.FAILED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.DELETED: frozenset(),
+}
+
+#: States in which a node consumes the worker's queue.
+CONSUMING = frozenset({Status.RUNNING})
+#: States from which ``start`` has nothing to do (start is idempotent).
+ALREADY_STARTED = frozenset({Status.STARTING, Status.RUNNING})
+#: States from which ``stop`` has nothing to do (stop is idempotent; never-started counts).
+ALREADY_STOPPED = frozenset({Status.CREATED, Status.STOPPING, Status.STOPPED, Status.FAILED})
+
+#: Lifecycle event published when a worker reaches a state (DESIGN.md §4).
+EVENT_ON_ENTER: dict[Status, str] = {
+    Status.CREATED: "created",
+    Status.RUNNING: "started",
+    Status.STOPPED: "stopped",
+    Status.FAILED: "failed",
+    Status.DELETED: "deleted",
+}
+
+
+def check_transition(worker_id: str, current: Status | str, target: Status | str) -> Status:
+    """Return ``target`` as a Status if ``current → target`` is legal, else raise."""
+    source, goal = Status(current), Status(target)
+    if goal not in TRANSITIONS[source]:
+        allowed = ", ".join(sorted(TRANSITIONS[source])) or "nothing (terminal state)"
+        raise IllegalTransition(
+            f"worker {worker_id} cannot go from {source} to {goal}; from {source} it may go to "
+            f"{allowed}"
+        )
+    return goal

@@ -1,0 +1,140 @@
+"""The persistent model (SQLAlchemy 2.0). PostgreSQL is the source of truth; Redis only
+holds state that can be rebuilt from these tables."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    Uuid,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+_NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=_NAMING)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    name: Mapped[str | None] = mapped_column(String(200))
+    topic: Mapped[str] = mapped_column(String(255), index=True)
+    group: Mapped[str | None] = mapped_column(String(255), index=True)
+    mime_type: Mapped[str] = mapped_column(String(100))
+    status: Mapped[str] = mapped_column(String(20), index=True)
+    current_version: Mapped[int] = mapped_column(Integer)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+    row_version: Mapped[int] = mapped_column(Integer, nullable=False)
+
+    __mapper_args__ = {"version_id_col": row_version}
+    __table_args__ = (
+        # Names are unique among live workers; a deleted worker's name may be reused.
+        Index(
+            "uq_workers_live_name",
+            "name",
+            unique=True,
+            postgresql_where=text("status <> 'deleted'"),
+            sqlite_where=text("status <> 'deleted'"),
+        ),
+    )
+
+
+class WorkerVersion(Base):
+    __tablename__ = "worker_versions"
+
+    worker_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("workers.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source_kind: Mapped[str] = mapped_column(String(10))
+    url: Mapped[str | None] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(Integer)
+    code: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    note: Mapped[str | None] = mapped_column(Text)
+
+
+class WorkerTransition(Base):
+    __tablename__ = "worker_transitions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    worker_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("workers.id"), index=True)
+    from_status: Mapped[str | None] = mapped_column(String(20))
+    to_status: Mapped[str] = mapped_column(String(20))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    version: Mapped[int | None] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Subscription(Base):
+    """A durable queue fed by a topic: one per worker, plus plain named subscriptions."""
+
+    __tablename__ = "subscriptions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(255), index=True)
+    queue: Mapped[str] = mapped_column(String(512), unique=True)
+    worker_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("workers.id"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class OutboxEvent(Base):
+    """A lifecycle event written in the transaction of its state change, sent after commit."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(255))
+    payload: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class DeadLetter(Base):
+    """A delivery that exhausted its retries or could not be processed at all."""
+
+    __tablename__ = "dead_letters"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(255), index=True)
+    worker_id: Mapped[uuid.UUID | None] = mapped_column(Uuid, index=True)
+    event_id: Mapped[str | None] = mapped_column(String(255))
+    envelope: Mapped[str] = mapped_column(Text)
+    error_type: Mapped[str] = mapped_column(String(255), index=True)
+    error_message: Mapped[str] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int | None] = mapped_column(Integer)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    fence: Mapped[int | None] = mapped_column(Integer)
+    first_failure_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_failure_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    replay_count: Mapped[int] = mapped_column(Integer, default=0)
+    replayed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
