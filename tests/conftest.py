@@ -1,0 +1,202 @@
+"""Fixtures against the real services: PostgreSQL, Redis, RabbitMQ and Celery node processes.
+
+Locally a missing service skips the tests that need it; in CI (``CI`` set) it fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from wm import Settings, WorkManager, store
+
+PG_ADMIN_URL = os.environ.get("WM_TEST_PG_ADMIN", "postgresql+psycopg://root@127.0.0.1:5432/test")
+REDIS_HOST = "redis://127.0.0.1:6379"
+AMQP_URL = os.environ.get("WM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+#: Redis databases of this test run: broker and state (other suites use other numbers).
+BROKER_DB, STATE_DB = 12, 13
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def need(service: str, error: Exception) -> None:
+    message = f"{service} is not available: {error}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def flush_redis(*dbs: int) -> None:
+    for db in dbs:
+        redis.Redis.from_url(f"{REDIS_HOST}/{db}").flushdb()
+
+
+@pytest.fixture(scope="session")
+def redis_ok() -> None:
+    try:
+        redis.Redis.from_url(f"{REDIS_HOST}/0", socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        need("Redis", exc)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A throwaway PostgreSQL database for the whole session, dropped afterwards."""
+    import sqlalchemy as sa
+
+    name = f"wm_test_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.OperationalError as exc:
+        need("PostgreSQL", exc)
+    url = sa.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    yield url
+    store.dispose_engines()
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def make_settings(database_url: str, **overrides: Any) -> Settings:
+    base = Settings.from_env({}).replace(
+        database_url=database_url,
+        broker_url=f"{REDIS_HOST}/{BROKER_DB}",
+        redis_url=f"{REDIS_HOST}/{STATE_DB}",
+    )
+    return base.replace(**overrides) if overrides else base
+
+
+def env_of(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment that makes a subprocess (CLI, Celery node) use ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_")}
+    env.update(
+        WM_DATABASE_URL=settings.database_url,
+        WM_BROKER_URL=settings.broker_url,
+        WM_REDIS_URL=settings.redis_url,
+        WM_RECONCILE_INTERVAL_S=str(settings.reconcile_interval_s),
+        WM_RETRY_BASE_DELAY_MS=str(settings.retry_base_delay_ms),
+        WM_RETRY_MAX_DELAY_MS=str(settings.retry_max_delay_ms),
+        WM_MAX_RETRIES=str(settings.max_retries),
+        WM_VISIBILITY_TIMEOUT_S=str(settings.visibility_timeout_s),
+        GROUP_LOCK_RETRY_BASE_DELAY_MS=str(settings.group_lock_retry_base_delay_ms),
+        GROUP_LOCK_MAX_RETRIES=str(settings.group_lock_max_retries),
+        WM_GROUP_LOCK_MAX_AGE_S=str(settings.group_lock_max_age_s),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def settings(request: pytest.FixtureRequest, tmp_path: Path, redis_ok: None) -> Iterator[Settings]:
+    """Settings on a fresh, migrated database of each kind, with clean Redis databases."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'wm.db'}"
+    else:
+        url = _fresh_schema(request.getfixturevalue("pg_url"))
+    flush_redis(BROKER_DB, STATE_DB)
+    result = make_settings(url)
+    store.upgrade(result)
+    yield result
+    store.dispose_engines()
+
+
+@pytest.fixture
+def pg_settings(pg_url: str, redis_ok: None) -> Iterator[Settings]:
+    flush_redis(BROKER_DB, STATE_DB)
+    result = make_settings(_fresh_schema(pg_url))
+    store.upgrade(result)
+    yield result
+    store.dispose_engines()
+
+
+def _fresh_schema(pg_url: str) -> str:
+    """Empty the session database so each test starts from no tables."""
+    import sqlalchemy as sa
+
+    store.dispose_engines()
+    engine = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text("DROP SCHEMA public CASCADE"))
+        conn.execute(sa.text("CREATE SCHEMA public"))
+    engine.dispose()
+    return pg_url
+
+
+@pytest.fixture
+def manager(settings: Settings) -> WorkManager:
+    return WorkManager(settings)
+
+
+class Node:
+    """A real ``celery worker`` process."""
+
+    def __init__(self, settings: Settings, name: str, log: Path, concurrency: int = 2,
+                 **env: str) -> None:
+        self.settings, self.name, self.log = settings, name, log
+        cmd = [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker",
+               "-n", f"{name}@%h", "-c", str(concurrency), "--loglevel=INFO",
+               "--without-gossip", "--without-mingle"]
+        self._out = log.open("ab")
+        self.proc = subprocess.Popen(cmd, env=env_of(settings, **env), cwd=ROOT,
+                                     stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.wait_for("ready.")
+
+    def wait_for(self, text: str, timeout_s: float = 60, after: int = 0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if text in self.log.read_text(errors="replace")[after:]:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node {self.name} exited:\n{self.tail()}")
+            time.sleep(0.1)
+        raise AssertionError(f"node {self.name} never logged {text!r}:\n{self.tail()}")
+
+    def consuming(self, queue: str, timeout_s: float = 30) -> None:
+        self.wait_for(f"Started consuming from {queue}", timeout_s)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole node (main process and pool children)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._out.close()
+
+
+@pytest.fixture
+def start_node(tmp_path: Path) -> Iterator[Any]:
+    nodes: list[Node] = []
+
+    def start(settings: Settings, name: str = "node1", **kwargs: Any) -> Node:
+        node = Node(settings, name, tmp_path / f"{name}-{len(nodes)}.log", **kwargs)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in nodes:
+        node.stop()

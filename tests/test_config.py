@@ -1,0 +1,68 @@
+"""Settings: typed, frozen, and strict about the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from wm import ConfigurationError, Settings
+from wm.config import settings_table
+
+
+def test_defaults() -> None:
+    settings = Settings.from_env({})
+    assert settings.group_lock_retry_base_delay_ms == 500
+    assert settings.group_lock_max_retries == 3
+    assert settings.worker_recovery_lease_ttl_seconds == 300
+    assert "json" in settings.python_allowed_packages
+
+
+def test_values_are_parsed() -> None:
+    settings = Settings.from_env({"GROUP_LOCK_MAX_RETRIES": "7", "WORKER_RECOVERY_ON_START":
+                                  "false", "PYTHON_ALLOWED_PACKAGES": "json, numpy ,"})
+    assert settings.group_lock_max_retries == 7
+    assert settings.worker_recovery_on_start is False
+    assert settings.python_allowed_packages == ("json", "numpy")
+
+
+@pytest.mark.parametrize(("name", "value", "expects"), [
+    ("GROUP_LOCK_MAX_RETRIES", "abc", "a non-negative integer"),
+    ("GROUP_LOCK_MAX_RETRIES", "-1", "a non-negative integer"),
+    ("WORKER_RECOVERY_ON_START", "maybe", "true or false"),
+    ("MESSAGE_HANDLING_TIMEOUT_SECONDS", "soon", "a non-negative number"),
+])
+def test_malformed_values_name_the_variable(name: str, value: str, expects: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"{name}=.*expected {expects}"):
+        Settings.from_env({name: value})
+
+
+def test_unknown_wm_variable_is_refused_with_a_hint() -> None:
+    with pytest.raises(ConfigurationError, match="WM_BROKER_UR.*Did you mean WM_BROKER_URL"):
+        Settings.from_env({"WM_BROKER_UR": "redis://x"})
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings.from_env({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.max_retries = 1  # type: ignore[misc]
+    assert settings.replace(max_retries=1).max_retries == 1
+    with pytest.raises(ConfigurationError):
+        settings.replace(nope=1)
+
+
+def test_every_setting_is_documented() -> None:
+    rows = settings_table()
+    assert len(rows) == len(dataclasses.fields(Settings))
+    assert all(doc for _, _, doc in rows)
+
+
+def test_start_up_stops_on_a_malformed_value() -> None:
+    """A Celery node refuses to start with a malformed setting, naming it."""
+    env = {"GROUP_LOCK_MAX_RETRIES": "abc", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", "import celeryconfig"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "GROUP_LOCK_MAX_RETRIES='abc' is malformed" in result.stderr

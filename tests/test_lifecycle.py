@@ -1,0 +1,136 @@
+"""The worker lifecycle through the Python API, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import STUB, drain, stub
+from wm import (
+    EngineNotFound,
+    IllegalTransition,
+    InvalidArgument,
+    InvalidCode,
+    VersionNotFound,
+    WorkerNotFound,
+    WorkManager,
+)
+from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
+
+
+def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
+    queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB,
+                                   topic="orders", group="g1", name="orders-worker")
+    assert worker.status == "running" and worker.current_version == 1
+    manager.load_code_from_content(worker.id, stub(), note="no output")
+    manager.rollback_worker("orders-worker", 1)
+    manager.stop_worker(worker.id)
+    manager.stop_worker(worker.id)  # idempotent: no transition, no event
+    manager.start_worker(worker.id)
+    manager.start_worker(worker.id)
+    manager.delete_worker(worker.id)
+
+    kinds = [e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in drain(manager.settings, queue, 20, 5)]
+    assert kinds == ["created", "started", "code_updated", "code_updated", "stopped", "started",
+                     "deleted"]
+    transitions = [(t.from_status, t.to_status) for t in manager.get_worker_transitions(worker.id)]
+    assert transitions == [
+        (None, "created"), ("created", "starting"), ("starting", "running"),
+        ("running", "running"), ("running", "running"),
+        ("running", "stopping"), ("stopping", "stopped"),
+        ("stopped", "starting"), ("starting", "running"), ("running", "deleted"),
+    ]
+    # delete keeps versions and transitions for audit
+    assert [v.version for v in manager.get_worker_history(worker.id)] == [1, 2]
+    assert manager.get_worker(worker.id).status == "deleted"
+
+
+def test_lifecycle_event_payload(manager: WorkManager) -> None:
+    queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t", group="g",
+                                   start=False)
+    [created] = drain(manager.settings, queue, 1, 5)
+    assert created["subject"] == str(worker.id)
+    assert created["source"] == "/workmanager"
+    assert created["data"]["worker_id"] == str(worker.id)
+    assert created["data"]["group"] == "g" and created["data"]["topic"] == "t"
+    assert created["data"]["to_state"] == "created" and created["data"]["version"] == 1
+
+
+def test_history_and_rollback(manager: WorkManager) -> None:
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    for n in range(3):
+        manager.load_code_from_content(worker.id, stub(outputs=n + 1))
+    history = manager.get_worker_history(worker.id)
+    assert [v.version for v in history] == [1, 2, 3, 4]
+    assert all(v.source_kind == "inline" and len(v.sha256) == 64 for v in history)
+    assert history[0].created_at <= history[-1].created_at
+    rolled = manager.rollback_worker(worker.id, 2)
+    assert rolled.current_version == 2
+    assert manager.get_code(worker.id) == stub(outputs=1)
+    assert len(manager.get_worker_history(worker.id)) == 4  # rollback adds no version
+    with pytest.raises(VersionNotFound):
+        manager.rollback_worker(worker.id, 9)
+
+
+def test_illegal_transitions_are_refused(manager: WorkManager) -> None:
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    manager.delete_worker(worker.id)
+    manager.delete_worker(worker.id)  # deleting twice is harmless
+    with pytest.raises(IllegalTransition, match="cannot go from deleted to starting"):
+        manager.start_worker(worker.id)
+    with pytest.raises(IllegalTransition):
+        manager.stop_worker(worker.id)
+    with pytest.raises(IllegalTransition, match="deleted"):
+        manager.load_code_from_content(worker.id, stub())
+
+
+def test_creation_validates_before_persisting(manager: WorkManager) -> None:
+    with pytest.raises(EngineNotFound, match="application/x-wm-stub"):
+        manager.create_worker(code=b"x", mime_type="text/x-cobol", topic="t")
+    with pytest.raises(InvalidCode, match="JSON"):
+        manager.create_worker(code=b"not json", mime_type=STUB, topic="t")
+    with pytest.raises(InvalidArgument, match="unknown worker setting"):
+        manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
+    with pytest.raises(InvalidArgument, match="topic"):
+        manager.create_worker(code=stub(), mime_type=STUB, topic=" ")
+    assert manager.list_workers() == []
+    assert manager.list_workers(status="deleted") == []
+
+
+def test_bad_code_update_keeps_the_current_version(manager: WorkManager) -> None:
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    with pytest.raises(InvalidCode):
+        manager.load_code_from_content(worker.id, b"{not json")
+    assert manager.get_worker(worker.id).current_version == 1
+    assert len(manager.get_worker_history(worker.id)) == 1
+
+
+def test_list_filters_and_names(manager: WorkManager) -> None:
+    a = manager.create_worker(code=stub(), mime_type=STUB, topic="a", group="g", name="wa")
+    b = manager.create_worker(code=stub(), mime_type=STUB, topic="b", start=False)
+    assert [w.id for w in manager.list_workers()] == [a.id, b.id]
+    assert [w.id for w in manager.list_workers(topic="b")] == [b.id]
+    assert [w.id for w in manager.list_workers(group="g")] == [a.id]
+    assert [w.id for w in manager.list_workers(status="created")] == [b.id]
+    with pytest.raises(InvalidArgument, match="already named"):
+        manager.create_worker(code=stub(), mime_type=STUB, topic="a", name="wa")
+    manager.delete_worker("wa")
+    again = manager.create_worker(code=stub(), mime_type=STUB, topic="a", name="wa")
+    assert manager.get_worker("wa").id == again.id
+    with pytest.raises(WorkerNotFound):
+        manager.get_worker("nobody")
+
+
+def test_failure_publishes_error_and_fails_worker(manager: WorkManager) -> None:
+    queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    manager.record_failure(worker.id, "RuntimeError", "boom", fail=True)
+    events = drain(manager.settings, queue, 4, 5)
+    error = events[2]
+    assert error["type"] == LIFECYCLE_TYPE_PREFIX + "error"
+    assert error["data"]["error_type"] == "RuntimeError"
+    assert error["data"]["error_message"] == "boom"
+    assert events[3]["type"] == LIFECYCLE_TYPE_PREFIX + "failed"
+    assert manager.get_worker(worker.id).status == "failed"
+    assert manager.start_worker(worker.id).status == "running"
