@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from amqp.exceptions import AMQPError
 from celery import Celery
 from kombu.exceptions import KombuError, OperationalError
 from sqlalchemy import select
@@ -132,6 +133,8 @@ class Bus:
         try:
             with self.app.connection_for_write() as conn:
                 bound = subscription_queue(name).bind(conn.default_channel)
+                # kombu's virtual transports delete only bindings this channel knows about.
+                bound.declare()
                 bound.delete()
         except (OSError, KombuError) as exc:
             raise self._broker_down(exc) from exc
@@ -144,7 +147,7 @@ class Bus:
                     passive=True
                 )
                 return int(result.message_count)
-        except (OSError, KombuError):
+        except (OSError, KombuError, AMQPError):
             return 0
 
     # -- publishing ------------------------------------------------------------------------

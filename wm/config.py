@@ -90,7 +90,7 @@ class Settings:
     )
     group_lock_max_retries: int = _setting(
         "GROUP_LOCK_MAX_RETRIES", 3, _parse_int,
-        "Acquire attempts before the delivery fails with lock contention.",
+        "Acquire retries after the first try (base × 2^n apart), then lock contention.",
     )
     group_lock_max_age_s: float = _setting(
         "WM_GROUP_LOCK_MAX_AGE_S", 30.0, _parse_float,

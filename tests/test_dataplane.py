@@ -1,0 +1,153 @@
+"""Topic delivery through real Celery node processes (Redis broker unless said otherwise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.helpers import STUB, drain, eventually, queue_empty, stub
+from wm import DeadLetters, Settings, WorkManager, make_event
+from wm.bus import Route
+from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id
+
+FAST = {"retry_base_delay_ms": 20, "max_retries": 2}
+
+
+@pytest.fixture
+def fast(settings: Settings) -> Settings:
+    return settings.replace(reconcile_interval_s=1.0)
+
+
+def _publish(manager: WorkManager, topic: str, count: int, **ext: Any) -> list[str]:
+    ids = []
+    for n in range(count):
+        event = make_event(topic, "/tests", {"n": n}, extensions=ext or None)
+        manager.publish(event)
+        ids.append(event.get_id())
+    return ids
+
+
+def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink_a = manager.subscribe("done.a", "sink")
+    sink_b = manager.subscribe("done.b", "sink")
+    observer = manager.subscribe("orders", "observer")
+    a = manager.create_worker(code=stub(output_type="done.a"), mime_type=STUB, topic="orders")
+    b = manager.create_worker(code=stub(output_type="done.b"), mime_type=STUB, topic="orders")
+    node.consuming(f"orders::{a.id}")
+    node.consuming(f"orders::{b.id}")
+    ids = _publish(manager, "orders", 10, correlationid="corr-1")
+
+    out_a, out_b = drain(fast, sink_a, 10), drain(fast, sink_b, 10)
+    assert {e["id"] for e in out_a} == {derive_id(i, str(a.id), 0) for i in ids}
+    assert {e["id"] for e in out_b} == {derive_id(i, str(b.id), 0) for i in ids}
+    assert all(e["correlationid"] == "corr-1" for e in out_a + out_b)
+    assert len(drain(fast, observer, 10)) == 10
+    assert manager.publish(make_event("nobody.listens", "/tests", {})) == 0
+    assert manager.bus.dropped("nobody.listens") == 1
+
+
+def test_stopped_worker_keeps_its_queue_and_resumes(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    node.consuming(f"in::{worker.id}")
+    manager.stop_worker(worker.id)
+    node.wait_for(f"Canceling queue in::{worker.id}")
+    _publish(manager, "in", 5)
+    assert queue_empty(fast, sink, 2.0)
+    assert manager.bus.queue_depth(f"in::{worker.id}") == 5
+    manager.start_worker(worker.id)
+    assert len(drain(fast, sink, 5)) == 5
+
+
+def test_deleting_a_worker_removes_its_queue(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    start_node(fast)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in", start=False)
+    _publish(manager, "in", 3)
+    assert manager.bus.queue_depth(f"in::{worker.id}") == 3
+    manager.delete_worker(worker.id)
+    assert manager.bus.routes("in") == []
+    assert manager.bus.queue_depth(f"in::{worker.id}") == 0
+    assert manager.list_subscriptions("in") == []
+
+
+def test_code_update_reaches_a_running_node(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    node.consuming(f"in::{worker.id}")
+    _publish(manager, "in", 3)
+    assert {e["data"]["version"] for e in drain(fast, sink, 3)} == {1}
+    manager.load_code_from_content(worker.id, stub(output_type="done", outputs=2))
+    _publish(manager, "in", 3)
+    second = drain(fast, sink, 6)
+    assert {e["data"]["version"] for e in second} == {2}
+    assert len(second) == 6
+
+
+def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("done", "sink")
+    dead = manager.subscribe("in-dead", "alerts")
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(code=stub(fail="boom"), mime_type=STUB, topic="in",
+                                   settings=FAST)
+    node.consuming(f"in::{worker.id}")
+    [event_id] = _publish(manager, "in", 1)
+
+    [alert] = drain(fast, dead, 1)
+    assert alert["data"]["event_id"] == event_id and alert["data"]["attempts"] == 3
+    letters = DeadLetters(fast).list(worker_id=str(worker.id))
+    assert len(letters) == 1
+    letter = letters[0]
+    assert (letter.error_type, letter.error_message, letter.attempts) == (
+        "WorkerExecutionError", "boom", 3)
+    assert letter.version == 1 and letter.sha256 == manager.get_worker(worker.id).sha256
+    assert letter.first_failure_at < letter.last_failure_at
+    errors = [e for e in drain(fast, lifecycle, 20, 3)
+              if e["type"] == LIFECYCLE_TYPE_PREFIX + "error"]
+    assert [e["data"]["attempt"] for e in errors] == [1, 2, 3]
+
+    manager.load_code_from_content(worker.id, stub(output_type="done"))
+    assert DeadLetters(fast).replay([letter.id], to_version="current") == 1
+    [output] = drain(fast, sink, 1)
+    assert output["data"]["version"] == 2
+    assert DeadLetters(fast).list() == []
+    assert len(DeadLetters(fast).list(include_replayed=True)) == 1
+    assert DeadLetters(fast).purge([letter.id]) == 1
+
+
+def test_replay_to_the_same_version_fails_again(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    worker = manager.create_worker(code=stub(fail="v1 fails"), mime_type=STUB, topic="in",
+                                   settings={**FAST, "max_retries": 0})
+    node.consuming(f"in::{worker.id}")
+    _publish(manager, "in", 1)
+    letters = DeadLetters(fast)
+    [letter] = eventually(letters.list)
+    manager.load_code_from_content(worker.id, stub(output_type="done"))
+    letters.replay([letter.id], to_version="same")
+    again = eventually(lambda: [x for x in letters.list() if x.replay_count == 1])
+    assert again[0].version == 1 and again[0].error_message == "v1 fails"
+
+
+def test_malformed_message_is_dead_lettered_at_once(fast: Settings, start_node: Any) -> None:
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in", settings=FAST)
+    node.consuming(f"in::{worker.id}")
+    route = Route(f"in::{worker.id}", str(worker.id))
+    manager.bus.send('{"specversion": "1.0", "type": "x"}', [route])
+    manager.bus.send("this is not json", [route])
+    letters = eventually(lambda: len(DeadLetters(fast).list()) == 2 and DeadLetters(fast).list())
+    assert {x.error_type for x in letters} == {"EventDecodeError"}
+    assert {x.attempts for x in letters} == {1}
+    assert "lacks required attribute(s): id, source" in " ".join(x.error_message for x in letters)

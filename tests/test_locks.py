@@ -1,0 +1,392 @@
+"""Group locks against real Redis and real processes (DESIGN §6, the seed's lock lifecycle)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from itertools import pairwise
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from wm.config import Settings
+from wm.errors import BrokerUnavailable, FenceRejected, LockContention
+from wm.locks import GroupLocks, Lease, make_owner
+
+SPAWN = multiprocessing.get_context("spawn")
+GROUP = "group-a"
+#: Acquisitions per process in the mutual-exclusion test (4 processes).
+ROUNDS_PER_PROCESS = 130
+#: Upper bound on waiting for a child process to report (s); a guard, not a timing assertion.
+CHILD_TIMEOUT_S = 60.0
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return Settings.from_env().redis_url
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=2)
+    try:
+        conn.ping()
+    except redis.exceptions.ConnectionError as exc:
+        conn.close()
+        _unavailable(f"Redis at {redis_url} is unreachable: {exc}")
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def prefix(client: redis.Redis) -> Iterator[str]:
+    """A key prefix no other test uses; every key under it is deleted afterwards."""
+    unique = f"wm:test:{uuid.uuid4().hex}:lock:"
+    yield unique
+    keys = list(client.scan_iter(match=f"{unique}*"))
+    if keys:
+        client.delete(*keys)
+
+
+def _settings(**changes: Any) -> Settings:
+    fast = {
+        "group_lock_retry_base_delay_ms": 5,
+        "group_lock_max_retries": 3,
+        "group_lock_max_age_s": 30.0,
+    }
+    return Settings().replace(**{**fast, **changes})
+
+
+def _counting_client(url: str) -> tuple[redis.Redis, list[tuple[float, str]]]:
+    """A client that records (monotonic time, command) for every write to its socket."""
+    sent: list[tuple[float, str]] = []
+
+    class CountingConnection(redis.Connection):
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            packed = b"".join(command) if isinstance(command, list) else bytes(command)
+            sent.append((time.monotonic(), packed.split(b"\r\n")[2].decode().upper()))
+            super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+
+    pool = redis.ConnectionPool.from_url(url, connection_class=CountingConnection)
+    return redis.Redis(connection_pool=pool), sent
+
+
+def _server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _wait_until_stale(client: redis.Redis, locks: GroupLocks, max_age_s: float) -> None:
+    """Wait on the Redis clock (the one the scripts use) until the lock is past its max age."""
+    holder = locks.holder(GROUP)
+    assert holder is not None
+    stale_at_ms = holder["acquired_at_ms"] + round(max_age_s * 1000) + 1
+    while _server_ms(client) <= stale_at_ms:
+        time.sleep(0.01)
+
+
+def _receive(conn: Connection) -> Any:
+    assert conn.poll(CHILD_TIMEOUT_S), "child process did not report in time"
+    message = conn.recv()
+    assert message[0] != "error", message[1]
+    return message
+
+
+def _wait_stopped(pid: int) -> None:
+    """Block until the kernel reports the process as stopped (state T)."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rpartition(")")[2].split()[0] == "T":
+                return
+        time.sleep(0.005)
+    pytest.fail(f"process {pid} did not stop")
+
+
+# --- child processes (module level so that "spawn" can import them) ---------------------
+
+
+def _contend(
+    url: str, prefix: str, barrier: Any, results: Any
+) -> None:  # pragma: no cover - runs in a child
+    try:
+        settings = _settings(group_lock_retry_base_delay_ms=5, group_lock_max_retries=12)
+        locks = GroupLocks(redis.Redis.from_url(url), settings, prefix=prefix)
+        intervals = []
+        barrier.wait(timeout=CHILD_TIMEOUT_S)
+        for index in range(ROUNDS_PER_PROCESS):
+            lease = locks.acquire(GROUP, make_owner(f"round-{index}"))
+            enter_ns = time.time_ns()
+            locks.mark_write(lease)
+            time.sleep(0.0002)
+            exit_ns = time.time_ns()
+            if not locks.release(lease):
+                raise AssertionError(f"release refused for {lease}")
+            intervals.append((enter_ns, exit_ns, lease.fence))
+        results.put(("ok", intervals))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def _paused_holder(
+    url: str, prefix: str, write_first: bool, conn: Connection
+) -> None:  # pragma: no cover - runs in a child
+    try:
+        settings = _settings(group_lock_max_age_s=1.0)
+        locks = GroupLocks(redis.Redis.from_url(url), settings, prefix=prefix)
+        lease = locks.acquire(GROUP, make_owner("paused"))
+        if write_first:
+            locks.mark_write(lease)
+        conn.send(("held", lease))
+        conn.recv()  # the parent says "publish" once this process runs again
+        try:
+            locks.mark_write(lease)
+            late_publish = "accepted"
+        except FenceRejected as exc:
+            late_publish = f"refused: {exc}"
+        conn.send(("done", late_publish, locks.release(lease)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def test_uncontended_acquire_and_release_take_two_round_trips(redis_url: str, prefix: str) -> None:
+    counting, sent = _counting_client(redis_url)
+    locks = GroupLocks(counting, _settings(), prefix=prefix)
+    warm_up = locks.acquire(GROUP, "warm-up")  # connects and loads each script once
+    locks.mark_write(warm_up)
+    locks.release(warm_up)
+    sent.clear()
+
+    assert locks.release(locks.acquire(GROUP, "owner-1"))
+    assert [command for _, command in sent] == ["EVALSHA", "EVALSHA"]
+
+    sent.clear()
+    locks.mark_write(locks.acquire(GROUP, "owner-2"))
+    assert [command for _, command in sent] == ["EVALSHA", "EVALSHA"]
+    counting.close()
+
+
+def test_four_processes_never_overlap_and_fences_follow_entry_order(
+    redis_url: str, prefix: str
+) -> None:
+    barrier = SPAWN.Barrier(4)
+    results = SPAWN.Queue()
+    processes = [
+        SPAWN.Process(target=_contend, args=(redis_url, prefix, barrier, results)) for _ in range(4)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        reports = [results.get(timeout=CHILD_TIMEOUT_S) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=CHILD_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+    errors = [report[1] for report in reports if report[0] != "ok"]
+    assert not errors, errors[0]
+
+    intervals = sorted(interval for report in reports for interval in report[1])
+    assert len(intervals) == 4 * ROUNDS_PER_PROCESS
+    for before, after in pairwise(intervals):
+        assert before[1] < after[0], f"critical sections overlap: {before} and {after}"
+        assert before[2] < after[2], f"fence went backwards: {before} then {after}"
+
+
+def test_fences_increase_across_release_steal_and_expiry(client: redis.Redis, prefix: str) -> None:
+    locks = GroupLocks(client, _settings(group_lock_max_age_s=0.05), prefix=prefix)
+    first = locks.acquire(GROUP, "a")
+    assert locks.release(first)
+    second = locks.acquire(GROUP, "b")
+    _wait_until_stale(client, locks, 0.05)
+    stolen = locks.try_acquire(GROUP, "c")
+    assert stolen is not None
+    client.delete(f"{prefix}{{{GROUP}}}")  # what the safety-net expiry does
+    after_expiry = locks.acquire(GROUP, "d")
+
+    fences = [first.fence, second.fence, stolen.fence, after_expiry.fence]
+    assert fences == sorted(set(fences)), fences
+    assert locks.holder(GROUP) == {
+        "owner": "d",
+        "fence": after_expiry.fence,
+        "acquired_at_ms": after_expiry.acquired_at_ms,
+        "written": False,
+    }
+
+
+@pytest.mark.parametrize("holder_wrote", [True, False], ids=["wrote", "did-not-write"])
+def test_paused_holder_keeps_lock_only_if_it_wrote(
+    client: redis.Redis, redis_url: str, prefix: str, holder_wrote: bool
+) -> None:
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("needs /proc to see that the holder is stopped")
+    ours, theirs = SPAWN.Pipe()
+    child = SPAWN.Process(target=_paused_holder, args=(redis_url, prefix, holder_wrote, theirs))
+    child.start()
+    try:
+        _, paused = _receive(ours)
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGSTOP)
+        _wait_stopped(child.pid)
+        contender = GroupLocks(client, _settings(group_lock_max_age_s=1.0), prefix=prefix)
+        _wait_until_stale(client, contender, 1.0)
+        if holder_wrote:
+            _contender_is_refused(contender, paused)
+        else:
+            _contender_steals(contender, paused)
+        os.kill(child.pid, signal.SIGCONT)
+        ours.send("publish")
+        _, late_publish, released = _receive(ours)
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+    if holder_wrote:
+        assert (late_publish, released) == ("accepted", True)
+        assert contender.holder(GROUP) is None
+    else:
+        assert late_publish.startswith("refused:") and f"fence {paused.fence}" in late_publish
+        assert released is False
+        holder = contender.holder(GROUP)
+        assert holder is not None and holder["owner"] == "contender"
+
+
+def _contender_is_refused(contender: GroupLocks, paused: Lease) -> None:
+    with pytest.raises(LockContention) as refused:
+        contender.acquire(GROUP, "contender")
+    message = str(refused.value)
+    assert GROUP in message and paused.owner in message and f"fence {paused.fence}" in message
+    holder = contender.holder(GROUP)
+    assert holder is not None
+    assert (holder["owner"], holder["fence"], holder["written"]) == (
+        paused.owner,
+        paused.fence,
+        True,
+    )
+
+
+def _contender_steals(contender: GroupLocks, paused: Lease) -> None:
+    stolen = contender.try_acquire(GROUP, "contender")
+    assert stolen is not None and stolen.fence > paused.fence
+
+
+def test_contention_backs_off_exponentially_then_names_the_holder(
+    client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    holder = GroupLocks(client, _settings(), prefix=prefix).acquire(GROUP, "holder")
+    counting, sent = _counting_client(redis_url)
+    base_ms, retries = 20, 3
+    contender = GroupLocks(
+        counting,
+        _settings(group_lock_retry_base_delay_ms=base_ms, group_lock_max_retries=retries),
+        prefix=prefix,
+    )
+
+    with pytest.raises(LockContention) as refused:
+        contender.acquire(GROUP, "contender")
+
+    attempts = [at for at, command in sent if command == "EVALSHA"]
+    assert len(attempts) == retries + 1
+    for retry, (earlier, later) in enumerate(pairwise(attempts)):
+        assert later - earlier >= base_ms * 2**retry / 1000
+    message = str(refused.value)
+    assert f"{GROUP!r}" in message and "'holder'" in message and f"fence {holder.fence}" in message
+    assert f"{retries + 1} attempts" in message
+    counting.close()
+
+
+def test_non_owner_and_stale_fence_cannot_release_or_write(
+    client: redis.Redis, prefix: str
+) -> None:
+    locks = GroupLocks(client, _settings(), prefix=prefix)
+    lease = locks.acquire(GROUP, "owner")
+    forgeries = [
+        Lease(GROUP, "intruder", lease.fence, lease.acquired_at_ms),
+        Lease(GROUP, "owner", lease.fence - 1, lease.acquired_at_ms),
+        Lease(GROUP, "owner", lease.fence + 1, lease.acquired_at_ms),
+    ]
+    for forged in forgeries:
+        assert locks.release(forged) is False
+        with pytest.raises(FenceRejected, match=f"held by 'owner' \\(fence {lease.fence}\\)"):
+            locks.mark_write(forged)
+
+    holder = locks.holder(GROUP)
+    assert holder is not None and (holder["owner"], holder["fence"]) == ("owner", lease.fence)
+    assert holder["written"] is False
+    assert locks.release(lease) is True
+    assert locks.holder(GROUP) is None
+
+
+def test_held_lock_is_not_taken_and_retaking_own_lock_is_idempotent(
+    client: redis.Redis, prefix: str
+) -> None:
+    locks = GroupLocks(client, _settings(), prefix=prefix)
+    lease = locks.acquire(GROUP, "owner")
+    assert locks.try_acquire(GROUP, "other") is None
+    assert locks.try_acquire(GROUP, "owner") == lease
+
+
+def test_lock_record_expires_as_safety_net_and_keys_share_a_slot(
+    client: redis.Redis, prefix: str
+) -> None:
+    locks = GroupLocks(client, _settings(group_lock_max_age_s=1.0), prefix=prefix)
+    lease = locks.acquire(GROUP, "owner")
+    locks.mark_write(lease)
+    record, fence = f"{prefix}{{{GROUP}}}", f"{prefix}{{{GROUP}}}:fence"
+    assert 9000 < client.pttl(record) <= 10_000
+    assert client.pttl(fence) == -1  # the fence counter must never reset
+    assert key_slot(record.encode()) == key_slot(fence.encode())
+
+
+def test_holding_releases_when_the_block_fails(client: redis.Redis, prefix: str) -> None:
+    locks = GroupLocks(client, _settings(), prefix=prefix)
+    with pytest.raises(RuntimeError), locks.holding(GROUP, "owner") as lease:
+        assert locks.holder(GROUP) is not None and lease.owner == "owner"
+        raise RuntimeError("worker code failed")
+    assert locks.holder(GROUP) is None
+
+
+def test_works_with_a_client_that_decodes_responses(redis_url: str, prefix: str) -> None:
+    decoding = redis.Redis.from_url(redis_url, decode_responses=True)
+    locks = GroupLocks(decoding, _settings(), prefix=prefix)
+    lease = locks.acquire(GROUP, "owner")
+    locks.mark_write(lease)
+    holder = locks.holder(GROUP)
+    assert holder is not None and holder["written"] is True and holder["fence"] == lease.fence
+    assert locks.release(lease)
+    decoding.close()
+
+
+def test_unreachable_redis_is_reported_with_the_setting_to_fix() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    unreachable = redis.Redis(
+        host="127.0.0.1", port=port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+    locks = GroupLocks(unreachable, _settings())
+    with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}.*WM_REDIS_URL"):
+        locks.try_acquire(GROUP, "owner")
+    with pytest.raises(BrokerUnavailable):
+        locks.holder(GROUP)
+    unreachable.close()
