@@ -5,6 +5,7 @@ Locally a missing service skips the tests that need it; in CI (``CI`` set) it fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -172,10 +173,8 @@ class Node:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole node (main process and pool children)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:

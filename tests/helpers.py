@@ -18,7 +18,9 @@ def stub(**spec: Any) -> bytes:
     return json.dumps(spec).encode()
 
 
-def drain(settings: Settings, queue: str, count: int, timeout_s: float = 30) -> list[dict[str, Any]]:
+def drain(
+    settings: Settings, queue: str, count: int, timeout_s: float = 30
+) -> list[dict[str, Any]]:
     """Read ``count`` structured CloudEvents from a plain-subscription queue with kombu."""
     events: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s

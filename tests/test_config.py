@@ -40,7 +40,7 @@ def test_malformed_values_name_the_variable(name: str, value: str, expects: str)
 
 
 def test_unknown_wm_variable_is_refused_with_a_hint() -> None:
-    with pytest.raises(ConfigurationError, match="WM_BROKER_UR.*Did you mean WM_BROKER_URL"):
+    with pytest.raises(ConfigurationError, match=r"WM_BROKER_UR\..*Did you mean WM_BROKER_URL"):
         Settings.from_env({"WM_BROKER_UR": "redis://x"})
 
 

@@ -30,7 +30,8 @@ def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
     manager.start_worker(worker.id)
     manager.delete_worker(worker.id)
 
-    kinds = [e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in drain(manager.settings, queue, 20, 5)]
+    events = drain(manager.settings, queue, 20, 5)
+    kinds = [e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in events]
     assert kinds == ["created", "started", "code_updated", "code_updated", "stopped", "started",
                      "deleted"]
     transitions = [(t.from_status, t.to_status) for t in manager.get_worker_transitions(worker.id)]

@@ -1,10 +1,14 @@
 """WorkManager: deploy user code as long-lived workers that consume and publish CloudEvents.
 
-The public API is re-exported here; everything else is internal.
+The public API is re-exported here; everything else is internal. The control-plane classes
+are imported on first use, so ``import wm`` stays light (the sandboxed DevKit and the engines
+import parts of ``wm`` without pulling in SQLAlchemy or Celery).
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from wm.config import Settings
-from wm.deadletters import DeadLetterInfo, DeadLetters
 from wm.errors import (
     BrokerUnavailable,
     CodeSourceError,
@@ -29,8 +33,29 @@ from wm.errors import (
 )
 from wm.events import CloudEvent, decode, encode, make_event
 from wm.lifecycle import Status
-from wm.manager import WorkManager
-from wm.views import TransitionInfo, VersionInfo, WorkerInfo
+
+if TYPE_CHECKING:
+    from wm.deadletters import DeadLetterInfo, DeadLetters
+    from wm.manager import WorkManager
+    from wm.views import TransitionInfo, VersionInfo, WorkerInfo
+
+_LAZY = {
+    "DeadLetterInfo": "wm.deadletters",
+    "DeadLetters": "wm.deadletters",
+    "WorkManager": "wm.manager",
+    "TransitionInfo": "wm.views",
+    "VersionInfo": "wm.views",
+    "WorkerInfo": "wm.views",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wm' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "BrokerUnavailable",

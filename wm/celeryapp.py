@@ -28,6 +28,11 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
+            # Redis: look for a lost node's unacknowledged messages often, every sweep, and
+            # never let a killed node's sweep mutex block the others for long.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 2)),
+            "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 30,
             "confirm_publish": True,
         },
         "result_backend": None,

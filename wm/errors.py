@@ -82,6 +82,10 @@ class BrokerUnavailable(WorkManagerError):
     """Raised when the message broker or Redis cannot be reached."""
 
 
+class EmbeddedRedisError(WorkManagerError):
+    """Raised when the embedded Redis of ``wm up`` cannot be found, started or stopped."""
+
+
 class LockContention(WorkManagerError):
     """Raised when a group lock could not be acquired within the configured retries."""
 

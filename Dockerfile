@@ -1,0 +1,23 @@
+# The one application image of docker-compose.yml: workers, Flower and migrations differ only
+# in their command. Build: docker compose build (or docker build -t workmanager:local .).
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# A fixed uid, so volumes and Kubernetes securityContext can name it.
+RUN groupadd --system --gid 10001 workmanager \
+    && useradd --system --uid 10001 --gid workmanager --create-home \
+       --home-dir /home/workmanager workmanager
+
+# The source is only needed to build the wheel: installed into site-packages, then removed.
+COPY . /tmp/workmanager-src
+RUN pip install "/tmp/workmanager-src[postgres,flower]" \
+    && rm -rf /tmp/workmanager-src
+
+USER workmanager
+WORKDIR /home/workmanager
+
+CMD ["celery", "-A", "wm.celeryapp", "worker", "--loglevel=INFO", "-E"]

@@ -1,0 +1,233 @@
+"""The Python engine (``text/x-python``): worker code in a persistent sandboxed subprocess.
+
+One child per loaded worker per host process, started by ``load`` (which is also the
+contract check: the module body runs in the sandbox and must define ``process(event)`` or a
+``wm.devkit.WorkerBase`` subclass), reused across messages, replaced on hot reload, killed on
+timeout or crash and started again lazily by the next message. A lock keeps one message in
+flight per child; ``load`` takes it too, so messages in flight finish on the old code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from engines.base import Engine, WorkerSpec
+from engines.python import isolation
+from engines.python.gateway import GatewayCaller
+from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
+from engines.python.protocol import event_body
+from wm.config import Settings
+from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
+from wm.events import CloudEvent, decode
+
+logger = logging.getLogger(__name__)
+
+#: seconds added to the message time limit for starting a child and running the module body.
+STARTUP_ALLOWANCE_S = 10.0
+#: Name of the worker's code file in its sandbox directory (shown in tracebacks).
+WORKER_FILE = "worker.py"
+#: Share of a child's lifetime CPU limit after which it is replaced between messages.
+CPU_RECYCLE_SHARE = 0.5
+
+
+class PythonWorkerError(WorkerExecutionError):
+    """Raised when Python worker code raises; ``error_type`` and ``traceback`` say where."""
+
+    def __init__(self, message: str, error_type: str, traceback: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.traceback = traceback
+
+
+def _refuse_gateway(request: dict[str, Any], remaining_s: float) -> dict[str, Any]:
+    return {"op": "gateway_reply", "ok": False,
+            "error": "gateway calls are not made while code is being validated"}
+
+
+def check_source(code: bytes) -> str:
+    """Decode and compile ``code`` on the host (no execution): syntax errors with a line."""
+    try:
+        source = code.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidCode(f"Python worker code must be UTF-8: {exc}") from exc
+    try:
+        compile(source, "worker.py", "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise InvalidCode(
+            f"Python worker code does not compile: {exc.msg} (line {exc.lineno}, "
+            f"column {exc.offset})"
+        ) from exc
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise InvalidCode(f"Python worker code does not compile: {exc}") from exc
+    return source
+
+
+class PythonEngine(Engine):
+    """Runs Python worker code in a sandboxed subprocess (see the package docs)."""
+
+    mime_type = "text/x-python"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._lock = threading.Lock()
+        self._gateway = GatewayCaller(settings)
+        self._source: str | None = None
+        self._worker: WorkerSpec | None = None
+        self._process: SandboxProcess | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the current child (None before the first spawn or after a kill)."""
+        process = self._process
+        return process.pid if process is not None else None
+
+    @property
+    def isolation_layers(self) -> tuple[str, ...]:
+        """Kernel-level layers this host permits (probed once per process)."""
+        return isolation.kernel_isolation().layers
+
+    def validate(self, code: bytes, worker: WorkerSpec) -> None:
+        """Compile on the host, run the contract check in a throwaway sandbox; no side effects.
+
+        The engine's loaded worker is untouched, and gateway calls made by the module body are
+        refused (validation must not reach backends).
+        """
+        source = check_source(code)
+        self._start(source, worker, _refuse_gateway).kill()
+
+    def load(self, code: bytes, worker: WorkerSpec) -> None:
+        source = check_source(code)
+        fresh = self._start(source, worker)
+        with self._lock:
+            previous, self._process = self._process, fresh
+            self._source, self._worker = source, worker
+        if previous is not None:
+            previous.kill()
+        logger.info("python worker %s v%s loaded in sandbox pid %s (entry %s)",
+                    worker.worker_id, worker.version, fresh.pid, fresh.entry)
+
+    def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
+        with self._lock:
+            if self._source is None or self._worker is None:
+                raise WorkerExecutionError("PythonEngine.process() called before load()")
+            process = self._process
+            if process is not None and process.exited:
+                process.kill()
+                process = None
+            if process is None:
+                process = self._process = self._restart(self._source, self._worker)
+            try:
+                return self._exchange(process, event, timeout_s)
+            finally:
+                if process.broken:
+                    process.kill()
+                    self._process = None
+
+    def close(self) -> None:
+        with self._lock:
+            process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+
+    def _start(
+        self, source: str, worker: WorkerSpec, gateway: GatewayHandler | None = None
+    ) -> SandboxProcess:
+        """A child that ran the module body and passed the contract check."""
+        config = self._launch_config(source, worker)
+        argv = interpreter_argv(isolation.kernel_isolation().prefix, isolation.BOOTSTRAP)
+        process = SandboxProcess(argv, worker.worker_id, gateway or self._gateway_handler(worker))
+        process.cpu_limit_s = config["limits"]["cpu_s"]
+        config["write_root"] = process.directory
+        config["filename"] = os.path.join(process.directory, WORKER_FILE)
+        load_timeout_s = self.settings.message_handling_timeout_seconds + STARTUP_ALLOWANCE_S
+        try:
+            with open(config["filename"], "w", encoding="utf-8") as handle:
+                handle.write(source)
+            reply = process.request(config, time.monotonic() + load_timeout_s)
+        except WorkerTimeout as exc:
+            process.kill()
+            raise InvalidCode(
+                f"Python worker code did not finish loading within {load_timeout_s:g} s"
+            ) from exc
+        except BaseException:
+            process.kill()
+            raise
+        return self._accept(process, reply)
+
+    def _accept(self, process: SandboxProcess, reply: dict[str, Any]) -> SandboxProcess:
+        if reply["op"] == "ready":
+            process.entry = str(reply.get("entry"))
+            return process
+        process.kill()
+        if reply["op"] == "invalid":
+            raise InvalidCode(f"Python worker code refused: {reply.get('message')}")
+        raise WorkerExecutionError(
+            f"the Python sandbox failed to start: {reply}{process.output_summary()}"
+        )
+
+    def _restart(self, source: str, worker: WorkerSpec) -> SandboxProcess:
+        try:
+            process = self._start(source, worker)
+        except InvalidCode as exc:
+            raise WorkerExecutionError(f"restarting the Python sandbox failed: {exc}") from exc
+        logger.info("python worker %s restarted in sandbox pid %s", worker.worker_id, process.pid)
+        return process
+
+    def _launch_config(self, source: str, worker: WorkerSpec) -> dict[str, Any]:
+        allowed = tuple(self.settings.python_allowed_packages)
+        paths = isolation.sandbox_paths(allowed)
+        limits = isolation.resource_limits(
+            worker.settings, self.settings.message_handling_timeout_seconds
+        )
+        return {
+            "op": "init", "worker_id": worker.worker_id, "code": source,
+            "sys_path": list(paths.sys_path), "packages": dict(paths.packages),
+            "read_roots": list(paths.read_roots), "list_roots": list(paths.list_roots),
+            "native_roots": list(paths.native_roots), "allowed": list(allowed),
+            "allow_ctypes": paths.third_party, "limits": limits,
+        }
+
+    def _gateway_handler(self, worker: WorkerSpec) -> GatewayHandler:
+        def handle(request: dict[str, Any], remaining_s: float) -> dict[str, Any]:
+            return self._gateway.reply(request, remaining_s, worker.worker_id)
+
+        return handle
+
+    def _exchange(
+        self, process: SandboxProcess, event: CloudEvent, timeout_s: float
+    ) -> list[CloudEvent]:
+        try:
+            reply = process.request(event_body(event), time.monotonic() + timeout_s)
+        except WorkerTimeout as exc:
+            raise WorkerTimeout(
+                f"Python worker {process.worker_id} did not finish event {event.get_id()} "
+                f"within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and a "
+                "fresh one starts with the next message"
+            ) from exc
+        if reply["op"] == "error":
+            if reply.get("fatal"):
+                process.broken = True
+            raise PythonWorkerError(
+                f"Python worker {process.worker_id} failed: {reply.get('message')}",
+                str(reply.get("type")), str(reply.get("traceback", "")),
+            )
+        if reply["op"] != "result":
+            process.broken = True
+            raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
+        return self._outputs(process, reply)
+
+    def _outputs(self, process: SandboxProcess, reply: dict[str, Any]) -> list[CloudEvent]:
+        cpu_s = reply.get("cpu_s")
+        limit = process.cpu_limit_s
+        if isinstance(cpu_s, int | float) and cpu_s > CPU_RECYCLE_SHARE * limit:
+            logger.info("python worker %s used %.1f s CPU; recycling its sandbox",
+                        process.worker_id, cpu_s)
+            process.broken = True
+        try:
+            return [decode(raw) for raw in reply.get("events", [])]
+        except (EventDecodeError, TypeError) as exc:
+            raise WorkerExecutionError(f"Python worker returned an invalid event: {exc}") from exc

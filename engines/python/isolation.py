@@ -1,0 +1,207 @@
+"""Host side: what a sandboxed child is started with.
+
+Kernel-level layers wrap the interpreter when the OS permits, probed once per host process:
+
+* ``unshare --net`` — a fresh network namespace: no interface but a down loopback, so even
+  code that got past the audit hook cannot reach the network. Needs CAP_SYS_ADMIN (root in
+  this deployment); without it the child keeps the host's network and only the audit hook
+  refuses sockets.
+* ``setpriv --no-new-privs --bounding-set=-all --inh-caps=-all`` — the child (root in a root
+  deployment) runs without any capability: no mknod of devices, no chroot, no raising of
+  hard rlimits, no DAC override, no setuid binaries. Without CAP_SETPCAP only
+  ``--no-new-privs`` is applied.
+
+Python 3.11 has no ``os.unshare`` and a ``preexec_fn`` is unsafe with threads, hence the
+util-linux binaries. RLIMIT_NPROC is set but ignored by the kernel for uid 0; when the host
+runs as root, process creation is refused by the audit hook alone.
+
+Also here: the paths the child may import from, read and list, and its rlimits.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wm.errors import InvalidCode
+
+logger = logging.getLogger(__name__)
+
+#: MiB of address space per child unless the worker's settings say ``memory_mb``.
+DEFAULT_MEMORY_MB = 512
+#: Open files per child.
+NOFILE_LIMIT = 64
+#: bytes; largest file a worker may write into its directory.
+FSIZE_LIMIT_BYTES = 16 * 1024 * 1024
+#: CPU seconds of a child's lifetime, as a multiple of the message time limit (at least
+#: MIN_CPU_LIMIT_S); the host recycles a child that used half of it.
+CPU_LIMIT_FACTOR = 10
+MIN_CPU_LIMIT_S = 60
+#: seconds a probe of the isolation binaries may take.
+PROBE_TIMEOUT_S = 5.0
+#: Files outside the code directories that any child may read.
+EXTRA_READ_ROOTS = ("/dev/null", "/dev/urandom", "/usr/share/zoneinfo")
+#: Kernel-level layers the sandbox uses when the host permits them.
+WANTED_LAYERS = ("network namespace", "no capabilities")
+#: Worker settings keys this engine reads (other keys belong to the core or other engines).
+WORKER_SETTING_KEYS = ("memory_mb", "cpu_limit_s")
+
+#: Third-party modules the runner and the DevKit need inside the sandbox.
+SANDBOX_DEPENDENCIES = ("cloudevents", "dateutil", "six")
+
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Argv placed before the interpreter, and the names of the layers it adds."""
+
+    prefix: tuple[str, ...]
+    layers: tuple[str, ...]
+
+
+def _works(argv: list[str]) -> bool:
+    try:
+        done = subprocess.run(
+            argv, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def _layer_options() -> list[tuple[str, list[str]]]:
+    """(layer, argv) in order of preference; a weaker option only if the stronger failed."""
+    options: list[tuple[str, list[str]]] = []
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    if unshare:
+        options.append(("network namespace", [unshare, "--net", "--"]))
+    if setpriv:
+        strict = [setpriv, "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+        options.append(("no capabilities", strict))
+        options.append(("no new privileges", [setpriv, "--no-new-privs", "--"]))
+    return options
+
+
+@functools.cache
+def kernel_isolation() -> Isolation:
+    """Probe which kernel-level layers this host permits (once per process)."""
+    true = shutil.which("true") or "/bin/true"
+    prefix: list[str] = []
+    layers: list[str] = []
+    for layer, argv in _layer_options():
+        if layer == "no new privileges" and "no capabilities" in layers:
+            continue
+        if _works([*prefix, *argv, true]):
+            prefix += argv
+            layers.append(layer)
+    missing = [wanted for wanted in WANTED_LAYERS if wanted not in layers]
+    logger.info("python sandbox isolation layers: %s", ", ".join(layers) or "none")
+    if missing:
+        logger.warning("python sandbox runs without: %s", ", ".join(missing))
+    return Isolation(tuple(prefix), tuple(layers))
+
+
+def _spec_location(name: str) -> str | None:
+    """The package directory or module file of top-level ``name`` (None if not found)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin in ("built-in", "frozen"):
+        return None
+    locations = spec.submodule_search_locations
+    if locations:
+        return str(next(iter(locations)))
+    return str(spec.origin) if spec.origin else None
+
+
+def _required_location(name: str) -> str:
+    location = _spec_location(name)
+    if location is None:
+        raise ModuleNotFoundError(f"{name} is needed inside the Python sandbox", name=name)
+    return location
+
+
+def _stdlib_paths() -> list[str]:
+    stdlib = sysconfig.get_path("stdlib")
+    platstdlib = sysconfig.get_path("platstdlib")
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    candidates = [
+        os.path.join(sys.base_prefix, "lib", f"python{version}.zip"),
+        stdlib,
+        platstdlib,
+        os.path.join(platstdlib, "lib-dynload"),
+    ]
+    return list(dict.fromkeys(candidates))
+
+
+def _third_party_location(name: str, stdlib: Iterable[str]) -> str | None:
+    """Where an allowed package lives if it is not part of the standard library."""
+    if name in sys.stdlib_module_names or name in sys.builtin_module_names:
+        return None
+    location = _spec_location(name)
+    if location is None:
+        return None
+    if "site-packages" not in location and any(location.startswith(s) for s in stdlib):
+        return None
+    return location
+
+
+@dataclass(frozen=True)
+class SandboxPaths:
+    """Where the child imports from (sys.path), reads, lists and loads native code."""
+
+    sys_path: tuple[str, ...]
+    read_roots: tuple[str, ...]
+    list_roots: tuple[str, ...]
+    native_roots: tuple[str, ...]
+    packages: Mapping[str, str]
+    third_party: bool
+
+
+@functools.cache
+def sandbox_paths(allowed: tuple[str, ...]) -> SandboxPaths:
+    """Paths for a child whose worker may import ``allowed`` (plus the DevKit)."""
+    stdlib = _stdlib_paths()
+    packages = {name: _required_location(name) for name in ("engines", "wm")}
+    code = [_required_location(m) for m in SANDBOX_DEPENDENCIES] + list(packages.values())
+    third_party = [loc for loc in (_third_party_location(n, stdlib) for n in allowed) if loc]
+    parents = [os.path.dirname(loc) for loc in code + third_party]
+    sys_path = tuple(dict.fromkeys(stdlib + parents))
+    read_roots = tuple(dict.fromkeys([*stdlib, *code, *third_party, *EXTRA_READ_ROOTS]))
+    dynload = os.path.join(sysconfig.get_path("platstdlib"), "lib-dynload")
+    native = tuple(dict.fromkeys([dynload, *third_party]))
+    return SandboxPaths(sys_path, read_roots, sys_path, native, packages, bool(third_party))
+
+
+def _positive_number(settings: Mapping[str, Any], key: str, default: float) -> float:
+    value = settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise InvalidCode(f"worker setting {key!r} must be a positive number, not {value!r}")
+    return float(value)
+
+
+def resource_limits(worker_settings: Mapping[str, Any], message_timeout_s: float) -> dict[str, int]:
+    """The rlimits of a child (see ``runner.apply_limits``), from the worker's settings."""
+    memory_mb = _positive_number(worker_settings, "memory_mb", DEFAULT_MEMORY_MB)
+    cpu_default = max(MIN_CPU_LIMIT_S, CPU_LIMIT_FACTOR * message_timeout_s)
+    cpu_s = _positive_number(worker_settings, "cpu_limit_s", cpu_default)
+    return {
+        "as_bytes": int(memory_mb * 1024 * 1024),
+        "cpu_s": max(1, int(cpu_s)),
+        "nofile": NOFILE_LIMIT,
+        "fsize_bytes": FSIZE_LIMIT_BYTES,
+        "nproc": 0,
+        "core_bytes": 0,
+    }

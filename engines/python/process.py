@@ -1,0 +1,257 @@
+"""Host side: one sandboxed child running one version of a worker's code.
+
+The child gets two dedicated pipes for frames, a third pipe for its stdout and stderr (read
+while waiting for a reply, forwarded line by line to the logger with the worker id), a fresh
+temporary directory as cwd (removed afterwards), an empty environment and its own session,
+so ``os.killpg`` reaches everything it runs. Every wait is bounded by a deadline; the child
+is killed with SIGKILL and always reaped, also when its owner forgets to (``weakref``
+finalizer), so no zombie or directory is left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from engines.python.protocol import (
+    READ_CHUNK_BYTES,
+    FrameBuffer,
+    FrameError,
+    pack,
+    pack_body,
+    unpack,
+)
+from wm.errors import WorkerExecutionError, WorkerTimeout
+
+logger = logging.getLogger(__name__)
+
+#: Lines of the child's output kept to explain a crash.
+OUTPUT_TAIL_LINES = 20
+#: bytes of one output line forwarded to the log.
+MAX_LOG_LINE_BYTES = 4096
+#: seconds to wait for a child that closed its pipe to exit before killing it.
+EXIT_WAIT_S = 1.0
+
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR}
+
+#: Handles a ``gateway`` frame: (request, seconds left) -> ``gateway_reply`` frame.
+GatewayHandler = Callable[[dict[str, Any], float], dict[str, Any]]
+
+
+def _terminate(popen: subprocess.Popen[bytes], fds: list[int], directory: str) -> None:
+    """Kill the child's process group, reap the child, close pipes, remove its directory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        popen.kill()
+    popen.wait()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if popen.stdout is not None:
+        popen.stdout.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+_SIGNAL_HINTS = {
+    signal.SIGXCPU: " (its CPU time limit, worker setting cpu_limit_s)",
+    signal.SIGKILL: " (a hard limit, or killed from outside)",
+    signal.SIGSEGV: " (an interpreter crash)",
+}
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a child ended, for error messages."""
+    if returncode is None:
+        return "stopped answering"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        number = signal.Signals(-returncode)
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+    return f"was killed by {number.name}{_SIGNAL_HINTS.get(number, '')}"
+
+
+class SandboxProcess:
+    """A running child; :meth:`request` sends a frame and waits for the final reply."""
+
+    def __init__(self, argv: list[str], worker_id: str, gateway: GatewayHandler) -> None:
+        self.worker_id = worker_id
+        self.broken = False
+        #: Entry point the child reported (``process`` or a WorkerBase subclass name).
+        self.entry = ""
+        #: CPU seconds the child may use in its lifetime (RLIMIT_CPU).
+        self.cpu_limit_s = float("inf")
+        self._gateway = gateway
+        self._buffer = FrameBuffer()
+        self._pending: list[bytes] = []
+        self._partial_line = b""
+        self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        self.directory = tempfile.mkdtemp(prefix="wm-py-")
+        try:
+            self._popen, self._to_child, self._from_child = self._spawn(argv)
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self._output = self._popen.stdout.fileno() if self._popen.stdout else -1
+        self._finalizer = weakref.finalize(
+            self, _terminate, self._popen, [self._to_child, self._from_child], self.directory
+        )
+        self._poll = select.poll()
+        self._poll.register(self._from_child, select.POLLIN)
+        self._poll.register(self._output, select.POLLIN)
+
+    def _spawn(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, int]:
+        child_reads, host_writes = os.pipe()
+        host_reads, child_writes = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [*argv, str(child_reads), str(child_writes)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                pass_fds=(child_reads, child_writes), cwd=self.directory, env={},
+                start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            for fd in (child_reads, host_writes, host_reads, child_writes):
+                os.close(fd)
+            raise WorkerExecutionError(f"cannot start the Python sandbox: {exc}") from exc
+        os.close(child_reads)
+        os.close(child_writes)
+        os.set_blocking(host_writes, False)
+        return popen, host_writes, host_reads
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exited(self) -> bool:
+        """Whether the child ended on its own (e.g. killed by an rlimit while idle)."""
+        return self._popen.poll() is not None
+
+    def kill(self) -> None:
+        """Kill and reap the child and remove its directory (idempotent)."""
+        self.broken = True
+        self._finalizer()
+
+    def request(self, message: dict[str, Any] | bytes, deadline: float) -> dict[str, Any]:
+        """Send ``message`` (a dict or an encoded body) and return the child's final reply.
+
+        ``log`` and ``gateway`` frames are served while waiting. Raises WorkerTimeout when
+        ``deadline`` (a ``time.monotonic`` value) passes, WorkerExecutionError when the child
+        dies or breaks the protocol; either way the process is marked broken.
+        """
+        try:
+            frame = pack(message) if isinstance(message, dict) else pack_body(message)
+            self._send(frame, deadline)
+            return self._await_reply(deadline)
+        except (WorkerExecutionError, FrameError, OSError) as exc:
+            self.broken = True
+            if isinstance(exc, WorkerExecutionError):
+                raise
+            raise WorkerExecutionError(f"protocol failure with the Python sandbox: {exc}") from exc
+
+    def _await_reply(self, deadline: float) -> dict[str, Any]:
+        while True:
+            message = self._next_message(deadline)
+            op = message["op"]
+            if op == "log":
+                self._log(message)
+            elif op == "gateway":
+                reply = self._gateway(message, deadline - time.monotonic())
+                self._send(pack(reply), deadline)
+            else:
+                return message
+
+    def _send(self, frame: bytes, deadline: float) -> None:
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[os.write(self._to_child, view):]
+            except BlockingIOError:
+                self._wait_writable(deadline)
+            except BrokenPipeError:
+                self._raise_died()
+
+    def _wait_writable(self, deadline: float) -> None:
+        poll = select.poll()
+        poll.register(self._to_child, select.POLLOUT)
+        while not poll.poll(self._remaining_ms(deadline)):
+            pass
+
+    def _remaining_ms(self, deadline: float) -> int:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self.broken = True
+            raise WorkerTimeout("time limit exceeded")
+        return max(1, int(remaining * 1000))
+
+    def _next_message(self, deadline: float) -> dict[str, Any]:
+        while not self._pending:
+            for fd, _ in self._poll.poll(self._remaining_ms(deadline)):
+                if fd == self._output:
+                    self._read_output()
+                    continue
+                chunk = os.read(self._from_child, READ_CHUNK_BYTES)
+                if not chunk:
+                    self._raise_died()
+                self._pending.extend(self._buffer.feed(chunk))
+        return unpack(self._pending.pop(0))
+
+    def _raise_died(self) -> None:
+        self.broken = True
+        try:
+            returncode: int | None = self._popen.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        while self._output >= 0 and select.select([self._output], [], [], 0)[0]:
+            self._read_output()
+        raise WorkerExecutionError(f"the Python sandbox process {describe_exit(returncode)}"
+                                   f"{self.output_summary()}")
+
+    def output_summary(self) -> str:
+        """The last lines the child printed, for error messages."""
+        if self._partial_line:
+            self._emit_line(self._partial_line)
+            self._partial_line = b""
+        return "; last output: " + " | ".join(self.output_tail) if self.output_tail else ""
+
+    def _read_output(self) -> None:
+        """Forward what the child printed (its stdout/stderr pipe is readable)."""
+        chunk = os.read(self._output, READ_CHUNK_BYTES)
+        if not chunk:
+            self._poll.unregister(self._output)
+            self._output = -1
+            return
+        lines = (self._partial_line + chunk).split(b"\n")
+        self._partial_line = lines.pop()
+        for line in lines:
+            self._emit_line(line)
+
+    def _emit_line(self, raw: bytes) -> None:
+        line = raw[:MAX_LOG_LINE_BYTES].decode("utf-8", "replace").rstrip()
+        self.output_tail.append(line)
+        logger.info("python worker %s output: %s", self.worker_id, line)
+
+    def _log(self, message: dict[str, Any]) -> None:
+        level = _LOG_LEVELS.get(str(message.get("level")), logging.INFO)
+        logger.log(level, "python worker %s: %s", self.worker_id, message.get("message"))
+
+
+def interpreter_argv(prefix: tuple[str, ...], bootstrap: str) -> list[str]:
+    """The child's command line, without the two pipe fds the spawn appends."""
+    return [*prefix, sys.executable, "-I", "-S", "-B", bootstrap]

@@ -1,0 +1,281 @@
+"""Sandbox side: set the sandbox up, load the worker code, then serve events until EOF.
+
+Set-up order matters: resource limits, the DevKit runtime and every module the runner needs
+later are in place before the audit hook is installed (the seal); worker code — including its
+module body — runs only after the seal. Frames go over the dedicated protocol pipes; the
+child's stdout/stderr are a separate pipe the host forwards to its logger.
+"""
+
+from __future__ import annotations
+
+import _thread
+import builtins
+import contextlib
+import json
+import os
+import resource
+import sys
+import traceback
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, cast
+
+from cloudevents.core.v1.event import CloudEvent
+
+from engines.python import sandbox
+from engines.python.protocol import BlockingChannel, event_from_json, result_body
+from wm.devkit import GatewayError, Runtime, WorkerBase, install_runtime
+
+#: Name of the worker's module (``__module__`` of the classes it defines).
+WORKER_MODULE = "worker"
+#: seconds of CPU between the soft limit (SIGXCPU) and the hard limit (SIGKILL).
+CPU_GRACE_S = 2
+
+_LIMITS = {
+    "as_bytes": resource.RLIMIT_AS,
+    "cpu_s": resource.RLIMIT_CPU,
+    "nofile": resource.RLIMIT_NOFILE,
+    "fsize_bytes": resource.RLIMIT_FSIZE,
+    "nproc": resource.RLIMIT_NPROC,
+    "core_bytes": resource.RLIMIT_CORE,
+}
+
+
+class WorkerRefused(Exception):
+    """Raised while loading when the code fails, or does not meet the worker contract."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How to call the worker: a ``process`` function or a WorkerBase instance's method."""
+
+    name: str
+    call: Callable[[CloudEvent], Any]
+
+
+def apply_limits(limits: dict[str, int]) -> None:
+    """Lower the rlimits (never above an existing hard limit)."""
+    for key, value in limits.items():
+        which = _LIMITS[key]
+        _, current_hard = resource.getrlimit(which)
+        hard = value + CPU_GRACE_S if key == "cpu_s" else value
+        if current_hard != resource.RLIM_INFINITY:
+            hard = min(hard, current_hard)
+        resource.setrlimit(which, (min(value, hard), hard))
+
+
+class FrameTransport:
+    """Gateway calls as frames to the host, which performs them (the sandbox has no network)."""
+
+    def __init__(self, channel: BlockingChannel) -> None:
+        self._channel = channel
+
+    def call(self, host: str, port: int, service: str, method: str, data: Any) -> Any:
+        request = {"op": "gateway", "host": host, "port": port, "service": service,
+                   "method": method, "data": data}
+        try:
+            self._channel.send(request)
+        except TypeError as exc:
+            raise GatewayError(f"gateway request data is not JSON-serialisable: {exc}") from exc
+        reply = self._channel.receive()
+        if reply is None:
+            raise SystemExit("host closed the protocol pipe during a gateway call")
+        if reply.get("op") != "gateway_reply":
+            raise SystemExit(f"protocol violation: expected gateway_reply, got {reply.get('op')}")
+        if not reply.get("ok"):
+            raise GatewayError(str(reply.get("error")))
+        return reply.get("data")
+
+
+def install_frame_runtime(channel: BlockingChannel) -> None:
+    def log(level: str, message: str) -> None:
+        channel.send({"op": "log", "level": level, "message": message})
+
+    install_runtime(Runtime(log=log, transport=FrameTransport(channel)))
+
+
+def compile_worker(config: dict[str, Any]) -> Any:
+    try:
+        return compile(config["code"], config["filename"], "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise WorkerRefused(f"SyntaxError: {exc.msg} (line {exc.lineno})") from exc
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise WorkerRefused(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _seal(config: dict[str, Any]) -> None:
+    denied = () if config["allow_ctypes"] else ("_ctypes",)
+    sandbox.strip_interpreter()
+    sandbox.seal(
+        read_roots=config["read_roots"],
+        list_roots=config["list_roots"],
+        native_roots=config["native_roots"],
+        write_root=config["write_root"],
+        worker_file=config["filename"],
+        extra_denied_extensions=denied,
+    )
+
+
+def _worker_line(exc: BaseException, filename: str) -> str:
+    """`` (line N)``: the last line of the worker's code in the traceback, if any."""
+    try:
+        summary = traceback.extract_tb(exc.__traceback__)
+    except Exception:
+        return ""
+    lines = [frame.lineno for frame in summary if frame.filename == filename]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def load_worker(config: dict[str, Any], channel: BlockingChannel) -> Entry:
+    """Run the worker module after the seal and find its entry point."""
+    apply_limits(config["limits"])
+    install_frame_runtime(channel)
+    code = compile_worker(config)
+    guard = sandbox.make_import_guard(config["allowed"], builtins.__import__)
+    namespace: dict[str, Any] = {
+        "__name__": WORKER_MODULE,
+        "__builtins__": sandbox.restricted_builtins(guard),
+    }
+    _seal(config)
+    try:
+        exec(code, namespace)
+    except BaseException as exc:  # SystemExit or tampering in the module body: refuse the code
+        line = _worker_line(exc, config["filename"])
+        raise WorkerRefused(f"{describe(exc)}{line}") from exc
+    return find_entry(namespace)
+
+
+def find_entry(namespace: dict[str, Any]) -> Entry:
+    """``process(event)`` if defined, else the one WorkerBase subclass the module defines."""
+    function = namespace.get("process")
+    if callable(function):
+        return Entry("process", function)
+    classes = [
+        value for value in namespace.values()
+        if isinstance(value, type) and issubclass(value, WorkerBase)
+        and value.__module__ == WORKER_MODULE
+    ]
+    leaves = [c for c in classes if not any(o is not c and issubclass(o, c) for o in classes)]
+    if not leaves:
+        raise WorkerRefused(
+            "the code defines neither a top-level process(event) function "
+            "nor a subclass of wm.devkit.WorkerBase"
+        )
+    if len(leaves) > 1:
+        names = ", ".join(sorted(c.__name__ for c in leaves))
+        raise WorkerRefused(f"the code defines several WorkerBase subclasses ({names}); keep one")
+    try:
+        instance = cast(Any, leaves[0])()
+    except Exception as exc:
+        raise WorkerRefused(
+            f"{leaves[0].__name__}() failed: {describe(exc)}; its __init__ must take no "
+            "arguments and pass response_type and source to super().__init__"
+        ) from exc
+    return Entry(leaves[0].__name__, instance.process)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception raised by worker code."""
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ != "builtins":
+        name = f"{kind.__module__}.{name}"
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<unprintable>"
+    return f"{name}: {message}" if message else name
+
+
+def _drive(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run an ``async def process`` that awaits nothing but other coroutines."""
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coroutine.close()
+    raise RuntimeError("awaiting asyncio futures is not supported in a WorkManager Python worker")
+
+
+def normalize(result: Any) -> list[CloudEvent]:
+    """The events of a ``process`` return value: an event, a list/tuple of events, or None."""
+    if isinstance(result, Coroutine):
+        result = _drive(result)
+    if result is None:
+        return []
+    if isinstance(result, CloudEvent):
+        return [result]
+    if isinstance(result, list | tuple) and all(isinstance(e, CloudEvent) for e in result):
+        return list(result)
+    raise TypeError(
+        "process() must return a CloudEvent, a list of CloudEvents or None, "
+        f"not {type(result).__name__}"
+    )
+
+
+def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> bytes:
+    """An ``error`` frame body; the traceback starts at the worker's code."""
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the runner's own frame
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:
+        text = ""
+    message = {"op": "error", "type": type(exc).__qualname__,
+               "message": describe(exc) + _worker_line(exc, worker_file),
+               "traceback": text, "fatal": fatal}
+    return json.dumps(message).encode("utf-8")
+
+
+def handle(entry: Entry, raw_event: Any, worker_file: str) -> tuple[bytes, bool]:
+    """Run the worker on one event: (reply body, whether the child must exit)."""
+    try:
+        events = normalize(entry.call(event_from_json(raw_event)))
+        times = os.times()
+        body = result_body(events, times.user + times.system)
+    except Exception as exc:
+        return error_body(exc, worker_file), False
+    except BaseException as exc:  # SystemExit, tampering: the worker ends the child
+        return error_body(exc, worker_file, fatal=True), True
+    finally:
+        _flush_stdio()
+    threads = _thread._count()
+    if threads:
+        leftover = RuntimeError(
+            f"worker code left {threads} thread(s) running; threads are not supported"
+        )
+        return error_body(leftover, worker_file, fatal=True), True
+    return body, False
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+
+
+def serve(channel: BlockingChannel, entry: Entry, worker_file: str) -> None:
+    """Answer ``event`` frames until the host closes the pipe (or a fatal error)."""
+    while True:
+        message = channel.receive()
+        if message is None or message["op"] != "event":
+            return
+        body, fatal = handle(entry, message.get("event"), worker_file)
+        channel.send_body(body)
+        if fatal:
+            return
+
+
+def run(config: dict[str, Any], read_fd: int, write_fd: int) -> None:
+    """The child's main: load, report ready (or why not), serve."""
+    channel = BlockingChannel(read_fd, write_fd)
+    try:
+        entry = load_worker(config, channel)
+    except WorkerRefused as exc:
+        _flush_stdio()
+        channel.send({"op": "invalid", "message": str(exc)})
+        return
+    _flush_stdio()
+    channel.send({"op": "ready", "pid": os.getpid(), "entry": entry.name})
+    serve(channel, entry, config["filename"])

@@ -1,0 +1,547 @@
+"""The ``wm`` command as an operator runs it: a real process against real Redis, SQLite and
+PostgreSQL, with events read back from the broker by an ordinary kombu client."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import redis
+from kombu import Connection
+
+from wm import Settings, store
+from wm.cli import build_parser
+from wm.config import settings_table
+from wm.deadletters import DeadLetters, Failure
+from wm.events import encode, make_event
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN_URL = os.environ.get("WM_TEST_PG_ADMIN", "postgresql+psycopg://root@127.0.0.1:5432/test")
+REDIS_HOST = "redis://127.0.0.1:6379"
+#: Redis databases of these tests (broker, state); other suites use other numbers.
+BROKER_DB, STATE_DB = 10, 11
+STUB = "application/x-wm-stub"
+LIFECYCLE = "workmanager.lifecycle"
+LIFECYCLE_TYPE = "com.virtufin.workmanager.lifecycle."
+#: Longest one command or wait may take, in seconds: a guard against hangs, not a timing test.
+GUARD_S = 60.0
+
+
+class Result(NamedTuple):
+    code: int
+    raw: bytes
+    err: str
+
+    @property
+    def out(self) -> str:
+        return self.raw.decode()
+
+
+def _need(service: str, error: Exception) -> None:
+    message = f"{service} is not available: {error}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _flush_redis() -> None:
+    for db in (BROKER_DB, STATE_DB):
+        redis.Redis.from_url(f"{REDIS_HOST}/{db}").flushdb()
+
+
+@pytest.fixture(scope="module")
+def redis_ok() -> None:
+    try:
+        redis.Redis.from_url(f"{REDIS_HOST}/{BROKER_DB}", socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        _need("Redis", exc)
+
+
+def _postgres_database() -> Iterator[str]:
+    """A throwaway database ``wm_cli_<random>``, dropped afterwards."""
+    import psycopg
+    from psycopg import sql
+
+    name = f"wm_cli_{uuid.uuid4().hex[:10]}"
+    dsn = PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://", 1)
+    try:
+        admin = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        _need("PostgreSQL", exc)
+    with admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            yield f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+        finally:
+            store.dispose_engines()
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
+                          .format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """SQLite unless a test asks for ``postgres`` through indirect parametrization."""
+    if getattr(request, "param", "sqlite") == "postgres":
+        yield from _postgres_database()
+    else:
+        yield f"sqlite:///{tmp_path / 'wm.db'}"
+
+
+def _base_env(database_url: str) -> dict[str, str]:
+    """This process's environment without any WorkManager setting, then the test's own."""
+    ours = {variable for variable, _, _ in settings_table()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_") and k not in ours}
+    env.update(
+        WM_DATABASE_URL=database_url,
+        WM_BROKER_URL=f"{REDIS_HOST}/{BROKER_DB}",
+        WM_REDIS_URL=f"{REDIS_HOST}/{STATE_DB}",
+        WM_LOG_LEVEL="WARNING",
+    )
+    return env
+
+
+@pytest.fixture
+def unmigrated_env(database_url: str, redis_ok: None) -> Iterator[dict[str, str]]:
+    _flush_redis()
+    yield _base_env(database_url)
+    _flush_redis()
+
+
+@pytest.fixture
+def env(unmigrated_env: dict[str, str]) -> dict[str, str]:
+    wm(unmigrated_env, "db", "upgrade")
+    return unmigrated_env
+
+
+def wm(env: dict[str, str], *args: str, stdin: bytes | None = None, expect: int = 0) -> Result:
+    """Run ``wm`` as a separate process and check its exit code."""
+    done = subprocess.run(
+        [sys.executable, "-m", "wm.cli", *args], env=env, input=stdin, capture_output=True,
+        timeout=GUARD_S, cwd=ROOT, check=False,
+    )
+    result = Result(done.returncode, done.stdout, done.stderr.decode())
+    assert result.code == expect, f"wm {' '.join(args)} exited {result.code}:\n{result.err}"
+    return result
+
+
+def wm_json(env: dict[str, str], *args: str, stdin: bytes | None = None) -> Any:
+    return json.loads(wm(env, "--json", *args, stdin=stdin).out)
+
+
+def stub(**spec: Any) -> bytes:
+    return json.dumps(spec).encode()
+
+
+def create(env: dict[str, str], tmp_path: Path, *extra: str, topic: str = "orders") -> Any:
+    path = tmp_path / f"code-{uuid.uuid4().hex[:6]}.json"
+    path.write_bytes(stub(output_type="done"))
+    return wm_json(env, "worker", "create", "--topic", topic, "--mime-type", STUB,
+                   "--file", str(path), *extra)
+
+
+def one_error_line(result: Result) -> str:
+    """The single ``wm: error:`` line a failed command prints (no traceback, nothing else)."""
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("wm: error: "), result.err
+    return lines[0]
+
+
+def drain(env: dict[str, str], queue: str, count: int) -> list[dict[str, Any]]:
+    """Read ``count`` structured CloudEvents from a plain-subscription queue with kombu."""
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + GUARD_S
+    with Connection(env["WM_BROKER_URL"]) as conn:
+        simple = conn.SimpleQueue(queue)
+        try:
+            while len(events) < count and time.monotonic() < deadline:
+                try:
+                    message = simple.get(timeout=1)
+                except simple.Empty:
+                    continue
+                events.append(json.loads(message.body))
+                message.ack()
+        finally:
+            simple.close()
+    return events
+
+
+def tail_queues(env: dict[str, str], topic: str) -> list[str]:
+    found = wm_json(env, "subscriptions", "--topic", topic)
+    return [s["queue"] for s in found if "::sub::tail-" in s["queue"]]
+
+
+def start_tail(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
+    """Start ``wm tail`` and return once its temporary subscription exists."""
+    tail = subprocess.Popen([sys.executable, "-m", "wm.cli", "tail", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + GUARD_S
+    while not tail_queues(env, args[0]):
+        if tail.poll() is not None or time.monotonic() > deadline:
+            tail.kill()
+            raise AssertionError(f"wm tail never subscribed:\n{tail.communicate()[1].decode()}")
+        time.sleep(0.2)
+    return tail
+
+
+def finish(tail: subprocess.Popen[bytes]) -> tuple[str, str]:
+    try:
+        out, err = tail.communicate(timeout=GUARD_S)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+            tail.wait()
+    assert tail.returncode == 0, err.decode()
+    return out.decode(), err.decode()
+
+
+# -- workers -----------------------------------------------------------------------------------
+
+
+def test_create_from_file_then_list_and_show(env: dict[str, str], tmp_path: Path) -> None:
+    made = create(env, tmp_path, "--name", "billing", "--group", "g1",
+                  "--setting", "timeout_s=2.5", "--setting", "max_retries=3")
+    assert made["status"] == "running"
+    assert made["settings"] == {"timeout_s": 2.5, "max_retries": 3}
+
+    listed = wm(env, "worker", "list").out.splitlines()
+    assert listed[0].split() == ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "VERSION", "MIME",
+                                 "TYPE"]
+    assert listed[1].split() == [made["id"], "billing", "orders", "g1", "running", "1", STUB]
+    assert wm_json(env, "worker", "list", "--topic", "orders") == [made]
+    assert wm_json(env, "worker", "list", "--status", "stopped") == []
+    assert wm_json(env, "worker", "show", "billing") == made
+    shown = wm(env, "worker", "show", made["id"]).out
+    assert f"sha256:    {made['sha256']}" in shown
+
+
+def test_create_from_stdin_and_from_base64(env: dict[str, str]) -> None:
+    from_stdin = stub(output_type="from.stdin")
+    made = wm_json(env, "worker", "create", "--topic", "a", "--mime-type", STUB, "--file", "-",
+                   stdin=from_stdin)
+    assert wm(env, "worker", "code", made["id"]).raw == from_stdin
+
+    inline = stub(output_type="from.base64")
+    encoded = base64.b64encode(inline).decode()
+    made = wm_json(env, "worker", "create", "--topic", "b", "--mime-type", STUB,
+                   "--base64", encoded, "--no-start")
+    assert made["status"] == "created"
+    assert wm_json(env, "worker", "code", made["id"])["code_base64"] == encoded
+
+
+def test_json_is_a_global_flag_before_or_after_the_command(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    create(env, tmp_path, "--name", "either")
+    before = json.loads(wm(env, "--json", "worker", "show", "either").out)
+    after = json.loads(wm(env, "worker", "show", "either", "--json").out)
+    assert before == after
+    assert before["name"] == "either"
+
+
+def test_history_after_update_code_and_rollback(env: dict[str, str], tmp_path: Path) -> None:
+    made = create(env, tmp_path, "--name", "versions")
+    second = stub(output_type="second")
+    updated = wm_json(env, "worker", "update-code", "versions", "--base64",
+                      base64.b64encode(second).decode(), "--note", "faster")
+    assert updated["current_version"] == 2
+
+    history = wm_json(env, "worker", "history", "versions")
+    assert [(v["version"], v["note"]) for v in history] == [(1, "created"), (2, "faster")]
+    rows = wm(env, "worker", "history", "versions").out.splitlines()
+    assert rows[2].split()[:2] == ["2", "*"]
+
+    rolled = wm_json(env, "worker", "rollback", "versions", "1")
+    assert rolled["current_version"] == 1
+    assert rolled["sha256"] == made["sha256"]
+    assert wm(env, "worker", "code", "versions").raw == stub(output_type="done")
+    assert wm(env, "worker", "code", "versions", "--version", "2").raw == second
+    reasons = [t["reason"] for t in wm_json(env, "worker", "transitions", "versions")]
+    assert reasons[-2:] == ["code updated to version 2",
+                            "rolled back from version 2 to version 1"]
+    error = one_error_line(wm(env, "worker", "rollback", "versions", "9", expect=1))
+    assert "no version 9" in error
+
+
+def test_stop_and_start_are_idempotent(env: dict[str, str], tmp_path: Path) -> None:
+    made = create(env, tmp_path)
+    for _ in range(2):
+        assert wm_json(env, "worker", "stop", made["id"])["status"] == "stopped"
+    after_stops = len(wm_json(env, "worker", "transitions", made["id"]))
+    for _ in range(2):
+        assert wm_json(env, "worker", "start", made["id"])["status"] == "running"
+    statuses = [t["to_status"] for t in wm_json(env, "worker", "transitions", made["id"])]
+    assert len(statuses) == after_stops + 2
+    assert statuses[-4:] == ["stopping", "stopped", "starting", "running"]
+    assert wm(env, "worker", "stop", made["id"]).out.strip() == (
+        f"worker {made['id']}: stopped, version 1"
+    )
+
+
+def test_start_after_delete_fails_with_one_error_line(env: dict[str, str], tmp_path: Path) -> None:
+    made = create(env, tmp_path, "--name", "doomed")
+    assert wm_json(env, "worker", "delete", "doomed")["status"] == "deleted"
+    result = wm(env, "worker", "start", made["id"], expect=1)
+    assert "deleted" in one_error_line(result)
+    assert result.out == ""
+    assert "no worker with id or name 'doomed'" in one_error_line(
+        wm(env, "worker", "show", "doomed", expect=1)
+    )
+    assert wm_json(env, "worker", "list") == []
+
+
+def test_unknown_mime_type_lists_the_registered_ones(env: dict[str, str]) -> None:
+    result = wm(env, "worker", "create", "--topic", "t", "--mime-type", "text/x-cobol",
+                "--base64", "e30=", expect=1)
+    error = one_error_line(result)
+    assert "'text/x-cobol'" in error
+    assert f"Registered: {STUB}" in error
+    assert wm_json(env, "worker", "list") == []
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (["--base64", base64.b64encode(b'{"nope": 1}').decode()], "unknown key 'nope'"),
+        (["--base64", base64.b64encode(b"not json").decode()], "must be a JSON object"),
+        (["--base64", "e30"], "not valid base64"),
+        (["--file", "/nonexistent/code.json"], "cannot read /nonexistent/code.json"),
+        (["--base64", "e30=", "--sha256", "0" * 64], "but the pin is"),
+        (["--base64", "e30=", "--setting", "retries=3"], "unknown worker setting 'retries'"),
+    ],
+)
+def test_bad_code_or_settings_are_refused_and_nothing_is_persisted(
+    env: dict[str, str], source: list[str], message: str
+) -> None:
+    result = wm(env, "worker", "create", "--topic", "t", "--mime-type", STUB, "--name", "bad",
+                *source, expect=1)
+    assert message in one_error_line(result)
+    assert wm_json(env, "worker", "list", "--status", "created") == []
+    assert wm_json(env, "worker", "list") == []
+    assert wm_json(env, "subscriptions") == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("GROUP_LOCK_MAX_RETRIES", "abc", "GROUP_LOCK_MAX_RETRIES='abc' is malformed"),
+        ("WM_MAX_RETRIES", "-1", "WM_MAX_RETRIES='-1' is malformed"),
+        ("WM_BROKER_URLL", "redis://x", "unknown setting WM_BROKER_URLL. Did you mean"),
+        ("WM_LOG_LEVEL", "loud", "WM_LOG_LEVEL='loud' is malformed"),
+    ],
+)
+def test_malformed_environment_names_the_variable(
+    env: dict[str, str], variable: str, value: str, message: str
+) -> None:
+    result = wm({**env, variable: value}, "worker", "list", expect=1)
+    assert message in one_error_line(result)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["worker", "create", "--topic", "t", "--mime-type", STUB],
+        ["worker", "create", "--topic", "t", "--mime-type", STUB, "--base64", "e30=",
+         "--setting", "no-equals-sign"],
+        ["worker", "list", "--status", "sleeping"],
+        ["worker", "rollback", "w", "zero"],
+        ["publish", "--source", "/s"],
+        ["publish", "--event-file", "-", "--type", "t"],
+        ["dlq", "purge", "--topic", "t"],
+        ["dlq", "replay"],
+        ["tail", "t", "--count", "0"],
+        [],
+    ],
+)
+def test_usage_errors_exit_2(env: dict[str, str], args: list[str]) -> None:
+    result = wm(env, *args, expect=2)
+    assert "usage: wm" in result.err
+    assert "Traceback" not in result.err
+
+
+def test_bench_gets_its_command_line_verbatim() -> None:
+    args = build_parser().parse_args(["--json", "bench", "--events", "10", "--json", "-h"])
+    assert args.bench_args == ["--events", "10", "--json", "-h"]
+
+
+def test_unmigrated_database_is_one_error_line(unmigrated_env: dict[str, str]) -> None:
+    state = wm_json(unmigrated_env, "db", "current")
+    assert state["current"] is None
+    assert state["up_to_date"] is False
+    assert "wm db upgrade" in one_error_line(wm(unmigrated_env, "worker", "list", expect=1))
+
+
+def test_db_upgrade_reaches_head(env: dict[str, str]) -> None:
+    state = wm_json(env, "db", "current")
+    assert state["current"] == state["head"]
+    assert state["up_to_date"] is True
+    assert "up to date" in wm(env, "db", "current").out
+
+
+def test_config_prints_default_and_current_values(env: dict[str, str]) -> None:
+    tuned = {**env, "GROUP_LOCK_MAX_RETRIES": "7"}
+    rows = {r["variable"]: r for r in wm_json(tuned, "config")}
+    assert rows["GROUP_LOCK_MAX_RETRIES"]["default"] == "3"
+    assert rows["GROUP_LOCK_MAX_RETRIES"]["current"] == "7"
+    assert rows["WM_DATABASE_URL"]["current"] == env["WM_DATABASE_URL"]
+    assert set(rows) == {variable for variable, _, _ in settings_table()}
+    table = wm(tuned, "config").out.splitlines()
+    assert table[0].split() == ["VARIABLE", "DEFAULT", "CURRENT", "MEANING"]
+    assert any(line.split()[:3] == ["GROUP_LOCK_MAX_RETRIES", "3", "7"] for line in table)
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+def test_publish_reaches_a_subscribed_queue(env: dict[str, str], tmp_path: Path) -> None:
+    queue = wm_json(env, "subscribe", "orders", "sink")["queue"]
+    reached = wm(env, "publish", "--type", "orders.placed", "--source", "/shop",
+                 "--topic", "orders", "--id", "evt-1", "--subject", "order-7",
+                 "--data", '{"amount": 12}', "--correlation-id", "corr-9",
+                 "--extension", "tenant=acme")
+    assert reached.out.strip() == "published evt-1 to orders: reached 1 subscription(s)"
+    event_file = tmp_path / "event.json"
+    event_file.write_text(encode(make_event("orders", "/file", {"n": 2}, id="evt-2")))
+    assert wm_json(env, "publish", "--event-file", str(event_file))["reached"] == 1
+    stdin_event = encode(make_event("orders", "/stdin", None, id="evt-3")).encode()
+    assert wm_json(env, "publish", "--event-file", "-", stdin=stdin_event)["reached"] == 1
+
+    listed = wm_json(env, "subscriptions", "--topic", "orders")
+    assert listed == [{"topic": "orders", "queue": queue, "worker_id": None, "depth": 3}]
+    first, second, third = drain(env, queue, 3)
+    assert first["id"] == "evt-1"
+    assert first["type"] == "orders.placed"
+    assert first["subject"] == "order-7"
+    assert first["data"] == {"amount": 12}
+    assert (first["correlationid"], first["tenant"]) == ("corr-9", "acme")
+    assert (second["id"], second["data"]) == ("evt-2", {"n": 2})
+    assert third["source"] == "/stdin"
+
+    wm(env, "unsubscribe", "orders", "sink")
+    assert wm_json(env, "subscriptions") == []
+    dropped = wm(env, "publish", "--type", "orders", "--source", "/shop")
+    assert "dropped: topic has no subscriber" in dropped.out
+    assert wm_json(env, "publish", "--type", "orders", "--source", "/shop")["reached"] == 0
+
+
+def test_bad_event_data_is_one_error_line(env: dict[str, str]) -> None:
+    result = wm(env, "publish", "--type", "t", "--source", "/s", "--data", "{oops", expect=1)
+    assert "--data is not valid JSON" in one_error_line(result)
+    result = wm(env, "publish", "--event-file", "-", stdin=b'{"type": "t"}', expect=1)
+    assert "lacks required attribute" in one_error_line(result)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
+def test_lifecycle_events_reach_a_subscribed_queue_in_order(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    queue = wm_json(env, "subscribe", LIFECYCLE, "audit")["queue"]
+    worker = create(env, tmp_path, "--name", "audited")["id"]
+    wm(env, "worker", "update-code", worker, "--base64",
+       base64.b64encode(stub(output_type="v2")).decode())
+    wm(env, "worker", "rollback", "audited", "1")
+    wm(env, "worker", "stop", worker)
+    wm(env, "worker", "start", worker)
+    wm(env, "worker", "delete", worker)
+
+    events = drain(env, queue, 7)
+    kinds = ["created", "started", "code_updated", "code_updated", "stopped", "started",
+             "deleted"]
+    assert [e["type"] for e in events] == [LIFECYCLE_TYPE + kind for kind in kinds]
+    assert {e["subject"] for e in events} == {worker}
+    assert [e["data"]["version"] for e in events[2:4]] == [2, 1]
+    assert events[-1]["data"]["to_state"] == "deleted"
+    wm(env, "unsubscribe", LIFECYCLE, "audit")
+
+
+def test_tail_prints_lifecycle_events_of_a_concurrent_create(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    tail = start_tail(env, LIFECYCLE, "--json", "--count", "3", "--timeout-s", str(GUARD_S))
+    worker = create(env, tmp_path, "--name", "watched")["id"]
+    wm(env, "worker", "stop", "watched")
+    out, _ = finish(tail)
+
+    events = [json.loads(line) for line in out.splitlines()]
+    kinds = ["created", "started", "stopped"]
+    assert [e["type"] for e in events] == [LIFECYCLE_TYPE + kind for kind in kinds]
+    assert {e["subject"] for e in events} == {worker}
+    assert tail_queues(env, LIFECYCLE) == []
+
+
+def test_tail_human_line(env: dict[str, str]) -> None:
+    tail = start_tail(env, "orders", "--count", "1")
+    wm(env, "publish", "--type", "orders", "--source", "/s", "--id", "evt-7",
+       "--subject", "order-7", "--correlation-id", "corr-7")
+    out, _ = finish(tail)
+    when, *rest = out.split()
+    assert rest == ["orders", "evt-7", "order-7", "corr-7"]
+    assert when.endswith("Z")
+    assert tail_queues(env, "orders") == []
+
+
+def test_tail_stops_after_a_quiet_period_and_cleans_up(env: dict[str, str]) -> None:
+    assert wm(env, "tail", "orders", "--timeout-s", "1").out == ""
+    assert wm_json(env, "subscriptions") == []
+
+
+def test_tail_cleans_up_on_ctrl_c(env: dict[str, str]) -> None:
+    tail = start_tail(env, "orders")
+    tail.send_signal(signal.SIGINT)
+    _, err = finish(tail)
+    assert "Traceback" not in err
+    assert tail_queues(env, "orders") == []
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+def park(env: dict[str, str], worker_id: str, topic: str, error_type: str) -> str:
+    """Dead-letter one event the way the delivery task does."""
+    settings = Settings.from_env(env)
+    event = make_event(topic, "/test", {"n": 1})
+    try:
+        return DeadLetters(settings).park(Failure(
+            topic=topic, worker_id=worker_id, envelope=encode(event), event_id=event.get_id(),
+            error_type=error_type, error_message="it broke", attempts=3, version=1,
+        ))
+    finally:
+        store.dispose_engines()
+
+
+def test_dead_letters_list_show_replay_purge(env: dict[str, str], tmp_path: Path) -> None:
+    worker = create(env, tmp_path, "--name", "flaky")["id"]
+    timeout = park(env, worker, "orders", "WorkerTimeout")
+    crash = park(env, worker, "orders", "WorkerExecutionError")
+
+    listed = wm_json(env, "dlq", "list", "--worker", "flaky")
+    assert {d["id"] for d in listed} == {timeout, crash}
+    assert [d["id"] for d in wm_json(env, "dlq", "list", "--error-type", "WorkerTimeout")] == [
+        timeout
+    ]
+    shown = wm_json(env, "dlq", "show", timeout)
+    assert json.loads(shown["envelope"])["data"] == {"n": 1}
+    assert "it broke" in wm(env, "dlq", "list").out
+
+    queue = f"orders::{worker}"
+    replayed = wm_json(env, "dlq", "replay", timeout, "--to-version", "same", "--rate", "100")
+    assert replayed["replayed"] == 1
+    depth = {s["queue"]: s["depth"] for s in wm_json(env, "subscriptions")}
+    assert depth[queue] == 1
+    assert [d["id"] for d in wm_json(env, "dlq", "list")] == [crash]
+    assert [d["replay_count"] for d in wm_json(env, "dlq", "list", "--all")
+            if d["id"] == timeout] == [1]
+
+    assert "--yes" in wm(env, "dlq", "purge", "--topic", "orders", expect=2).err
+    assert wm_json(env, "dlq", "purge", "--topic", "orders", "--yes") == {"purged": 2}
+    assert "no dead letter with id" in one_error_line(wm(env, "dlq", "show", crash, expect=1))

@@ -1,0 +1,562 @@
+"""The Python engine end to end: real sandboxed subprocesses, real pipes, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+import wm  # noqa: F401 - import the platform before engines (engines.base needs wm first)
+from engines.base import WorkerSpec
+from engines.python import PythonEngine
+from engines.python.engine import PythonWorkerError
+from tests.workers import child_pids, code
+from wm.config import Settings
+from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
+from wm.events import CloudEvent, make_event
+
+SETTINGS = Settings()
+
+
+def spec(**overrides: Any) -> WorkerSpec:
+    values: dict[str, Any] = {"worker_id": "w-test", "topic": "orders", **overrides}
+    return WorkerSpec(**values)
+
+
+def alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+@pytest.fixture
+def engine() -> Iterator[PythonEngine]:
+    before = child_pids()
+    instance = PythonEngine(SETTINGS)
+    yield instance
+    instance.close()
+    assert child_pids() <= before, "the engine left a child process behind"
+
+
+def event(data: Any = None, **extensions: Any) -> CloudEvent:
+    return make_event("orders.placed", "/tests", data, extensions=extensions or None)
+
+
+# --- round trips -----------------------------------------------------------------------------
+
+
+def test_echo_round_trip(engine: PythonEngine, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="engines.python")
+    engine.load(code("echo"), spec())
+    incoming = event({"n": 1, "text": "héllo"})
+
+    [output] = engine.process(incoming, timeout_s=5)
+
+    assert output.get_type() == "echo.out"
+    assert output.get_source() == "/workers/echo"
+    assert output.get_data() == {"input": {"n": 1, "text": "héllo"}}
+    assert f"echo worker saw {incoming.get_id()}" in caplog.text
+    assert "w-test" in caplog.text
+
+
+def test_child_is_reused_across_messages(engine: PythonEngine) -> None:
+    engine.load(code("echo"), spec())
+    pid = engine.pid
+    for n in range(20):
+        [output] = engine.process(event({"n": n}), timeout_s=5)
+        assert output.get_data() == {"input": {"n": n}}
+    assert engine.pid == pid
+
+
+def test_binary_and_large_payloads_round_trip(engine: PythonEngine) -> None:
+    engine.load(
+        b"from wm.devkit import make_event\n"
+        b"def process(event):\n    return make_event('copy', '/w', event.get_data())\n",
+        spec(),
+    )
+    blob = bytes(range(256)) * 4
+    big = {"items": ["x" * 1000] * 5000}  # ~5 MB: larger than a pipe buffer both ways
+
+    [binary] = engine.process(make_event("raw", "/tests", blob), timeout_s=5)
+    [large] = engine.process(event(big), timeout_s=10)
+
+    assert binary.get_data() == blob
+    assert large.get_data() == big
+
+
+def test_worker_base_worker(engine: PythonEngine, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="engines.python")
+    engine.load(code("greeter"), spec())
+
+    [output] = engine.process(event({"name": "Ada"}), timeout_s=5)
+    [error] = engine.process(event({}), timeout_s=5)
+
+    assert (output.get_type(), output.get_source()) == ("greetings.sent", "/workers/greeter")
+    assert output.get_data() == {"greeting": "Hello, Ada!"}
+    assert error.get_type() == "greetings.sent.error"
+    assert error.get_data() == {"error": "name is required"}
+    assert "greeting Ada" in caplog.text
+
+
+def test_correlation_id_is_propagated(engine: PythonEngine) -> None:
+    engine.load(code("greeter"), spec())
+
+    [output] = engine.process(event({"name": "Ada"}, correlationid="corr-42"), timeout_s=5)
+    [error] = engine.process(event({}, correlationid="corr-43"), timeout_s=5)
+
+    assert output.get_extension("correlationid") == "corr-42"
+    assert error.get_extension("correlationid") == "corr-43"
+
+
+def test_absent_correlation_id_stays_absent(engine: PythonEngine) -> None:
+    engine.load(code("greeter"), spec())
+
+    [output] = engine.process(event({"name": "Ada"}), timeout_s=5)
+
+    assert output.get_extension("correlationid") is None
+    assert "correlationid" not in output.get_attributes()
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"command": "create", "item": "book"}, {"created": "book"}),
+        ({"command": "CREATE", "item": "pen"}, {"created": "pen"}),
+        ('{"command": "cancel", "id": 7}', {"cancelled": 7}),
+        ({"command": "refund"}, {"error": "Unknown command: refund"}),
+        ({"item": "book"}, {"error": "Missing 'command' field"}),
+        ("{not json", {"error": "Failed to parse command JSON"}),
+        ("null", {"error": "Failed to parse command JSON"}),
+        ({"command": "explode"}, {"error": "Internal error: the order exploded"}),
+    ],
+)
+def test_command_worker(engine: PythonEngine, data: Any, expected: dict[str, Any]) -> None:
+    engine.load(code("orders"), spec())
+
+    [output] = engine.process(event(data, correlationid="c-1"), timeout_s=5)
+
+    assert output.get_data() == expected
+    is_error = "error" in expected
+    assert output.get_type() == ("orders.result.error" if is_error else "orders.result")
+    assert output.get_extension("correlationid") == "c-1"
+
+
+@pytest.mark.parametrize(
+    ("shape", "count"), [("single", 1), ("list", 3), ("tuple", 2), ("none", 0)]
+)
+def test_return_shapes(engine: PythonEngine, shape: str, count: int) -> None:
+    engine.load(code("shapes"), spec())
+
+    outputs = engine.process(event({"shape": shape}), timeout_s=5)
+
+    assert [o.get_data() for o in outputs] == [{"index": i} for i in range(count)]
+
+
+def test_invalid_return_value_is_an_error(engine: PythonEngine) -> None:
+    engine.load(code("shapes"), spec())
+
+    with pytest.raises(WorkerExecutionError, match=r"must return a CloudEvent.*not int"):
+        engine.process(event({"shape": "bogus"}), timeout_s=5)
+
+
+def test_async_process_is_awaited(engine: PythonEngine) -> None:
+    source = (
+        b"from wm.devkit import make_event\n"
+        b"async def double(x):\n    return 2 * x\n"
+        b"async def process(event):\n"
+        b"    return make_event('async.out', '/w', {'n': await double(21)})\n"
+    )
+    engine.load(source, spec())
+
+    [output] = engine.process(event(), timeout_s=5)
+
+    assert output.get_data() == {"n": 42}
+
+
+# --- errors, refusals, validation -------------------------------------------------------------
+
+
+def test_worker_exception_carries_type_line_and_traceback(engine: PythonEngine) -> None:
+    source = (
+        b"def check(data):\n    raise KeyError(data)\n\n"
+        b"def process(event):\n    check('sku')\n"
+    )
+    engine.load(source, spec())
+
+    with pytest.raises(PythonWorkerError) as caught:
+        engine.process(event(), timeout_s=5)
+
+    assert "KeyError: 'sku' (line 2)" in str(caught.value)
+    assert caught.value.error_type == "KeyError"
+    assert "line 5, in process" in caught.value.traceback
+    assert "runner.py" not in caught.value.traceback
+
+
+def test_child_survives_a_worker_exception(engine: PythonEngine) -> None:
+    engine.load(
+        b"def process(event):\n    if event.get_data():\n        raise ValueError()\n", spec()
+    )
+    pid = engine.pid
+
+    with pytest.raises(PythonWorkerError, match="ValueError"):
+        engine.process(event(True), timeout_s=5)
+
+    assert engine.process(event(False), timeout_s=5) == []
+    assert engine.pid == pid
+
+
+def test_syntax_error_is_refused_with_its_line(engine: PythonEngine) -> None:
+    with pytest.raises(InvalidCode, match=r"does not compile: .*\(line 3, column"):
+        engine.load(b"def process(event):\n    return 1\nif True\n", spec())
+    assert engine.pid is None
+
+
+def test_module_body_error_is_refused_with_its_line(engine: PythonEngine) -> None:
+    with pytest.raises(InvalidCode, match=r"ZeroDivisionError: division by zero \(line 2\)"):
+        engine.load(b"x = 1\ny = x / 0\ndef process(event):\n    pass\n", spec())
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (b"def handle(event):\n    pass\n", "neither a top-level process"),
+        (b"process = 42\n", "neither a top-level process"),
+        (
+            b"from wm.devkit import WorkerBase\nclass A(WorkerBase):\n    pass\n"
+            b"class B(WorkerBase):\n    pass\n",
+            "several WorkerBase subclasses",
+        ),
+        (
+            b"from wm.devkit import WorkerBase\nclass A(WorkerBase):\n    pass\n",
+            "A\\(\\) failed: TypeError",
+        ),
+    ],
+)
+def test_contract_violation_is_refused(engine: PythonEngine, source: bytes, message: str) -> None:
+    with pytest.raises(InvalidCode, match=message):
+        engine.load(source, spec())
+
+
+def test_validate_refuses_without_side_effects(engine: PythonEngine) -> None:
+    engine.load(code("echo"), spec())
+    pid = engine.pid
+    children = child_pids()
+
+    with pytest.raises(InvalidCode, match="import of 'subprocess' is not allowed"):
+        engine.validate(b"import subprocess\ndef process(event):\n    pass\n", spec())
+    engine.validate(code("greeter"), spec())
+
+    assert child_pids() == children
+    assert engine.pid == pid
+    assert engine.process(event({"a": 1}), timeout_s=5)[0].get_type() == "echo.out"
+
+
+def test_failed_load_keeps_the_previous_code(engine: PythonEngine) -> None:
+    engine.load(code("echo"), spec())
+
+    with pytest.raises(InvalidCode):
+        engine.load(b"import os\ndef process(event):\n    pass\n", spec(version=2))
+
+    assert engine.process(event({"a": 1}), timeout_s=5)[0].get_type() == "echo.out"
+
+
+def test_bad_worker_setting_is_refused(engine: PythonEngine) -> None:
+    with pytest.raises(InvalidCode, match="memory_mb"):
+        engine.load(code("echo"), spec(settings={"memory_mb": "lots"}))
+
+
+def test_process_before_load_is_an_error(engine: PythonEngine) -> None:
+    with pytest.raises(WorkerExecutionError, match="before load"):
+        engine.process(event(), timeout_s=1)
+
+
+# --- lifecycle: hot reload, timeout, crash ---------------------------------------------------
+
+V1 = b"from wm.devkit import make_event\ndef process(event):\n    return make_event('v1', '/w')\n"
+V2 = b"from wm.devkit import make_event\ndef process(event):\n    return make_event('v2', '/w')\n"
+SLOW_V1 = (
+    b"import time\nfrom wm.devkit import make_event\n"
+    b"def process(event):\n    time.sleep(0.5)\n    return make_event('v1', '/w')\n"
+)
+
+
+def test_hot_reload_picks_new_code_on_next_message(engine: PythonEngine) -> None:
+    engine.load(V1, spec())
+    assert engine.process(event(), timeout_s=5)[0].get_type() == "v1"
+    old_pid = engine.pid
+    assert old_pid is not None
+
+    engine.load(V2, spec(version=2))
+
+    assert engine.process(event(), timeout_s=5)[0].get_type() == "v2"
+    assert engine.pid != old_pid
+    assert not alive(old_pid)
+
+
+def test_hot_reload_lets_the_message_in_flight_finish_on_old_code(engine: PythonEngine) -> None:
+    engine.load(SLOW_V1, spec())
+    results: list[str] = []
+    in_flight = threading.Thread(
+        target=lambda: results.append(engine.process(event(), timeout_s=5)[0].get_type())
+    )
+    in_flight.start()
+    time.sleep(0.1)
+
+    engine.load(V2, spec(version=2))
+    in_flight.join()
+
+    assert results == ["v1"]
+    assert engine.process(event(), timeout_s=5)[0].get_type() == "v2"
+
+
+def test_timeout_kills_the_child_and_the_next_message_gets_a_fresh_one(
+    engine: PythonEngine,
+) -> None:
+    source = (
+        b"from wm.devkit import make_event\n"
+        b"def process(event):\n"
+        b"    if event.get_data() == 'spin':\n"
+        b"        while True:\n            pass\n"
+        b"    return make_event('ok', '/w')\n"
+    )
+    engine.load(source, spec())
+    first_pid = engine.pid
+    assert first_pid is not None
+    started = time.monotonic()
+
+    with pytest.raises(WorkerTimeout, match=r"within 0\.5 s"):
+        engine.process(event("spin"), timeout_s=0.5)
+
+    assert time.monotonic() - started < 2
+    assert not alive(first_pid)
+    assert engine.pid is None
+    assert engine.process(event("fine"), timeout_s=5)[0].get_type() == "ok"
+    assert engine.pid not in (None, first_pid)
+
+
+def test_crash_is_an_error_and_the_child_respawns(engine: PythonEngine) -> None:
+    source = (
+        b"from wm.devkit import make_event\n"
+        b"def process(event):\n"
+        b"    if event.get_data() == 'exit':\n        raise SystemExit(3)\n"
+        b"    return make_event('ok', '/w')\n"
+    )
+    engine.load(source, spec())
+    first_pid = engine.pid
+    assert first_pid is not None
+
+    with pytest.raises(WorkerExecutionError, match="SystemExit: 3"):
+        engine.process(event("exit"), timeout_s=5)
+
+    assert not alive(first_pid)
+    assert engine.process(event("fine"), timeout_s=5)[0].get_type() == "ok"
+    assert engine.pid != first_pid
+
+
+def test_cpu_limit_kill_is_reported_and_the_child_respawns(engine: PythonEngine) -> None:
+    source = (
+        b"from wm.devkit import make_event\n"
+        b"def process(event):\n"
+        b"    while event.get_data() == 'burn':\n        pass\n"
+        b"    return make_event('ok', '/w')\n"
+    )
+    engine.load(source, spec(settings={"cpu_limit_s": 1}))
+
+    with pytest.raises(WorkerExecutionError, match="SIGXCPU"):
+        engine.process(event("burn"), timeout_s=10)
+
+    assert engine.process(event("fine"), timeout_s=5)[0].get_type() == "ok"
+
+
+def test_memory_limit_comes_from_worker_settings(engine: PythonEngine) -> None:
+    source = (
+        b"from wm.devkit import make_event\n"
+        b"def process(event):\n"
+        b"    block = bytearray(event.get_data() * 1024 * 1024)\n"
+        b"    return make_event('ok', '/w', {'mb': len(block) // 1024 // 1024})\n"
+    )
+    engine.load(source, spec(settings={"memory_mb": 128}))
+    with pytest.raises(WorkerExecutionError, match="MemoryError"):
+        engine.process(event(200), timeout_s=5)
+
+    engine.load(source, spec(version=2))  # default 512 MiB
+    assert engine.process(event(200), timeout_s=5)[0].get_data() == {"mb": 200}
+
+
+def test_leftover_thread_ends_the_child(engine: PythonEngine) -> None:
+    source = (
+        b"import time\n"
+        b"def find(name):\n"
+        b"    return [c for c in ().__class__.__base__.__subclasses__() if c.__name__ == name][0]\n"
+        b"def process(event):\n"
+        b"    thread = find('_wrap_close').__init__.__globals__['sys'].modules['_thread']\n"
+        b"    thread.start_new_thread(time.sleep, (30,))\n"
+        b"    time.sleep(0.2)\n"
+    )
+    engine.load(source, spec())
+    pid = engine.pid
+    assert pid is not None
+
+    with pytest.raises(WorkerExecutionError, match="left 1 thread"):
+        engine.process(event(), timeout_s=5)
+
+    assert not alive(pid)
+
+
+def test_concurrent_callers_are_serialized(engine: PythonEngine) -> None:
+    engine.load(code("echo"), spec())
+    results: dict[int, Any] = {}
+
+    def call(n: int) -> None:
+        results[n] = engine.process(event({"n": n}), timeout_s=10)[0].get_data()
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert results == {n: {"input": {"n": n}} for n in range(8)}
+
+
+def test_close_removes_child_and_directory(engine: PythonEngine) -> None:
+    engine.load(code("echo"), spec())
+    pid = engine.pid
+    assert pid is not None
+    directory = os.readlink(f"/proc/{pid}/cwd")
+    assert os.path.isfile(os.path.join(directory, "worker.py"))
+
+    engine.close()
+    engine.close()
+
+    assert not alive(pid)
+    assert not os.path.exists(directory)
+
+
+# --- gateway -------------------------------------------------------------------------------------
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    requests: list[tuple[str, Any]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append((self.path, body))
+        answer = json.dumps({"path": self.path, "echo": body}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def api_server() -> Iterator[tuple[int, list[tuple[str, Any]]]]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    _Recorder.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], _Recorder.requests
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def gateway_engine(*hosts: str) -> PythonEngine:
+    return PythonEngine(SETTINGS.replace(gateway_allowed_hosts=hosts, gateway_timeout_s=5.0))
+
+
+def test_api_worker_calls_the_gateway_through_the_host(
+    api_server: tuple[int, list[tuple[str, Any]]],
+) -> None:
+    port, requests = api_server
+    engine = gateway_engine("127.0.0.1")
+    try:
+        engine.load(code("gateway_client", API_PORT=port), spec())
+        [output] = engine.process(event({"sku": "A-1"}, correlationid="c-9"), timeout_s=10)
+    finally:
+        engine.close()
+
+    assert requests == [("/orders/create", {"sku": "A-1"})]
+    assert output.get_data() == {"answer": {"path": "/orders/create", "echo": {"sku": "A-1"}}}
+    assert output.get_extension("correlationid") == "c-9"
+
+
+def test_api_command_worker_takes_host_and_port_from_the_command(
+    api_server: tuple[int, list[tuple[str, Any]]],
+) -> None:
+    port, requests = api_server
+    engine = gateway_engine("127.0.0.1")
+    try:
+        engine.load(code("gateway_commands"), spec())
+        command = {"command": "price", "sku": "B-2", "api_host": "127.0.0.1", "api_port": port}
+        [output] = engine.process(event(command), timeout_s=10)
+    finally:
+        engine.close()
+
+    assert requests == [("/catalog/price", {"sku": "B-2"})]
+    assert output.get_data()["via"] == f"127.0.0.1:{port}"
+
+
+def test_gateway_refuses_hosts_not_allowed(
+    api_server: tuple[int, list[tuple[str, Any]]],
+) -> None:
+    port, requests = api_server
+    engine = gateway_engine("api.internal")
+    try:
+        engine.load(code("gateway_client", API_PORT=port), spec())
+        with pytest.raises(WorkerExecutionError, match="WM_GATEWAY_ALLOWED_HOSTS"):
+            engine.process(event({"sku": "A-1"}), timeout_s=10)
+    finally:
+        engine.close()
+
+    assert requests == []
+
+
+def test_engine_class_is_exported_lazily() -> None:
+    import engines.python
+
+    assert engines.python.PythonEngine is PythonEngine
+    assert PythonEngine.mime_type == "text/x-python"
+
+
+def test_validate_makes_no_gateway_calls(api_server: tuple[int, list[tuple[str, Any]]]) -> None:
+    port, requests = api_server
+    engine = gateway_engine("127.0.0.1")
+    source = (
+        b"from wm.devkit import ApiClient\n"
+        b"ApiClient('127.0.0.1', " + str(port).encode() + b").gateway.audit.record({})\n"
+        b"def process(event):\n    pass\n"
+    )
+    try:
+        with pytest.raises(InvalidCode, match="not made while code is being validated"):
+            engine.validate(source, spec())
+        engine.load(source, spec())
+    finally:
+        engine.close()
+
+    assert requests == [("/audit/record", {})]
+
+
+def test_child_that_died_while_idle_is_replaced_before_the_next_message(
+    engine: PythonEngine,
+) -> None:
+    import signal
+
+    engine.load(code("echo"), spec())
+    pid = engine.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.1)
+
+    assert engine.process(event({"a": 1}), timeout_s=5)[0].get_type() == "echo.out"
+    assert engine.pid != pid
+

@@ -1,0 +1,104 @@
+"""``wm db …``, ``wm config``, and the commands other modules implement: ``wm up``, ``wm bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from kombu.utils.url import maybe_sanitize_url
+
+from wm import store
+from wm.cli.arguments import add_command, add_group
+from wm.cli.output import Context
+from wm.config import Settings, settings_table
+from wm.errors import WorkManagerError
+
+if TYPE_CHECKING:
+    from wm.cli.arguments import Commands
+
+#: Widest value ``wm config`` prints in its table; ``wm config --json`` shows them whole.
+CONFIG_CELL_CHARS = 40
+
+
+def register(commands: Commands, common: argparse.ArgumentParser) -> None:
+    db = add_group(commands, "db", common, "migrate the worker store")
+    add_command(db, "upgrade", db_upgrade, common, "apply every pending migration")
+    add_command(db, "current", db_current, common, "print the current and the head revision")
+    add_command(commands, "config", show_config, common,
+                "print every setting: variable, default, current value, meaning")
+    up = add_command(commands, "up", run_up, common,
+                     "run the whole stack embedded on this machine (Redis, SQLite, a node)")
+    up.add_argument("--demo", action="store_true", help="also deploy a demo worker")
+    # Everything after ``bench`` is the benchmark's own command line, options included.
+    bench = commands.add_parser("bench", add_help=False, prefix_chars="\x00",
+                                help="run the benchmarks (wm bench --help for theirs)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=run_bench, command_parser=bench)
+
+
+def db_upgrade(ctx: Context, args: argparse.Namespace) -> int:
+    store.upgrade(ctx.settings)
+    revision = store.current_revision(ctx.settings)
+    if ctx.as_json:
+        ctx.json({"current": revision})
+    else:
+        ctx.line(f"database at revision {revision}")
+    return 0
+
+
+def db_current(ctx: Context, args: argparse.Namespace) -> int:
+    current = store.current_revision(ctx.settings)
+    head = store.head_revision(ctx.settings)
+    if ctx.as_json:
+        ctx.json({"current": current, "head": head, "up_to_date": current == head})
+        return 0
+    if current is None:
+        state = "never migrated: run wm db upgrade"
+    elif current == head:
+        state = "up to date"
+    else:
+        state = "behind: run wm db upgrade"
+    ctx.fields([("current", current), ("head", head), ("state", state)])
+    return 0
+
+
+def show_config(ctx: Context, args: argparse.Namespace) -> int:
+    current = _current_values(ctx.settings)
+    rows = [(env, default, current[env], meaning) for env, default, meaning in settings_table()]
+    if ctx.as_json:
+        ctx.json([{"variable": env, "default": default, "current": value, "meaning": meaning}
+                  for env, default, value, meaning in rows])
+        return 0
+    ctx.table(["VARIABLE", "DEFAULT", "CURRENT", "MEANING"], rows, empty="no settings",
+              limit=CONFIG_CELL_CHARS)
+    return 0
+
+
+def _current_values(settings: Settings) -> dict[str, str]:
+    """Each variable's value in effect, shown like its default; passwords in URLs masked."""
+    values: dict[str, str] = {}
+    for field in fields(settings):
+        value: Any = getattr(settings, field.name)
+        shown = ",".join(value) if isinstance(value, tuple) else str(value)
+        values[field.metadata["env"]] = maybe_sanitize_url(shown) if "://" in shown else shown
+    return values
+
+
+def run_up(ctx: Context, args: argparse.Namespace) -> int:
+    return int(_component("wm.up").run(demo=args.demo))
+
+
+def run_bench(ctx: Context, args: argparse.Namespace) -> int:
+    return int(_component("wm.bench").main(list(args.bench_args)))
+
+
+def _component(name: str) -> Any:
+    """Imported only when its command runs: it needs what no other command loads."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        raise WorkManagerError(f"{name} is missing from this installation") from exc
