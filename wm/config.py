@@ -219,9 +219,13 @@ def _refuse_unknown(env: Mapping[str, str], known: Mapping[str, Any]) -> None:
 
 def settings_table() -> list[tuple[str, str, str]]:
     """(variable, default, meaning) rows, used by ``wm config`` and the README."""
-    rows = []
-    for f in fields(Settings):
-        default = f.default
-        shown = ",".join(default) if isinstance(default, tuple) else str(default)
-        rows.append((f.metadata["env"], shown, f.metadata["doc"]))
-    return rows
+    return [(f.metadata["env"], _shown(f.default), f.metadata["doc"]) for f in fields(Settings)]
+
+
+def current_values(settings: Settings) -> dict[str, str]:
+    """Variable name → the value in force, as text."""
+    return {f.metadata["env"]: _shown(getattr(settings, f.name)) for f in fields(Settings)}
+
+
+def _shown(value: Any) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from wm import store
 from wm.bus import Bus, Route, worker_queue_name
 from wm.config import Settings
-from wm.errors import DeadLetterNotFound, InvalidArgument, WorkerNotFound
+from wm.errors import DeadLetterNotFound, InvalidArgument, WorkerNotFound, WorkManagerError
 from wm.events import make_event
 from wm.lifecycle import Status
 from wm.models import DeadLetter, Worker
@@ -151,8 +151,11 @@ class DeadLetters:
         interval, sent = 1.0 / rate_per_s, 0
         for letter_id in letter_ids:
             started = time.monotonic()
-            with store.session_scope(self.settings) as session:
-                self._replay_one(session, letter_id, to_version)
+            try:
+                with store.session_scope(self.settings) as session:
+                    self._replay_one(session, letter_id, to_version)
+            except WorkManagerError as exc:
+                raise type(exc)(f"{exc} ({sent} of {len(letter_ids)} replayed before)") from exc
             sent += 1
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
         return sent
@@ -178,6 +181,8 @@ class DeadLetters:
         self, letter_ids: builtins.list[str] | None = None, *, topic: str | None = None,
         worker_id: str | None = None, error_type: str | None = None,
     ) -> int:
+        if letter_ids is None and topic is None and worker_id is None and error_type is None:
+            raise InvalidArgument("purge needs dead-letter ids or at least one filter")
         with store.session_scope(self.settings) as session:
             query = delete(DeadLetter)
             if letter_ids is not None:
@@ -200,7 +205,10 @@ def _where(query: Any, topic: str | None, worker_id: str | None, error_type: str
     if topic is not None:
         query = query.where(DeadLetter.topic == topic)
     if worker_id is not None:
-        query = query.where(DeadLetter.worker_id == uuid.UUID(worker_id))
+        try:
+            query = query.where(DeadLetter.worker_id == uuid.UUID(worker_id))
+        except ValueError:
+            raise InvalidArgument(f"worker filter {worker_id!r} is not a worker id") from None
     if error_type is not None:
         query = query.where(DeadLetter.error_type == error_type)
     return query

@@ -78,6 +78,21 @@ class EventDecodeError(WorkManagerError):
     """Raised when bytes or a dict are not a valid CloudEvent."""
 
 
+class DatabaseError(WorkManagerError):
+    """Raised when the worker store cannot be reached, is not migrated, or refuses a query.
+
+    ``transient`` is true for lock timeouts and serialization failures, which a retry fixes.
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+class SubscriptionNotFound(WorkManagerError):
+    """Raised when a plain subscription named for removal does not exist."""
+
+
 class BrokerUnavailable(WorkManagerError):
     """Raised when the message broker or Redis cannot be reached."""
 

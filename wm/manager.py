@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
-from sqlalchemy.exc import OperationalError as SAOperationalError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -22,8 +21,10 @@ from wm.directory import Directory
 from wm.errors import (
     BrokerUnavailable,
     ConcurrencyConflict,
+    DatabaseError,
     IllegalTransition,
     InvalidArgument,
+    SubscriptionNotFound,
     VersionNotFound,
     WorkerNotFound,
     WorkManagerError,
@@ -203,7 +204,7 @@ class WorkManager:
         if group is not None:
             query = query.where(Worker.group == group)
         if status is not None:
-            query = query.where(Worker.status == Status(status).value)
+            query = query.where(Worker.status == _status(status).value)
         else:
             query = query.where(Worker.status != Status.DELETED.value)
         with store.session_scope(self.settings) as session:
@@ -265,8 +266,10 @@ class WorkManager:
         queue = plain_queue_name(topic, name)
 
         def remove(session: Session) -> None:
-            session.execute(sa_delete(Subscription).where(
+            result = session.execute(sa_delete(Subscription).where(
                 Subscription.queue == queue, Subscription.worker_id.is_(None)))
+            if not getattr(result, "rowcount", 0):
+                raise SubscriptionNotFound(f"topic {topic!r} has no subscription named {name!r}")
 
         self._transaction(remove)
         self.bus.remove_route(topic, queue, delete_queue=delete_queue)
@@ -432,7 +435,11 @@ class WorkManager:
             try:
                 with store.session_scope(self.settings) as session:
                     return change(session)
-            except (StaleDataError, SAOperationalError) as exc:
+            except StaleDataError as exc:
+                last = exc
+            except DatabaseError as exc:
+                if not exc.transient:
+                    raise
                 last = exc
             except SAIntegrityError as exc:
                 if name_hint is not None and "name" in str(exc.orig).lower():
@@ -465,6 +472,14 @@ def _version_row(
         worker_id=wid, version=version, source_kind=fetched.source_kind, url=fetched.url,
         sha256=fetched.sha256, size=fetched.size, code=fetched.code, note=note,
     )
+
+
+def _status(value: str) -> Status:
+    try:
+        return Status(value)
+    except ValueError:
+        known = ", ".join(s.value for s in Status)
+        raise InvalidArgument(f"unknown status {value!r}; known: {known}") from None
 
 
 def _require_text(field: str, value: str) -> None:

@@ -15,15 +15,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from wm.config import Settings
-from wm.errors import WorkManagerError
+from wm.errors import DatabaseError
 
 _MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
 
-class DatabaseError(WorkManagerError):
-    """Raised when the worker store cannot be reached or migrated."""
+#: Fragments of driver messages that mean "try again": SQLite busy, PostgreSQL conflicts.
+_TRANSIENT = ("database is locked", "could not serialize", "deadlock detected")
 
 
 def engine_for(settings: Settings) -> Engine:
@@ -77,11 +77,25 @@ def session_scope(settings: Settings) -> Iterator[Session]:
     try:
         yield session
         session.commit()
+    except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.InterfaceError) as exc:
+        session.rollback()
+        raise translate(settings, exc) from exc
     except BaseException:
         session.rollback()
         raise
     finally:
         session.close()
+
+
+def translate(settings: Settings, exc: SQLAlchemyError) -> DatabaseError:
+    """The operator's view of a driver error: what failed and what to check."""
+    text = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+    if any(fragment in text for fragment in _TRANSIENT):
+        return DatabaseError(f"database busy: {text}", transient=True)
+    return DatabaseError(
+        f"database {_safe_url(settings)} refused the operation ({text}); check "
+        "WM_DATABASE_URL and run `wm db upgrade`"
+    )
 
 
 def alembic_config(settings: Settings) -> Any:

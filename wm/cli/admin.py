@@ -31,6 +31,10 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
     up = add_command(commands, "up", run_up, common,
                      "run the whole stack embedded on this machine (Redis, SQLite, a node)")
     up.add_argument("--demo", action="store_true", help="also deploy a demo worker")
+    up.add_argument("--events", type=int, default=0, metavar="N",
+                    help="with --demo: stop after N demo events (default: run until Ctrl-C)")
+    up.add_argument("--concurrency", type=int, default=2, metavar="N",
+                    help="Celery processes of the node (default 2)")
     # Everything after ``bench`` is the benchmark's own command line, options included.
     bench = commands.add_parser("bench", add_help=False, prefix_chars="\x00",
                                 help="run the benchmarks (wm bench --help for theirs)")
@@ -87,7 +91,8 @@ def _current_values(settings: Settings) -> dict[str, str]:
 
 
 def run_up(ctx: Context, args: argparse.Namespace) -> int:
-    return int(_component("wm.up").run(demo=args.demo))
+    return int(_component("wm.up").run(demo=args.demo, events=args.events,
+                                       concurrency=args.concurrency))
 
 
 def run_bench(ctx: Context, args: argparse.Namespace) -> int:

@@ -1,0 +1,185 @@
+"""``wm up``: a complete single-machine WorkManager in the foreground.
+
+A real Redis server (the packaged binary of the ``embedded`` extra, or the system's), SQLite,
+migrations applied, and a Celery node consuming; Ctrl-C stops everything cleanly. With
+``--demo`` it also creates a Python worker and shows events flowing through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kombu import Connection
+
+from wm import store
+from wm.celeryapp import make_app
+from wm.config import Settings
+from wm.embedded import EmbeddedRedis, start_redis, stop_redis
+from wm.errors import WorkManagerError
+from wm.events import make_event
+from wm.manager import WorkManager
+
+#: Where ``wm up`` keeps its database, Redis files and logs (relative to the working dir).
+HOME = Path(".wm")
+#: Seconds a starting node has to answer a ping.
+NODE_START_TIMEOUT_S = 60.0
+#: Seconds a stopping node has to finish its tasks before it is killed.
+NODE_STOP_TIMEOUT_S = 30.0
+DEMO_TOPIC = "demo.orders"
+DEMO_OUTPUT = "demo.shouted"
+DEMO_CODE = '''\
+from wm.devkit import WorkerBase
+
+
+class Shout(WorkerBase):
+    """The demo worker: shouts the text it is given."""
+
+    def __init__(self):
+        super().__init__("demo.shouted", "/demo/shout")
+
+    def process(self, event):
+        return self.response(event, {"text": event.get_data()["text"].upper() + "!"})
+'''
+
+
+def run(demo: bool = False, events: int = 0, concurrency: int = 2) -> int:
+    """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code."""
+    home = HOME.resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    with _redis(home) as settings:
+        store.upgrade(settings)
+        _say(f"database   {settings.database_url} (migrated)")
+        env_file = _write_env(home, settings)
+        _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
+        with _node(home, settings, concurrency):
+            try:
+                if demo:
+                    _demo(settings, events)
+                else:
+                    _say("ready      Ctrl-C stops everything")
+                    while True:
+                        time.sleep(3600)
+            except KeyboardInterrupt:
+                _say("stopping   …")
+    _say("stopped")
+    return 0
+
+
+@contextlib.contextmanager
+def _redis(home: Path) -> Iterator[Settings]:
+    """Settings for this system; starts the embedded Redis unless WM_*_URL name a broker."""
+    settings = Settings.from_env()
+    if "WM_BROKER_URL" in os.environ or "WM_REDIS_URL" in os.environ:
+        _say(f"broker     {settings.broker_url} (from the environment)")
+        yield settings
+        return
+    server: EmbeddedRedis = start_redis(home / "redis")
+    _say(f"redis      {server.url} (embedded, pid {server.pid}, data in {server.data_dir})")
+    try:
+        yield settings.replace(broker_url=f"{server.url}/0", redis_url=f"{server.url}/1")
+    finally:
+        stop_redis(server)
+
+
+def _write_env(home: Path, settings: Settings) -> Path:
+    path = home / "env"
+    path.write_text(
+        f"WM_DATABASE_URL={settings.database_url}\nWM_BROKER_URL={settings.broker_url}\n"
+        f"WM_REDIS_URL={settings.redis_url}\n"
+    )
+    return path
+
+
+def _child_env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(WM_DATABASE_URL=settings.database_url, WM_BROKER_URL=settings.broker_url,
+               WM_REDIS_URL=settings.redis_url)
+    return env
+
+
+@contextlib.contextmanager
+def _node(home: Path, settings: Settings, concurrency: int) -> Iterator[None]:
+    """A Celery node as a child process in its own session; stopped with a warm shutdown."""
+    log_path = home / "node.log"
+    command = [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker",
+               "-n", "wm-up@%h", "-c", str(concurrency), "--loglevel=INFO", "-E"]
+    with log_path.open("ab") as log:
+        node = subprocess.Popen(command, env=_child_env(settings), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_node(settings, node, log_path)
+        _say(f"node       celery pid {node.pid}, {concurrency} processes, log {log_path}")
+        yield
+    finally:
+        _stop_node(node)
+
+
+def _wait_for_node(settings: Settings, node: subprocess.Popen[bytes], log_path: Path) -> None:
+    app = make_app(settings)
+    deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if node.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            raise WorkManagerError(f"the Celery node exited with {node.returncode}:\n{tail}")
+        if app.control.ping(timeout=1.0):
+            return
+    raise WorkManagerError(f"the Celery node did not answer within {NODE_START_TIMEOUT_S}s")
+
+
+def _stop_node(node: subprocess.Popen[bytes]) -> None:
+    if node.poll() is None:
+        os.killpg(node.pid, signal.SIGTERM)
+        try:
+            node.wait(timeout=NODE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+
+
+def _demo(settings: Settings, events: int) -> None:
+    """Create the demo worker and push an event a second through it, printing both ends."""
+    manager = WorkManager(settings)
+    queue = manager.subscribe(DEMO_OUTPUT, "wm-up-demo")
+    worker = _demo_worker(manager)
+    _say(f"demo       worker {worker.id} (text/x-python) on topic {DEMO_TOPIC} → {DEMO_OUTPUT}")
+    sent = 0
+    with Connection(settings.broker_url) as conn:
+        outputs = conn.SimpleQueue(queue)
+        try:
+            while not events or sent < events:
+                sent += 1
+                event = make_event(DEMO_TOPIC, "/demo", {"text": f"hello number {sent}"},
+                                   extensions={"correlationid": f"demo-{sent}"})
+                manager.publish(event)
+                _say(f"→ {DEMO_TOPIC:<13} {event.get_data()}")
+                _show_output(outputs)
+        finally:
+            outputs.close()
+
+
+def _demo_worker(manager: WorkManager) -> object:
+    for worker in manager.list_workers(topic=DEMO_TOPIC):
+        if worker.name == "demo-shout":
+            return worker
+    return manager.create_worker(code=DEMO_CODE, mime_type="text/x-python", topic=DEMO_TOPIC,
+                                 name="demo-shout")
+
+
+def _show_output(outputs: object) -> None:
+    message = outputs.get(timeout=30)  # type: ignore[attr-defined]
+    event = json.loads(message.body)
+    _say(f"← {event['type']:<13} {event['data']} correlationid={event.get('correlationid')}")
+    message.ack()
+    time.sleep(1.0)
+
+
+def _say(text: str) -> None:
+    print(f"wm up  {text}", flush=True)
