@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 import uuid
@@ -390,3 +391,20 @@ def test_unreachable_redis_is_reported_with_the_setting_to_fix() -> None:
     with pytest.raises(BrokerUnavailable):
         locks.holder(GROUP)
     unreachable.close()
+
+
+def test_a_release_wakes_a_waiting_contender_before_its_backoff_ends(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A contender in a long backoff takes the lock as soon as the holder releases it."""
+    settings = _settings(group_lock_retry_base_delay_ms=5000, group_lock_max_retries=1)
+    holder = GroupLocks(client, settings, prefix=prefix)
+    lease = holder.acquire("g", "holder")
+    timer = threading.Timer(0.2, holder.release, args=(lease,))
+    timer.start()
+    started = time.monotonic()
+    taken = GroupLocks(client, settings, prefix=prefix).acquire("g", "contender")
+    waited = time.monotonic() - started
+    timer.join()
+    assert taken.owner == "contender" and taken.fence > lease.fence
+    assert 0.2 <= waited < 4.0  # woken by the release, long before the 5 s backoff

@@ -55,6 +55,8 @@ SAFETY_TTL_FACTOR = 10
 #: Floor of the lock record lifetime (ms), so a max age of 0 never expires a lock at once.
 MIN_SAFETY_TTL_MS = 1000
 
+#: Shortest BLPOP wait worth a round trip (BLPOP with timeout 0 blocks for ever).
+_MIN_BLOCK_S = 0.001
 _HELD = "held"
 _STOLEN = "stolen"
 
@@ -95,11 +97,15 @@ end
 return {0, cur[1] or '', cur[2] or ''}
 """
 
-# KEYS: record. ARGV: owner, fence. Reply: 1 when deleted, else 0.
+# KEYS: record, wake list. ARGV: owner, fence, wake ttl ms. Reply: 1 when deleted, else 0.
+# A release leaves one wake-up token, so one waiting contender retries at once.
 _RELEASE_LUA = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence')
 if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
   redis.call('DEL', KEYS[1])
+  redis.call('RPUSH', KEYS[2], 1)
+  redis.call('LTRIM', KEYS[2], -1, -1)
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
   return 1
 end
 return 0
@@ -182,7 +188,8 @@ class GroupLocks:
         """Take the lock, retrying with backoff; raise :class:`LockContention` when it stays held.
 
         The first attempt is followed by up to ``group_lock_max_retries`` retries, retry *n*
-        after a sleep of ``base * 2**n`` ms (500 ms → 1 s → 2 s by default). Giving up quickly
+        after a wait of up to ``base * 2**n`` ms (500 ms → 1 s → 2 s by default) that ends
+        early when the holder releases. Giving up quickly
         lets the broker redeliver later instead of pinning a worker process on one group.
         """
         started = time.monotonic()
@@ -198,9 +205,8 @@ class GroupLocks:
                 retry + 1,
                 delay_ms,
             )
-            _sleep_ms(delay_ms)
+            reply = self._wait_for_release(group, owner, delay_ms)
             retry += 1
-            reply = self._attempt(group, owner)
         if reply.status != _HELD:
             return _lease(group, reply)
         raise _contention(group, reply, retry + 1, time.monotonic() - started)
@@ -233,7 +239,8 @@ class GroupLocks:
         with self._translated():
             released = int(
                 self._release_script(
-                    keys=[self._record_key(lease.group)], args=[lease.owner, lease.fence]
+                    keys=[self._record_key(lease.group), self._wake_key(lease.group)],
+                    args=[lease.owner, lease.fence, self._wake_ttl_ms()],
                 )
             )
         if not released:
@@ -295,6 +302,30 @@ class GroupLocks:
 
     def _fence_key(self, group: str) -> str:
         return f"{self._prefix}{{{group}}}:fence"
+
+    def _wake_key(self, group: str) -> str:
+        return f"{self._prefix}{{{group}}}:wake"
+
+    def _wake_ttl_ms(self) -> int:
+        return max(1000, self._settings.group_lock_retry_base_delay_ms * 4)
+
+    def _wait_for_release(self, group: str, owner: str, delay_ms: int) -> _AcquireReply:
+        """One backoff step: wait ``delay_ms`` for the lock, trying again whenever a release
+        leaves a wake-up token (BLPOP) — the lock is handed on without idle time, and the
+        time a contender waits in all is still the sum of its backoffs."""
+        deadline = time.monotonic() + delay_ms / 1000
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever
+                return self._attempt(group, owner)
+            with self._translated():
+                woken = self._redis.blpop([self._wake_key(group)], timeout=remaining)
+            if woken is None:
+                _sleep_ms(int(max(0.0, deadline - time.monotonic()) * 1000))
+                return self._attempt(group, owner)
+            reply = self._attempt(group, owner)
+            if reply.status != _HELD:
+                return reply
 
     @contextmanager
     def _translated(self) -> Iterator[None]:

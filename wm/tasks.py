@@ -143,3 +143,8 @@ def _emit_error(
             "error_type": type(exc).__name__, "error_message": str(exc),
             "event_id": event_id, "attempt": attempts}
     rt.bus.publish(lifecycle_event("error", meta.id, data), LIFECYCLE_TOPIC)
+
+
+@shared_task(name="wm.noop", acks_late=True, reject_on_worker_lost=True)
+def noop() -> None:
+    """Does nothing: the bare-Celery baseline that ``wm bench`` measures WorkManager against."""

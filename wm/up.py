@@ -14,18 +14,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kombu import Connection
+from kombu.connection import Connection
 
 from wm import store
-from wm.celeryapp import make_app
+from wm.celeryapp import DEFAULT_QUEUE, make_app
 from wm.config import Settings
 from wm.embedded import EmbeddedRedis, start_redis, stop_redis
 from wm.errors import WorkManagerError
 from wm.events import make_event
 from wm.manager import WorkManager
+from wm.views import WorkerInfo
 
 #: Where ``wm up`` keeps its database, Redis files and logs (relative to the working dir).
 HOME = Path(".wm")
@@ -54,12 +55,12 @@ def run(demo: bool = False, events: int = 0, concurrency: int = 2) -> int:
     """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code."""
     home = HOME.resolve()
     home.mkdir(parents=True, exist_ok=True)
-    with _redis(home) as settings:
+    with embedded_redis(home) as settings:
         store.upgrade(settings)
         _say(f"database   {settings.database_url} (migrated)")
         env_file = _write_env(home, settings)
         _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
-        with _node(home, settings, concurrency):
+        with celery_node(home, settings, concurrency):
             try:
                 if demo:
                     _demo(settings, events)
@@ -74,7 +75,7 @@ def run(demo: bool = False, events: int = 0, concurrency: int = 2) -> int:
 
 
 @contextlib.contextmanager
-def _redis(home: Path) -> Iterator[Settings]:
+def embedded_redis(home: Path) -> Iterator[Settings]:
     """Settings for this system; starts the embedded Redis unless WM_*_URL name a broker."""
     settings = Settings.from_env()
     if "WM_BROKER_URL" in os.environ or "WM_REDIS_URL" in os.environ:
@@ -106,11 +107,14 @@ def _child_env(settings: Settings) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _node(home: Path, settings: Settings, concurrency: int) -> Iterator[None]:
+def celery_node(
+    home: Path, settings: Settings, concurrency: int, extra_queues: Sequence[str] = ()
+) -> Iterator[None]:
     """A Celery node as a child process in its own session; stopped with a warm shutdown."""
     log_path = home / "node.log"
     command = [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker",
-               "-n", "wm-up@%h", "-c", str(concurrency), "--loglevel=INFO", "-E"]
+               "-n", "wm-up@%h", "-c", str(concurrency), "--loglevel=INFO", "-E",
+               "-Q", ",".join([DEFAULT_QUEUE, *extra_queues])]
     with log_path.open("ab") as log:
         node = subprocess.Popen(command, env=_child_env(settings), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -159,13 +163,13 @@ def _demo(settings: Settings, events: int) -> None:
                 event = make_event(DEMO_TOPIC, "/demo", {"text": f"hello number {sent}"},
                                    extensions={"correlationid": f"demo-{sent}"})
                 manager.publish(event)
-                _say(f"→ {DEMO_TOPIC:<13} {event.get_data()}")
+                _say(f"→ {DEMO_TOPIC:<13} {event.get_data()!r}")
                 _show_output(outputs)
         finally:
             outputs.close()
 
 
-def _demo_worker(manager: WorkManager) -> object:
+def _demo_worker(manager: WorkManager) -> WorkerInfo:
     for worker in manager.list_workers(topic=DEMO_TOPIC):
         if worker.name == "demo-shout":
             return worker

@@ -1,0 +1,188 @@
+"""``wm bench``: WorkManager delivery against a bare Celery task, in one run, on the same broker
+and concurrency. Prints events/s, p50/p99 publish→done latency and the ratio to bare Celery.
+
+Both sides are timed the same way, from Celery's own task events: ``task-sent`` (stamped by
+the publisher) to ``task-succeeded`` (stamped by the node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from wm import store
+from wm.celeryapp import make_app, subscription_queue
+from wm.config import Settings
+from wm.events import make_event
+from wm.locks import GroupLocks
+from wm.manager import WorkManager
+from wm.state import redis_for
+from wm.up import celery_node, embedded_redis
+
+BARE_QUEUE = "wm.bench.bare"
+#: Targets from the issues, as ratios of bare Celery throughput.
+TARGETS = {"no group": 0.7, "group": 0.5, "python worker": 0.5}
+SCENARIOS = ("bare celery", "no group", "group", "python worker")
+
+
+@dataclass
+class Result:
+    name: str
+    count: int
+    seconds: float
+    latencies_ms: list[float]
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+class TaskClock:
+    """Collects task-sent and task-succeeded events of one task name, by task id."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.sent: dict[str, float] = {}
+        self.done: dict[str, float] = {}
+        self.failed = 0
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._capture, daemon=True)
+        self._receiver: Any = None
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the event receiver did not start")
+
+    def _capture(self) -> None:
+        with self.app.connection() as conn:
+            self._receiver = self.app.events.Receiver(conn, handlers={
+                "task-sent": lambda e: self.sent.__setitem__(e["uuid"], e["timestamp"]),
+                "task-succeeded": lambda e: self.done.__setitem__(e["uuid"], e["timestamp"]),
+                "task-failed": lambda e: setattr(self, "failed", self.failed + 1),
+            })
+            self._ready.set()
+            self._receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        self._thread.join(timeout=10)
+
+    def measure(self, name: str, count: int, send: Callable[[], None], timeout_s: float) -> Result:
+        self.sent.clear()
+        self.done.clear()
+        send()
+        deadline = time.monotonic() + timeout_s
+        while len(self.done) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if len(self.done) < count:
+            raise RuntimeError(f"{name}: only {len(self.done)} of {count} finished in time")
+        time.sleep(0.5)  # late task-sent events
+        first = min(self.sent.values())
+        last = max(self.done.values())
+        latencies = [(self.done[t] - s) * 1000 for t, s in self.sent.items() if t in self.done]
+        return Result(name, count, last - first, latencies)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wm bench", description=__doc__)
+    parser.add_argument("--events", type=int, default=2000, help="events per scenario")
+    parser.add_argument("--concurrency", type=int, default=2, help="Celery processes")
+    parser.add_argument("--timeout-s", type=float, default=600, help="per scenario")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
+        home = Path(tmp)
+        with embedded_redis(home) as settings:
+            settings = settings.replace(database_url=f"sqlite:///{home / 'bench.db'}")
+            store.upgrade(settings)
+            results = _run(settings, home, args)
+    _report(results, args)
+    return 0
+
+
+def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Result]:
+    app = make_app(settings)
+    manager = WorkManager(settings)
+    workers = {
+        "no group": manager.create_worker(code=b"{}", mime_type="application/x-wm-stub",
+                                          topic="bench.nogroup"),
+        "group": manager.create_worker(code=b"{}", mime_type="application/x-wm-stub",
+                                       topic="bench.group", group="bench"),
+        "python worker": manager.create_worker(
+            code=b"def process(event):\n    return None\n", mime_type="text/x-python",
+            topic="bench.python"),
+    }
+    subscription_queue(BARE_QUEUE).bind(app.connection().default_channel).declare()
+    clock = TaskClock(app)
+    clock.start()
+    results = []
+    try:
+        with celery_node(home, settings, args.concurrency, extra_queues=[BARE_QUEUE]):
+            _warm_up(manager, app, workers)
+            results.append(clock.measure("bare celery", args.events,
+                                         lambda: _send_bare(app, args.events), args.timeout_s))
+            for name, worker in workers.items():
+                send = functools.partial(_publish, manager, worker.topic, args.events)
+                results.append(clock.measure(name, args.events, send, args.timeout_s))
+    finally:
+        clock.stop()
+    print(f"lock acquire+release: {_lock_round_trips(settings)} Redis round trips")
+    return results
+
+
+def _warm_up(manager: WorkManager, app: Celery, workers: dict[str, Any]) -> None:
+    """Let the node consume every queue and load every engine before timing anything."""
+    for worker in workers.values():
+        _publish(manager, worker.topic, 5)
+    _send_bare(app, 5)
+    time.sleep(5)
+
+
+def _send_bare(app: Celery, count: int) -> None:
+    queue = subscription_queue(BARE_QUEUE)
+    with app.producer_or_acquire() as producer:
+        for _ in range(count):
+            app.send_task("wm.noop", queue=queue, producer=producer)
+
+
+def _publish(manager: WorkManager, topic: str, count: int) -> None:
+    for n in range(count):
+        manager.publish(make_event(topic, "/bench", {"n": n}))
+
+
+def _lock_round_trips(settings: Settings) -> int:
+    """EVALSHA calls the server saw for one acquire+release (one round trip each)."""
+    client = redis_for(settings)
+    locks = GroupLocks(client, settings, prefix="wm:bench:lock:")
+    locks.release(locks.acquire("warm", "bench"))
+    before = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    locks.release(locks.acquire("probe", "bench"))
+    after = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    return after - before
+
+
+def _report(results: list[Result], args: argparse.Namespace) -> None:
+    bare = results[0].rate
+    print(f"\n{args.events} events per scenario, concurrency {args.concurrency}\n")
+    print(f"{'scenario':<15}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}  target")
+    for result in results:
+        ratio = result.rate / bare if bare else 0.0
+        target = TARGETS.get(result.name)
+        verdict = "" if target is None else (f"≥ {target}× " + ("met" if ratio >= target
+                                                                  else "MISSED"))
+        print(f"{result.name:<15}{result.rate:>10.0f}{result.percentile(0.5):>9.1f}"
+              f"{result.percentile(0.99):>9.1f}{ratio:>7.2f}×  {verdict}")
