@@ -1,0 +1,82 @@
+"""Python workers end to end: created with the CLI, run by real Celery nodes in the sandbox."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import env_of
+from tests.helpers import drain, eventually
+from wm import DeadLetters, Settings, WorkManager, make_event
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def _wm(settings: Settings, *args: str, stdin: str | None = None) -> Any:
+    result = subprocess.run([sys.executable, "-m", "wm.cli", "--json", *args], input=stdin,
+                            env=env_of(settings), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout) if result.stdout.strip() else None
+
+
+def test_cli_created_python_workers_process_events(settings: Settings, start_node: Any) -> None:
+    fast = settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    echo_sink = manager.subscribe("echo.out", "sink")
+    orders_sink = manager.subscribe("orders.result", "sink")
+    errors_sink = manager.subscribe("orders.result.error", "sink")
+    echo = _wm(fast, "worker", "create", "--topic", "in", "--mime-type", "text/x-python",
+               "--file", str(WORKERS / "echo.py"))
+    orders = _wm(fast, "worker", "create", "--topic", "orders", "--mime-type", "text/x-python",
+                 "--file", "-", stdin=(WORKERS / "orders.py").read_text())
+    node = start_node(fast)
+    node.consuming(f"in::{echo['id']}")
+    node.consuming(f"orders::{orders['id']}")
+
+    manager.publish(make_event("in", "/tests", {"hello": "world"},
+                               extensions={"correlationid": "corr-py"}))
+    manager.publish(make_event("orders", "/tests", {"command": "CREATE", "item": "book"},
+                               extensions={"correlationid": "corr-order"}))
+    manager.publish(make_event("orders", "/tests", {"command": "refund"}))
+
+    [echoed] = drain(fast, echo_sink, 1)
+    assert echoed["data"] == {"input": {"hello": "world"}}
+    assert echoed["correlationid"] == "corr-py"
+    [created] = drain(fast, orders_sink, 1)
+    assert created["data"] == {"created": "book"} and created["correlationid"] == "corr-order"
+    [refused] = drain(fast, errors_sink, 1)  # an output goes to the topic of its type
+    assert refused["type"] == "orders.result.error"
+    assert refused["data"] == {"error": "Unknown command: refund"}
+    assert "correlationid" not in refused
+
+
+def test_python_timeout_retries_then_dead_letters(settings: Settings, start_node: Any) -> None:
+    fast = settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    worker = manager.create_worker(
+        code="def process(event):\n    while True:\n        pass\n", mime_type="text/x-python",
+        topic="slow", settings={"timeout_s": 1, "max_retries": 1, "retry_base_delay_ms": 20})
+    node = start_node(fast)
+    node.consuming(f"slow::{worker.id}")
+    manager.publish(make_event("slow", "/tests", {}))
+    [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=60)
+    assert letter.error_type == "WorkerTimeout" and letter.attempts == 2
+
+
+def test_python_hot_reload_through_a_running_node(settings: Settings, start_node: Any) -> None:
+    fast = settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    sink = manager.subscribe("v", "sink")
+    code = ("from wm.devkit import make_event\n\n"
+            "def process(event):\n    return make_event('v', '/t', {{'v': {n}}})\n")
+    worker = manager.create_worker(code=code.format(n=1), mime_type="text/x-python", topic="in")
+    node = start_node(fast)
+    node.consuming(f"in::{worker.id}")
+    manager.publish(make_event("in", "/tests", {}))
+    assert drain(fast, sink, 1)[0]["data"] == {"v": 1}
+    manager.load_code_from_content(worker.id, code.format(n=2))
+    manager.publish(make_event("in", "/tests", {}))
+    assert drain(fast, sink, 1)[0]["data"] == {"v": 2}
