@@ -86,7 +86,7 @@ class Settings:
     )
     group_lock_retry_base_delay_ms: int = _setting(
         "GROUP_LOCK_RETRY_BASE_DELAY_MS", 500, _parse_int,
-        "Group-lock acquire backoff base; attempt n waits base × 2^n.",
+        "Group-lock backoff base: retry n waits up to base × 2^n (a release wakes it).",
     )
     group_lock_max_retries: int = _setting(
         "GROUP_LOCK_MAX_RETRIES", 3, _parse_int,
@@ -106,7 +106,7 @@ class Settings:
     )
     worker_recovery_acquire_timeout_seconds: int = _setting(
         "WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS", 30, _parse_int,
-        "How long a starting node waits for the recovery lease.",
+        "How long a starting node keeps trying recovery before it gives up.",
     )
     python_allowed_packages: tuple[str, ...] = _setting(
         "PYTHON_ALLOWED_PACKAGES", _parse_csv(DEFAULT_PYTHON_ALLOWED_PACKAGES), _parse_csv,
@@ -122,7 +122,7 @@ class Settings:
     )
     retry_base_delay_ms: int = _setting(
         "WM_RETRY_BASE_DELAY_MS", 1000, _parse_int,
-        "Broker-level retry backoff base (exponential with full jitter).",
+        "Broker-level retry backoff base: retry n waits ½–1 × base × 2^(n-1).",
     )
     retry_max_delay_ms: int = _setting(
         "WM_RETRY_MAX_DELAY_MS", 60000, _parse_int, "Upper bound of one retry delay.",
@@ -174,10 +174,9 @@ class Settings:
         "WM_OUTCOME_TTL_S", 7 * 24 * 3600, _parse_int,
         "How long recorded outcomes (idempotency records) are kept in Redis.",
     )
-    health_port: int = _setting(
-        "WM_HEALTH_PORT", 0, _parse_int, "Port of a node's /health and /metrics; 0 disables.",
+    log_level: str = _setting(
+        "WM_LOG_LEVEL", "WARNING", _parse_str, "Logging level of the `wm` command (DEBUG…ERROR).",
     )
-    log_level: str = _setting("WM_LOG_LEVEL", "INFO", _parse_str, "Logging level of the CLI.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

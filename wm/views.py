@@ -17,6 +17,7 @@ WORKER_SETTINGS: dict[str, type | tuple[type, ...]] = {
     "max_retries": int,
     "retry_base_delay_ms": int,
     "memory_mb": int,
+    "cpu_limit_s": (int, float),
 }
 
 
