@@ -105,7 +105,7 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path, redis_ok: None) -> 
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'wm.db'}"
     else:
-        url = _fresh_schema(request.getfixturevalue("pg_url"))
+        url = fresh_schema(request.getfixturevalue("pg_url"))
     flush_redis(BROKER_DB, STATE_DB)
     result = make_settings(url)
     store.upgrade(result)
@@ -116,13 +116,13 @@ def settings(request: pytest.FixtureRequest, tmp_path: Path, redis_ok: None) -> 
 @pytest.fixture
 def pg_settings(pg_url: str, redis_ok: None) -> Iterator[Settings]:
     flush_redis(BROKER_DB, STATE_DB)
-    result = make_settings(_fresh_schema(pg_url))
+    result = make_settings(fresh_schema(pg_url))
     store.upgrade(result)
     yield result
     store.dispose_engines()
 
 
-def _fresh_schema(pg_url: str) -> str:
+def fresh_schema(pg_url: str) -> str:
     """Empty the session database so each test starts from no tables."""
     import sqlalchemy as sa
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-import redis
-from kombu import Connection
 
+from tests.conftest import REDIS_HOST, flush_redis, fresh_schema
+from tests.helpers import STUB, drain, stub
 from wm import Settings, store
 from wm.cli import build_parser
 from wm.config import settings_table
@@ -26,11 +26,8 @@ from wm.deadletters import DeadLetters, Failure
 from wm.events import encode, make_event
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN_URL = os.environ.get("WM_TEST_PG_ADMIN", "postgresql+psycopg://root@127.0.0.1:5432/test")
-REDIS_HOST = "redis://127.0.0.1:6379"
 #: Redis databases of these tests (broker, state); other suites use other numbers.
 BROKER_DB, STATE_DB = 10, 11
-STUB = "application/x-wm-stub"
 LIFECYCLE = "workmanager.lifecycle"
 LIFECYCLE_TYPE = "com.virtufin.workmanager.lifecycle."
 #: Longest one command or wait may take, in seconds: a guard against hangs, not a timing test.
@@ -47,52 +44,12 @@ class Result(NamedTuple):
         return self.raw.decode()
 
 
-def _need(service: str, error: Exception) -> None:
-    message = f"{service} is not available: {error}"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def _flush_redis() -> None:
-    for db in (BROKER_DB, STATE_DB):
-        redis.Redis.from_url(f"{REDIS_HOST}/{db}").flushdb()
-
-
-@pytest.fixture(scope="module")
-def redis_ok() -> None:
-    try:
-        redis.Redis.from_url(f"{REDIS_HOST}/{BROKER_DB}", socket_connect_timeout=2).ping()
-    except redis.RedisError as exc:
-        _need("Redis", exc)
-
-
-def _postgres_database() -> Iterator[str]:
-    """A throwaway database ``wm_cli_<random>``, dropped afterwards."""
-    import psycopg
-    from psycopg import sql
-
-    name = f"wm_cli_{uuid.uuid4().hex[:10]}"
-    dsn = PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://", 1)
-    try:
-        admin = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        _need("PostgreSQL", exc)
-    with admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        try:
-            yield f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}"
-        finally:
-            store.dispose_engines()
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-                          .format(sql.Identifier(name)))
-
-
 @pytest.fixture
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """SQLite unless a test asks for ``postgres`` through indirect parametrization."""
     if getattr(request, "param", "sqlite") == "postgres":
-        yield from _postgres_database()
+        yield fresh_schema(request.getfixturevalue("pg_url"))
+        store.dispose_engines()
     else:
         yield f"sqlite:///{tmp_path / 'wm.db'}"
 
@@ -112,9 +69,9 @@ def _base_env(database_url: str) -> dict[str, str]:
 
 @pytest.fixture
 def unmigrated_env(database_url: str, redis_ok: None) -> Iterator[dict[str, str]]:
-    _flush_redis()
+    flush_redis(BROKER_DB, STATE_DB)
     yield _base_env(database_url)
-    _flush_redis()
+    flush_redis(BROKER_DB, STATE_DB)
 
 
 @pytest.fixture
@@ -138,10 +95,6 @@ def wm_json(env: dict[str, str], *args: str, stdin: bytes | None = None) -> Any:
     return json.loads(wm(env, "--json", *args, stdin=stdin).out)
 
 
-def stub(**spec: Any) -> bytes:
-    return json.dumps(spec).encode()
-
-
 def create(env: dict[str, str], tmp_path: Path, *extra: str, topic: str = "orders") -> Any:
     path = tmp_path / f"code-{uuid.uuid4().hex[:6]}.json"
     path.write_bytes(stub(output_type="done"))
@@ -157,23 +110,9 @@ def one_error_line(result: Result) -> str:
     return lines[0]
 
 
-def drain(env: dict[str, str], queue: str, count: int) -> list[dict[str, Any]]:
-    """Read ``count`` structured CloudEvents from a plain-subscription queue with kombu."""
-    events: list[dict[str, Any]] = []
-    deadline = time.monotonic() + GUARD_S
-    with Connection(env["WM_BROKER_URL"]) as conn:
-        simple = conn.SimpleQueue(queue)
-        try:
-            while len(events) < count and time.monotonic() < deadline:
-                try:
-                    message = simple.get(timeout=1)
-                except simple.Empty:
-                    continue
-                events.append(json.loads(message.body))
-                message.ack()
-        finally:
-            simple.close()
-    return events
+def drain_env(env: dict[str, str], queue: str, count: int) -> list[dict[str, Any]]:
+    """Read ``count`` events from a plain-subscription queue with an ordinary kombu client."""
+    return drain(Settings.from_env(env), queue, count, timeout_s=GUARD_S)
 
 
 def tail_queues(env: dict[str, str], topic: str) -> list[str]:
@@ -418,7 +357,7 @@ def test_publish_reaches_a_subscribed_queue(env: dict[str, str], tmp_path: Path)
 
     listed = wm_json(env, "subscriptions", "--topic", "orders")
     assert listed == [{"topic": "orders", "queue": queue, "worker_id": None, "depth": 3}]
-    first, second, third = drain(env, queue, 3)
+    first, second, third = drain_env(env, queue, 3)
     assert first["id"] == "evt-1"
     assert first["type"] == "orders.placed"
     assert first["subject"] == "order-7"
@@ -454,7 +393,7 @@ def test_lifecycle_events_reach_a_subscribed_queue_in_order(
     wm(env, "worker", "start", worker)
     wm(env, "worker", "delete", worker)
 
-    events = drain(env, queue, 7)
+    events = drain_env(env, queue, 7)
     kinds = ["created", "started", "code_updated", "code_updated", "stopped", "started",
              "deleted"]
     assert [e["type"] for e in events] == [LIFECYCLE_TYPE + kind for kind in kinds]
