@@ -90,6 +90,7 @@ def env_of(settings: Settings, **extra: str) -> dict[str, str]:
         WM_RETRY_MAX_DELAY_MS=str(settings.retry_max_delay_ms),
         WM_MAX_RETRIES=str(settings.max_retries),
         WM_VISIBILITY_TIMEOUT_S=str(settings.visibility_timeout_s),
+        WM_REDELIVER_AFTER_S=str(settings.redeliver_after_s),
         GROUP_LOCK_RETRY_BASE_DELAY_MS=str(settings.group_lock_retry_base_delay_ms),
         GROUP_LOCK_MAX_RETRIES=str(settings.group_lock_max_retries),
         WM_GROUP_LOCK_MAX_AGE_S=str(settings.group_lock_max_age_s),

@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 
 from tests.helpers import STUB, drain, eventually, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.bus import Route
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id
+from wm.ledger import Ledger
+from wm.node import LEADER_KEY
+from wm.outputs import OutputPublisher
 
 FAST = {"retry_base_delay_ms": 20, "max_retries": 2}
 
@@ -151,3 +155,76 @@ def test_malformed_message_is_dead_lettered_at_once(fast: Settings, start_node: 
     assert {x.error_type for x in letters} == {"EventDecodeError"}
     assert {x.attempts for x in letters} == {1}
     assert "lacks required attribute(s): id, source" in " ".join(x.error_message for x in letters)
+
+
+def test_node_start_recovers_state_redis_lost(fast: Settings, start_node: Any) -> None:
+    """Redis lost the routing table and the worker cache: the recovery leader rebuilds them
+    from the database, releases its lease, and delivery works."""
+    manager = WorkManager(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    state = redis.Redis.from_url(fast.redis_url)
+    state.flushdb()
+    node = start_node(fast)
+    node.wait_for("recovery done: 2 queue(s) declared")
+    assert state.hlen("wm:routes:in") == 1 and state.exists("wm:routes:ready")
+    assert not state.exists(LEADER_KEY)
+    node.consuming(f"in::{worker.id}")
+    _publish(manager, "in", 2)
+    assert len(drain(fast, sink, 2)) == 2
+
+
+def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: Any) -> None:
+    """The pending ledger: a delivery whose broker message vanished (as kombu's Redis
+    transport can lose one to a kill between BRPOP and its unacked record) is sent again."""
+    settings = fast.replace(redeliver_after_s=1.0)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in",
+                                   start=False)
+    ids = _publish(manager, "in", 3)
+    ledger = Ledger(settings)
+    assert ledger.pending(str(worker.id)) == 3
+    redis.Redis.from_url(settings.broker_url).delete(f"in::{worker.id}")  # the broker lost them
+    assert manager.bus.queue_depth(f"in::{worker.id}") == 0
+    start_node(settings)
+    manager.start_worker(worker.id)
+    outputs = drain(settings, sink, 3)
+    assert {e["data"]["input"]["n"] for e in outputs} == {0, 1, 2}
+    assert {e["id"] for e in outputs} == {derive_id(i, str(worker.id), 0) for i in ids}
+    eventually(lambda: ledger.pending(str(worker.id)) == 0)
+    assert queue_empty(settings, sink, 2.0)  # sent again once, not over and over
+
+
+def test_settled_and_dead_lettered_deliveries_leave_the_ledger(
+    fast: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(fast)
+    ok = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
+    bad = manager.create_worker(code=stub(fail="no"), mime_type=STUB, topic="in",
+                                settings={**FAST, "max_retries": 0})
+    node = start_node(fast)
+    node.consuming(f"in::{ok.id}")
+    node.consuming(f"in::{bad.id}")
+    _publish(manager, "in", 4)
+    ledger = Ledger(fast)
+    eventually(lambda: len(DeadLetters(fast).list()) == 4)
+    eventually(lambda: ledger.pending(str(ok.id)) == ledger.pending(str(bad.id)) == 0)
+    manager.stop_worker(bad.id)
+    _publish(manager, "in", 1)
+    assert ledger.pending(str(bad.id)) == 1
+    manager.delete_worker(bad.id)
+    assert ledger.pending(str(bad.id)) == 0
+
+
+def test_a_republished_output_reaches_a_plain_subscription_once(fast: Settings) -> None:
+    manager = WorkManager(fast)
+    sink = manager.subscribe("done", "sink")
+    publisher = OutputPublisher(manager.bus)
+    output = make_event("done", "/tests", {"n": 1})
+    for _ in range(3):  # a redelivered event republishes its recorded outputs
+        publisher.publish(output)
+    other = make_event("done", "/tests", {"n": 2})
+    publisher.publish(other)
+    assert [e["id"] for e in drain(fast, sink, 5, timeout_s=3)] == [output.get_id(),
+                                                                   other.get_id()]

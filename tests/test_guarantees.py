@@ -20,6 +20,8 @@ from tests.conftest import AMQP_URL, need
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.delivery import FENCE_EXTENSION
+from wm.idempotency import Outcomes
+from wm.locks import GroupLocks
 
 
 def _publish(manager: WorkManager, topic: str, count: int) -> list[str]:
@@ -160,7 +162,8 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
 def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    settings = pg_settings.replace(visibility_timeout_s=5, reconcile_interval_s=1.0)
+    settings = pg_settings.replace(visibility_timeout_s=5, reconcile_interval_s=1.0,
+                                   redeliver_after_s=20.0)
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
     worker = manager.create_worker(code=stub(output_type="done", sleep_ms=2), mime_type=STUB,
@@ -179,7 +182,34 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     assert [i for i, n in counts.items() if n > 1] == []
     inputs = {e["data"]["input"]["n"] for e in outputs}
     broker = redis.Redis.from_url(settings.broker_url)
-    state = (sorted(set(range(1000)) - inputs), manager.bus.queue_depth(f"in::{worker.id}"),
-             broker.hlen("unacked"), DeadLetters(settings).list())
-    assert state == ([], 0, 0, []), state
+    missing = sorted(set(range(1000)) - inputs)
+    outcomes = Outcomes(settings)
+    recorded = [(n, outcomes.get(str(worker.id), ids[n]) is not None) for n in missing]
+    state = (missing, manager.bus.queue_depth(f"in::{worker.id}"), broker.hlen("unacked"),
+             DeadLetters(settings).list(), recorded, manager.bus.queue_depth(sink))
+    assert state == ([], 0, 0, [], [], 0), state
     assert len(ids) == 1000
+
+
+def test_lock_contention_retries_at_broker_level_then_dead_letters(
+    settings: Settings, start_node: Any
+) -> None:
+    """A group lock held elsewhere: the delivery backs off, is retried by the broker, and is
+    dead-lettered as LockContention — never dropped."""
+    fast = settings.replace(reconcile_interval_s=1.0, group_lock_retry_base_delay_ms=10,
+                            group_lock_max_retries=2)
+    manager = WorkManager(fast)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in", group="busy",
+                                   settings={"max_retries": 2, "retry_base_delay_ms": 20})
+    blocker = GroupLocks(redis.Redis.from_url(fast.redis_url), fast)
+    lease = blocker.acquire("busy", "operator-script")
+    try:
+        node = start_node(fast)
+        node.consuming(f"in::{worker.id}")
+        [event_id] = _publish(manager, "in", 1)
+        [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=60)
+    finally:
+        blocker.release(lease)
+    assert letter.event_id == event_id
+    assert (letter.error_type, letter.attempts) == ("LockContention", 3)
+    assert "operator-script" in letter.error_message

@@ -80,3 +80,29 @@ def test_python_hot_reload_through_a_running_node(settings: Settings, start_node
     manager.load_code_from_content(worker.id, code.format(n=2))
     manager.publish(make_event("in", "/tests", {}))
     assert drain(fast, sink, 1)[0]["data"] == {"v": 2}
+
+
+def test_code_a_node_cannot_load_fails_the_worker_and_keeps_the_message(
+    settings: Settings, start_node: Any
+) -> None:
+    """The admin allows numpy, the node does not: the worker goes to failed, its message waits
+    in its queue, and a repaired worker processes it."""
+    fast = settings.replace(reconcile_interval_s=1.0)
+    admin = WorkManager(fast.replace(python_allowed_packages=("numpy",)))
+    sink = admin.subscribe("out", "sink")
+    code = "import numpy\nfrom wm.devkit import make_event\n\ndef process(event):\n" \
+           "    return make_event('out', '/t', {})\n"
+    worker = admin.create_worker(code=code, mime_type="text/x-python", topic="in")
+    node = start_node(fast)
+    node.consuming(f"in::{worker.id}")
+    admin.publish(make_event("in", "/tests", {}))
+    eventually(lambda: admin.get_worker(worker.id).status == "failed")
+    node.wait_for(f"Canceling queue in::{worker.id}")
+    eventually(lambda: admin.bus.queue_depth(f"in::{worker.id}") == 1)
+    assert DeadLetters(fast).list() == []
+    last = admin.get_worker_transitions(worker.id)[-1]
+    assert last.to_status == "failed" and "numpy" in last.reason
+
+    admin.load_code_from_content(worker.id, code.replace("import numpy\n", ""))
+    admin.start_worker(worker.id)
+    assert len(drain(fast, sink, 1)) == 1

@@ -8,6 +8,7 @@ a plain structured-mode CloudEvent for a plain subscription (sinks, observers, `
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from wm.celeryapp import DELIVER_TASK, EXCHANGE, make_app, subscription_queue
 from wm.config import Settings
 from wm.errors import BrokerUnavailable
 from wm.events import CloudEvent, encode
+from wm.ledger import Ledger
 from wm.models import Subscription
 from wm.state import redis_for, unavailable
 
@@ -35,6 +37,17 @@ _ROUTES_READY = "wm:routes:ready"
 _DROPPED = "wm:stats:dropped"
 #: Content type of plain-subscription messages.
 CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
+
+
+def _event_id(payload: str) -> str | None:
+    """The id of an encoded event, or None for a payload that is not one (it will be
+    dead-lettered as malformed, so it needs no ledger entry)."""
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        return None
+    found = parsed.get("id") if isinstance(parsed, dict) else None
+    return found if isinstance(found, str) and found else None
 
 
 def worker_queue_name(topic: str, worker_id: str) -> str:
@@ -127,7 +140,7 @@ class Bus:
             with self.app.connection_for_write() as conn:
                 subscription_queue(name).bind(conn.default_channel).declare()
         except (OSError, KombuError) as exc:
-            raise self._broker_down(exc) from exc
+            raise self.broker_down(exc) from exc
 
     def delete_queue(self, name: str) -> None:
         try:
@@ -137,7 +150,7 @@ class Bus:
                 bound.declare()
                 bound.delete()
         except (OSError, KombuError) as exc:
-            raise self._broker_down(exc) from exc
+            raise self.broker_down(exc) from exc
 
     def queue_depth(self, name: str) -> int:
         """Messages ready in ``name`` (0 when the queue does not exist)."""
@@ -160,20 +173,31 @@ class Bus:
         topic = topic or event.get_type()
         routes = self.routes(topic)
         if not routes:
-            self._count_dropped(topic)
+            self.count_dropped(topic)
             logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
             return 0
-        self.send(encode(event), routes)
+        self.send(encode(event), routes, event_id=event.get_id())
         return len(routes)
 
-    def send(self, payload: str, routes: Iterable[Route], **task_options: Any) -> None:
-        """Send an encoded event to the given subscriptions (publish and dead-letter replay)."""
+    def send(
+        self, payload: str, routes: Iterable[Route], *, event_id: str | None = None,
+        **task_options: Any,
+    ) -> None:
+        """Send an encoded event to the given subscriptions (publish and dead-letter replay).
+
+        Deliveries to workers are written to the pending ledger first (``wm.ledger``).
+        """
+        routes = list(routes)
+        deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
+        event_id = event_id or _event_id(payload)
+        if deliveries and event_id:
+            Ledger(self.settings).add(deliveries, event_id, payload)
         try:
             with self.app.producer_or_acquire() as producer:
                 for route in routes:
                     self._send_one(producer, route, payload, dict(task_options))
         except (OSError, KombuError, OperationalError) as exc:
-            raise self._broker_down(exc) from exc
+            raise self.broker_down(exc) from exc
 
     def _send_one(
         self, producer: Any, route: Route, payload: str, task_options: dict[str, Any]
@@ -201,7 +225,7 @@ class Bus:
             **task_options,
         )
 
-    def _count_dropped(self, topic: str) -> None:
+    def count_dropped(self, topic: str) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hincrby(_DROPPED, topic, 1)
@@ -210,7 +234,7 @@ class Bus:
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
 
-    def _broker_down(self, exc: Exception) -> BrokerUnavailable:
+    def broker_down(self, exc: Exception) -> BrokerUnavailable:
         return BrokerUnavailable(
             f"the broker at WM_BROKER_URL={self.settings.broker_url} is unreachable ({exc}); "
             "start it or fix the setting"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from kombu.entity import Exchange, Queue
 
 from wm.config import Settings
@@ -51,20 +51,35 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         "task_default_exchange_type": "direct",
         "task_default_routing_key": DEFAULT_QUEUE,
         "task_queues": [subscription_queue(DEFAULT_QUEUE)],
-        "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
     }
 
 
 def make_app(settings: Settings | None = None) -> Celery:
     """A Celery app for ``settings`` (default: the environment, via ``celeryconfig``)."""
-    app = Celery("wm", include=["wm.tasks", "wm.node"])
+    app = Celery("wm", include=["wm.tasks"])
     if settings is None:
         app.config_from_object("celeryconfig")
     else:
         app.conf.update(celery_settings(settings))
     app.steps["consumer"].add("wm.node:Reconciler")
     return app
+
+
+# Node hooks are connected here, in the module ``celery -A wm.celeryapp`` imports first
+# (the worker imports the ``include`` modules only later).
+@signals.worker_process_init.connect
+def _on_process_init(**_: Any) -> None:
+    from wm.node import on_process_init
+
+    on_process_init()
+
+
+@signals.worker_process_shutdown.connect
+def _on_process_shutdown(**_: Any) -> None:
+    from wm.node import on_process_shutdown
+
+    on_process_shutdown()
 
 
 app = make_app()

@@ -170,6 +170,10 @@ class Settings:
         "WM_VISIBILITY_TIMEOUT_S", 3600, _parse_int,
         "Redis broker: unacknowledged messages of a lost node are redelivered after this.",
     )
+    redeliver_after_s: float = _setting(
+        "WM_REDELIVER_AFTER_S", 3600.0, _parse_float,
+        "A delivery still pending after this is sent again (covers messages a broker lost).",
+    )
     outcome_ttl_s: int = _setting(
         "WM_OUTCOME_TTL_S", 7 * 24 * 3600, _parse_int,
         "How long recorded outcomes (idempotency records) are kept in Redis.",

@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import redis
 from celery import Celery
 
 from engines import Engine, WorkerSpec, engine_class
@@ -19,8 +20,10 @@ from wm.deadletters import DeadLetters
 from wm.directory import Directory, WorkerMeta
 from wm.events import CloudEvent, derive_id, with_attributes
 from wm.idempotency import Outcomes
+from wm.ledger import Ledger
 from wm.locks import GroupLocks, Lease
-from wm.state import redis_for
+from wm.outputs import OutputPublisher
+from wm.state import redis_for, unavailable
 
 logger = logging.getLogger(__name__)
 #: Engines kept loaded per process; the least recently used beyond this is closed.
@@ -86,6 +89,8 @@ class Runtime:
         self.bus = Bus(settings, app)
         self.directory = Directory(settings)
         self.outcomes = Outcomes(settings)
+        self.ledger = Ledger(settings)
+        self.outputs = OutputPublisher(self.bus)
         self.locks = GroupLocks(redis_for(settings), settings)
         self.dead_letters = DeadLetters(settings, self.bus)
         self.engines = EngineCache(settings, self.directory)
@@ -154,12 +159,13 @@ class Delivery:
         return stamped
 
     def publish(self, outputs: list[CloudEvent]) -> None:
-        """Publish each output to the topic of its type, skipping ones already published."""
+        """Publish each output to the topic of its type (plain subscriptions get it once,
+        see ``wm.outputs``), then settle the delivery in the pending ledger."""
         for output in outputs:
-            topic = output.get_type()
-            if self.rt.outcomes.published(topic, output.get_id()):
-                continue
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
-            self.rt.bus.publish(output, topic)
-            self.rt.outcomes.mark_published(topic, output.get_id())
+            self.rt.outputs.publish(output)
+        try:
+            self.rt.ledger.settle(self.meta.id, self.event.get_id())
+        except redis.RedisError as exc:
+            raise unavailable(self.rt.settings, exc) from exc

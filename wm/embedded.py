@@ -178,16 +178,22 @@ def start_redis(
     raise EmbeddedRedisError(f"no free port on {LOOPBACK} after {attempts} attempts")
 
 
-def stop_redis(server: EmbeddedRedis, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+def stop_redis(
+    server: EmbeddedRedis, timeout_s: float = SHUTDOWN_TIMEOUT_S, *, release_dir: bool = True
+) -> None:
     """Stop the server with SHUTDOWN, then SIGKILL if it lingers; reap it so no zombie stays.
 
     SHUTDOWN rather than a signal, so that a server refusing to stop (it could not write its
     AOF) says why in the log before it is killed.
     """
     if _wait_gone(server, 0):
+        if release_dir:
+            _wait_unlocked(server)
         return
     _request_shutdown(server, timeout_s)
     if _wait_gone(server, timeout_s):
+        if release_dir:
+            _wait_unlocked(server)
         logger.info("embedded Redis pid %d on port %d stopped", server.pid, server.port)
         return
     logger.warning(
@@ -197,6 +203,20 @@ def stop_redis(server: EmbeddedRedis, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> 
         os.kill(server.pid, signal.SIGKILL)
     if not _wait_gone(server, KILL_WAIT_S):
         raise EmbeddedRedisError(f"embedded Redis pid {server.pid} survived SIGKILL")
+    if release_dir:
+        _wait_unlocked(server)
+
+
+def _wait_unlocked(server: EmbeddedRedis) -> None:
+    """Wait until the data directory is free: a child the server forked (an AOF rewrite)
+    inherited the lock and may outlive the server by a moment."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    while running_redis(server.data_dir) is not None:
+        if time.monotonic() > deadline:
+            raise EmbeddedRedisError(
+                f"{server.data_dir} is still locked after embedded Redis pid {server.pid} ended"
+            )
+        time.sleep(POLL_INTERVAL_S)
 
 
 def _launch(
@@ -228,7 +248,7 @@ def _launch(
     try:
         info = _wait_until_ready(server, process, log_path, timeout_s)
     except BaseException:
-        stop_redis(server, timeout_s=PROBE_TIMEOUT_S)
+        stop_redis(server, timeout_s=PROBE_TIMEOUT_S, release_dir=False)  # we hold the lock
         raise
     if info is None:
         return None

@@ -2,9 +2,8 @@
 
 The outcome of a delivery (the output events, with their deterministic ids) is recorded in
 Redis *before* any output is published. A redelivered event whose outcome is recorded
-republishes the recorded outputs instead of running the code again; outputs already
-published (per-output marker) are skipped, so a crash can at worst repeat the one output
-whose publish was in flight.
+republishes the recorded outputs instead of running the code again (``wm.outputs`` makes
+that republish reach each plain subscription once).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from wm.events import CloudEvent, decode, encode
 from wm.state import redis_for, unavailable
 
 _OUTCOME = "wm:outcome:"
-_PUBLISHED = "wm:published:"
 
 
 class Outcomes:
@@ -60,8 +58,3 @@ class Outcomes:
         """Drop a recorded outcome so a replay runs the code again."""
         self.redis.delete(self.key(worker_id, event_id))
 
-    def published(self, topic: str, event_id: str) -> bool:
-        return bool(self.redis.exists(f"{_PUBLISHED}{topic}:{event_id}"))
-
-    def mark_published(self, topic: str, event_id: str) -> None:
-        self.redis.set(f"{_PUBLISHED}{topic}:{event_id}", 1, ex=self.ttl_s)

@@ -30,6 +30,7 @@ from wm.errors import (
     WorkManagerError,
 )
 from wm.events import LIFECYCLE_TOPIC, CloudEvent, decode, encode, lifecycle_event
+from wm.ledger import Ledger
 from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, EVENT_ON_ENTER, Status, check_transition
 from wm.models import OutboxEvent, Subscription, Worker, WorkerTransition, WorkerVersion
 from wm.views import TransitionInfo, VersionInfo, WorkerInfo, validate_worker_settings
@@ -160,24 +161,30 @@ class WorkManager:
         for topic, queue in removed:
             self.bus.broadcast_cancel(queue)
             self.bus.remove_route(topic, queue)
+            Ledger(self.settings).forget_worker(str(wid))
         return self.get_worker(wid)
 
     def record_failure(
         self, worker_id: uuid.UUID | str, error_type: str, error_message: str,
         *, fail: bool = False,
     ) -> None:
-        """Publish ``worker.error``; with ``fail`` also move the worker to ``failed``."""
+        """Publish ``worker.error``; with ``fail`` also move the worker to ``failed``, which
+        stops consumption (its queue keeps the messages until it is started again)."""
         wid = self._resolve(worker_id)
 
-        def record(session: Session) -> None:
+        def record(session: Session) -> str | None:
             worker = self._lock(session, wid)
             data = {"error_type": error_type, "error_message": error_message}
             self._outbox(session, "error", worker, data, reason=error_message)
             if fail and worker.status in (Status.STARTING, Status.RUNNING):
                 self._move(session, worker, Status.FAILED, f"{error_type}: {error_message}")
+                return worker_queue_name(worker.topic, str(wid))
+            return None
 
-        self._transaction(record)
+        failed_queue = self._transaction(record)
         self._changed(wid)
+        if failed_queue:
+            self.bus.broadcast_cancel(failed_queue)
 
     # -- queries ---------------------------------------------------------------------------
 

@@ -8,16 +8,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery import Celery, bootsteps, signals
+from celery import Celery, bootsteps
 from sqlalchemy import select
 
 from wm import store
-from wm.bus import Bus
+from wm.bus import Bus, Route
 from wm.celeryapp import EXCHANGE
 from wm.config import Settings
 from wm.directory import Directory
+from wm.ledger import Ledger
 from wm.lifecycle import Status
 from wm.manager import WorkManager
 from wm.models import Subscription, Worker
@@ -25,29 +27,48 @@ from wm.state import redis_for
 
 logger = logging.getLogger(__name__)
 LEADER_KEY = "workmanager/recovery/leader"
-#: Recovery state of this node, for health reporting (seed 000 "Monitoring").
-HEALTH = {"recovery": "degraded"}
+#: Release the lease only if this node still holds it (it may have expired and moved on).
+_RELEASE_IF_OURS = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+    "return 0"
+)
 
 
-def running_queues(settings: Settings) -> set[str]:
-    """Queues of running workers, from the database (the source of truth)."""
+def running_queues(settings: Settings) -> dict[str, str]:
+    """Queue → worker id of running workers, from the database (the source of truth)."""
     with store.session_scope(settings) as session:
-        rows = session.scalars(
-            select(Subscription.queue).join(Worker, Worker.id == Subscription.worker_id)
+        rows = session.execute(
+            select(Subscription.queue, Subscription.worker_id)
+            .join(Worker, Worker.id == Subscription.worker_id)
             .where(Worker.status == Status.RUNNING.value)
         ).all()
-    return set(rows)
+    return {queue: str(worker_id) for queue, worker_id in rows}
+
+
+def sweep_pending(settings: Settings, bus: Bus, running: Mapping[str, str]) -> int:
+    """Send again the deliveries of running workers pending longer than
+    WM_REDELIVER_AFTER_S (``wm.ledger``); one node sweeps per reconcile period."""
+    ledger = Ledger(settings)
+    if not ledger.claim_sweep(settings.reconcile_interval_s):
+        return 0
+    sent = 0
+    for queue, worker_id in running.items():
+        for event_id, payload in ledger.overdue(worker_id, settings.redeliver_after_s):
+            bus.send(payload, [Route(queue, worker_id)], event_id=event_id)
+            sent += 1
+    if sent:
+        logger.warning("sent %d delivery(ies) again that stayed pending over %ss", sent,
+                       settings.redeliver_after_s)
+    return sent
 
 
 def recover(settings: Settings, app: Celery) -> bool:
     """Rebuild derived state from the database if this node wins the leader lease."""
     if not settings.worker_recovery_on_start:
-        HEALTH["recovery"] = "healthy"
         return False
     redis = redis_for(settings)
     token = str(uuid.uuid4())
     if not redis.set(LEADER_KEY, token, nx=True, ex=settings.worker_recovery_lease_ttl_seconds):
-        HEALTH["recovery"] = "healthy"
         logger.info("another node leads recovery")
         return False
     try:
@@ -59,21 +80,18 @@ def recover(settings: Settings, app: Celery) -> bool:
         for queue in queues:
             bus.declare_queue(queue)
         WorkManager(settings, bus=bus).flush_outbox()
-        HEALTH["recovery"] = "healthy"
         logger.info("recovery done: %d queue(s) declared", len(queues))
         return True
     except Exception:
-        HEALTH["recovery"] = "unhealthy"
         logger.exception("recovery failed")
         raise
     finally:
-        if redis.get(LEADER_KEY) == token.encode():
-            redis.delete(LEADER_KEY)
+        redis.eval(_RELEASE_IF_OURS, 1, LEADER_KEY, token)
 
 
-def reconcile(consumer: Any, settings: Settings) -> tuple[set[str], set[str]]:
+def reconcile(consumer: Any, wanted: Iterable[str]) -> tuple[set[str], set[str]]:
     """Consume every running worker's queue and nothing else; returns (added, cancelled)."""
-    wanted = running_queues(settings)
+    wanted = set(wanted)
     current = {q.name for q in consumer.task_consumer.queues}
     ours = {name for name in current if "::" in name}
     added, cancelled = wanted - current, ours - wanted
@@ -96,8 +114,12 @@ class Reconciler(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.settings = Settings.from_env()
         self.tref: Any = None
+        self.recovered = False
 
     def start(self, parent: Any) -> None:
+        if not self.recovered:  # once per node; the step restarts after broker reconnects
+            recover_with_retries(self.settings, parent.app)
+            self.recovered = True
         self._tick(parent)
         self.tref = parent.timer.call_repeatedly(
             self.settings.reconcile_interval_s, self._tick, (parent,), priority=10
@@ -110,20 +132,20 @@ class Reconciler(bootsteps.StartStopStep):
 
     def _tick(self, parent: Any) -> None:
         try:
-            reconcile(parent, self.settings)
+            running = running_queues(self.settings)
+            reconcile(parent, running)
+            sweep_pending(self.settings, Bus(self.settings, parent.app), running)
         except Exception:
             logger.exception("reconcile failed; next try in %ss",
                              self.settings.reconcile_interval_s)
 
 
-@signals.worker_init.connect
-def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    settings = Settings.from_env()
-    started = time.monotonic()
-    deadline = started + settings.worker_recovery_acquire_timeout_seconds
+def recover_with_retries(settings: Settings, app: Celery) -> None:
+    """Recovery at node start, retried until WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS."""
+    deadline = time.monotonic() + settings.worker_recovery_acquire_timeout_seconds
     while True:
         try:
-            recover(settings, sender.app)
+            recover(settings, app)
             return
         except Exception:
             if time.monotonic() > deadline:
@@ -131,16 +153,16 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             time.sleep(1.0)
 
 
-@signals.worker_process_init.connect
-def _on_process_init(**_: Any) -> None:
+def on_process_init() -> None:
+    """In each pool process after fork: fresh database pools and a fresh runtime."""
     from wm.tasks import reset_runtime
 
     store.dispose_engines()
     reset_runtime()
 
 
-@signals.worker_process_shutdown.connect
-def _on_process_shutdown(**_: Any) -> None:
+def on_process_shutdown() -> None:
+    """Close the engines (and their sandboxed subprocesses) of a pool process."""
     from wm.tasks import reset_runtime
 
     reset_runtime()

@@ -29,10 +29,14 @@ from wm.errors import (
 )
 from wm.events import LIFECYCLE_TOPIC, decode, lifecycle_event
 from wm.lifecycle import Status
+from wm.manager import WorkManager
 
 logger = logging.getLogger(__name__)
-#: Failures a retry cannot fix: the delivery is dead-lettered at once.
-NOT_RETRYABLE = (EventDecodeError, InvalidCode, EngineNotFound, EngineUnavailable, LookupError)
+#: Failures of the event itself, which no retry fixes: dead-lettered at once.
+NOT_RETRYABLE = (EventDecodeError, LookupError)
+#: Failures of the worker's code or engine on this node: the worker is moved to ``failed``
+#: and the message requeued, so nothing is lost while an operator repairs the worker.
+WORKER_BROKEN = (InvalidCode, EngineNotFound, EngineUnavailable)
 #: Pause before requeueing when the platform is down, so a node does not spin.
 _REQUEUE_PAUSE_S = 1.0
 _runtime: Runtime | None = None
@@ -91,6 +95,11 @@ def _deliver(
         delivery.run()
     except BrokerUnavailable:
         raise
+    except WORKER_BROKEN as exc:
+        logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
+        WorkManager(rt.settings, bus=rt.bus).record_failure(
+            meta.id, type(exc).__name__, str(exc), fail=True)
+        raise Reject(f"worker {meta.id} failed: {exc}", requeue=True) from exc
     except Exception as exc:  # every failure goes through the policy
         _failed(task, rt, delivery, payload, exc, first_failure_at)
 
@@ -134,6 +143,8 @@ def _park(
         version=version or (meta.version if meta else None),
         sha256=meta.sha256 if meta else None, fence=fence, first_failure_at=first_failure_at,
     ))
+    if event_id is not None:
+        rt.ledger.settle(worker_id, event_id)
 
 
 def _emit_error(

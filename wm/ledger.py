@@ -1,0 +1,91 @@
+"""Pending deliveries: a safety net under the broker's at-least-once promise.
+
+kombu's Redis transport takes a message off its queue (BRPOP) and only then records it as
+unacknowledged: a node killed between the two loses the message, and so does one killed
+while Redis's reply is in flight. So every delivery to a worker is also written here before
+it is sent, and settled once its outcome is recorded or it is dead-lettered. The nodes'
+reconcile loop sends again what stayed pending longer than WM_REDELIVER_AFTER_S. A second
+copy is harmless: a delivery whose outcome is recorded republishes instead of re-running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import redis
+from redis.client import Pipeline
+
+from wm.config import Settings
+from wm.state import redis_for, unavailable
+
+logger = logging.getLogger(__name__)
+_PENDING = "wm:pending:"
+_SWEEP_LOCK = "wm:pending:sweeper"
+#: Overdue deliveries sent again per worker and sweep (the rest wait for the next sweep).
+SWEEP_BATCH = 500
+
+
+class Ledger:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis_for(self.settings)
+
+    @staticmethod
+    def _keys(worker_id: str) -> tuple[str, str]:
+        return f"{_PENDING}{{{worker_id}}}", f"{_PENDING}{{{worker_id}}}:body"
+
+    def add(self, deliveries: Iterable[tuple[str, str]], event_id: str, payload: str) -> None:
+        """Record ``event_id`` as pending for each (worker id, queue) before it is sent."""
+        now = time.time()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for worker_id, _ in deliveries:
+                index, bodies = self._keys(worker_id)
+                pipe.zadd(index, {event_id: now}, nx=True)
+                pipe.hset(bodies, event_id, payload)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise unavailable(self.settings, exc) from exc
+
+    def settle(
+        self, worker_id: str, event_id: str, pipe: Pipeline | None = None
+    ) -> None:
+        """The delivery is done (outcome recorded, or dead-lettered): forget it."""
+        index, bodies = self._keys(worker_id)
+        target = pipe if pipe is not None else self.redis.pipeline(transaction=False)
+        target.zrem(index, event_id)
+        target.hdel(bodies, event_id)
+        if pipe is None:
+            target.execute()
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A deleted worker's queue is gone, and so are its pending deliveries."""
+        self.redis.delete(*self._keys(worker_id))
+
+    def pending(self, worker_id: str) -> int:
+        return int(self.redis.zcard(self._keys(worker_id)[0]))
+
+    def overdue(self, worker_id: str, older_than_s: float) -> list[tuple[str, str]]:
+        """(event id, payload) of deliveries pending longer than ``older_than_s``; their
+        clock restarts, so each is sent again at most once per period."""
+        index, bodies = self._keys(worker_id)
+        now = time.time()
+        found: list[bytes] = self.redis.zrangebyscore(  # type: ignore[assignment]
+            index, 0, now - older_than_s, start=0, num=SWEEP_BATCH)
+        ids = [i.decode() for i in found]
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(index, dict.fromkeys(ids, now), xx=True)
+        pipe.hmget(bodies, ids)
+        _, payloads = pipe.execute()
+        return [(i, p.decode()) for i, p in zip(ids, payloads, strict=True) if p is not None]
+
+    def claim_sweep(self, period_s: float) -> bool:
+        """One node sweeps at a time, at most once per period."""
+        return bool(self.redis.set(_SWEEP_LOCK, 1, nx=True, px=max(1, int(period_s * 900))))

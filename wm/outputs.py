@@ -1,0 +1,93 @@
+"""Publishing a worker's outputs exactly once to plain subscriptions.
+
+A redelivered event republishes its recorded outputs (``wm.idempotency``), so each output may
+be sent more than once. Worker subscriptions absorb that (their deliveries are idempotent by
+event id). A plain subscription is a queue any kombu client reads, so it gets each output once:
+- Redis broker: one Lua script sets the output's marker and pushes the kombu message onto
+  every plain queue, atomically: a crash leaves either both or neither.
+- Other brokers (RabbitMQ): the marker is checked before and set right after the publish; a
+  crash between the two can repeat that one output, with the same id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from kombu.exceptions import KombuError
+from kombu.utils.json import dumps
+
+from wm.bus import CLOUDEVENT_CONTENT_TYPE, Bus, Route
+from wm.celeryapp import EXCHANGE
+from wm.events import CloudEvent, encode
+from wm.state import unavailable
+
+_MARKER = "wm:published:"
+# KEYS: marker, queue lists. ARGV: marker ttl s, one kombu message per queue.
+_PUSH_ONCE = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
+for i = 2, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i]) end
+return 1
+"""
+
+
+class OutputPublisher:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.ttl_s = bus.settings.outcome_ttl_s
+        self.redis_broker = bus.settings.broker_url.startswith(("redis://", "rediss://"))
+
+    def publish(self, output: CloudEvent) -> None:
+        """Send ``output`` to the topic of its type: to workers (maybe again), to plain
+        subscriptions once."""
+        topic = output.get_type()
+        routes = self.bus.routes(topic)
+        if not routes:
+            self.bus.count_dropped(topic)
+            return
+        payload = encode(output)
+        workers = [r for r in routes if r.worker_id is not None]
+        plain = [r for r in routes if r.worker_id is None]
+        if workers:
+            self.bus.send(payload, workers, event_id=output.get_id())
+        if plain:
+            marker = f"{_MARKER}{topic}:{output.get_id()}"
+            if self.redis_broker:
+                self._push_once(payload, plain, marker)
+            else:
+                self._send_marked(payload, plain, marker)
+
+    def _push_once(self, payload: str, routes: list[Route], marker: str) -> None:
+        try:
+            with self.bus.app.connection_for_write() as conn:
+                channel = conn.default_channel
+                keys, messages = [marker], []
+                for route in routes:
+                    key, message = _kombu_message(channel, payload, route.queue)
+                    keys.append(key)
+                    messages.append(message)
+                with channel.conn_or_acquire() as client:
+                    client.eval(_PUSH_ONCE, len(keys), *keys, self.ttl_s, *messages)
+        except (OSError, KombuError, redis.RedisError) as exc:
+            raise self.bus.broker_down(exc) from exc
+
+    def _send_marked(self, payload: str, routes: list[Route], marker: str) -> None:
+        state = self.bus.redis
+        try:
+            if state.exists(marker):
+                return
+            self.bus.send(payload, routes)
+            state.set(marker, 1, ex=self.ttl_s)
+        except redis.RedisError as exc:
+            raise unavailable(self.bus.settings, exc) from exc
+
+
+def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:
+    """The list key and the serialized message kombu's Redis transport would LPUSH for a
+    plain publish of ``payload`` to ``queue`` (what ``Producer.publish`` does, step by step)."""
+    message = channel.prepare_message(
+        payload, None, CLOUDEVENT_CONTENT_TYPE, "utf-8", {}, {"delivery_mode": 2}
+    )
+    channel._inplace_augment_message(message, EXCHANGE.name, queue)
+    key = channel._q_for_pri(queue, channel._get_message_priority(message, reverse=False))
+    return str(key), str(dumps(message))
