@@ -21,6 +21,7 @@ from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.delivery import FENCE_EXTENSION
 from wm.idempotency import Outcomes
+from wm.ledger import Ledger
 from wm.locks import GroupLocks
 
 
@@ -188,6 +189,7 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     state = (missing, manager.bus.queue_depth(f"in::{worker.id}"), broker.hlen("unacked"),
              DeadLetters(settings).list(), recorded, manager.bus.queue_depth(sink))
     assert state == ([], 0, 0, [], [], 0), state
+    eventually(lambda: Ledger(settings).pending(str(worker.id)) == 0, timeout_s=30)
     assert len(ids) == 1000
 
 
