@@ -1,11 +1,8 @@
 """Where worker code comes from: inline bytes (base64 in CLI/JSON) or a URL.
 
-A code URL is attacker-controlled input that makes WorkManager open a connection, so every
-URL -- and every redirect -- passes the same rules before any socket is opened: scheme,
-syntax, host allowlist and the addresses the host resolves to. The connection then goes to
-the address that was checked (no second DNS lookup), so a name cannot be re-bound to an
-internal address between check and use. A refusal raises :class:`~wm.errors.SecurityError`
-whose ``rule`` names the rule; its message names the setting that would admit the URL.
+Every URL -- and every redirect -- first passes the rules in :mod:`wm.urlguard`. The
+connection then goes to the address that was checked (no second DNS lookup), so a name cannot
+be re-bound to an internal address between check and use.
 """
 
 from __future__ import annotations
@@ -13,7 +10,6 @@ from __future__ import annotations
 import binascii
 import hashlib
 import http.client
-import ipaddress
 import logging
 import re
 import socket
@@ -22,10 +18,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
-from urllib.parse import SplitResult, urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from wm.config import Settings
 from wm.errors import CodeSourceError, IntegrityError, SecurityError
+from wm.urlguard import Resolver, Target, check_url, system_resolver
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -34,34 +31,14 @@ __all__ = ["Connector", "FetchedCode", "Resolver", "decode_base64", "from_conten
 
 _log = logging.getLogger(__name__)
 
-#: ``resolver(host, port)`` returns the IP addresses (text form) the host resolves to.
-Resolver = Callable[[str, int], list[str]]
 #: ``connect(address, port, timeout_s)`` returns a TCP socket connected to that address.
 Connector = Callable[[str, int, float], socket.socket]
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: Bytes asked of the socket per read while streaming a body.
 _CHUNK_BYTES = 64 * 1024
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_HOST_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*")
-#: A last label that makes URL parsers (WHATWG, inet_aton) read the host as an IPv4 number.
-_NUMERIC_LABEL = re.compile(r"0x[0-9a-f]*|[0-9]+")
-#: RFC 6052 well-known NAT64 prefix: judged by the IPv4 address it embeds.
-_NAT64_PREFIX = ipaddress.IPv6Network("64:ff9b::/96")
 _WHITESPACE = re.compile(r"\s+")
-#: Address properties that make an address unfit for a code fetch, with their names.
-_REFUSED_PROPERTIES = (
-    ("is_unspecified", "unspecified"),
-    ("is_loopback", "loopback"),
-    ("is_link_local", "link-local"),
-    ("is_multicast", "multicast"),
-    ("is_site_local", "site-local"),
-    ("is_reserved", "reserved"),
-    ("is_private", "private"),
-)
 
 
 @dataclass(frozen=True)
@@ -73,18 +50,6 @@ class FetchedCode:
     size: int
     source_kind: str
     url: str | None = None
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One URL that passed every rule, with the only addresses it may be fetched from."""
-
-    url: str
-    scheme: str
-    host: str
-    port: int
-    path: str
-    addresses: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -166,179 +131,6 @@ def _finish(
     return FetchedCode(code=code, sha256=digest, size=len(code), source_kind=source_kind, url=url)
 
 
-# --- URL rules ------------------------------------------------------------------------------
-
-
-def _check_url(url: str, settings: Settings, resolver: Resolver) -> _Target:
-    """Apply every rule to ``url``; return where it may be fetched from or refuse it."""
-    parts = _split(url, settings)
-    host = _checked_host(parts)
-    _check_allowlist(host, settings)
-    port = _port(parts)
-    addresses = _resolve(host, port, resolver)
-    if not settings.code_url_allow_private:
-        _check_addresses(host, addresses)
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return _Target(url, parts.scheme, host, port, path, tuple(str(a) for a in addresses))
-
-
-def _split(url: str, settings: Settings) -> SplitResult:
-    if not url.isascii() or any(ch <= " " or ch == "\x7f" for ch in url):
-        raise SecurityError(
-            "url-syntax",
-            "the URL contains whitespace, control or non-ASCII characters; percent-encode "
-            "the path and write international host names in their xn-- form",
-        )
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise SecurityError("url-syntax", f"the URL is malformed: {exc}") from exc
-    _check_scheme(parts.scheme, settings)
-    if "@" in parts.netloc:
-        raise SecurityError(
-            "userinfo",
-            "the URL carries user information before '@' (user@host); no setting admits it",
-        )
-    return parts
-
-
-def _check_scheme(scheme: str, settings: Settings) -> None:
-    if scheme == "https" or (scheme == "http" and settings.code_url_allow_http):
-        return
-    hint = "set WM_CODE_URL_ALLOW_HTTP=true to admit it" if scheme == "http" else (
-        "only https:// (and http:// with WM_CODE_URL_ALLOW_HTTP=true) is fetched"
-    )
-    raise SecurityError("scheme", f"scheme {scheme or '(none)'!r} is refused; {hint}")
-
-
-def _checked_host(parts: SplitResult) -> str:
-    raw = parts.hostname or ""
-    if not raw.rstrip("."):
-        raise SecurityError("empty-host", "the URL names no host")
-    host = _normalise_host(raw)
-    if _ip_or_none(host) is None and ("%" in raw or not _HOST_NAME.fullmatch(host)):
-        raise SecurityError(
-            "host-syntax",
-            f"host {raw!r} is neither a DNS name nor an IP address "
-            "(write international names in their xn-- form)",
-        )
-    if _is_ambiguous_ipv4(host):
-        raise SecurityError(
-            "ip-literal-form",
-            f"host {raw!r} is a decimal, octal, hex or shortened IPv4 form that parsers "
-            "read differently; write the address as four decimal octets",
-        )
-    return host
-
-
-def _normalise_host(host: str) -> str:
-    """Lower-case, without brackets or trailing dot; IP literals in canonical text."""
-    host = host.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
-    literal = _ip_or_none(host)
-    return host if literal is None else str(literal)
-
-
-def _ip_or_none(host: str) -> IPAddress | None:
-    if "%" in host:
-        return None
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-def _is_ambiguous_ipv4(host: str) -> bool:
-    last_label = host.rsplit(".", 1)[-1]
-    return bool(_NUMERIC_LABEL.fullmatch(last_label)) and _ip_or_none(host) is None
-
-
-def _check_allowlist(host: str, settings: Settings) -> None:
-    entries = [_normalise_host(entry) for entry in settings.code_url_allowed_hosts]
-    if not entries or any(_host_matches(host, entry) for entry in entries):
-        return
-    raise SecurityError(
-        "host-allowlist",
-        f"host {host!r} is not in WM_CODE_URL_ALLOWED_HOSTS (exact names or *.suffix entries)",
-    )
-
-
-def _host_matches(host: str, entry: str) -> bool:
-    """``*.example.com`` admits names below example.com, not example.com itself."""
-    if entry.startswith("*."):
-        return host.endswith(entry[1:])
-    return host == entry
-
-
-def _port(parts: SplitResult) -> int:
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise SecurityError("url-syntax", f"the URL's port is invalid: {exc}") from exc
-    return _DEFAULT_PORTS[parts.scheme] if port is None else port
-
-
-def _resolve(host: str, port: int, resolver: Resolver) -> list[IPAddress]:
-    literal = _ip_or_none(host)
-    if literal is not None:
-        return [literal]
-    try:
-        answers = resolver(host, port)
-    except OSError as exc:
-        raise CodeSourceError(f"cannot resolve host {host!r}: {exc}") from exc
-    if not answers:
-        raise CodeSourceError(f"host {host!r} resolved to no address")
-    try:
-        return [ipaddress.ip_address(answer) for answer in answers]
-    except ValueError as exc:
-        raise CodeSourceError(f"resolver gave a non-address for {host!r}: {exc}") from exc
-
-
-def _system_resolver(host: str, port: int) -> list[str]:
-    """The addresses a plain connect would try, each once, in the system's order."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-def _check_addresses(host: str, addresses: list[IPAddress]) -> None:
-    """Every address must be public: an attacker controls which one a client would pick."""
-    for address in addresses:
-        reason = _address_refusal(address)
-        if reason is not None:
-            raise SecurityError(
-                "private-address",
-                f"host {host!r} resolves to {address}, {reason}; only "
-                "WM_CODE_URL_ALLOW_PRIVATE=true admits it (tests and closed networks only)",
-            )
-
-
-def _address_refusal(address: IPAddress) -> str | None:
-    """Why ``address`` must not be contacted, or None when it is globally routable."""
-    if isinstance(address, ipaddress.IPv6Address):
-        return _ipv6_refusal(address)
-    return _plain_refusal(address)
-
-
-def _ipv6_refusal(address: ipaddress.IPv6Address) -> str | None:
-    if address.ipv4_mapped is not None:
-        return "an IPv4-mapped IPv6 address"
-    if address in _NAT64_PREFIX:
-        inner = ipaddress.IPv4Address(int(address) & 0xFFFF_FFFF)
-        reason = _plain_refusal(inner)
-        return None if reason is None else f"a NAT64 embedding of {inner}, which is {reason}"
-    for inner in (address.sixtofour, *(address.teredo or ())):
-        reason = None if inner is None else _plain_refusal(inner)
-        if reason is not None:
-            return f"a 6to4/Teredo embedding of {inner}, which is {reason}"
-    return _plain_refusal(address)
-
-
-def _plain_refusal(address: IPAddress) -> str | None:
-    for attribute, name in _REFUSED_PROPERTIES:
-        if getattr(address, attribute, False):
-            return name
-    return None if address.is_global else "not globally routable"
-
-
 # --- fetching -------------------------------------------------------------------------------
 
 
@@ -358,7 +150,7 @@ def from_url(
     """
     pin = _parse_pin(sha256)
     deadline = time.monotonic() + settings.code_url_timeout_s
-    fetch = _Fetch(settings, resolver or _system_resolver, connect or _system_connect, deadline)
+    fetch = _Fetch(settings, resolver or system_resolver, connect or _system_connect, deadline)
     try:
         code = fetch.run(url)
     except TimeoutError as exc:
@@ -407,7 +199,7 @@ class _Fetch:
     def run(self, url: str) -> bytes:
         current = url
         for _ in range(self._settings.code_url_max_redirects + 1):
-            target = _check_url(current, self._settings, self._resolver)
+            target = check_url(current, self._settings, self._resolver)
             result = self._get(target)
             if isinstance(result, bytes):
                 return result
@@ -419,7 +211,7 @@ class _Fetch:
             f"WM_CODE_URL_MAX_REDIRECTS={self._settings.code_url_max_redirects} times",
         )
 
-    def _get(self, target: _Target) -> bytes | _Redirect:
+    def _get(self, target: Target) -> bytes | _Redirect:
         kind = _PinnedHTTPSConnection if target.scheme == "https" else _PinnedHTTPConnection
         connection = kind(target, self._deadline, self._connect)
         response: http.client.HTTPResponse | None = None
@@ -443,7 +235,7 @@ _REQUEST_HEADERS = {"Accept": "*/*", "User-Agent": "WorkManager-codesource", "Co
 
 
 def _read_response(
-    response: http.client.HTTPResponse, target: _Target, limit: int
+    response: http.client.HTTPResponse, target: Target, limit: int
 ) -> bytes | _Redirect:
     status = response.status
     if status in _REDIRECT_STATUSES:
@@ -458,7 +250,7 @@ def _read_response(
     return _read_body(response, target, limit)
 
 
-def _read_body(response: http.client.HTTPResponse, target: _Target, limit: int) -> bytes:
+def _read_body(response: http.client.HTTPResponse, target: Target, limit: int) -> bytes:
     """Stream the body and stop the moment it exceeds ``limit``, announced or not."""
     if response.length is not None and response.length > limit:
         raise _too_large(target, f"announces Content-Length {response.length}", limit)
@@ -476,7 +268,7 @@ def _read_body(response: http.client.HTTPResponse, target: _Target, limit: int) 
     return b"".join(chunks)
 
 
-def _too_large(target: _Target, what: str, limit: int) -> SecurityError:
+def _too_large(target: Target, what: str, limit: int) -> SecurityError:
     return SecurityError(
         "size-limit", f"{_shown(target.url)} {what}; WM_CODE_MAX_BYTES={limit} bounds code"
     )
@@ -518,7 +310,7 @@ class _DeadlineSSLSocket(ssl.SSLSocket):
 class _PinnedHTTPConnection(http.client.HTTPConnection):
     """Connects to the addresses that passed the checks; the host name only fills Host."""
 
-    def __init__(self, target: _Target, deadline: float, connect: Connector) -> None:
+    def __init__(self, target: Target, deadline: float, connect: Connector) -> None:
         super().__init__(target.host, target.port)
         self._target = target
         self._deadline = deadline
