@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import eventually
 
 
@@ -32,7 +34,8 @@ def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path) -> None:
     _assert_nothing_left(out)
 
 
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_everything(tmp_path: Path, stop: signal.Signals) -> None:
     proc = _run_up(tmp_path)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -40,7 +43,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         lines.append(line)
         if "ready" in line:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     rest, _ = proc.communicate(timeout=60)
     out = "".join(lines) + rest
     assert proc.returncode == 0, out

@@ -55,6 +55,7 @@ def run(demo: bool = False, events: int = 0, concurrency: int = 2) -> int:
     """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code."""
     home = HOME.resolve()
     home.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, service managers: stop as on Ctrl-C
     with embedded_redis(home) as settings:
         store.upgrade(settings)
         _say(f"database   {settings.database_url} (migrated)")
@@ -183,6 +184,10 @@ def _show_output(outputs: object) -> None:
     _say(f"← {event['type']:<13} {event['data']} correlationid={event.get('correlationid')}")
     message.ack()
     time.sleep(1.0)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _say(text: str) -> None:
