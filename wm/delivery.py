@@ -127,7 +127,7 @@ class Delivery:
             outputs = self.stamp(self.execute())
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
-            self.rt.outcomes.record(self.meta.id, self.event.get_id(), outputs)
+            outputs = self.rt.outcomes.record(self.meta.id, self.event.get_id(), outputs)
             self.publish(outputs)
             return outputs
         finally:

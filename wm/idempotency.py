@@ -46,15 +46,18 @@ class Outcomes:
     def parse(raw: bytes | str) -> list[CloudEvent]:
         return [decode(item) for item in json.loads(raw)]
 
-    def record(self, worker_id: str, event_id: str, outputs: list[CloudEvent]) -> None:
-        """Record the outcome (idempotent: a second record keeps the first)."""
-        body = json.dumps([encode(event) for event in outputs])
+    def record(
+        self, worker_id: str, event_id: str, outputs: list[CloudEvent]
+    ) -> list[CloudEvent]:
+        """Record the outcome and return the one that counts: when two copies of a delivery
+        ran at once, the first record wins and both publish it (one round trip)."""
+        key = self.key(worker_id, event_id)
         try:
-            self.redis.set(self.key(worker_id, event_id), body, ex=self.ttl_s, nx=True)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(key, json.dumps([encode(e) for e in outputs]), ex=self.ttl_s, nx=True)
+            pipe.get(key)
+            created, stored = pipe.execute()
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
-
-    def forget(self, worker_id: str, event_id: str) -> None:
-        """Drop a recorded outcome so a replay runs the code again."""
-        self.redis.delete(self.key(worker_id, event_id))
+        return outputs if created else self.parse(stored)
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from celery import Task, shared_task
-from celery.exceptions import Reject
+from celery.exceptions import Reject, Retry
 
 from wm.celeryapp import DELIVER_TASK
 from wm.config import Settings
@@ -22,6 +22,7 @@ from wm.delivery import Delivery, Runtime
 from wm.directory import WorkerMeta
 from wm.errors import (
     BrokerUnavailable,
+    DatabaseError,
     EngineNotFound,
     EngineUnavailable,
     EventDecodeError,
@@ -66,8 +67,15 @@ def deliver(
     rt = runtime(self)
     try:
         _deliver(self, rt, worker_id, payload, pin_version, first_failure_at)
-    except BrokerUnavailable as exc:
+    except (Retry, Reject):
+        raise
+    except (BrokerUnavailable, DatabaseError) as exc:
         logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
+        time.sleep(_REQUEUE_PAUSE_S)
+        raise Reject(str(exc), requeue=True) from exc
+    except Exception as exc:
+        # Never acknowledge a message this task could not settle: requeue it.
+        logger.exception("unexpected failure delivering to %s; requeueing", worker_id)
         time.sleep(_REQUEUE_PAUSE_S)
         raise Reject(str(exc), requeue=True) from exc
 
@@ -93,7 +101,7 @@ def _deliver(
     delivery = Delivery(rt, meta, event, str(task.request.id), pin_version)
     try:
         delivery.run()
-    except BrokerUnavailable:
+    except (BrokerUnavailable, DatabaseError):
         raise
     except WORKER_BROKEN as exc:
         logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
