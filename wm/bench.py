@@ -31,7 +31,6 @@ from wm.up import celery_node, embedded_redis
 BARE_QUEUE = "wm.bench.bare"
 #: Targets from the issues, as ratios of bare Celery throughput.
 TARGETS = {"no group": 0.7, "group": 0.5, "python worker": 0.5}
-SCENARIOS = ("bare celery", "no group", "group", "python worker")
 
 
 @dataclass

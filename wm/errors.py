@@ -51,8 +51,6 @@ class InvalidCode(WorkManagerError):
 class WorkerExecutionError(WorkManagerError):
     """Raised when worker code fails while processing an event."""
 
-    retryable = True
-
 
 class WorkerTimeout(WorkerExecutionError):
     """Raised when worker code exceeds its per-message time limit."""

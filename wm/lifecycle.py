@@ -32,8 +32,6 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
     Status.DELETED: frozenset(),
 }
 
-#: States in which a node consumes the worker's queue.
-CONSUMING = frozenset({Status.RUNNING})
 #: States from which ``start`` has nothing to do (start is idempotent).
 ALREADY_STARTED = frozenset({Status.STARTING, Status.RUNNING})
 #: States from which ``stop`` has nothing to do (stop is idempotent; never-started counts).

@@ -52,8 +52,6 @@ PROBE_TIMEOUT_S = 5.0
 EXTRA_READ_ROOTS = ("/dev/null", "/dev/urandom", "/usr/share/zoneinfo")
 #: Kernel-level layers the sandbox uses when the host permits them.
 WANTED_LAYERS = ("network namespace", "no capabilities")
-#: Worker settings keys this engine reads (other keys belong to the core or other engines).
-WORKER_SETTING_KEYS = ("memory_mb", "cpu_limit_s")
 
 #: Third-party modules the runner and the DevKit need inside the sandbox.
 SANDBOX_DEPENDENCIES = ("cloudevents", "dateutil", "six")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from kombu.utils.url import maybe_sanitize_url
@@ -12,7 +11,7 @@ from kombu.utils.url import maybe_sanitize_url
 from wm import store
 from wm.cli.arguments import add_command, add_group
 from wm.cli.output import Context
-from wm.config import Settings, settings_table
+from wm.config import Settings, current_values, settings_table
 from wm.errors import WorkManagerError
 
 if TYPE_CHECKING:
@@ -82,12 +81,8 @@ def show_config(ctx: Context, args: argparse.Namespace) -> int:
 
 def _current_values(settings: Settings) -> dict[str, str]:
     """Each variable's value in effect, shown like its default; passwords in URLs masked."""
-    values: dict[str, str] = {}
-    for field in fields(settings):
-        value: Any = getattr(settings, field.name)
-        shown = ",".join(value) if isinstance(value, tuple) else str(value)
-        values[field.metadata["env"]] = maybe_sanitize_url(shown) if "://" in shown else shown
-    return values
+    return {env: maybe_sanitize_url(shown) if "://" in shown else shown
+            for env, shown in current_values(settings).items()}
 
 
 def run_up(ctx: Context, args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from wm.cli.arguments import (
     read_json,
 )
 from wm.cli.output import Context
-from wm.errors import BrokerUnavailable, EventDecodeError
+from wm.errors import EventDecodeError
 from wm.events import CloudEvent, decode, encode, event_to_dict, make_event
 
 if TYPE_CHECKING:
@@ -184,10 +184,7 @@ def _consume(ctx: Context, queue: str, count: int | None, timeout_s: float | Non
             finally:
                 simple.close()
     except (OSError, KombuError) as exc:
-        raise BrokerUnavailable(
-            f"the broker at WM_BROKER_URL={ctx.settings.broker_url} is unreachable ({exc}); "
-            "start it or fix the setting"
-        ) from exc
+        raise ctx.manager.bus.broker_down(exc) from exc
 
 
 def _next_message(simple: Any, timeout_s: float | None) -> Any:
