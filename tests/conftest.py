@@ -21,9 +21,9 @@ import redis
 
 from wm import Settings, WorkManager, store
 
-PG_ADMIN_URL = os.environ.get("WM_TEST_PG_ADMIN", "postgresql+psycopg://root@127.0.0.1:5432/test")
+PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
 REDIS_HOST = "redis://127.0.0.1:6379"
-AMQP_URL = os.environ.get("WM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 #: Redis databases of this test run: broker and state (other suites use other numbers).
 BROKER_DB, STATE_DB = 12, 13
 ROOT = Path(__file__).resolve().parent.parent

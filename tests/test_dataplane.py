@@ -167,7 +167,7 @@ def test_node_start_recovers_state_redis_lost(fast: Settings, start_node: Any) -
     state.flushdb()
     node = start_node(fast)
     node.wait_for("recovery done: 2 queue(s) declared")
-    assert state.hlen("wm:routes:in") == 1 and state.exists("wm:routes:ready")
+    assert state.hlen("wm:routes:in") == 1 and state.exists("wm:routes-ready")
     assert not state.exists(LEADER_KEY)
     node.consuming(f"in::{worker.id}")
     _publish(manager, "in", 2)
@@ -228,3 +228,20 @@ def test_a_republished_output_reaches_a_plain_subscription_once(fast: Settings) 
     publisher.publish(other)
     assert [e["id"] for e in drain(fast, sink, 5, timeout_s=3)] == [output.get_id(),
                                                                    other.get_id()]
+
+
+def test_a_route_lost_behind_workmanagers_back_is_repaired(
+    fast: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    node = start_node(fast)
+    node.consuming(f"in::{worker.id}")
+    state = redis.Redis.from_url(fast.redis_url)
+    state.hdel("wm:routes:in", f"in::{worker.id}")
+    state.hset("wm:routes:in", "in::gone", "")  # a route whose subscription does not exist
+    assert manager.bus.routes("in") == [Route("in::gone", None)]
+    eventually(lambda: manager.bus.routes("in") == [Route(f"in::{worker.id}", str(worker.id))])
+    _publish(manager, "in", 1)
+    assert len(drain(fast, sink, 1)) == 1

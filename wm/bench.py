@@ -1,8 +1,9 @@
 """``wm bench``: WorkManager delivery against a bare Celery task, in one run, on the same broker
-and concurrency. Prints events/s, p50/p99 publish→done latency and the ratio to bare Celery.
+and concurrency. Prints events/s, p50/p99 publish→done latency and the ratio to bare Celery,
+then the Python engine's per-message round trip (host → sandboxed child → host).
 
-Both sides are timed the same way, from Celery's own task events: ``task-sent`` (stamped by
-the publisher) to ``task-succeeded`` (stamped by the node).
+Both delivery sides are timed the same way, from Celery's own task events: ``task-sent``
+(stamped by the publisher) to ``task-succeeded`` (stamped by the node).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=2000, help="events per scenario")
     parser.add_argument("--concurrency", type=int, default=2, help="Celery processes")
     parser.add_argument("--timeout-s", type=float, default=600, help="per scenario")
+    parser.add_argument("--engine-messages", type=int, default=5000,
+                        help="messages for the Python engine round trip (0 skips it)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
         home = Path(tmp)
@@ -110,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             store.upgrade(settings)
             results = _run(settings, home, args)
     _report(results, args)
+    if args.engine_messages:
+        _engine_round_trip(args.engine_messages)
     return 0
 
 
@@ -172,6 +177,39 @@ def _lock_round_trips(settings: Settings) -> int:
     locks.release(locks.acquire("probe", "bench"))
     after = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
     return after - before
+
+
+#: Trivial Python workers whose engine round trip is timed.
+ENGINE_WORKERS = {
+    "returns None": b"def process(event):\n    return None\n",
+    "returns one event": (b"from wm.devkit import make_event\n\ndef process(event):\n"
+                          b"    return make_event('bench.out', '/bench', event.get_data())\n"),
+}
+
+
+def _engine_round_trip(messages: int) -> None:
+    """Time ``PythonEngine.process`` on the host: framing, two pipe hops, the worker call."""
+    from engines.base import WorkerSpec
+    from engines.python import PythonEngine
+
+    engine = PythonEngine(Settings.from_env())
+    event = make_event("bench.in", "/bench", {"n": 1, "text": "a small payload"})
+    print(f"\nPython engine round trip, {messages} messages (target: median ≤ 0.5 ms)\n")
+    try:
+        for name, code in ENGINE_WORKERS.items():
+            engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
+            for _ in range(200):  # warm up
+                engine.process(event, timeout_s=5)
+            samples = []
+            for _ in range(messages):
+                started = time.perf_counter_ns()
+                engine.process(event, timeout_s=5)
+                samples.append((time.perf_counter_ns() - started) / 1e6)
+            timing = Result(name, messages, sum(samples) / 1000, samples)
+            print(f"{name:<18} median {timing.percentile(0.5):.3f} ms  "
+                  f"p99 {timing.percentile(0.99):.3f} ms")
+    finally:
+        engine.close()
 
 
 def _report(results: list[Result], args: argparse.Namespace) -> None:

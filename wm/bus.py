@@ -33,13 +33,13 @@ from wm.state import redis_for, unavailable
 logger = logging.getLogger(__name__)
 
 _ROUTES = "wm:routes:"
-_ROUTES_READY = "wm:routes:ready"
+_ROUTES_READY = "wm:routes-ready"  # outside the wm:routes:* pattern
 _DROPPED = "wm:stats:dropped"
 #: Content type of plain-subscription messages.
 CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
 
 
-def _event_id(payload: str) -> str | None:
+def payload_event_id(payload: str) -> str | None:
     """The id of an encoded event, or None for a payload that is not one (it will be
     dead-lettered as malformed, so it needs no ledger entry)."""
     try:
@@ -48,6 +48,10 @@ def _event_id(payload: str) -> str | None:
         return None
     found = parsed.get("id") if isinstance(parsed, dict) else None
     return found if isinstance(found, str) and found else None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def worker_queue_name(topic: str, worker_id: str) -> str:
@@ -94,23 +98,45 @@ class Bus:
         return [Route(q.decode(), w.decode() or None) for q, w in sorted(table.items())]
 
     def rebuild_routes(self) -> int:
-        """Rebuild the whole routing table from the ``subscriptions`` table."""
-        with store.session_scope(self.settings) as session:
-            subs = session.scalars(select(Subscription)).all()
-            rows = [(s.topic, s.queue, str(s.worker_id or "")) for s in subs]
+        """Make the routing table match the ``subscriptions`` table; returns the fixes made.
+
+        Differences are repaired one by one rather than by rewriting the table, so a route
+        added concurrently is never wiped; a route is removed only if a second look at the
+        database confirms its subscription is gone.
+        """
         try:
-            pipe = self.redis.pipeline(transaction=True)
-            for key in self.redis.scan_iter(match=_ROUTES + "*", count=500):
-                if key != _ROUTES_READY.encode():
-                    pipe.delete(key)
-            for topic, queue, worker in rows:
+            wanted = self._subscribed()
+            actual = self._routed()
+            missing = {k: w for k, w in wanted.items() if actual.get(k) != w}
+            extra = set(actual) - set(wanted)
+            if extra:
+                extra -= set(self._subscribed())
+            pipe = self.redis.pipeline(transaction=False)
+            for (topic, queue), worker in missing.items():
                 pipe.hset(_ROUTES + topic, queue, worker)
+            for topic, queue in extra:
+                pipe.hdel(_ROUTES + topic, queue)
             pipe.set(_ROUTES_READY, "1")
             pipe.execute()
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
-        logger.info("routing table rebuilt: %d subscription(s)", len(rows))
-        return len(rows)
+        if missing or extra:
+            logger.warning("routing table repaired: %d route(s) added, %d removed",
+                           len(missing), len(extra))
+        return len(missing) + len(extra)
+
+    def _subscribed(self) -> dict[tuple[str, str], str]:
+        with store.session_scope(self.settings) as session:
+            subs = session.scalars(select(Subscription)).all()
+            return {(s.topic, s.queue): str(s.worker_id or "") for s in subs}
+
+    def _routed(self) -> dict[tuple[str, str], str]:
+        routed: dict[tuple[str, str], str] = {}
+        for key in self.redis.scan_iter(match=_ROUTES + "*", count=500):
+            topic = _text(key)[len(_ROUTES):]
+            for queue, worker in self.redis.hgetall(key).items():
+                routed[(topic, _text(queue))] = _text(worker)
+        return routed
 
     def add_route(self, topic: str, queue: str, worker_id: str | None) -> None:
         """Declare the queue, then route ``topic`` to it."""
@@ -189,7 +215,7 @@ class Bus:
         """
         routes = list(routes)
         deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
-        event_id = event_id or _event_id(payload)
+        event_id = event_id or payload_event_id(payload)
         if deliveries and event_id:
             Ledger(self.settings).add(deliveries, event_id, payload)
         try:

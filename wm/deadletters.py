@@ -101,7 +101,7 @@ class DeadLetters:
                 row = DeadLetter(id=letter_id, replay_count=0, first_failure_at=first)
                 session.add(row)
             row.topic, row.envelope = failure.topic, failure.envelope
-            row.event_id = failure.event_id
+            row.event_id = failure.event_id[:255] if failure.event_id else None
             row.worker_id = uuid.UUID(failure.worker_id) if failure.worker_id else None
             row.error_type, row.error_message = failure.error_type, failure.error_message
             row.attempts, row.version = failure.attempts, failure.version

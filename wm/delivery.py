@@ -120,11 +120,16 @@ class Delivery:
                         self.event.get_id(), self.meta.id)
             self.publish(recorded)
             return recorded
-        if self.meta.group:
-            owner = f"{self.rt.node}:{self.delivery_id}"
-            self.lease = self.rt.locks.acquire(self.meta.group, owner)
+        engine, temporary = self.rt.engines.engine(self.meta, self.version)
         try:
-            outputs = self.stamp(self.execute())
+            if self.meta.group:
+                owner = f"{self.rt.node}:{self.delivery_id}"
+                self.lease = self.rt.locks.acquire(self.meta.group, owner)
+                recorded = self.rt.outcomes.get(self.meta.id, self.event.get_id())
+                if recorded is not None:  # another copy ran while this one waited
+                    self.publish(recorded)
+                    return recorded
+            outputs = self.stamp(self.execute(engine))
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
             outputs = self.rt.outcomes.record(self.meta.id, self.event.get_id(), outputs)
@@ -133,16 +138,13 @@ class Delivery:
         finally:
             if self.lease is not None:
                 self.rt.locks.release(self.lease)
-
-    def execute(self) -> list[CloudEvent]:
-        engine, temporary = self.rt.engines.engine(self.meta, self.version)
-        timeout_s = float(self.meta.settings.get(
-            "timeout_s", self.rt.settings.message_handling_timeout_seconds))
-        try:
-            return engine.process(self.event, timeout_s)
-        finally:
             if temporary:
                 engine.close()
+
+    def execute(self, engine: Engine) -> list[CloudEvent]:
+        timeout_s = float(self.meta.settings.get(
+            "timeout_s", self.rt.settings.message_handling_timeout_seconds))
+        return engine.process(self.event, timeout_s)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes and the fence."""

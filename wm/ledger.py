@@ -23,6 +23,18 @@ from wm.state import redis_for, unavailable
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
 _SWEEP_LOCK = "wm:pending:sweeper"
+_RESTART_CLOCKS = """
+local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+for i = 1, #members, 500 do
+  local batch = {}
+  for j = i, math.min(i + 499, #members) do
+    batch[#batch + 1] = ARGV[1]
+    batch[#batch + 1] = members[j]
+  end
+  redis.call('ZADD', KEYS[1], 'XX', unpack(batch))
+end
+return #members
+"""
 #: Overdue deliveries sent again per worker and sweep (the rest wait for the next sweep).
 SWEEP_BATCH = 500
 
@@ -62,6 +74,10 @@ class Ledger:
         target.hdel(bodies, event_id)
         if pipe is None:
             target.execute()
+
+    def restart_clocks(self, worker_id: str) -> None:
+        """A worker starts again: time spent stopped is not time a broker lost a message."""
+        self.redis.eval(_RESTART_CLOCKS, 1, self._keys(worker_id)[0], time.time())
 
     def forget_worker(self, worker_id: str) -> None:
         """A deleted worker's queue is gone, and so are its pending deliveries."""

@@ -141,6 +141,7 @@ class WorkManager:
         changed = self._transaction(lambda s: self._start(s, wid))
         self._changed(wid)
         if changed:
+            Ledger(self.settings).restart_clocks(str(wid))
             self.bus.broadcast_consume(changed)
         return self.get_worker(wid)
 
@@ -310,8 +311,8 @@ class WorkManager:
                     self.bus.publish(decode(row.payload), row.topic)
                     session.delete(row)
                     sent += 1
-        except BrokerUnavailable as exc:
-            logger.warning("lifecycle events stay in the outbox until the broker is back: %s", exc)
+        except (BrokerUnavailable, DatabaseError) as exc:
+            logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
         return sent
 
     # -- internals -------------------------------------------------------------------------

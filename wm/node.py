@@ -45,12 +45,20 @@ def running_queues(settings: Settings) -> dict[str, str]:
     return {queue: str(worker_id) for queue, worker_id in rows}
 
 
+def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
+    """One node per reconcile period repairs derived state: the routing table, lifecycle
+    events left in the outbox, and deliveries a broker lost."""
+    if not Ledger(settings).claim_sweep(settings.reconcile_interval_s):
+        return
+    bus.rebuild_routes()
+    WorkManager(settings, bus=bus).flush_outbox()
+    sweep_pending(settings, bus, running)
+
+
 def sweep_pending(settings: Settings, bus: Bus, running: Mapping[str, str]) -> int:
     """Send again the deliveries of running workers pending longer than
-    WM_REDELIVER_AFTER_S (``wm.ledger``); one node sweeps per reconcile period."""
+    WM_REDELIVER_AFTER_S (``wm.ledger``)."""
     ledger = Ledger(settings)
-    if not ledger.claim_sweep(settings.reconcile_interval_s):
-        return 0
     sent = 0
     for queue, worker_id in running.items():
         for event_id, payload in ledger.overdue(worker_id, settings.redeliver_after_s):
@@ -134,7 +142,7 @@ class Reconciler(bootsteps.StartStopStep):
         try:
             running = running_queues(self.settings)
             reconcile(parent, running)
-            sweep_pending(self.settings, Bus(self.settings, parent.app), running)
+            maintain(self.settings, Bus(self.settings, parent.app), running)
         except Exception:
             logger.exception("reconcile failed; next try in %ss",
                              self.settings.reconcile_interval_s)

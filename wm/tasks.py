@@ -15,6 +15,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
+from wm.bus import payload_event_id
 from wm.celeryapp import DELIVER_TASK
 from wm.config import Settings
 from wm.deadletters import Failure
@@ -67,8 +68,14 @@ def deliver(
     rt = runtime(self)
     try:
         _deliver(self, rt, worker_id, payload, pin_version, first_failure_at)
-    except (Retry, Reject):
+    except Retry:
         raise
+    except Reject as exc:
+        if exc.requeue:
+            raise
+        # Celery turns a retry it could not publish into a dropping Reject: keep the message.
+        time.sleep(_REQUEUE_PAUSE_S)
+        raise Reject(str(exc.reason), requeue=True) from exc
     except (BrokerUnavailable, DatabaseError) as exc:
         logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
         time.sleep(_REQUEUE_PAUSE_S)
@@ -90,6 +97,9 @@ def _deliver(
         event = decode(payload)
     except EventDecodeError as exc:
         _park(rt, meta, topic, worker_id, payload, None, exc, 1, first_failure_at)
+        malformed_id = payload_event_id(payload)
+        if malformed_id is not None:
+            rt.ledger.settle(worker_id, malformed_id)
         return
     if meta is None or meta.status == Status.DELETED:
         error = LookupError(f"worker {worker_id} does not exist (deleted)")
