@@ -10,7 +10,7 @@ import redis
 from tests.helpers import STUB, drain, eventually, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.bus import Route
-from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id
+from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, event_key
 from wm.ledger import Ledger
 from wm.node import LEADER_KEY
 from wm.outputs import OutputPublisher
@@ -45,8 +45,9 @@ def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: 
     ids = _publish(manager, "orders", 10, correlationid="corr-1")
 
     out_a, out_b = drain(fast, sink_a, 10), drain(fast, sink_b, 10)
-    assert {e["id"] for e in out_a} == {derive_id(i, str(a.id), 0) for i in ids}
-    assert {e["id"] for e in out_b} == {derive_id(i, str(b.id), 0) for i in ids}
+    keys = [event_key("/tests", i) for i in ids]
+    assert {e["id"] for e in out_a} == {derive_id(k, str(a.id), 0) for k in keys}
+    assert {e["id"] for e in out_b} == {derive_id(k, str(b.id), 0) for k in keys}
     assert all(e["correlationid"] == "corr-1" for e in out_a + out_b)
     assert len(drain(fast, observer, 10)) == 10
     assert manager.publish(make_event("nobody.listens", "/tests", {})) == 0
@@ -191,7 +192,8 @@ def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: A
     manager.start_worker(worker.id)
     outputs = drain(settings, sink, 3)
     assert {e["data"]["input"]["n"] for e in outputs} == {0, 1, 2}
-    assert {e["id"] for e in outputs} == {derive_id(i, str(worker.id), 0) for i in ids}
+    assert {e["id"] for e in outputs} == {
+        derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
     eventually(lambda: ledger.pending(str(worker.id)) == 0)
     assert queue_empty(settings, sink, 2.0)  # sent again once, not over and over
 
@@ -245,3 +247,16 @@ def test_a_route_lost_behind_workmanagers_back_is_repaired(
     eventually(lambda: manager.bus.routes("in") == [Route(f"in::{worker.id}", str(worker.id))])
     _publish(manager, "in", 1)
     assert len(drain(fast, sink, 1)) == 1
+
+
+def test_events_are_told_apart_by_source_and_id(fast: Settings, start_node: Any) -> None:
+    """CloudEvents makes source + id unique: two producers may both send id "1"."""
+    manager = WorkManager(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    start_node(fast).consuming(f"in::{worker.id}")
+    for source in ("/sensor/a", "/sensor/b"):
+        manager.publish(make_event("in", source, {"from": source}, id="1"))
+    outputs = drain(fast, sink, 2)
+    assert sorted(e["data"]["input"]["from"] for e in outputs) == ["/sensor/a", "/sensor/b"]
+    assert len({e["id"] for e in outputs}) == 2

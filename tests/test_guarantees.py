@@ -20,6 +20,7 @@ from tests.conftest import AMQP_URL, need
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.delivery import FENCE_EXTENSION
+from wm.events import event_key
 from wm.idempotency import Outcomes
 from wm.ledger import Ledger
 from wm.locks import GroupLocks
@@ -185,7 +186,8 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     broker = redis.Redis.from_url(settings.broker_url)
     missing = sorted(set(range(1000)) - inputs)
     outcomes = Outcomes(settings)
-    recorded = [(n, outcomes.get(str(worker.id), ids[n]) is not None) for n in missing]
+    recorded = [(n, outcomes.get(str(worker.id), event_key("/tests", ids[n])) is not None)
+                for n in missing]
     state = (missing, manager.bus.queue_depth(f"in::{worker.id}"), broker.hlen("unacked"),
              DeadLetters(settings).list(), recorded, manager.bus.queue_depth(sink))
     assert state == ([], 0, 0, [], [], 0), state

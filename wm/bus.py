@@ -25,7 +25,7 @@ from wm import store
 from wm.celeryapp import DELIVER_TASK, EXCHANGE, make_app, subscription_queue
 from wm.config import Settings
 from wm.errors import BrokerUnavailable
-from wm.events import CloudEvent, encode
+from wm.events import CloudEvent, encode, event_key, key_of
 from wm.ledger import Ledger
 from wm.models import Subscription
 from wm.state import redis_for, unavailable
@@ -39,15 +39,19 @@ _DROPPED = "wm:stats:dropped"
 CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
 
 
-def payload_event_id(payload: str) -> str | None:
-    """The id of an encoded event, or None for a payload that is not one (it will be
-    dead-lettered as malformed, so it needs no ledger entry)."""
+def payload_key(payload: str) -> str | None:
+    """The key (``wm.events.event_key``) of an encoded event, or None for a payload without
+    a source and an id (it will be dead-lettered as malformed and needs no ledger entry)."""
     try:
         parsed = json.loads(payload)
     except ValueError:
         return None
-    found = parsed.get("id") if isinstance(parsed, dict) else None
-    return found if isinstance(found, str) and found else None
+    if not isinstance(parsed, dict):
+        return None
+    source, event_id = parsed.get("source"), parsed.get("id")
+    if isinstance(source, str) and isinstance(event_id, str) and source and event_id:
+        return event_key(source, event_id)
+    return None
 
 
 def _text(value: bytes | str) -> str:
@@ -202,11 +206,11 @@ class Bus:
             self.count_dropped(topic)
             logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
             return 0
-        self.send(encode(event), routes, event_id=event.get_id())
+        self.send(encode(event), routes, key=key_of(event))
         return len(routes)
 
     def send(
-        self, payload: str, routes: Iterable[Route], *, event_id: str | None = None,
+        self, payload: str, routes: Iterable[Route], *, key: str | None = None,
         **task_options: Any,
     ) -> None:
         """Send an encoded event to the given subscriptions (publish and dead-letter replay).
@@ -215,9 +219,9 @@ class Bus:
         """
         routes = list(routes)
         deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
-        event_id = event_id or payload_event_id(payload)
-        if deliveries and event_id:
-            Ledger(self.settings).add(deliveries, event_id, payload)
+        key = key or payload_key(payload)
+        if deliveries and key:
+            Ledger(self.settings).add(deliveries, key, payload)
         try:
             with self.app.producer_or_acquire() as producer:
                 for route in routes:

@@ -16,7 +16,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from wm import store
-from wm.bus import Bus, Route, worker_queue_name
+from wm.bus import Bus, Route, payload_key, worker_queue_name
 from wm.config import Settings
 from wm.errors import DeadLetterNotFound, InvalidArgument, WorkerNotFound, WorkManagerError
 from wm.events import make_event
@@ -46,7 +46,7 @@ class Failure:
 
     @property
     def letter_id(self) -> str:
-        basis = f"{self.worker_id}\x00{self.event_id or self.envelope}"
+        basis = f"{self.worker_id}\x00{payload_key(self.envelope) or self.envelope}"
         return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
 

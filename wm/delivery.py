@@ -18,7 +18,7 @@ from wm.bus import Bus
 from wm.config import Settings
 from wm.deadletters import DeadLetters
 from wm.directory import Directory, WorkerMeta
-from wm.events import CloudEvent, derive_id, with_attributes
+from wm.events import CloudEvent, derive_id, key_of, with_attributes
 from wm.idempotency import Outcomes
 from wm.ledger import Ledger
 from wm.locks import GroupLocks, Lease
@@ -109,12 +109,16 @@ class Delivery:
     lease: Lease | None = None
 
     @property
+    def key(self) -> str:
+        return key_of(self.event)
+
+    @property
     def version(self) -> int:
         return self.pin_version or self.meta.version
 
     def run(self) -> list[CloudEvent]:
         """Process the event, or republish its recorded outcome; returns the outputs."""
-        recorded = self.rt.outcomes.get(self.meta.id, self.event.get_id())
+        recorded = self.rt.outcomes.get(self.meta.id, self.key)
         if recorded is not None:
             logger.info("event %s already processed by worker %s; republishing its outcome",
                         self.event.get_id(), self.meta.id)
@@ -125,14 +129,14 @@ class Delivery:
             if self.meta.group:
                 owner = f"{self.rt.node}:{self.delivery_id}"
                 self.lease = self.rt.locks.acquire(self.meta.group, owner)
-                recorded = self.rt.outcomes.get(self.meta.id, self.event.get_id())
+                recorded = self.rt.outcomes.get(self.meta.id, self.key)
                 if recorded is not None:  # another copy ran while this one waited
                     self.publish(recorded)
                     return recorded
             outputs = self.stamp(self.execute(engine))
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
-            outputs = self.rt.outcomes.record(self.meta.id, self.event.get_id(), outputs)
+            outputs = self.rt.outcomes.record(self.meta.id, self.key, outputs)
             self.publish(outputs)
             return outputs
         finally:
@@ -150,7 +154,7 @@ class Delivery:
         """Deterministic ids, propagated trace/correlation attributes and the fence."""
         stamped = []
         for index, output in enumerate(outputs):
-            extra: dict[str, object] = {"id": derive_id(self.event.get_id(), self.meta.id, index)}
+            extra: dict[str, object] = {"id": derive_id(self.key, self.meta.id, index)}
             for name in PROPAGATED:
                 value = self.event.get_extension(name)
                 if value is not None and output.get_extension(name) is None:
@@ -168,6 +172,6 @@ class Delivery:
                 self.rt.locks.mark_write(self.lease)
             self.rt.outputs.publish(output)
         try:
-            self.rt.ledger.settle(self.meta.id, self.event.get_id())
+            self.rt.ledger.settle(self.meta.id, self.key)
         except redis.RedisError as exc:
             raise unavailable(self.rt.settings, exc) from exc

@@ -25,7 +25,9 @@ __all__ = [
     "decode",
     "derive_id",
     "encode",
+    "event_key",
     "event_to_dict",
+    "key_of",
     "lifecycle_event",
     "make_event",
     "with_attributes",
@@ -116,9 +118,20 @@ def decode(raw: str | bytes | Mapping[str, Any]) -> CloudEvent:
     return event
 
 
-def derive_id(input_id: str, worker_id: str, index: int) -> str:
-    """Deterministic output id: the same input, worker and position give the same id."""
-    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{input_id}\x00{worker_id}\x00{index}"))
+def event_key(source: str, event_id: str) -> str:
+    """What identifies an event: CloudEvents makes ``source`` + ``id`` unique, not ``id``
+    alone, so two producers that both number their events from 1 never collide."""
+    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{source}\x00{event_id}"))
+
+
+def key_of(event: CloudEvent) -> str:
+    return event_key(event.get_source(), event.get_id())
+
+
+def derive_id(input_key: str, worker_id: str, index: int) -> str:
+    """Deterministic output id: the same input (its key), worker and position give the
+    same id."""
+    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{input_key}\x00{worker_id}\x00{index}"))
 
 
 def lifecycle_event(

@@ -51,27 +51,25 @@ class Ledger:
     def _keys(worker_id: str) -> tuple[str, str]:
         return f"{_PENDING}{{{worker_id}}}", f"{_PENDING}{{{worker_id}}}:body"
 
-    def add(self, deliveries: Iterable[tuple[str, str]], event_id: str, payload: str) -> None:
-        """Record ``event_id`` as pending for each (worker id, queue) before it is sent."""
+    def add(self, deliveries: Iterable[tuple[str, str]], key: str, payload: str) -> None:
+        """Record the event ``key`` as pending for each (worker id, queue) before it is sent."""
         now = time.time()
         try:
             pipe = self.redis.pipeline(transaction=False)
             for worker_id, _ in deliveries:
                 index, bodies = self._keys(worker_id)
-                pipe.zadd(index, {event_id: now}, nx=True)
-                pipe.hset(bodies, event_id, payload)
+                pipe.zadd(index, {key: now}, nx=True)
+                pipe.hset(bodies, key, payload)
             pipe.execute()
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
 
-    def settle(
-        self, worker_id: str, event_id: str, pipe: Pipeline | None = None
-    ) -> None:
+    def settle(self, worker_id: str, key: str, pipe: Pipeline | None = None) -> None:
         """The delivery is done (outcome recorded, or dead-lettered): forget it."""
         index, bodies = self._keys(worker_id)
         target = pipe if pipe is not None else self.redis.pipeline(transaction=False)
-        target.zrem(index, event_id)
-        target.hdel(bodies, event_id)
+        target.zrem(index, key)
+        target.hdel(bodies, key)
         if pipe is None:
             target.execute()
 
@@ -87,7 +85,7 @@ class Ledger:
         return int(self.redis.zcard(self._keys(worker_id)[0]))
 
     def overdue(self, worker_id: str, older_than_s: float) -> list[tuple[str, str]]:
-        """(event id, payload) of deliveries pending longer than ``older_than_s``; their
+        """(event key, payload) of deliveries pending longer than ``older_than_s``; their
         clock restarts, so each is sent again at most once per period."""
         index, bodies = self._keys(worker_id)
         now = time.time()

@@ -61,8 +61,8 @@ def sweep_pending(settings: Settings, bus: Bus, running: Mapping[str, str]) -> i
     ledger = Ledger(settings)
     sent = 0
     for queue, worker_id in running.items():
-        for event_id, payload in ledger.overdue(worker_id, settings.redeliver_after_s):
-            bus.send(payload, [Route(queue, worker_id)], event_id=event_id)
+        for key, payload in ledger.overdue(worker_id, settings.redeliver_after_s):
+            bus.send(payload, [Route(queue, worker_id)], key=key)
             sent += 1
     if sent:
         logger.warning("sent %d delivery(ies) again that stayed pending over %ss", sent,

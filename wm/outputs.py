@@ -19,7 +19,7 @@ from kombu.utils.json import dumps
 
 from wm.bus import CLOUDEVENT_CONTENT_TYPE, Bus, Route
 from wm.celeryapp import EXCHANGE
-from wm.events import CloudEvent, encode
+from wm.events import CloudEvent, encode, key_of
 from wm.state import unavailable
 
 _MARKER = "wm:published:"
@@ -45,13 +45,13 @@ class OutputPublisher:
         if not routes:
             self.bus.count_dropped(topic)
             return
-        payload = encode(output)
+        payload, key = encode(output), key_of(output)
         workers = [r for r in routes if r.worker_id is not None]
         plain = [r for r in routes if r.worker_id is None]
         if workers:
-            self.bus.send(payload, workers, event_id=output.get_id())
+            self.bus.send(payload, workers, key=key)
         if plain:
-            marker = f"{_MARKER}{topic}:{output.get_id()}"
+            marker = f"{_MARKER}{topic}:{key}"
             if self.redis_broker:
                 self._push_once(payload, plain, marker)
             else:

@@ -15,7 +15,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
-from wm.bus import payload_event_id
+from wm.bus import payload_key
 from wm.celeryapp import DELIVER_TASK
 from wm.config import Settings
 from wm.deadletters import Failure
@@ -97,9 +97,6 @@ def _deliver(
         event = decode(payload)
     except EventDecodeError as exc:
         _park(rt, meta, topic, worker_id, payload, None, exc, 1, first_failure_at)
-        malformed_id = payload_event_id(payload)
-        if malformed_id is not None:
-            rt.ledger.settle(worker_id, malformed_id)
         return
     if meta is None or meta.status == Status.DELETED:
         error = LookupError(f"worker {worker_id} does not exist (deleted)")
@@ -161,8 +158,9 @@ def _park(
         version=version or (meta.version if meta else None),
         sha256=meta.sha256 if meta else None, fence=fence, first_failure_at=first_failure_at,
     ))
-    if event_id is not None:
-        rt.ledger.settle(worker_id, event_id)
+    key = payload_key(payload)
+    if key is not None:
+        rt.ledger.settle(worker_id, key)
 
 
 def _emit_error(
