@@ -22,6 +22,16 @@ from wm.state import redis_for, unavailable
 _KEY = "wm:worker:"
 #: A cached entry expires even if an invalidation was lost (e.g. Redis briefly down).
 _CACHE_TTL_S = 60
+#: Bumped by every invalidation, so a read that raced a change is not cached.
+_GENERATION = "wm:worker-generation:"
+# KEYS: generation, cache. ARGV: generation seen before the read ('' = none), value, ttl.
+_CACHE_IF_UNCHANGED = """
+if (redis.call('GET', KEYS[1]) or '') == ARGV[1] then
+  redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+  return 1
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)
@@ -48,17 +58,23 @@ class Directory:
         return redis_for(self.settings)
 
     def get(self, worker_id: str) -> WorkerMeta | None:
-        """The worker's delivery facts, or None if it never existed."""
+        """The worker's delivery facts, or None if it never existed.
+
+        A miss reads the database and caches what it read only if no change was announced
+        meanwhile (the generation is unchanged): a read that raced a commit is not cached.
+        """
+        cache, generation = _KEY + worker_id, _GENERATION + worker_id
         try:
-            raw = self.redis.get(_KEY + worker_id)
+            raw, seen = self.redis.mget([cache, generation])
+            if raw is not None:
+                return WorkerMeta(**json.loads(raw))
+            meta = self.load(worker_id)
+            if meta is not None:
+                self.redis.eval(_CACHE_IF_UNCHANGED, 2, generation, cache,
+                                seen or b"", meta.to_json(), _CACHE_TTL_S)
+            return meta
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
-        if raw is not None:
-            return WorkerMeta(**json.loads(raw))
-        meta = self.load(worker_id)
-        if meta is not None:
-            self.redis.set(_KEY + worker_id, meta.to_json(), ex=_CACHE_TTL_S)
-        return meta
 
     def load(self, worker_id: str) -> WorkerMeta | None:
         try:
@@ -93,6 +109,9 @@ class Directory:
                 for key in self.redis.scan_iter(match=_KEY + "*", count=500):
                     self.redis.delete(key)
             else:
-                self.redis.delete(_KEY + worker_id)
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.incr(_GENERATION + worker_id)
+                pipe.delete(_KEY + worker_id)
+                pipe.execute()
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
