@@ -169,7 +169,7 @@ class DeadLetters:
             raise WorkerNotFound(
                 f"dead letter {letter_id}: its worker is gone; purge it instead"
             )
-        options: dict[str, Any] = {"kwargs": {"replay": True}}
+        options: dict[str, Any] = {"kwargs": {}}
         if to_version == "same" and row.version is not None:
             options["kwargs"]["pin_version"] = row.version
         route = Route(worker_queue_name(worker.topic, str(worker.id)), str(worker.id))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -108,7 +109,7 @@ class Delivery:
     pin_version: int | None = None
     lease: Lease | None = None
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return key_of(self.event)
 

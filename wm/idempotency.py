@@ -20,7 +20,7 @@ _OUTCOME = "wm:outcome:"
 
 
 class Outcomes:
-    """Recorded outcomes keyed by worker id and input event id."""
+    """Recorded outcomes keyed by worker id and input event key (source + id)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -31,13 +31,13 @@ class Outcomes:
         return redis_for(self.settings)
 
     @staticmethod
-    def key(worker_id: str, event_id: str) -> str:
-        return f"{_OUTCOME}{{{worker_id}}}:{event_id}"
+    def key(worker_id: str, event_key: str) -> str:
+        return f"{_OUTCOME}{{{worker_id}}}:{event_key}"
 
-    def get(self, worker_id: str, event_id: str) -> list[CloudEvent] | None:
+    def get(self, worker_id: str, event_key: str) -> list[CloudEvent] | None:
         """The recorded outputs, or None when this event has no recorded outcome."""
         try:
-            raw = self.redis.get(self.key(worker_id, event_id))
+            raw = self.redis.get(self.key(worker_id, event_key))
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
         return None if raw is None else self.parse(raw)
@@ -47,11 +47,11 @@ class Outcomes:
         return [decode(item) for item in json.loads(raw)]
 
     def record(
-        self, worker_id: str, event_id: str, outputs: list[CloudEvent]
+        self, worker_id: str, event_key: str, outputs: list[CloudEvent]
     ) -> list[CloudEvent]:
         """Record the outcome and return the one that counts: when two copies of a delivery
         ran at once, the first record wins and both publish it (one round trip)."""
-        key = self.key(worker_id, event_id)
+        key = self.key(worker_id, event_key)
         try:
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(key, json.dumps([encode(e) for e in outputs]), ex=self.ttl_s, nx=True)

@@ -162,6 +162,7 @@ class WorkManager:
         for topic, queue in removed:
             self.bus.broadcast_cancel(queue)
             self.bus.remove_route(topic, queue)
+        if removed:
             Ledger(self.settings).forget_worker(str(wid))
         return self.get_worker(wid)
 

@@ -63,7 +63,7 @@ def reset_runtime() -> None:
              max_retries=None)
 def deliver(
     self: Task, worker_id: str, payload: str, pin_version: int | None = None,
-    replay: bool = False, first_failure_at: float | None = None,
+    first_failure_at: float | None = None,
 ) -> None:
     rt = runtime(self)
     try:
