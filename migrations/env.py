@@ -14,8 +14,12 @@ url = config.get_main_option("sqlalchemy.url") or settings.database_url
 
 
 def run_offline() -> None:
-    context.configure(url=url, target_metadata=Base.metadata, literal_binds=True,
-                      render_as_batch=url.startswith("sqlite"))
+    context.configure(
+        url=url,
+        target_metadata=Base.metadata,
+        literal_binds=True,
+        render_as_batch=url.startswith("sqlite"),
+    )
     with context.begin_transaction():
         context.run_migrations()
 

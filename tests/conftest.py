@@ -144,16 +144,34 @@ def manager(settings: Settings) -> WorkManager:
 class Node:
     """A real ``celery worker`` process."""
 
-    def __init__(self, settings: Settings, name: str, log: Path, concurrency: int = 2,
-                 **env: str) -> None:
+    def __init__(
+        self, settings: Settings, name: str, log: Path, concurrency: int = 2, **env: str
+    ) -> None:
         self.settings, self.name, self.log = settings, name, log
-        cmd = [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker",
-               "-n", f"{name}@%h", "-c", str(concurrency), "--loglevel=INFO",
-               "--without-gossip", "--without-mingle"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "wm.celeryapp",
+            "worker",
+            "-n",
+            f"{name}@%h",
+            "-c",
+            str(concurrency),
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+        ]
         self._out = log.open("ab")
-        self.proc = subprocess.Popen(cmd, env=env_of(settings, **env), cwd=ROOT,
-                                     stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env_of(settings, **env),
+            cwd=ROOT,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.wait_for("ready.")
 
     def wait_for(self, text: str, timeout_s: float = 60, after: int = 0) -> None:

@@ -83,8 +83,13 @@ def env(unmigrated_env: dict[str, str]) -> dict[str, str]:
 def wm(env: dict[str, str], *args: str, stdin: bytes | None = None, expect: int = 0) -> Result:
     """Run ``wm`` as a separate process and check its exit code."""
     done = subprocess.run(
-        [sys.executable, "-m", "wm.cli", *args], env=env, input=stdin, capture_output=True,
-        timeout=GUARD_S, cwd=ROOT, check=False,
+        [sys.executable, "-m", "wm.cli", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        timeout=GUARD_S,
+        cwd=ROOT,
+        check=False,
     )
     result = Result(done.returncode, done.stdout, done.stderr.decode())
     assert result.code == expect, f"wm {' '.join(args)} exited {result.code}:\n{result.err}"
@@ -98,8 +103,9 @@ def wm_json(env: dict[str, str], *args: str, stdin: bytes | None = None) -> Any:
 def create(env: dict[str, str], tmp_path: Path, *extra: str, topic: str = "orders") -> Any:
     path = tmp_path / f"code-{uuid.uuid4().hex[:6]}.json"
     path.write_bytes(stub(output_type="done"))
-    return wm_json(env, "worker", "create", "--topic", topic, "--mime-type", STUB,
-                   "--file", str(path), *extra)
+    return wm_json(
+        env, "worker", "create", "--topic", topic, "--mime-type", STUB, "--file", str(path), *extra
+    )
 
 
 def one_error_line(result: Result) -> str:
@@ -122,8 +128,13 @@ def tail_queues(env: dict[str, str], topic: str) -> list[str]:
 
 def start_tail(env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
     """Start ``wm tail`` and return once its temporary subscription exists."""
-    tail = subprocess.Popen([sys.executable, "-m", "wm.cli", "tail", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "wm.cli", "tail", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + GUARD_S
     while not tail_queues(env, args[0]):
         if tail.poll() is not None or time.monotonic() > deadline:
@@ -148,14 +159,32 @@ def finish(tail: subprocess.Popen[bytes]) -> tuple[str, str]:
 
 
 def test_create_from_file_then_list_and_show(env: dict[str, str], tmp_path: Path) -> None:
-    made = create(env, tmp_path, "--name", "billing", "--group", "g1",
-                  "--setting", "timeout_s=2.5", "--setting", "max_retries=3")
+    made = create(
+        env,
+        tmp_path,
+        "--name",
+        "billing",
+        "--group",
+        "g1",
+        "--setting",
+        "timeout_s=2.5",
+        "--setting",
+        "max_retries=3",
+    )
     assert made["status"] == "running"
     assert made["settings"] == {"timeout_s": 2.5, "max_retries": 3}
 
     listed = wm(env, "worker", "list").out.splitlines()
-    assert listed[0].split() == ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "VERSION", "MIME",
-                                 "TYPE"]
+    assert listed[0].split() == [
+        "ID",
+        "NAME",
+        "TOPIC",
+        "GROUP",
+        "STATUS",
+        "VERSION",
+        "MIME",
+        "TYPE",
+    ]
     assert listed[1].split() == [made["id"], "billing", "orders", "g1", "running", "1", STUB]
     assert wm_json(env, "worker", "list", "--topic", "orders") == [made]
     assert wm_json(env, "worker", "list", "--status", "stopped") == []
@@ -166,14 +195,34 @@ def test_create_from_file_then_list_and_show(env: dict[str, str], tmp_path: Path
 
 def test_create_from_stdin_and_from_base64(env: dict[str, str]) -> None:
     from_stdin = stub(output_type="from.stdin")
-    made = wm_json(env, "worker", "create", "--topic", "a", "--mime-type", STUB, "--file", "-",
-                   stdin=from_stdin)
+    made = wm_json(
+        env,
+        "worker",
+        "create",
+        "--topic",
+        "a",
+        "--mime-type",
+        STUB,
+        "--file",
+        "-",
+        stdin=from_stdin,
+    )
     assert wm(env, "worker", "code", made["id"]).raw == from_stdin
 
     inline = stub(output_type="from.base64")
     encoded = base64.b64encode(inline).decode()
-    made = wm_json(env, "worker", "create", "--topic", "b", "--mime-type", STUB,
-                   "--base64", encoded, "--no-start")
+    made = wm_json(
+        env,
+        "worker",
+        "create",
+        "--topic",
+        "b",
+        "--mime-type",
+        STUB,
+        "--base64",
+        encoded,
+        "--no-start",
+    )
     assert made["status"] == "created"
     assert wm_json(env, "worker", "code", made["id"])["code_base64"] == encoded
 
@@ -191,8 +240,16 @@ def test_json_is_a_global_flag_before_or_after_the_command(
 def test_history_after_update_code_and_rollback(env: dict[str, str], tmp_path: Path) -> None:
     made = create(env, tmp_path, "--name", "versions")
     second = stub(output_type="second")
-    updated = wm_json(env, "worker", "update-code", "versions", "--base64",
-                      base64.b64encode(second).decode(), "--note", "faster")
+    updated = wm_json(
+        env,
+        "worker",
+        "update-code",
+        "versions",
+        "--base64",
+        base64.b64encode(second).decode(),
+        "--note",
+        "faster",
+    )
     assert updated["current_version"] == 2
 
     history = wm_json(env, "worker", "history", "versions")
@@ -206,8 +263,7 @@ def test_history_after_update_code_and_rollback(env: dict[str, str], tmp_path: P
     assert wm(env, "worker", "code", "versions").raw == stub(output_type="done")
     assert wm(env, "worker", "code", "versions", "--version", "2").raw == second
     reasons = [t["reason"] for t in wm_json(env, "worker", "transitions", "versions")]
-    assert reasons[-2:] == ["code updated to version 2",
-                            "rolled back from version 2 to version 1"]
+    assert reasons[-2:] == ["code updated to version 2", "rolled back from version 2 to version 1"]
     error = one_error_line(wm(env, "worker", "rollback", "versions", "9", expect=1))
     assert "no version 9" in error
 
@@ -240,8 +296,18 @@ def test_start_after_delete_fails_with_one_error_line(env: dict[str, str], tmp_p
 
 
 def test_unknown_mime_type_lists_the_registered_ones(env: dict[str, str]) -> None:
-    result = wm(env, "worker", "create", "--topic", "t", "--mime-type", "text/x-cobol",
-                "--base64", "e30=", expect=1)
+    result = wm(
+        env,
+        "worker",
+        "create",
+        "--topic",
+        "t",
+        "--mime-type",
+        "text/x-cobol",
+        "--base64",
+        "e30=",
+        expect=1,
+    )
     error = one_error_line(result)
     assert "'text/x-cobol'" in error
     assert f"Registered: {STUB}" in error
@@ -262,8 +328,19 @@ def test_unknown_mime_type_lists_the_registered_ones(env: dict[str, str]) -> Non
 def test_bad_code_or_settings_are_refused_and_nothing_is_persisted(
     env: dict[str, str], source: list[str], message: str
 ) -> None:
-    result = wm(env, "worker", "create", "--topic", "t", "--mime-type", STUB, "--name", "bad",
-                *source, expect=1)
+    result = wm(
+        env,
+        "worker",
+        "create",
+        "--topic",
+        "t",
+        "--mime-type",
+        STUB,
+        "--name",
+        "bad",
+        *source,
+        expect=1,
+    )
     assert message in one_error_line(result)
     assert wm_json(env, "worker", "list", "--status", "created") == []
     assert wm_json(env, "worker", "list") == []
@@ -290,8 +367,18 @@ def test_malformed_environment_names_the_variable(
     "args",
     [
         ["worker", "create", "--topic", "t", "--mime-type", STUB],
-        ["worker", "create", "--topic", "t", "--mime-type", STUB, "--base64", "e30=",
-         "--setting", "no-equals-sign"],
+        [
+            "worker",
+            "create",
+            "--topic",
+            "t",
+            "--mime-type",
+            STUB,
+            "--base64",
+            "e30=",
+            "--setting",
+            "no-equals-sign",
+        ],
         ["worker", "list", "--status", "sleeping"],
         ["worker", "rollback", "w", "zero"],
         ["publish", "--source", "/s"],
@@ -344,10 +431,26 @@ def test_config_prints_default_and_current_values(env: dict[str, str]) -> None:
 
 def test_publish_reaches_a_subscribed_queue(env: dict[str, str], tmp_path: Path) -> None:
     queue = wm_json(env, "subscribe", "orders", "sink")["queue"]
-    reached = wm(env, "publish", "--type", "orders.placed", "--source", "/shop",
-                 "--topic", "orders", "--id", "evt-1", "--subject", "order-7",
-                 "--data", '{"amount": 12}', "--correlation-id", "corr-9",
-                 "--extension", "tenant=acme")
+    reached = wm(
+        env,
+        "publish",
+        "--type",
+        "orders.placed",
+        "--source",
+        "/shop",
+        "--topic",
+        "orders",
+        "--id",
+        "evt-1",
+        "--subject",
+        "order-7",
+        "--data",
+        '{"amount": 12}',
+        "--correlation-id",
+        "corr-9",
+        "--extension",
+        "tenant=acme",
+    )
     assert reached.out.strip() == "published evt-1 to orders: reached 1 subscription(s)"
     event_file = tmp_path / "event.json"
     event_file.write_text(encode(make_event("orders", "/file", {"n": 2}, id="evt-2")))
@@ -386,16 +489,21 @@ def test_lifecycle_events_reach_a_subscribed_queue_in_order(
 ) -> None:
     queue = wm_json(env, "subscribe", LIFECYCLE, "audit")["queue"]
     worker = create(env, tmp_path, "--name", "audited")["id"]
-    wm(env, "worker", "update-code", worker, "--base64",
-       base64.b64encode(stub(output_type="v2")).decode())
+    wm(
+        env,
+        "worker",
+        "update-code",
+        worker,
+        "--base64",
+        base64.b64encode(stub(output_type="v2")).decode(),
+    )
     wm(env, "worker", "rollback", "audited", "1")
     wm(env, "worker", "stop", worker)
     wm(env, "worker", "start", worker)
     wm(env, "worker", "delete", worker)
 
     events = drain_env(env, queue, 7)
-    kinds = ["created", "started", "code_updated", "code_updated", "stopped", "started",
-             "deleted"]
+    kinds = ["created", "started", "code_updated", "code_updated", "stopped", "started", "deleted"]
     assert [e["type"] for e in events] == [LIFECYCLE_TYPE + kind for kind in kinds]
     assert {e["subject"] for e in events} == {worker}
     assert [e["data"]["version"] for e in events[2:4]] == [2, 1]
@@ -420,8 +528,20 @@ def test_tail_prints_lifecycle_events_of_a_concurrent_create(
 
 def test_tail_human_line(env: dict[str, str]) -> None:
     tail = start_tail(env, "orders", "--count", "1")
-    wm(env, "publish", "--type", "orders", "--source", "/s", "--id", "evt-7",
-       "--subject", "order-7", "--correlation-id", "corr-7")
+    wm(
+        env,
+        "publish",
+        "--type",
+        "orders",
+        "--source",
+        "/s",
+        "--id",
+        "evt-7",
+        "--subject",
+        "order-7",
+        "--correlation-id",
+        "corr-7",
+    )
     out, _ = finish(tail)
     when, *rest = out.split()
     assert rest == ["orders", "evt-7", "order-7", "corr-7"]
@@ -450,10 +570,18 @@ def park(env: dict[str, str], worker_id: str, topic: str, error_type: str) -> st
     settings = Settings.from_env(env)
     event = make_event(topic, "/test", {"n": 1})
     try:
-        return DeadLetters(settings).park(Failure(
-            topic=topic, worker_id=worker_id, envelope=encode(event), event_id=event.get_id(),
-            error_type=error_type, error_message="it broke", attempts=3, version=1,
-        ))
+        return DeadLetters(settings).park(
+            Failure(
+                topic=topic,
+                worker_id=worker_id,
+                envelope=encode(event),
+                event_id=event.get_id(),
+                error_type=error_type,
+                error_message="it broke",
+                attempts=3,
+                version=1,
+            )
+        )
     finally:
         store.dispose_engines()
 
@@ -478,8 +606,9 @@ def test_dead_letters_list_show_replay_purge(env: dict[str, str], tmp_path: Path
     depth = {s["queue"]: s["depth"] for s in wm_json(env, "subscriptions")}
     assert depth[queue] == 1
     assert [d["id"] for d in wm_json(env, "dlq", "list")] == [crash]
-    assert [d["replay_count"] for d in wm_json(env, "dlq", "list", "--all")
-            if d["id"] == timeout] == [1]
+    assert [
+        d["replay_count"] for d in wm_json(env, "dlq", "list", "--all") if d["id"] == timeout
+    ] == [1]
 
     assert "--yes" in wm(env, "dlq", "purge", "--topic", "orders", expect=2).err
     assert wm_json(env, "dlq", "purge", "--topic", "orders", "--yes") == {"purged": 2}

@@ -270,8 +270,12 @@ HOSTILE = [
     ("https://bücher.example/", "url-syntax", "xn--", {}),
     ("https://[::1/", "url-syntax", "malformed", {}),
     *[
-        (url, "host-allowlist", "WM_CODE_URL_ALLOWED_HOSTS",
-         {"code_url_allowed_hosts": ("code.example", "*.trusted.example")})
+        (
+            url,
+            "host-allowlist",
+            "WM_CODE_URL_ALLOWED_HOSTS",
+            {"code_url_allowed_hosts": ("code.example", "*.trusted.example")},
+        )
         for url in (
             "https://public.example/",
             "https://trusted.example/",
@@ -288,8 +292,9 @@ def test_hostile_url_is_refused_before_connecting(
     settings: Settings, url: str, rule: str, hint: str, changes: dict[str, Any]
 ) -> None:
     with pytest.raises(SecurityError) as refused:
-        from_url(url, settings=settings.replace(**changes), resolver=fake_dns,
-                 connect=never_connect)
+        from_url(
+            url, settings=settings.replace(**changes), resolver=fake_dns, connect=never_connect
+        )
     assert refused.value.rule == rule
     assert hint in str(refused.value)
     assert "secret" not in str(refused.value)
@@ -347,8 +352,12 @@ def test_mismatching_pin_is_refused_naming_both_digests(
 @pytest.mark.parametrize("pin", ["", "abc", "g" * 64, CODE_SHA + "0"])
 def test_malformed_pin_is_refused_before_fetching(loopback_settings: Settings, pin: str) -> None:
     with pytest.raises(CodeSourceError, match="64 hexadecimal"):
-        from_url("http://127.0.0.1:9/code.py", settings=loopback_settings, sha256=pin,
-                 connect=never_connect)
+        from_url(
+            "http://127.0.0.1:9/code.py",
+            settings=loopback_settings,
+            sha256=pin,
+            connect=never_connect,
+        )
 
 
 def test_connection_is_pinned_to_the_checked_address(server: Loopback, settings: Settings) -> None:
@@ -437,8 +446,9 @@ def test_unresolvable_host_is_a_clear_error(settings: Settings) -> None:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     with pytest.raises(CodeSourceError, match=r"cannot resolve host 'nowhere\.example'"):
-        from_url("https://nowhere.example/", settings=settings, resolver=failing,
-                 connect=never_connect)
+        from_url(
+            "https://nowhere.example/", settings=settings, resolver=failing, connect=never_connect
+        )
 
 
 def test_https_to_a_plain_http_server_fails_clearly(
@@ -471,8 +481,9 @@ def test_redirects_beyond_the_limit_are_refused(
     assert len(server.seen) == limit + 1
 
 
-@pytest.mark.parametrize(("path", "rule"), [("/to-file", "scheme"),
-                                            ("/to-other-host", "host-allowlist")])
+@pytest.mark.parametrize(
+    ("path", "rule"), [("/to-file", "scheme"), ("/to-other-host", "host-allowlist")]
+)
 def test_each_redirect_is_rechecked(
     server: Loopback, loopback_settings: Settings, path: str, rule: str
 ) -> None:
@@ -512,18 +523,49 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("the openssl command is needed to make test certificates")
     path = tmp_path_factory.mktemp("tls")
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=wm-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign", cwd=path)
-    _openssl("req", *ec, "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=code.example",
-             cwd=path)
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=wm-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign",
+        cwd=path,
+    )
+    _openssl(
+        "req", *ec, "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=code.example", cwd=path
+    )
     (path / "leaf.ext").write_text(
         "subjectAltName=DNS:code.example\nbasicConstraints=CA:FALSE\n"
         "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
     )
-    _openssl("x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", "leaf.pem", "-days", "2", "-extfile", "leaf.ext",
-             cwd=path)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "leaf.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "leaf.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "leaf.ext",
+        cwd=path,
+    )
     return path
 
 
@@ -581,7 +623,7 @@ ENCODED = base64.b64encode(CODE).decode("ascii")
         (CODE.decode("utf-8"), False),
         (ENCODED, True),
         (ENCODED.encode("ascii"), True),
-        ("\n".join(ENCODED[i:i + 8] for i in range(0, len(ENCODED), 8)) + "\n", True),
+        ("\n".join(ENCODED[i : i + 8] for i in range(0, len(ENCODED), 8)) + "\n", True),
     ],
 )
 def test_inline_code_is_accepted_with_its_digest(

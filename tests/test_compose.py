@@ -47,9 +47,20 @@ def services() -> dict[str, Any]:
 def _config(compose_binary: str, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "WORKMANAGER_IMAGE"}
     return subprocess.run(
-        [compose_binary, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), "config",
-         *extra],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
+        [
+            compose_binary,
+            "--project-directory",
+            str(ROOT),
+            "-f",
+            str(COMPOSE_FILE),
+            "config",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
     )
 
 
@@ -99,7 +110,12 @@ def test_migrate_runs_once_after_postgres_is_ready(services: dict[str, Any]) -> 
 def test_workers_wait_for_migrations_and_redis_and_scale(services: dict[str, Any]) -> None:
     worker = services["worker"]
     assert worker["command"] == [
-        "celery", "-A", "wm.celeryapp", "worker", "--loglevel=INFO", "-E",
+        "celery",
+        "-A",
+        "wm.celeryapp",
+        "worker",
+        "--loglevel=INFO",
+        "-E",
     ]
     depends = worker["depends_on"]
     assert depends["migrate"] == {"condition": "service_completed_successfully"}

@@ -23,8 +23,9 @@ def test_two_processes_updating_one_worker(settings: Settings) -> None:
     manager = WorkManager(settings)
     worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_update_many, args=(settings, str(worker.id), tag))
-             for tag in ("a", "b")]
+    procs = [
+        ctx.Process(target=_update_many, args=(settings, str(worker.id), tag)) for tag in ("a", "b")
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -38,6 +39,7 @@ def test_two_processes_updating_one_worker(settings: Settings) -> None:
     final = manager.get_worker(worker.id)
     assert final.current_version == 2 * UPDATES_PER_PROCESS + 1
     assert final.status == "running"
-    code_updates = [t for t in manager.get_worker_transitions(worker.id)
-                    if t.reason.startswith("code updated")]
+    code_updates = [
+        t for t in manager.get_worker_transitions(worker.id) if t.reason.startswith("code updated")
+    ]
     assert len(code_updates) == 2 * UPDATES_PER_PROCESS

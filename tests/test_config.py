@@ -21,19 +21,27 @@ def test_defaults() -> None:
 
 
 def test_values_are_parsed() -> None:
-    settings = Settings.from_env({"GROUP_LOCK_MAX_RETRIES": "7", "WORKER_RECOVERY_ON_START":
-                                  "false", "PYTHON_ALLOWED_PACKAGES": "json, numpy ,"})
+    settings = Settings.from_env(
+        {
+            "GROUP_LOCK_MAX_RETRIES": "7",
+            "WORKER_RECOVERY_ON_START": "false",
+            "PYTHON_ALLOWED_PACKAGES": "json, numpy ,",
+        }
+    )
     assert settings.group_lock_max_retries == 7
     assert settings.worker_recovery_on_start is False
     assert settings.python_allowed_packages == ("json", "numpy")
 
 
-@pytest.mark.parametrize(("name", "value", "expects"), [
-    ("GROUP_LOCK_MAX_RETRIES", "abc", "a non-negative integer"),
-    ("GROUP_LOCK_MAX_RETRIES", "-1", "a non-negative integer"),
-    ("WORKER_RECOVERY_ON_START", "maybe", "true or false"),
-    ("MESSAGE_HANDLING_TIMEOUT_SECONDS", "soon", "a non-negative number"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "expects"),
+    [
+        ("GROUP_LOCK_MAX_RETRIES", "abc", "a non-negative integer"),
+        ("GROUP_LOCK_MAX_RETRIES", "-1", "a non-negative integer"),
+        ("WORKER_RECOVERY_ON_START", "maybe", "true or false"),
+        ("MESSAGE_HANDLING_TIMEOUT_SECONDS", "soon", "a non-negative number"),
+    ],
+)
 def test_malformed_values_name_the_variable(name: str, value: str, expects: str) -> None:
     with pytest.raises(ConfigurationError, match=f"{name}=.*expected {expects}"):
         Settings.from_env({name: value})
@@ -62,7 +70,12 @@ def test_every_setting_is_documented() -> None:
 def test_start_up_stops_on_a_malformed_value() -> None:
     """A Celery node refuses to start with a malformed setting, naming it."""
     env = {"GROUP_LOCK_MAX_RETRIES": "abc", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", "import celeryconfig"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", "import celeryconfig"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "GROUP_LOCK_MAX_RETRIES='abc' is malformed" in result.stderr

@@ -102,8 +102,9 @@ def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -
     sink = manager.subscribe("done", "sink")
     dead = manager.subscribe("in-dead", "alerts")
     lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
-    worker = manager.create_worker(code=stub(fail="boom"), mime_type=STUB, topic="in",
-                                   settings=FAST)
+    worker = manager.create_worker(
+        code=stub(fail="boom"), mime_type=STUB, topic="in", settings=FAST
+    )
     node.consuming(f"in::{worker.id}")
     [event_id] = _publish(manager, "in", 1)
 
@@ -113,11 +114,15 @@ def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -
     assert len(letters) == 1
     letter = letters[0]
     assert (letter.error_type, letter.error_message, letter.attempts) == (
-        "WorkerExecutionError", "boom", 3)
+        "WorkerExecutionError",
+        "boom",
+        3,
+    )
     assert letter.version == 1 and letter.sha256 == manager.get_worker(worker.id).sha256
     assert letter.first_failure_at < letter.last_failure_at
-    errors = [e for e in drain(fast, lifecycle, 20, 3)
-              if e["type"] == LIFECYCLE_TYPE_PREFIX + "error"]
+    errors = [
+        e for e in drain(fast, lifecycle, 20, 3) if e["type"] == LIFECYCLE_TYPE_PREFIX + "error"
+    ]
     assert [e["data"]["attempt"] for e in errors] == [1, 2, 3]
 
     manager.load_code_from_content(worker.id, stub(output_type="done"))
@@ -132,8 +137,9 @@ def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -
 def test_replay_to_the_same_version_fails_again(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
-    worker = manager.create_worker(code=stub(fail="v1 fails"), mime_type=STUB, topic="in",
-                                   settings={**FAST, "max_retries": 0})
+    worker = manager.create_worker(
+        code=stub(fail="v1 fails"), mime_type=STUB, topic="in", settings={**FAST, "max_retries": 0}
+    )
     node.consuming(f"in::{worker.id}")
     _publish(manager, "in", 1)
     letters = DeadLetters(fast)
@@ -181,8 +187,9 @@ def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: A
     settings = fast.replace(redeliver_after_s=1.0)
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
-    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in",
-                                   start=False)
+    worker = manager.create_worker(
+        code=stub(output_type="done"), mime_type=STUB, topic="in", start=False
+    )
     ids = _publish(manager, "in", 3)
     ledger = Ledger(settings)
     assert ledger.pending(str(worker.id)) == 3
@@ -193,7 +200,8 @@ def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: A
     outputs = drain(settings, sink, 3)
     assert {e["data"]["input"]["n"] for e in outputs} == {0, 1, 2}
     assert {e["id"] for e in outputs} == {
-        derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
+        derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids
+    }
     eventually(lambda: ledger.pending(str(worker.id)) == 0)
     assert queue_empty(settings, sink, 2.0)  # sent again once, not over and over
 
@@ -203,8 +211,9 @@ def test_settled_and_dead_lettered_deliveries_leave_the_ledger(
 ) -> None:
     manager = WorkManager(fast)
     ok = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
-    bad = manager.create_worker(code=stub(fail="no"), mime_type=STUB, topic="in",
-                                settings={**FAST, "max_retries": 0})
+    bad = manager.create_worker(
+        code=stub(fail="no"), mime_type=STUB, topic="in", settings={**FAST, "max_retries": 0}
+    )
     node = start_node(fast)
     node.consuming(f"in::{ok.id}")
     node.consuming(f"in::{bad.id}")
@@ -228,13 +237,10 @@ def test_a_republished_output_reaches_a_plain_subscription_once(fast: Settings) 
         publisher.publish(output)
     other = make_event("done", "/tests", {"n": 2})
     publisher.publish(other)
-    assert [e["id"] for e in drain(fast, sink, 5, timeout_s=3)] == [output.get_id(),
-                                                                   other.get_id()]
+    assert [e["id"] for e in drain(fast, sink, 5, timeout_s=3)] == [output.get_id(), other.get_id()]
 
 
-def test_a_route_lost_behind_workmanagers_back_is_repaired(
-    fast: Settings, start_node: Any
-) -> None:
+def test_a_route_lost_behind_workmanagers_back_is_repaired(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     sink = manager.subscribe("done", "sink")
     worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")

@@ -49,8 +49,9 @@ class RecordingTransport:
 def transport() -> Iterator[RecordingTransport]:
     recorder = RecordingTransport({"ok": True})
     logged: list[tuple[str, str]] = []
-    install_runtime(Runtime(log=lambda level, message: logged.append((level, message)),
-                            transport=recorder))
+    install_runtime(
+        Runtime(log=lambda level, message: logged.append((level, message)), transport=recorder)
+    )
     yield recorder
     install_runtime(None)
 

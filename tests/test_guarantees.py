@@ -40,13 +40,20 @@ def test_group_members_never_overlap_and_fences_increase(
     pg_settings: Settings, start_node: Any
 ) -> None:
     settings = pg_settings.replace(
-        group_lock_retry_base_delay_ms=2, group_lock_max_retries=12, max_retries=50,
-        retry_base_delay_ms=10, reconcile_interval_s=1.0,
+        group_lock_retry_base_delay_ms=2,
+        group_lock_max_retries=12,
+        max_retries=50,
+        retry_base_delay_ms=10,
+        reconcile_interval_s=1.0,
     )
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
-    workers = [manager.create_worker(code=stub(output_type="done", sleep_ms=1), mime_type=STUB,
-                                     topic="in", group="g") for _ in range(2)]
+    workers = [
+        manager.create_worker(
+            code=stub(output_type="done", sleep_ms=1), mime_type=STUB, topic="in", group="g"
+        )
+        for _ in range(2)
+    ]
     nodes = [start_node(settings, name=f"n{i}") for i in range(2)]
     for node in nodes:
         for worker in workers:
@@ -72,9 +79,22 @@ def own_redis(tmp_path: Path) -> Any:
 
     def start() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-             "--appendonly", "yes", "--save", ""],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                str(binary),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(tmp_path),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=port)
         eventually(lambda: _pings(client), timeout_s=10)
         return proc
@@ -104,9 +124,11 @@ def test_delivery_resumes_after_a_redis_restart(
     pg_settings: Settings, own_redis: Any, start_node: Any
 ) -> None:
     port, restart = own_redis
-    settings = pg_settings.replace(broker_url=f"redis://127.0.0.1:{port}/0",
-                                   redis_url=f"redis://127.0.0.1:{port}/1",
-                                   reconcile_interval_s=1.0)
+    settings = pg_settings.replace(
+        broker_url=f"redis://127.0.0.1:{port}/0",
+        redis_url=f"redis://127.0.0.1:{port}/1",
+        reconcile_interval_s=1.0,
+    )
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
     worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
@@ -137,18 +159,28 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
     settings = amqp_settings
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
-    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in",
-                                   settings={"retry_base_delay_ms": 20, "max_retries": 1})
-    failing = manager.create_worker(code=stub(fail="nope"), mime_type=STUB, topic="in",
-                                    settings={"retry_base_delay_ms": 20, "max_retries": 1})
+    worker = manager.create_worker(
+        code=stub(output_type="done"),
+        mime_type=STUB,
+        topic="in",
+        settings={"retry_base_delay_ms": 20, "max_retries": 1},
+    )
+    failing = manager.create_worker(
+        code=stub(fail="nope"),
+        mime_type=STUB,
+        topic="in",
+        settings={"retry_base_delay_ms": 20, "max_retries": 1},
+    )
     node = start_node(settings)
     node.consuming(f"in::{worker.id}")
     node.consuming(f"in::{failing.id}")
     try:
         _publish(manager, "in", 10)
         assert len(drain(settings, sink, 10)) == 10
-        letters = eventually(lambda: len(DeadLetters(settings).list()) == 10
-                             and DeadLetters(settings).list(), timeout_s=60)
+        letters = eventually(
+            lambda: len(DeadLetters(settings).list()) == 10 and DeadLetters(settings).list(),
+            timeout_s=60,
+        )
         assert {x.attempts for x in letters} == {2}
         manager.stop_worker(worker.id)
         node.wait_for(f"Canceling queue in::{worker.id}")
@@ -164,12 +196,14 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
 def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    settings = pg_settings.replace(visibility_timeout_s=5, reconcile_interval_s=1.0,
-                                   redeliver_after_s=20.0)
+    settings = pg_settings.replace(
+        visibility_timeout_s=5, reconcile_interval_s=1.0, redeliver_after_s=20.0
+    )
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
-    worker = manager.create_worker(code=stub(output_type="done", sleep_ms=2), mime_type=STUB,
-                                   topic="in")
+    worker = manager.create_worker(
+        code=stub(output_type="done", sleep_ms=2), mime_type=STUB, topic="in"
+    )
     ids = _publish(manager, "in", 1000)
     rng = random.Random()
     for round_ in range(3):
@@ -186,10 +220,17 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     broker = redis.Redis.from_url(settings.broker_url)
     missing = sorted(set(range(1000)) - inputs)
     outcomes = Outcomes(settings)
-    recorded = [(n, outcomes.get(str(worker.id), event_key("/tests", ids[n])) is not None)
-                for n in missing]
-    state = (missing, manager.bus.queue_depth(f"in::{worker.id}"), broker.hlen("unacked"),
-             DeadLetters(settings).list(), recorded, manager.bus.queue_depth(sink))
+    recorded = [
+        (n, outcomes.get(str(worker.id), event_key("/tests", ids[n])) is not None) for n in missing
+    ]
+    state = (
+        missing,
+        manager.bus.queue_depth(f"in::{worker.id}"),
+        broker.hlen("unacked"),
+        DeadLetters(settings).list(),
+        recorded,
+        manager.bus.queue_depth(sink),
+    )
     assert state == ([], 0, 0, [], [], 0), state
     eventually(lambda: Ledger(settings).pending(str(worker.id)) == 0, timeout_s=30)
     assert len(ids) == 1000
@@ -200,11 +241,17 @@ def test_lock_contention_retries_at_broker_level_then_dead_letters(
 ) -> None:
     """A group lock held elsewhere: the delivery backs off, is retried by the broker, and is
     dead-lettered as LockContention — never dropped."""
-    fast = settings.replace(reconcile_interval_s=1.0, group_lock_retry_base_delay_ms=10,
-                            group_lock_max_retries=2)
+    fast = settings.replace(
+        reconcile_interval_s=1.0, group_lock_retry_base_delay_ms=10, group_lock_max_retries=2
+    )
     manager = WorkManager(fast)
-    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in", group="busy",
-                                   settings={"max_retries": 2, "retry_base_delay_ms": 20})
+    worker = manager.create_worker(
+        code=stub(),
+        mime_type=STUB,
+        topic="in",
+        group="busy",
+        settings={"max_retries": 2, "retry_base_delay_ms": 20},
+    )
     blocker = GroupLocks(redis.Redis.from_url(fast.redis_url), fast)
     lease = blocker.acquire("busy", "operator-script")
     try:

@@ -19,8 +19,13 @@ from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
 
 def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
     queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
-    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB,
-                                   topic="orders", group="g1", name="orders-worker")
+    worker = manager.create_worker(
+        code=stub(output_type="done"),
+        mime_type=STUB,
+        topic="orders",
+        group="g1",
+        name="orders-worker",
+    )
     assert worker.status == "running" and worker.current_version == 1
     manager.load_code_from_content(worker.id, stub(), note="no output")
     manager.rollback_worker("orders-worker", 1)
@@ -32,14 +37,27 @@ def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
 
     events = drain(manager.settings, queue, 20, 5)
     kinds = [e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in events]
-    assert kinds == ["created", "started", "code_updated", "code_updated", "stopped", "started",
-                     "deleted"]
+    assert kinds == [
+        "created",
+        "started",
+        "code_updated",
+        "code_updated",
+        "stopped",
+        "started",
+        "deleted",
+    ]
     transitions = [(t.from_status, t.to_status) for t in manager.get_worker_transitions(worker.id)]
     assert transitions == [
-        (None, "created"), ("created", "starting"), ("starting", "running"),
-        ("running", "running"), ("running", "running"),
-        ("running", "stopping"), ("stopping", "stopped"),
-        ("stopped", "starting"), ("starting", "running"), ("running", "deleted"),
+        (None, "created"),
+        ("created", "starting"),
+        ("starting", "running"),
+        ("running", "running"),
+        ("running", "running"),
+        ("running", "stopping"),
+        ("stopping", "stopped"),
+        ("stopped", "starting"),
+        ("starting", "running"),
+        ("running", "deleted"),
     ]
     # delete keeps versions and transitions for audit
     assert [v.version for v in manager.get_worker_history(worker.id)] == [1, 2]
@@ -48,8 +66,7 @@ def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
 
 def test_lifecycle_event_payload(manager: WorkManager) -> None:
     queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
-    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t", group="g",
-                                   start=False)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t", group="g", start=False)
     [created] = drain(manager.settings, queue, 1, 5)
     assert created["subject"] == str(worker.id)
     assert created["source"] == "/workmanager"

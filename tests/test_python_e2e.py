@@ -16,8 +16,14 @@ WORKERS = Path(__file__).parent / "workers"
 
 
 def _wm(settings: Settings, *args: str, stdin: str | None = None) -> Any:
-    result = subprocess.run([sys.executable, "-m", "wm.cli", "--json", *args], input=stdin,
-                            env=env_of(settings), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "wm.cli", "--json", *args],
+        input=stdin,
+        env=env_of(settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout) if result.stdout.strip() else None
 
@@ -28,18 +34,44 @@ def test_cli_created_python_workers_process_events(settings: Settings, start_nod
     echo_sink = manager.subscribe("echo.out", "sink")
     orders_sink = manager.subscribe("orders.result", "sink")
     errors_sink = manager.subscribe("orders.result.error", "sink")
-    echo = _wm(fast, "worker", "create", "--topic", "in", "--mime-type", "text/x-python",
-               "--file", str(WORKERS / "echo.py"))
-    orders = _wm(fast, "worker", "create", "--topic", "orders", "--mime-type", "text/x-python",
-                 "--file", "-", stdin=(WORKERS / "orders.py").read_text())
+    echo = _wm(
+        fast,
+        "worker",
+        "create",
+        "--topic",
+        "in",
+        "--mime-type",
+        "text/x-python",
+        "--file",
+        str(WORKERS / "echo.py"),
+    )
+    orders = _wm(
+        fast,
+        "worker",
+        "create",
+        "--topic",
+        "orders",
+        "--mime-type",
+        "text/x-python",
+        "--file",
+        "-",
+        stdin=(WORKERS / "orders.py").read_text(),
+    )
     node = start_node(fast)
     node.consuming(f"in::{echo['id']}")
     node.consuming(f"orders::{orders['id']}")
 
-    manager.publish(make_event("in", "/tests", {"hello": "world"},
-                               extensions={"correlationid": "corr-py"}))
-    manager.publish(make_event("orders", "/tests", {"command": "CREATE", "item": "book"},
-                               extensions={"correlationid": "corr-order"}))
+    manager.publish(
+        make_event("in", "/tests", {"hello": "world"}, extensions={"correlationid": "corr-py"})
+    )
+    manager.publish(
+        make_event(
+            "orders",
+            "/tests",
+            {"command": "CREATE", "item": "book"},
+            extensions={"correlationid": "corr-order"},
+        )
+    )
     manager.publish(make_event("orders", "/tests", {"command": "refund"}))
 
     [echoed] = drain(fast, echo_sink, 1)
@@ -57,8 +89,11 @@ def test_python_timeout_retries_then_dead_letters(settings: Settings, start_node
     fast = settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     worker = manager.create_worker(
-        code="def process(event):\n    while True:\n        pass\n", mime_type="text/x-python",
-        topic="slow", settings={"timeout_s": 1, "max_retries": 1, "retry_base_delay_ms": 20})
+        code="def process(event):\n    while True:\n        pass\n",
+        mime_type="text/x-python",
+        topic="slow",
+        settings={"timeout_s": 1, "max_retries": 1, "retry_base_delay_ms": 20},
+    )
     node = start_node(fast)
     node.consuming(f"slow::{worker.id}")
     manager.publish(make_event("slow", "/tests", {}))
@@ -70,8 +105,10 @@ def test_python_hot_reload_through_a_running_node(settings: Settings, start_node
     fast = settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     sink = manager.subscribe("v", "sink")
-    code = ("from wm.devkit import make_event\n\n"
-            "def process(event):\n    return make_event('v', '/t', {{'v': {n}}})\n")
+    code = (
+        "from wm.devkit import make_event\n\n"
+        "def process(event):\n    return make_event('v', '/t', {{'v': {n}}})\n"
+    )
     worker = manager.create_worker(code=code.format(n=1), mime_type="text/x-python", topic="in")
     node = start_node(fast)
     node.consuming(f"in::{worker.id}")
@@ -90,8 +127,10 @@ def test_code_a_node_cannot_load_fails_the_worker_and_keeps_the_message(
     fast = settings.replace(reconcile_interval_s=1.0)
     admin = WorkManager(fast.replace(python_allowed_packages=("numpy",)))
     sink = admin.subscribe("out", "sink")
-    code = "import numpy\nfrom wm.devkit import make_event\n\ndef process(event):\n" \
-           "    return make_event('out', '/t', {})\n"
+    code = (
+        "import numpy\nfrom wm.devkit import make_event\n\ndef process(event):\n"
+        "    return make_event('out', '/t', {})\n"
+    )
     worker = admin.create_worker(code=code, mime_type="text/x-python", topic="in")
     node = start_node(fast)
     node.consuming(f"in::{worker.id}")

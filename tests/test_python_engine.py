@@ -183,8 +183,7 @@ def test_async_process_is_awaited(engine: PythonEngine) -> None:
 
 def test_worker_exception_carries_type_line_and_traceback(engine: PythonEngine) -> None:
     source = (
-        b"def check(data):\n    raise KeyError(data)\n\n"
-        b"def process(event):\n    check('sku')\n"
+        b"def check(data):\n    raise KeyError(data)\n\ndef process(event):\n    check('sku')\n"
     )
     engine.load(source, spec())
 
@@ -559,4 +558,3 @@ def test_child_that_died_while_idle_is_replaced_before_the_next_message(
 
     assert engine.process(event({"a": 1}), timeout_s=5)[0].get_type() == "echo.out"
     assert engine.pid != pid
-

@@ -27,8 +27,11 @@ def test_documented_commands_exist() -> None:
     parser = build_parser()
     for command in re.findall(r"^\| `wm ([a-z]+(?: [a-z][a-z-]*)?)", README, flags=re.MULTILINE):
         words = command.split()
-        args = [*words, "--help"] if words[0] not in ("worker", "dlq", "db") else [
-            *words[:2], "--help"]
+        args = (
+            [*words, "--help"]
+            if words[0] not in ("worker", "dlq", "db")
+            else [*words[:2], "--help"]
+        )
         try:
             parser.parse_args(args)
         except SystemExit as exc:

@@ -73,54 +73,87 @@ ATTEMPTS = [
     Attempt("dunder_import", fn("__import__('os').system('id')")),
     Attempt("importlib", "import importlib\n" + fn("importlib.import_module('os')")),
     Attempt("builtins_dict_import", fn("__builtins__['__import__']('os').system('id')")),
-    Attempt("walk_wrap_close_system", fn("_os['system']('touch ' + CANARY_DIR + '/pwned')"),
-            walk=True),
+    Attempt(
+        "walk_wrap_close_system", fn("_os['system']('touch ' + CANARY_DIR + '/pwned')"), walk=True
+    ),
     Attempt("walk_popen", fn("_real_import('subprocess').Popen(['id'])"), walk=True),
     Attempt("walk_posix_spawn", fn("_os['posix_spawn']('/bin/sh', ['sh'], {})"), walk=True),
-    Attempt("walk_catch_warnings",
-            fn("module = _find('catch_warnings')()._module\nmodule.sys.modules['os'].fork()"),
-            walk=True),
-    Attempt("type_subclasses",
-            fn("[c for c in type.__subclasses__(object) if c.__name__ == '_wrap_close'][0]"
-               ".__init__.__globals__['execv']('/bin/sh', ['sh'])")),
+    Attempt(
+        "walk_catch_warnings",
+        fn("module = _find('catch_warnings')()._module\nmodule.sys.modules['os'].fork()"),
+        walk=True,
+    ),
+    Attempt(
+        "type_subclasses",
+        fn(
+            "[c for c in type.__subclasses__(object) if c.__name__ == '_wrap_close'][0]"
+            ".__init__.__globals__['execv']('/bin/sh', ['sh'])"
+        ),
+    ),
     Attempt("open_etc_passwd_for_writing", fn("open('/etc/passwd', 'a')")),
     Attempt("write_canary", fn("open(CANARY_DIR + '/canary.txt', 'w').write('pwned')")),
     Attempt("write_tmp_outside_sandbox", fn("open(CANARY_DIR + '/new.txt', 'w')")),
-    Attempt("write_via_str_subclass",
-            "class Path(str):\n    def startswith(self, *a):\n        return True\n"
-            + fn("open(Path(CANARY_DIR + '/new.txt'), 'w')")),
-    Attempt("write_via_dir_fd",
-            fn("fd = _os['open'](CANARY_DIR, 0)\n_os['open']('new.txt', 65, dir_fd=fd)"),
-            walk=True),
+    Attempt(
+        "write_via_str_subclass",
+        "class Path(str):\n    def startswith(self, *a):\n        return True\n"
+        + fn("open(Path(CANARY_DIR + '/new.txt'), 'w')"),
+    ),
+    Attempt(
+        "write_via_dir_fd",
+        fn("fd = _os['open'](CANARY_DIR, 0)\n_os['open']('new.txt', 65, dir_fd=fd)"),
+        walk=True,
+    ),
     Attempt("symlink_out", fn("_os['symlink'](CANARY_DIR + '/canary.txt', 'link')"), walk=True),
     Attempt("chdir_out", fn("_os['chdir'](CANARY_DIR)\nopen('new.txt', 'w')"), walk=True),
     Attempt("fork_bomb", fn("while True:\n    _os['fork']()"), walk=True),
-    Attempt("memory_bomb", fn("hog = []\nwhile True:\n    hog.append(bytearray(64 << 20))"),
-            match="MemoryError"),
+    Attempt(
+        "memory_bomb",
+        fn("hog = []\nwhile True:\n    hog.append(bytearray(64 << 20))"),
+        match="MemoryError",
+    ),
     Attempt("socket", "import socket\n" + fn("pass")),
-    Attempt("walk_socket", fn("_real_import('socket').create_connection(('1.1.1.1', 80))"),
-            walk=True),
+    Attempt(
+        "walk_socket", fn("_real_import('socket').create_connection(('1.1.1.1', 80))"), walk=True
+    ),
     Attempt("ctypes", fn("_real_import('ctypes').CDLL(None).system(b'id')"), walk=True),
     Attempt("cffi", fn("_real_import('cffi').FFI().dlopen(None)"), walk=True),
-    Attempt("host_env_via_os_environ", fn("return make_event('env', '/x', dict(_os['environ']))"),
-            expect="contained", walk=True),
-    Attempt("host_env_via_proc",
-            fn("return open('/proc/%d/environ' % _os['getppid'](), 'rb').read()"), walk=True),
+    Attempt(
+        "host_env_via_os_environ",
+        fn("return make_event('env', '/x', dict(_os['environ']))"),
+        expect="contained",
+        walk=True,
+    ),
+    Attempt(
+        "host_env_via_proc",
+        fn("return open('/proc/%d/environ' % _os['getppid'](), 'rb').read()"),
+        walk=True,
+    ),
     Attempt("infinite_loop", fn("while True:\n    pass"), expect="killed"),
     Attempt("sys_import", "import sys\n" + fn("sys.modules['os'].system('id')")),
     Attempt("sys_modules_walk", fn("_sys.modules['os'].system('id')"), walk=True),
     Attempt("getframe_globals", fn("return _sys._getframe().f_back.f_globals"), walk=True),
-    Attempt("generator_frame",
-            "def gen():\n    yield 1\n" + fn("return gen().gi_frame.f_back.f_globals")),
-    Attempt("traceback_frame",
-            fn("try:\n    1 / 0\nexcept ZeroDivisionError as exc:\n"
-               "    return exc.__traceback__.tb_frame.f_back.f_globals")),
+    Attempt(
+        "generator_frame",
+        "def gen():\n    yield 1\n" + fn("return gen().gi_frame.f_back.f_globals"),
+    ),
+    Attempt(
+        "traceback_frame",
+        fn(
+            "try:\n    1 / 0\nexcept ZeroDivisionError as exc:\n"
+            "    return exc.__traceback__.tb_frame.f_back.f_globals"
+        ),
+    ),
     Attempt("exec_missing", fn("exec('import os')")),
     Attempt("eval_missing", fn("eval('1')")),
     Attempt("compile_missing", fn("compile('1', 'x', 'eval')")),
-    Attempt("exec_with_forged_builtins",
-            fn("_real_builtins['exec'](\"__import__('os').system('id')\", "
-               "{'__builtins__': _real_builtins})"), walk=True),
+    Attempt(
+        "exec_with_forged_builtins",
+        fn(
+            "_real_builtins['exec'](\"__import__('os').system('id')\", "
+            "{'__builtins__': _real_builtins})"
+        ),
+        walk=True,
+    ),
     Attempt("pathlib", "import pathlib\n" + fn("pass")),
     Attempt("shutil", "import shutil\n" + fn("pass")),
     Attempt("signal", "import signal\n" + fn("pass")),
@@ -133,34 +166,57 @@ ATTEMPTS = [
     Attempt("gc_hunt", fn("return _real_import('gc').get_objects()"), walk=True),
     Attempt("breakpoint", fn("breakpoint()")),
     Attempt("pdb", "import pdb\n" + fn("pass")),
-    Attempt("loader_spec", "import json\n"
-            + fn("json.__loader__.__class__.__init__.__globals__['_os'].system('id')")),
+    Attempt(
+        "loader_spec",
+        "import json\n" + fn("json.__loader__.__class__.__init__.__globals__['_os'].system('id')"),
+    ),
     Attempt("module_loader_name", fn("__loader__.load_module('os')")),
     Attempt("import_posixsubprocess", "import _posixsubprocess\n" + fn("pass")),
     Attempt("walk_posixsubprocess", fn("_real_import('_posixsubprocess')"), walk=True),
     Attempt("import_posix", "import posix\n" + fn("pass")),
-    Attempt("recreate_posix_module",
-            fn("spec = _sys.modules['importlib._bootstrap'].ModuleSpec('posix', None)\n"
-               "_sys.modules['_imp'].create_builtin(spec)"), walk=True),
+    Attempt(
+        "recreate_posix_module",
+        fn(
+            "spec = _sys.modules['importlib._bootstrap'].ModuleSpec('posix', None)\n"
+            "_sys.modules['_imp'].create_builtin(spec)"
+        ),
+        walk=True,
+    ),
     Attempt("forge_code_object", fn("(lambda: 0).__code__.replace(co_consts=(1,))")),
-    Attempt("raise_rlimit", fn("r = _sys.modules['resource']\nr.setrlimit(r.RLIMIT_AS, (-1, -1))"),
-            walk=True),
+    Attempt(
+        "raise_rlimit",
+        fn("r = _sys.modules['resource']\nr.setrlimit(r.RLIMIT_AS, (-1, -1))"),
+        walk=True,
+    ),
     Attempt("subinterpreter", fn("_real_import('_xxsubinterpreters').create()"), walk=True),
-    Attempt("disable_hook_defaults",
-            fn("hook = _sys.modules['engines.python.sandbox'].audit_hook\n"
-               "hook.__defaults__ = ((), frozenset(), (), ValueError)\n_os['system']('id')"),
-            walk=True),
-    Attempt("disable_hook_globals",
-            fn("box = _sys.modules['engines.python.sandbox']\n"
-               "box.DENIED_EVENTS = frozenset()\nbox.DENIED_PREFIXES = ()\n"
-               "box._on_open = lambda *a: None\n"
-               "open(CANARY_DIR + '/canary.txt', 'w')"), walk=True),
-    Attempt("load_own_native_code",
-            fn("open('evil.so', 'wb').write(b'\\x7fELF')\n"
-               "m = _sys.modules['importlib.machinery']\n"
-               "loader = m.ExtensionFileLoader('evil', 'evil.so')\n"
-               "loader.create_module(m.ModuleSpec('evil', loader, origin='evil.so'))"),
-            walk=True),
+    Attempt(
+        "disable_hook_defaults",
+        fn(
+            "hook = _sys.modules['engines.python.sandbox'].audit_hook\n"
+            "hook.__defaults__ = ((), frozenset(), (), ValueError)\n_os['system']('id')"
+        ),
+        walk=True,
+    ),
+    Attempt(
+        "disable_hook_globals",
+        fn(
+            "box = _sys.modules['engines.python.sandbox']\n"
+            "box.DENIED_EVENTS = frozenset()\nbox.DENIED_PREFIXES = ()\n"
+            "box._on_open = lambda *a: None\n"
+            "open(CANARY_DIR + '/canary.txt', 'w')"
+        ),
+        walk=True,
+    ),
+    Attempt(
+        "load_own_native_code",
+        fn(
+            "open('evil.so', 'wb').write(b'\\x7fELF')\n"
+            "m = _sys.modules['importlib.machinery']\n"
+            "loader = m.ExtensionFileLoader('evil', 'evil.so')\n"
+            "loader.create_module(m.ModuleSpec('evil', loader, origin='evil.so'))"
+        ),
+        walk=True,
+    ),
 ]
 
 
@@ -386,7 +442,8 @@ def test_no_worker_code_runs_at_interpreter_exit(canary_dir: Path) -> None:
     The planted finalizer would first mark its own (writable) directory, then try the canary.
     """
     body = fn("raise SystemExit(0)").replace(
-        "def process", "class Bomb:\n"
+        "def process",
+        "class Bomb:\n"
         "    def __del__(self, open_=_os['open']):\n"
         "        open_('finalized', 0o101)\n"
         "        open_(CANARY_DIR + '/after-exit', 0o101)\n"

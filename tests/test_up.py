@@ -18,8 +18,14 @@ def _env() -> dict[str, str]:
 
 
 def _run_up(cwd: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "wm.cli", "up", *args], cwd=cwd, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "wm.cli", "up", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path) -> None:
@@ -52,8 +58,11 @@ def test_a_signal_stops_everything(tmp_path: Path, stop: signal.Signals) -> None
 
 
 def _assert_nothing_left(out: str) -> None:
-    pids = [int(line.split("pid ")[1].split()[0].rstrip(",")) for line in out.splitlines()
-            if line.startswith(("wm up  redis", "wm up  node"))]
+    pids = [
+        int(line.split("pid ")[1].split()[0].rstrip(","))
+        for line in out.splitlines()
+        if line.startswith(("wm up  redis", "wm up  node"))
+    ]
     assert len(pids) == 2  # the Redis server and the Celery node
 
     def gone() -> bool:

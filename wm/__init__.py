@@ -59,6 +59,7 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "BrokerUnavailable",
     "CloudEvent",

@@ -69,11 +69,14 @@ class TaskClock:
 
     def _capture(self) -> None:
         with self.app.connection() as conn:
-            self._receiver = self.app.events.Receiver(conn, handlers={
-                "task-sent": lambda e: self.sent.__setitem__(e["uuid"], e["timestamp"]),
-                "task-succeeded": lambda e: self.done.__setitem__(e["uuid"], e["timestamp"]),
-                "task-failed": lambda e: setattr(self, "failed", self.failed + 1),
-            })
+            self._receiver = self.app.events.Receiver(
+                conn,
+                handlers={
+                    "task-sent": lambda e: self.sent.__setitem__(e["uuid"], e["timestamp"]),
+                    "task-succeeded": lambda e: self.done.__setitem__(e["uuid"], e["timestamp"]),
+                    "task-failed": lambda e: setattr(self, "failed", self.failed + 1),
+                },
+            )
             self._ready.set()
             self._receiver.capture(limit=None, timeout=None, wakeup=False)
 
@@ -103,8 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=2000, help="events per scenario")
     parser.add_argument("--concurrency", type=int, default=2, help="Celery processes")
     parser.add_argument("--timeout-s", type=float, default=600, help="per scenario")
-    parser.add_argument("--engine-messages", type=int, default=5000,
-                        help="messages for the Python engine round trip (0 skips it)")
+    parser.add_argument(
+        "--engine-messages",
+        type=int,
+        default=5000,
+        help="messages for the Python engine round trip (0 skips it)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
         home = Path(tmp)
@@ -122,13 +129,17 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
     app = make_app(settings)
     manager = WorkManager(settings)
     workers = {
-        "no group": manager.create_worker(code=b"{}", mime_type="application/x-wm-stub",
-                                          topic="bench.nogroup"),
-        "group": manager.create_worker(code=b"{}", mime_type="application/x-wm-stub",
-                                       topic="bench.group", group="bench"),
+        "no group": manager.create_worker(
+            code=b"{}", mime_type="application/x-wm-stub", topic="bench.nogroup"
+        ),
+        "group": manager.create_worker(
+            code=b"{}", mime_type="application/x-wm-stub", topic="bench.group", group="bench"
+        ),
         "python worker": manager.create_worker(
-            code=b"def process(event):\n    return None\n", mime_type="text/x-python",
-            topic="bench.python"),
+            code=b"def process(event):\n    return None\n",
+            mime_type="text/x-python",
+            topic="bench.python",
+        ),
     }
     subscription_queue(BARE_QUEUE).bind(app.connection().default_channel).declare()
     clock = TaskClock(app)
@@ -137,8 +148,11 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
     try:
         with celery_node(home, settings, args.concurrency, extra_queues=[BARE_QUEUE]):
             _warm_up(manager, app, workers)
-            results.append(clock.measure("bare celery", args.events,
-                                         lambda: _send_bare(app, args.events), args.timeout_s))
+            results.append(
+                clock.measure(
+                    "bare celery", args.events, lambda: _send_bare(app, args.events), args.timeout_s
+                )
+            )
             for name, worker in workers.items():
                 send = functools.partial(_publish, manager, worker.topic, args.events)
                 results.append(clock.measure(name, args.events, send, args.timeout_s))
@@ -182,8 +196,10 @@ def _lock_round_trips(settings: Settings) -> int:
 #: Trivial Python workers whose engine round trip is timed.
 ENGINE_WORKERS = {
     "returns None": b"def process(event):\n    return None\n",
-    "returns one event": (b"from wm.devkit import make_event\n\ndef process(event):\n"
-                          b"    return make_event('bench.out', '/bench', event.get_data())\n"),
+    "returns one event": (
+        b"from wm.devkit import make_event\n\ndef process(event):\n"
+        b"    return make_event('bench.out', '/bench', event.get_data())\n"
+    ),
 }
 
 
@@ -206,8 +222,10 @@ def _engine_round_trip(messages: int) -> None:
                 engine.process(event, timeout_s=5)
                 samples.append((time.perf_counter_ns() - started) / 1e6)
             timing = Result(name, messages, sum(samples) / 1000, samples)
-            print(f"{name:<18} median {timing.percentile(0.5):.3f} ms  "
-                  f"p99 {timing.percentile(0.99):.3f} ms")
+            print(
+                f"{name:<18} median {timing.percentile(0.5):.3f} ms  "
+                f"p99 {timing.percentile(0.99):.3f} ms"
+            )
     finally:
         engine.close()
 
@@ -219,7 +237,10 @@ def _report(results: list[Result], args: argparse.Namespace) -> None:
     for result in results:
         ratio = result.rate / bare if bare else 0.0
         target = TARGETS.get(result.name)
-        verdict = "" if target is None else (f"≥ {target}× " + ("met" if ratio >= target
-                                                                  else "MISSED"))
-        print(f"{result.name:<15}{result.rate:>10.0f}{result.percentile(0.5):>9.1f}"
-              f"{result.percentile(0.99):>9.1f}{ratio:>7.2f}×  {verdict}")
+        verdict = (
+            "" if target is None else (f"≥ {target}× " + ("met" if ratio >= target else "MISSED"))
+        )
+        print(
+            f"{result.name:<15}{result.rate:>10.0f}{result.percentile(0.5):>9.1f}"
+            f"{result.percentile(0.99):>9.1f}{ratio:>7.2f}×  {verdict}"
+        )

@@ -125,8 +125,9 @@ class Bus:
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
         if missing or extra:
-            logger.warning("routing table repaired: %d route(s) added, %d removed",
-                           len(missing), len(extra))
+            logger.warning(
+                "routing table repaired: %d route(s) added, %d removed", len(missing), len(extra)
+            )
         return len(missing) + len(extra)
 
     def _subscribed(self) -> dict[tuple[str, str], str]:
@@ -137,7 +138,7 @@ class Bus:
     def _routed(self) -> dict[tuple[str, str], str]:
         routed: dict[tuple[str, str], str] = {}
         for key in self.redis.scan_iter(match=_ROUTES + "*", count=500):
-            topic = _text(key)[len(_ROUTES):]
+            topic = _text(key)[len(_ROUTES) :]
             for queue, worker in self.redis.hgetall(key).items():
                 routed[(topic, _text(queue))] = _text(worker)
         return routed
@@ -186,8 +187,8 @@ class Bus:
         """Messages ready in ``name`` (0 when the queue does not exist)."""
         try:
             with self.app.connection_for_write() as conn:
-                result = subscription_queue(name).bind(conn.default_channel).queue_declare(
-                    passive=True
+                result = (
+                    subscription_queue(name).bind(conn.default_channel).queue_declare(passive=True)
                 )
                 return int(result.message_count)
         except (OSError, KombuError, AMQPError):
@@ -210,7 +211,11 @@ class Bus:
         return len(routes)
 
     def send(
-        self, payload: str, routes: Iterable[Route], *, key: str | None = None,
+        self,
+        payload: str,
+        routes: Iterable[Route],
+        *,
+        key: str | None = None,
         **task_options: Any,
     ) -> None:
         """Send an encoded event to the given subscriptions (publish and dead-letter replay).
@@ -276,7 +281,10 @@ class Bus:
         """Ask every node to consume ``queue`` now (the periodic reconcile is the safety net)."""
         try:
             self.app.control.add_consumer(
-                queue, exchange=EXCHANGE.name, exchange_type="direct", routing_key=queue,
+                queue,
+                exchange=EXCHANGE.name,
+                exchange_type="direct",
+                routing_key=queue,
                 reply=False,
             )
         except (OSError, KombuError) as exc:

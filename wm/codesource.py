@@ -160,8 +160,9 @@ def from_url(
             f"WM_CODE_URL_TIMEOUT_S={settings.code_url_timeout_s}",
         ) from exc
     fetched = _finish(code, settings, pin, source_kind="url", url=url)
-    _log.info("fetched %d bytes of code from %s (sha256 %s)", fetched.size, _shown(url),
-              fetched.sha256)
+    _log.info(
+        "fetched %d bytes of code from %s (sha256 %s)", fetched.size, _shown(url), fetched.sha256
+    )
     return fetched
 
 

@@ -73,113 +73,178 @@ class Settings:
     """Everything WorkManager reads from the environment, parsed and validated once."""
 
     database_url: str = _setting(
-        "WM_DATABASE_URL", "sqlite:///.wm/workmanager.db", _parse_str,
+        "WM_DATABASE_URL",
+        "sqlite:///.wm/workmanager.db",
+        _parse_str,
         "SQLAlchemy URL of the worker store (PostgreSQL in production, SQLite embedded).",
     )
     broker_url: str = _setting(
-        "WM_BROKER_URL", "redis://127.0.0.1:6379/0", _parse_str,
+        "WM_BROKER_URL",
+        "redis://127.0.0.1:6379/0",
+        _parse_str,
         "Celery/kombu broker URL: redis://… or amqp://…",
     )
     redis_url: str = _setting(
-        "WM_REDIS_URL", "redis://127.0.0.1:6379/1", _parse_str,
+        "WM_REDIS_URL",
+        "redis://127.0.0.1:6379/1",
+        _parse_str,
         "Redis for derived state: routing table, locks, fences, outcomes, leases.",
     )
     group_lock_retry_base_delay_ms: int = _setting(
-        "GROUP_LOCK_RETRY_BASE_DELAY_MS", 500, _parse_int,
+        "GROUP_LOCK_RETRY_BASE_DELAY_MS",
+        500,
+        _parse_int,
         "Group-lock backoff base: retry n waits up to base × 2^n (a release wakes it).",
     )
     group_lock_max_retries: int = _setting(
-        "GROUP_LOCK_MAX_RETRIES", 3, _parse_int,
+        "GROUP_LOCK_MAX_RETRIES",
+        3,
+        _parse_int,
         "Acquire retries after the first try (base × 2^n apart), then lock contention.",
     )
     group_lock_max_age_s: float = _setting(
-        "WM_GROUP_LOCK_MAX_AGE_S", 30.0, _parse_float,
+        "WM_GROUP_LOCK_MAX_AGE_S",
+        30.0,
+        _parse_float,
         "Age after which a group lock whose holder has not written may be stolen.",
     )
     worker_recovery_on_start: bool = _setting(
-        "WORKER_RECOVERY_ON_START", True, _parse_bool,
+        "WORKER_RECOVERY_ON_START",
+        True,
+        _parse_bool,
         "Reconcile Redis and queues with the database when a node starts.",
     )
     worker_recovery_lease_ttl_seconds: int = _setting(
-        "WORKER_RECOVERY_LEASE_TTL_SECONDS", 300, _parse_int,
+        "WORKER_RECOVERY_LEASE_TTL_SECONDS",
+        300,
+        _parse_int,
         "TTL of the recovery leader lease.",
     )
     worker_recovery_acquire_timeout_seconds: int = _setting(
-        "WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS", 30, _parse_int,
+        "WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS",
+        30,
+        _parse_int,
         "How long a starting node keeps trying recovery before it gives up.",
     )
     python_allowed_packages: tuple[str, ...] = _setting(
-        "PYTHON_ALLOWED_PACKAGES", _parse_csv(DEFAULT_PYTHON_ALLOWED_PACKAGES), _parse_csv,
+        "PYTHON_ALLOWED_PACKAGES",
+        _parse_csv(DEFAULT_PYTHON_ALLOWED_PACKAGES),
+        _parse_csv,
         "Top-level modules a Python worker may import (plus the DevKit).",
     )
     message_handling_timeout_seconds: float = _setting(
-        "MESSAGE_HANDLING_TIMEOUT_SECONDS", 30.0, _parse_float,
+        "MESSAGE_HANDLING_TIMEOUT_SECONDS",
+        30.0,
+        _parse_float,
         "Per-message time limit of worker code (a worker's settings may override it).",
     )
     max_retries: int = _setting(
-        "WM_MAX_RETRIES", 5, _parse_int,
+        "WM_MAX_RETRIES",
+        5,
+        _parse_int,
         "Deliveries retried before dead-lettering (a worker's settings may override it).",
     )
     retry_base_delay_ms: int = _setting(
-        "WM_RETRY_BASE_DELAY_MS", 1000, _parse_int,
+        "WM_RETRY_BASE_DELAY_MS",
+        1000,
+        _parse_int,
         "Broker-level retry backoff base: retry n waits ½–1 × base × 2^(n-1).",
     )
     retry_max_delay_ms: int = _setting(
-        "WM_RETRY_MAX_DELAY_MS", 60000, _parse_int, "Upper bound of one retry delay.",
+        "WM_RETRY_MAX_DELAY_MS",
+        60000,
+        _parse_int,
+        "Upper bound of one retry delay.",
     )
     code_max_bytes: int = _setting(
-        "WM_CODE_MAX_BYTES", 16 * 1024 * 1024, _parse_int,
+        "WM_CODE_MAX_BYTES",
+        16 * 1024 * 1024,
+        _parse_int,
         "Largest code payload accepted inline or from a URL.",
     )
     code_url_allowed_hosts: tuple[str, ...] = _setting(
-        "WM_CODE_URL_ALLOWED_HOSTS", (), _parse_csv,
+        "WM_CODE_URL_ALLOWED_HOSTS",
+        (),
+        _parse_csv,
         "Hosts code URLs may name (exact or *.suffix); empty admits any public host.",
     )
     code_url_allow_http: bool = _setting(
-        "WM_CODE_URL_ALLOW_HTTP", False, _parse_bool, "Admit plain http:// code URLs.",
+        "WM_CODE_URL_ALLOW_HTTP",
+        False,
+        _parse_bool,
+        "Admit plain http:// code URLs.",
     )
     code_url_allow_private: bool = _setting(
-        "WM_CODE_URL_ALLOW_PRIVATE", False, _parse_bool,
+        "WM_CODE_URL_ALLOW_PRIVATE",
+        False,
+        _parse_bool,
         "Admit loopback/private addresses for code URLs (tests and closed networks only).",
     )
     code_url_timeout_s: float = _setting(
-        "WM_CODE_URL_TIMEOUT_S", 10.0, _parse_float, "Total time limit of one code fetch.",
+        "WM_CODE_URL_TIMEOUT_S",
+        10.0,
+        _parse_float,
+        "Total time limit of one code fetch.",
     )
     code_url_max_redirects: int = _setting(
-        "WM_CODE_URL_MAX_REDIRECTS", 3, _parse_int, "Redirects followed, each re-checked.",
+        "WM_CODE_URL_MAX_REDIRECTS",
+        3,
+        _parse_int,
+        "Redirects followed, each re-checked.",
     )
     gateway_allowed_hosts: tuple[str, ...] = _setting(
-        "WM_GATEWAY_ALLOWED_HOSTS", (), _parse_csv,
+        "WM_GATEWAY_ALLOWED_HOSTS",
+        (),
+        _parse_csv,
         "Hosts a worker's gateway calls may reach (through the host); empty refuses all.",
     )
     gateway_timeout_s: float = _setting(
-        "WM_GATEWAY_TIMEOUT_S", 10.0, _parse_float, "Time limit of one gateway call.",
+        "WM_GATEWAY_TIMEOUT_S",
+        10.0,
+        _parse_float,
+        "Time limit of one gateway call.",
     )
     node_concurrency: int = _setting(
-        "WM_NODE_CONCURRENCY", 0, _parse_int,
+        "WM_NODE_CONCURRENCY",
+        0,
+        _parse_int,
         "Celery processes per node; 0 means one per CPU.",
     )
     prefetch_multiplier: int = _setting(
-        "WM_PREFETCH_MULTIPLIER", 4, _parse_int, "Celery prefetch multiplier.",
+        "WM_PREFETCH_MULTIPLIER",
+        4,
+        _parse_int,
+        "Celery prefetch multiplier.",
     )
     reconcile_interval_s: float = _setting(
-        "WM_RECONCILE_INTERVAL_S", 10.0, _parse_float,
+        "WM_RECONCILE_INTERVAL_S",
+        10.0,
+        _parse_float,
         "How often a node re-checks that it consumes every running worker's queue.",
     )
     visibility_timeout_s: int = _setting(
-        "WM_VISIBILITY_TIMEOUT_S", 3600, _parse_int,
+        "WM_VISIBILITY_TIMEOUT_S",
+        3600,
+        _parse_int,
         "Redis broker: unacknowledged messages of a lost node are redelivered after this.",
     )
     redeliver_after_s: float = _setting(
-        "WM_REDELIVER_AFTER_S", 3600.0, _parse_float,
+        "WM_REDELIVER_AFTER_S",
+        3600.0,
+        _parse_float,
         "A delivery still pending after this is sent again (covers messages a broker lost).",
     )
     outcome_ttl_s: int = _setting(
-        "WM_OUTCOME_TTL_S", 7 * 24 * 3600, _parse_int,
+        "WM_OUTCOME_TTL_S",
+        7 * 24 * 3600,
+        _parse_int,
         "How long recorded outcomes (idempotency records) are kept in Redis.",
     )
     log_level: str = _setting(
-        "WM_LOG_LEVEL", "WARNING", _parse_str, "Logging level of the `wm` command (DEBUG…ERROR).",
+        "WM_LOG_LEVEL",
+        "WARNING",
+        _parse_str,
+        "Logging level of the `wm` command (DEBUG…ERROR).",
     )
 
     @classmethod

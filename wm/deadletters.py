@@ -70,10 +70,23 @@ class DeadLetterInfo:
 
     @classmethod
     def of(cls, row: DeadLetter) -> DeadLetterInfo:
-        return cls(row.id, row.topic, str(row.worker_id) if row.worker_id else None,
-                   row.event_id, row.error_type, row.error_message, row.attempts, row.version,
-                   row.sha256, row.fence, row.first_failure_at, row.last_failure_at,
-                   row.replay_count, row.replayed_at, row.envelope)
+        return cls(
+            row.id,
+            row.topic,
+            str(row.worker_id) if row.worker_id else None,
+            row.event_id,
+            row.error_type,
+            row.error_message,
+            row.attempts,
+            row.version,
+            row.sha256,
+            row.fence,
+            row.first_failure_at,
+            row.last_failure_at,
+            row.replay_count,
+            row.replayed_at,
+            row.envelope,
+        )
 
     def to_json(self, *, envelope: bool = True) -> dict[str, Any]:
         data = asdict(self)
@@ -92,8 +105,11 @@ class DeadLetters:
     def park(self, failure: Failure) -> str:
         """Store (upsert) the dead letter, then publish it to ``<topic>-dead``."""
         now = datetime.now(UTC)
-        first = (datetime.fromtimestamp(failure.first_failure_at, UTC)
-                 if failure.first_failure_at else now)
+        first = (
+            datetime.fromtimestamp(failure.first_failure_at, UTC)
+            if failure.first_failure_at
+            else now
+        )
         letter_id = failure.letter_id
         with store.session_scope(self.settings) as session:
             row = session.get(DeadLetter, letter_id)
@@ -108,20 +124,34 @@ class DeadLetters:
             row.sha256 = failure.sha256
             row.fence, row.last_failure_at, row.replayed_at = failure.fence, now, None
         self.bus.publish(self._event(failure, letter_id), failure.topic + DEAD_SUFFIX)
-        logger.warning("dead-lettered %s for worker %s: %s: %s", failure.event_id,
-                       failure.worker_id, failure.error_type, failure.error_message)
+        logger.warning(
+            "dead-lettered %s for worker %s: %s: %s",
+            failure.event_id,
+            failure.worker_id,
+            failure.error_type,
+            failure.error_message,
+        )
         return letter_id
 
     def _event(self, failure: Failure, letter_id: str) -> Any:
         data = {k: v for k, v in asdict(failure).items() if k != "first_failure_at"}
         data["dead_letter_id"] = letter_id
-        return make_event(DEAD_LETTER_TYPE, "/workmanager/deadletters", data,
-                          id=f"{letter_id}-{failure.attempts}",
-                          subject=failure.worker_id or failure.topic)
+        return make_event(
+            DEAD_LETTER_TYPE,
+            "/workmanager/deadletters",
+            data,
+            id=f"{letter_id}-{failure.attempts}",
+            subject=failure.worker_id or failure.topic,
+        )
 
     def list(
-        self, *, topic: str | None = None, worker_id: str | None = None,
-        error_type: str | None = None, include_replayed: bool = False, limit: int = 100,
+        self,
+        *,
+        topic: str | None = None,
+        worker_id: str | None = None,
+        error_type: str | None = None,
+        include_replayed: bool = False,
+        limit: int = 100,
     ) -> builtins.list[DeadLetterInfo]:
         with store.session_scope(self.settings) as session:
             query = self._filtered(topic, worker_id, error_type, include_replayed)
@@ -136,7 +166,10 @@ class DeadLetters:
             return DeadLetterInfo.of(row)
 
     def replay(
-        self, letter_ids: builtins.list[str], *, to_version: str = "current",
+        self,
+        letter_ids: builtins.list[str],
+        *,
+        to_version: str = "current",
         rate_per_s: float = 50.0,
     ) -> int:
         """Send dead letters back to their worker's queue, at most ``rate_per_s`` per second.
@@ -166,9 +199,7 @@ class DeadLetters:
             raise DeadLetterNotFound(f"no dead letter with id {letter_id}")
         worker = session.get(Worker, row.worker_id) if row.worker_id else None
         if worker is None or worker.status == Status.DELETED:
-            raise WorkerNotFound(
-                f"dead letter {letter_id}: its worker is gone; purge it instead"
-            )
+            raise WorkerNotFound(f"dead letter {letter_id}: its worker is gone; purge it instead")
         options: dict[str, Any] = {"kwargs": {}}
         if to_version == "same" and row.version is not None:
             options["kwargs"]["pin_version"] = row.version
@@ -178,8 +209,12 @@ class DeadLetters:
         row.replayed_at = datetime.now(UTC)
 
     def purge(
-        self, letter_ids: builtins.list[str] | None = None, *, topic: str | None = None,
-        worker_id: str | None = None, error_type: str | None = None,
+        self,
+        letter_ids: builtins.list[str] | None = None,
+        *,
+        topic: str | None = None,
+        worker_id: str | None = None,
+        error_type: str | None = None,
     ) -> int:
         if letter_ids is None and topic is None and worker_id is None and error_type is None:
             raise InvalidArgument("purge needs dead-letter ids or at least one filter")

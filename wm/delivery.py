@@ -121,8 +121,11 @@ class Delivery:
         """Process the event, or republish its recorded outcome; returns the outputs."""
         recorded = self.rt.outcomes.get(self.meta.id, self.key)
         if recorded is not None:
-            logger.info("event %s already processed by worker %s; republishing its outcome",
-                        self.event.get_id(), self.meta.id)
+            logger.info(
+                "event %s already processed by worker %s; republishing its outcome",
+                self.event.get_id(),
+                self.meta.id,
+            )
             self.publish(recorded)
             return recorded
         engine, temporary = self.rt.engines.engine(self.meta, self.version)
@@ -147,8 +150,9 @@ class Delivery:
                 engine.close()
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
-        timeout_s = float(self.meta.settings.get(
-            "timeout_s", self.rt.settings.message_handling_timeout_seconds))
+        timeout_s = float(
+            self.meta.settings.get("timeout_s", self.rt.settings.message_handling_timeout_seconds)
+        )
         return engine.process(self.event, timeout_s)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:

@@ -70,8 +70,15 @@ class Directory:
                 return WorkerMeta(**json.loads(raw))
             meta = self.load(worker_id)
             if meta is not None:
-                self.redis.eval(_CACHE_IF_UNCHANGED, 2, generation, cache,
-                                seen or b"", meta.to_json(), _CACHE_TTL_S)
+                self.redis.eval(
+                    _CACHE_IF_UNCHANGED,
+                    2,
+                    generation,
+                    cache,
+                    seen or b"",
+                    meta.to_json(),
+                    _CACHE_TTL_S,
+                )
             return meta
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
@@ -83,17 +90,27 @@ class Directory:
             return None
         with store.session_scope(self.settings) as session:
             row = session.execute(
-                select(Worker, WorkerVersion.sha256).join(
-                    WorkerVersion, (WorkerVersion.worker_id == Worker.id)
-                    & (WorkerVersion.version == Worker.current_version)
-                ).where(Worker.id == wid)
+                select(Worker, WorkerVersion.sha256)
+                .join(
+                    WorkerVersion,
+                    (WorkerVersion.worker_id == Worker.id)
+                    & (WorkerVersion.version == Worker.current_version),
+                )
+                .where(Worker.id == wid)
             ).one_or_none()
             if row is None:
                 return None
             worker, sha256 = row
-            return WorkerMeta(str(worker.id), worker.topic, worker.group, worker.mime_type,
-                              worker.status, worker.current_version, sha256,
-                              dict(worker.settings or {}))
+            return WorkerMeta(
+                str(worker.id),
+                worker.topic,
+                worker.group,
+                worker.mime_type,
+                worker.status,
+                worker.current_version,
+                sha256,
+                dict(worker.settings or {}),
+            )
 
     def code(self, worker_id: str, version: int) -> bytes:
         with store.session_scope(self.settings) as session:

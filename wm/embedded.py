@@ -162,8 +162,9 @@ def start_redis(
     try:
         attempts = 1 if port else FREE_PORT_ATTEMPTS
         for _ in range(attempts):
-            server = _launch(binary, data_dir, port or _free_port(), persistent, lock_fd,
-                             startup_timeout_s)
+            server = _launch(
+                binary, data_dir, port or _free_port(), persistent, lock_fd, startup_timeout_s
+            )
             if server is not None:
                 _record_owner(lock_fd, server)
                 return server
@@ -242,8 +243,12 @@ def _launch(
                 f"cannot run redis-server {binary!r}: {exc.strerror}. {INSTALL_HINT}"
             ) from exc
     server = EmbeddedRedis(
-        url=_url(port), port=port, pid=process.pid, data_dir=data_dir,
-        persistent=persistent, _process=process,
+        url=_url(port),
+        port=port,
+        pid=process.pid,
+        data_dir=data_dir,
+        persistent=persistent,
+        _process=process,
     )
     try:
         info = _wait_until_ready(server, process, log_path, timeout_s)
@@ -254,20 +259,31 @@ def _launch(
         return None
     logger.info(
         "embedded Redis %s (pid %d, %s) serving %s from %s",
-        info.get("redis_version", "?"), process.pid, binary, server.url, data_dir,
+        info.get("redis_version", "?"),
+        process.pid,
+        binary,
+        server.url,
+        data_dir,
     )
     return server
 
 
 def _server_args(data_dir: Path, port: int, persistent: bool) -> list[str]:
     return [
-        "--port", str(port),
-        "--bind", LOOPBACK,
-        "--protected-mode", "yes",
-        "--daemonize", "no",
-        "--dir", str(data_dir),
-        "--save", "",
-        "--appendonly", "yes" if persistent else "no",
+        "--port",
+        str(port),
+        "--bind",
+        LOOPBACK,
+        "--protected-mode",
+        "yes",
+        "--daemonize",
+        "no",
+        "--dir",
+        str(data_dir),
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if persistent else "no",
     ]
 
 
@@ -300,7 +316,10 @@ def _client(port: int, timeout_s: float) -> redis.Redis:
     # No retries: the callers poll on their own deadline, and a server that has just
     # accepted SHUTDOWN must not be reconnected to with backoff.
     return redis.Redis(
-        host=LOOPBACK, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+        host=LOOPBACK,
+        port=port,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
     )
 

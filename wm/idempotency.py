@@ -46,9 +46,7 @@ class Outcomes:
     def parse(raw: bytes | str) -> list[CloudEvent]:
         return [decode(item) for item in json.loads(raw)]
 
-    def record(
-        self, worker_id: str, event_key: str, outputs: list[CloudEvent]
-    ) -> list[CloudEvent]:
+    def record(self, worker_id: str, event_key: str, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Record the outcome and return the one that counts: when two copies of a delivery
         ran at once, the first record wins and both publish it (one round trip)."""
         key = self.key(worker_id, event_key)
@@ -60,4 +58,3 @@ class Outcomes:
         except redis.RedisError as exc:
             raise unavailable(self.settings, exc) from exc
         return outputs if created else self.parse(stored)
-

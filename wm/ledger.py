@@ -90,7 +90,8 @@ class Ledger:
         index, bodies = self._keys(worker_id)
         now = time.time()
         found: list[bytes] = self.redis.zrangebyscore(  # type: ignore[assignment]
-            index, 0, now - older_than_s, start=0, num=SWEEP_BATCH)
+            index, 0, now - older_than_s, start=0, num=SWEEP_BATCH
+        )
         ids = [i.decode() for i in found]
         if not ids:
             return []

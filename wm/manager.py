@@ -84,15 +84,30 @@ class WorkManager:
         queue = worker_queue_name(topic, str(worker_id))
 
         def insert(session: Session) -> None:
-            session.add(Worker(
-                id=worker_id, name=name, topic=topic, group=group, mime_type=mime_type,
-                status=Status.CREATED, current_version=1, settings=dict(worker_settings),
-            ))
+            session.add(
+                Worker(
+                    id=worker_id,
+                    name=name,
+                    topic=topic,
+                    group=group,
+                    mime_type=mime_type,
+                    status=Status.CREATED,
+                    current_version=1,
+                    settings=dict(worker_settings),
+                )
+            )
             session.flush()
             session.add(_version_row(worker_id, 1, fetched, note="created"))
             session.add(Subscription(topic=topic, queue=queue, worker_id=worker_id))
-            self._record(session, worker_id, None, Status.CREATED, "created", version=1,
-                         extra={"group": group, "topic": topic})
+            self._record(
+                session,
+                worker_id,
+                None,
+                Status.CREATED,
+                "created",
+                version=1,
+                extra={"group": group, "topic": topic},
+            )
 
         self._transaction(insert, name_hint=name)
         self.bus.add_route(topic, queue, str(worker_id))
@@ -101,14 +116,22 @@ class WorkManager:
         return self.start_worker(worker_id) if start else self.get_worker(worker_id)
 
     def load_code_from_content(
-        self, worker_id: uuid.UUID | str, code: bytes | str, *, sha256: str | None = None,
+        self,
+        worker_id: uuid.UUID | str,
+        code: bytes | str,
+        *,
+        sha256: str | None = None,
         note: str | None = None,
     ) -> WorkerInfo:
         """Add a new code version from inline bytes and make it current (hot reload)."""
         return self._update_code(worker_id, self._fetch(code, None, sha256), note)
 
     def load_code_from_url(
-        self, worker_id: uuid.UUID | str, url: str, *, sha256: str | None = None,
+        self,
+        worker_id: uuid.UUID | str,
+        url: str,
+        *,
+        sha256: str | None = None,
         note: str | None = None,
     ) -> WorkerInfo:
         """Fetch code from ``url`` (SSRF-guarded), add it as a version, make it current."""
@@ -125,9 +148,16 @@ class WorkManager:
                 raise VersionNotFound(f"worker {wid} has no version {version}")
             previous = worker.current_version
             worker.current_version = version
-            self._record(session, wid, worker.status, worker.status,
-                         f"rolled back from version {previous} to version {version}",
-                         version=version, event="code_updated", worker=worker)
+            self._record(
+                session,
+                wid,
+                worker.status,
+                worker.status,
+                f"rolled back from version {previous} to version {version}",
+                version=version,
+                event="code_updated",
+                worker=worker,
+            )
 
         self._transaction(rollback)
         self._changed(wid)
@@ -167,8 +197,12 @@ class WorkManager:
         return self.get_worker(wid)
 
     def record_failure(
-        self, worker_id: uuid.UUID | str, error_type: str, error_message: str,
-        *, fail: bool = False,
+        self,
+        worker_id: uuid.UUID | str,
+        error_type: str,
+        error_message: str,
+        *,
+        fail: bool = False,
     ) -> None:
         """Publish ``worker.error``; with ``fail`` also move the worker to ``failed``, which
         stops consumption (its queue keeps the messages until it is started again)."""
@@ -201,12 +235,17 @@ class WorkManager:
             return WorkerInfo.of(worker, version)
 
     def list_workers(
-        self, *, topic: str | None = None, group: str | None = None, status: str | None = None,
+        self,
+        *,
+        topic: str | None = None,
+        group: str | None = None,
+        status: str | None = None,
     ) -> list[WorkerInfo]:
         """Workers matching every given filter, oldest first; deleted ones only if asked."""
         query = select(Worker, WorkerVersion).join(
-            WorkerVersion, (WorkerVersion.worker_id == Worker.id)
-            & (WorkerVersion.version == Worker.current_version)
+            WorkerVersion,
+            (WorkerVersion.worker_id == Worker.id)
+            & (WorkerVersion.version == Worker.current_version),
         )
         if topic is not None:
             query = query.where(Worker.topic == topic)
@@ -226,7 +265,8 @@ class WorkManager:
         self.get_worker(wid)
         with store.session_scope(self.settings) as session:
             rows = session.scalars(
-                select(WorkerVersion).where(WorkerVersion.worker_id == wid)
+                select(WorkerVersion)
+                .where(WorkerVersion.worker_id == wid)
                 .order_by(WorkerVersion.version)
             ).all()
             return [VersionInfo.of(v) for v in rows]
@@ -237,7 +277,8 @@ class WorkManager:
         self.get_worker(wid)
         with store.session_scope(self.settings) as session:
             rows = session.scalars(
-                select(WorkerTransition).where(WorkerTransition.worker_id == wid)
+                select(WorkerTransition)
+                .where(WorkerTransition.worker_id == wid)
                 .order_by(WorkerTransition.id)
             ).all()
             return [TransitionInfo.of(t) for t in rows]
@@ -275,8 +316,11 @@ class WorkManager:
         queue = plain_queue_name(topic, name)
 
         def remove(session: Session) -> None:
-            result = session.execute(sa_delete(Subscription).where(
-                Subscription.queue == queue, Subscription.worker_id.is_(None)))
+            result = session.execute(
+                sa_delete(Subscription).where(
+                    Subscription.queue == queue, Subscription.worker_id.is_(None)
+                )
+            )
             if not getattr(result, "rowcount", 0):
                 raise SubscriptionNotFound(f"topic {topic!r} has no subscription named {name!r}")
 
@@ -290,8 +334,15 @@ class WorkManager:
             query = query.where(Subscription.topic == topic)
         with store.session_scope(self.settings) as session:
             rows = [(s.topic, s.queue, s.worker_id) for s in session.scalars(query).all()]
-        return [{"topic": t, "queue": q, "worker_id": str(w) if w else None,
-                 "depth": self.bus.queue_depth(q)} for t, q, w in rows]
+        return [
+            {
+                "topic": t,
+                "queue": q,
+                "worker_id": str(w) if w else None,
+                "depth": self.bus.queue_depth(q),
+            }
+            for t, q, w in rows
+        ]
 
     # -- events ----------------------------------------------------------------------------
 
@@ -305,7 +356,9 @@ class WorkManager:
         try:
             with store.session_scope(self.settings) as session:
                 rows = session.scalars(
-                    select(OutboxEvent).order_by(OutboxEvent.id).limit(500)
+                    select(OutboxEvent)
+                    .order_by(OutboxEvent.id)
+                    .limit(500)
                     .with_for_update(skip_locked=True)
                 ).all()
                 for row in rows:
@@ -344,21 +397,40 @@ class WorkManager:
         self, worker_id: uuid.UUID | str, fetched: codesource.FetchedCode, note: str | None
     ) -> WorkerInfo:
         info = self.get_worker(worker_id)
-        spec = WorkerSpec(str(info.id), info.topic, info.group, info.current_version + 1,
-                          fetched.sha256, info.name, info.settings)
+        spec = WorkerSpec(
+            str(info.id),
+            info.topic,
+            info.group,
+            info.current_version + 1,
+            fetched.sha256,
+            info.name,
+            info.settings,
+        )
         self._validate_code(info.mime_type, fetched.code, spec)
 
         def add_version(session: Session) -> None:
             worker = self._lock(session, info.id, live=True)
-            latest = session.scalar(
-                select(func.max(WorkerVersion.version)).where(WorkerVersion.worker_id == info.id)
-            ) or 0
+            latest = (
+                session.scalar(
+                    select(func.max(WorkerVersion.version)).where(
+                        WorkerVersion.worker_id == info.id
+                    )
+                )
+                or 0
+            )
             version = latest + 1
             session.add(_version_row(info.id, version, fetched, note=note))
             worker.current_version = version
-            self._record(session, info.id, worker.status, worker.status,
-                         f"code updated to version {version}", version=version,
-                         event="code_updated", worker=worker)
+            self._record(
+                session,
+                info.id,
+                worker.status,
+                worker.status,
+                f"code updated to version {version}",
+                version=version,
+                event="code_updated",
+                worker=worker,
+            )
 
         self._transaction(add_version)
         self._changed(info.id)
@@ -399,16 +471,38 @@ class WorkManager:
     def _move(self, session: Session, worker: Worker, target: Status, reason: str) -> None:
         source = worker.status
         worker.status = check_transition(str(worker.id), source, target).value
-        self._record(session, worker.id, source, target, reason,
-                     version=worker.current_version, worker=worker)
+        self._record(
+            session,
+            worker.id,
+            source,
+            target,
+            reason,
+            version=worker.current_version,
+            worker=worker,
+        )
 
     def _record(
-        self, session: Session, wid: uuid.UUID, source: str | None, target: Status | str,
-        reason: str, *, version: int | None = None, event: str | None = None,
-        worker: Worker | None = None, extra: Mapping[str, Any] | None = None,
+        self,
+        session: Session,
+        wid: uuid.UUID,
+        source: str | None,
+        target: Status | str,
+        reason: str,
+        *,
+        version: int | None = None,
+        event: str | None = None,
+        worker: Worker | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
-        session.add(WorkerTransition(worker_id=wid, from_status=source, to_status=str(target),
-                                     reason=reason, version=version))
+        session.add(
+            WorkerTransition(
+                worker_id=wid,
+                from_status=source,
+                to_status=str(target),
+                reason=reason,
+                version=version,
+            )
+        )
         kind = event or EVENT_ON_ENTER.get(Status(target))
         if kind is None:
             return
@@ -418,11 +512,23 @@ class WorkManager:
         self._outbox(session, kind, worker, data, reason=reason, version=version)
 
     def _outbox(
-        self, session: Session, kind: str, worker: Worker, data: Mapping[str, Any],
-        *, reason: str, version: int | None = None,
+        self,
+        session: Session,
+        kind: str,
+        worker: Worker,
+        data: Mapping[str, Any],
+        *,
+        reason: str,
+        version: int | None = None,
     ) -> None:
-        payload = {"group": worker.group, "topic": worker.topic, "name": worker.name,
-                   "version": version or worker.current_version, "reason": reason, **data}
+        payload = {
+            "group": worker.group,
+            "topic": worker.topic,
+            "name": worker.name,
+            "version": version or worker.current_version,
+            "reason": reason,
+            **data,
+        }
         event = lifecycle_event(kind, str(worker.id), payload)
         session.add(OutboxEvent(topic=LIFECYCLE_TOPIC, payload=encode(event)))
 
@@ -467,8 +573,11 @@ class WorkManager:
         except ValueError:
             pass
         with store.session_scope(self.settings) as session:
-            found = session.scalar(select(Worker.id).where(
-                Worker.name == worker_id, Worker.status != Status.DELETED.value))
+            found = session.scalar(
+                select(Worker.id).where(
+                    Worker.name == worker_id, Worker.status != Status.DELETED.value
+                )
+            )
         if found is None:
             raise WorkerNotFound(f"no worker with id or name {worker_id!r}")
         return found
@@ -478,8 +587,14 @@ def _version_row(
     wid: uuid.UUID, version: int, fetched: codesource.FetchedCode, *, note: str | None
 ) -> WorkerVersion:
     return WorkerVersion(
-        worker_id=wid, version=version, source_kind=fetched.source_kind, url=fetched.url,
-        sha256=fetched.sha256, size=fetched.size, code=fetched.code, note=note,
+        worker_id=wid,
+        version=version,
+        source_kind=fetched.source_kind,
+        url=fetched.url,
+        sha256=fetched.sha256,
+        size=fetched.size,
+        code=fetched.code,
+        note=note,
     )
 
 
@@ -494,4 +609,3 @@ def _status(value: str) -> Status:
 def _require_text(field: str, value: str) -> None:
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgument(f"{field} must be a non-empty string")
-

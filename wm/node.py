@@ -29,8 +29,7 @@ logger = logging.getLogger(__name__)
 LEADER_KEY = "workmanager/recovery/leader"
 #: Release the lease only if this node still holds it (it may have expired and moved on).
 _RELEASE_IF_OURS = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
-    "return 0"
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 )
 
 
@@ -65,8 +64,11 @@ def sweep_pending(settings: Settings, bus: Bus, running: Mapping[str, str]) -> i
             bus.send(payload, [Route(queue, worker_id)], key=key)
             sent += 1
     if sent:
-        logger.warning("sent %d delivery(ies) again that stayed pending over %ss", sent,
-                       settings.redeliver_after_s)
+        logger.warning(
+            "sent %d delivery(ies) again that stayed pending over %ss",
+            sent,
+            settings.redeliver_after_s,
+        )
     return sent
 
 
@@ -104,8 +106,9 @@ def reconcile(consumer: Any, wanted: Iterable[str]) -> tuple[set[str], set[str]]
     ours = {name for name in current if "::" in name}
     added, cancelled = wanted - current, ours - wanted
     for name in sorted(added):
-        consumer.add_task_queue(name, exchange=EXCHANGE.name, exchange_type="direct",
-                                routing_key=name, durable=True)
+        consumer.add_task_queue(
+            name, exchange=EXCHANGE.name, exchange_type="direct", routing_key=name, durable=True
+        )
     for name in sorted(cancelled):
         consumer.cancel_task_queue(name)
     if added or cancelled:
@@ -144,8 +147,9 @@ class Reconciler(bootsteps.StartStopStep):
             reconcile(parent, running)
             maintain(self.settings, Bus(self.settings, parent.app), running)
         except Exception:
-            logger.exception("reconcile failed; next try in %ss",
-                             self.settings.reconcile_interval_s)
+            logger.exception(
+                "reconcile failed; next try in %ss", self.settings.reconcile_interval_s
+            )
 
 
 def recover_with_retries(settings: Settings, app: Celery) -> None:

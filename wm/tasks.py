@@ -59,10 +59,14 @@ def reset_runtime() -> None:
     _runtime = None
 
 
-@shared_task(bind=True, name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True,
-             max_retries=None)
+@shared_task(
+    bind=True, name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True, max_retries=None
+)
 def deliver(
-    self: Task, worker_id: str, payload: str, pin_version: int | None = None,
+    self: Task,
+    worker_id: str,
+    payload: str,
+    pin_version: int | None = None,
     first_failure_at: float | None = None,
 ) -> None:
     rt = runtime(self)
@@ -88,7 +92,11 @@ def deliver(
 
 
 def _deliver(
-    task: Task, rt: Runtime, worker_id: str, payload: str, pin_version: int | None,
+    task: Task,
+    rt: Runtime,
+    worker_id: str,
+    payload: str,
+    pin_version: int | None,
     first_failure_at: float | None,
 ) -> None:
     meta = rt.directory.get(worker_id)
@@ -113,14 +121,19 @@ def _deliver(
     except WORKER_BROKEN as exc:
         logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
         WorkManager(rt.settings, bus=rt.bus).record_failure(
-            meta.id, type(exc).__name__, str(exc), fail=True)
+            meta.id, type(exc).__name__, str(exc), fail=True
+        )
         raise Reject(f"worker {meta.id} failed: {exc}", requeue=True) from exc
     except Exception as exc:  # every failure goes through the policy
         _failed(task, rt, delivery, payload, exc, first_failure_at)
 
 
 def _failed(
-    task: Task, rt: Runtime, delivery: Delivery, payload: str, exc: Exception,
+    task: Task,
+    rt: Runtime,
+    delivery: Delivery,
+    payload: str,
+    exc: Exception,
     first_failure_at: float | None,
 ) -> None:
     meta, event = delivery.meta, delivery.event
@@ -130,12 +143,30 @@ def _failed(
     max_retries = int(meta.settings.get("max_retries", rt.settings.max_retries))
     if isinstance(exc, NOT_RETRYABLE) or attempts > max_retries:
         fence = delivery.lease.fence if delivery.lease else None
-        _park(rt, meta, meta.topic, meta.id, payload, event.get_id(), exc, attempts, first,
-              version=delivery.version, fence=fence)
+        _park(
+            rt,
+            meta,
+            meta.topic,
+            meta.id,
+            payload,
+            event.get_id(),
+            exc,
+            attempts,
+            first,
+            version=delivery.version,
+            fence=fence,
+        )
         return
     delay_s = backoff_s(rt.settings, meta, attempts)
-    logger.info("retrying event %s for worker %s in %.2fs (attempt %d of %d): %s",
-                event.get_id(), meta.id, delay_s, attempts, max_retries + 1, exc)
+    logger.info(
+        "retrying event %s for worker %s in %.2fs (attempt %d of %d): %s",
+        event.get_id(),
+        meta.id,
+        delay_s,
+        attempts,
+        max_retries + 1,
+        exc,
+    )
     kwargs: dict[str, Any] = dict(task.request.kwargs or {}, first_failure_at=first)
     raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
 
@@ -148,16 +179,34 @@ def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:
 
 
 def _park(
-    rt: Runtime, meta: WorkerMeta | None, topic: str, worker_id: str, payload: str,
-    event_id: str | None, exc: Exception, attempts: int, first_failure_at: float | None,
-    *, version: int | None = None, fence: int | None = None,
+    rt: Runtime,
+    meta: WorkerMeta | None,
+    topic: str,
+    worker_id: str,
+    payload: str,
+    event_id: str | None,
+    exc: Exception,
+    attempts: int,
+    first_failure_at: float | None,
+    *,
+    version: int | None = None,
+    fence: int | None = None,
 ) -> None:
-    rt.dead_letters.park(Failure(
-        topic=topic, worker_id=worker_id, envelope=payload, event_id=event_id,
-        error_type=type(exc).__name__, error_message=str(exc), attempts=attempts,
-        version=version or (meta.version if meta else None),
-        sha256=meta.sha256 if meta else None, fence=fence, first_failure_at=first_failure_at,
-    ))
+    rt.dead_letters.park(
+        Failure(
+            topic=topic,
+            worker_id=worker_id,
+            envelope=payload,
+            event_id=event_id,
+            error_type=type(exc).__name__,
+            error_message=str(exc),
+            attempts=attempts,
+            version=version or (meta.version if meta else None),
+            sha256=meta.sha256 if meta else None,
+            fence=fence,
+            first_failure_at=first_failure_at,
+        )
+    )
     key = payload_key(payload)
     if key is not None:
         rt.ledger.settle(worker_id, key)
@@ -166,9 +215,15 @@ def _park(
 def _emit_error(
     rt: Runtime, meta: WorkerMeta, exc: Exception, event_id: str, attempts: int
 ) -> None:
-    data = {"group": meta.group, "topic": meta.topic, "version": meta.version,
-            "error_type": type(exc).__name__, "error_message": str(exc),
-            "event_id": event_id, "attempt": attempts}
+    data = {
+        "group": meta.group,
+        "topic": meta.topic,
+        "version": meta.version,
+        "error_type": type(exc).__name__,
+        "error_message": str(exc),
+        "event_id": event_id,
+        "attempt": attempts,
+    }
     rt.bus.publish(lifecycle_event("error", meta.id, data), LIFECYCLE_TOPIC)
 
 

@@ -102,8 +102,11 @@ def _write_env(home: Path, settings: Settings) -> Path:
 
 def _child_env(settings: Settings) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(WM_DATABASE_URL=settings.database_url, WM_BROKER_URL=settings.broker_url,
-               WM_REDIS_URL=settings.redis_url)
+    env.update(
+        WM_DATABASE_URL=settings.database_url,
+        WM_BROKER_URL=settings.broker_url,
+        WM_REDIS_URL=settings.redis_url,
+    )
     return env
 
 
@@ -113,12 +116,30 @@ def celery_node(
 ) -> Iterator[None]:
     """A Celery node as a child process in its own session; stopped with a warm shutdown."""
     log_path = home / "node.log"
-    command = [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker",
-               "-n", "wm-up@%h", "-c", str(concurrency), "--loglevel=INFO", "-E",
-               "-Q", ",".join([DEFAULT_QUEUE, *extra_queues])]
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "wm.celeryapp",
+        "worker",
+        "-n",
+        "wm-up@%h",
+        "-c",
+        str(concurrency),
+        "--loglevel=INFO",
+        "-E",
+        "-Q",
+        ",".join([DEFAULT_QUEUE, *extra_queues]),
+    ]
     with log_path.open("ab") as log:
-        node = subprocess.Popen(command, env=_child_env(settings), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        node = subprocess.Popen(
+            command,
+            env=_child_env(settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         _wait_for_node(settings, node, log_path)
         _say(f"node       celery pid {node.pid}, {concurrency} processes, log {log_path}")
@@ -161,8 +182,12 @@ def _demo(settings: Settings, events: int) -> None:
         try:
             while not events or sent < events:
                 sent += 1
-                event = make_event(DEMO_TOPIC, "/demo", {"text": f"hello number {sent}"},
-                                   extensions={"correlationid": f"demo-{sent}"})
+                event = make_event(
+                    DEMO_TOPIC,
+                    "/demo",
+                    {"text": f"hello number {sent}"},
+                    extensions={"correlationid": f"demo-{sent}"},
+                )
                 manager.publish(event)
                 _say(f"→ {DEMO_TOPIC:<13} {event.get_data()!r}")
                 _show_output(outputs)
@@ -174,8 +199,9 @@ def _demo_worker(manager: WorkManager) -> WorkerInfo:
     for worker in manager.list_workers(topic=DEMO_TOPIC):
         if worker.name == "demo-shout":
             return worker
-    return manager.create_worker(code=DEMO_CODE, mime_type="text/x-python", topic=DEMO_TOPIC,
-                                 name="demo-shout")
+    return manager.create_worker(
+        code=DEMO_CODE, mime_type="text/x-python", topic=DEMO_TOPIC, name="demo-shout"
+    )
 
 
 def _show_output(outputs: object) -> None:

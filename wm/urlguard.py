@@ -92,8 +92,10 @@ def _split(url: str, settings: Settings) -> SplitResult:
 def _check_scheme(scheme: str, settings: Settings) -> None:
     if scheme == "https" or (scheme == "http" and settings.code_url_allow_http):
         return
-    hint = "set WM_CODE_URL_ALLOW_HTTP=true to admit it" if scheme == "http" else (
-        "only https:// (and http:// with WM_CODE_URL_ALLOW_HTTP=true) is fetched"
+    hint = (
+        "set WM_CODE_URL_ALLOW_HTTP=true to admit it"
+        if scheme == "http"
+        else ("only https:// (and http:// with WM_CODE_URL_ALLOW_HTTP=true) is fetched")
     )
     raise SecurityError("scheme", f"scheme {scheme or '(none)'!r} is refused; {hint}")
 

@@ -54,10 +54,17 @@ class WorkerInfo:
     @classmethod
     def of(cls, worker: Worker, version: WorkerVersion) -> WorkerInfo:
         return cls(
-            id=worker.id, name=worker.name, topic=worker.topic, group=worker.group,
-            mime_type=worker.mime_type, status=worker.status,
-            current_version=worker.current_version, sha256=version.sha256, size=version.size,
-            settings=dict(worker.settings or {}), created_at=worker.created_at,
+            id=worker.id,
+            name=worker.name,
+            topic=worker.topic,
+            group=worker.group,
+            mime_type=worker.mime_type,
+            status=worker.status,
+            current_version=worker.current_version,
+            sha256=version.sha256,
+            size=version.size,
+            settings=dict(worker.settings or {}),
+            created_at=worker.created_at,
             updated_at=worker.updated_at,
         )
 
@@ -78,8 +85,16 @@ class VersionInfo:
 
     @classmethod
     def of(cls, row: WorkerVersion) -> VersionInfo:
-        return cls(row.worker_id, row.version, row.source_kind, row.url, row.sha256, row.size,
-                   row.created_at, row.note)
+        return cls(
+            row.worker_id,
+            row.version,
+            row.source_kind,
+            row.url,
+            row.sha256,
+            row.size,
+            row.created_at,
+            row.note,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))

@@ -44,8 +44,11 @@ class PythonWorkerError(WorkerExecutionError):
 
 
 def _refuse_gateway(request: dict[str, Any], remaining_s: float) -> dict[str, Any]:
-    return {"op": "gateway_reply", "ok": False,
-            "error": "gateway calls are not made while code is being validated"}
+    return {
+        "op": "gateway_reply",
+        "ok": False,
+        "error": "gateway calls are not made while code is being validated",
+    }
 
 
 def check_source(code: bytes) -> str:
@@ -107,8 +110,13 @@ class PythonEngine(Engine):
             self._source, self._worker = source, worker
         if previous is not None:
             previous.kill()
-        logger.info("python worker %s v%s loaded in sandbox pid %s (entry %s)",
-                    worker.worker_id, worker.version, fresh.pid, fresh.entry)
+        logger.info(
+            "python worker %s v%s loaded in sandbox pid %s (entry %s)",
+            worker.worker_id,
+            worker.version,
+            fresh.pid,
+            fresh.entry,
+        )
 
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
         with self._lock:
@@ -184,11 +192,17 @@ class PythonEngine(Engine):
             worker.settings, self.settings.message_handling_timeout_seconds
         )
         return {
-            "op": "init", "worker_id": worker.worker_id, "code": source,
-            "sys_path": list(paths.sys_path), "packages": dict(paths.packages),
-            "read_roots": list(paths.read_roots), "list_roots": list(paths.list_roots),
-            "native_roots": list(paths.native_roots), "allowed": list(allowed),
-            "allow_ctypes": paths.third_party, "limits": limits,
+            "op": "init",
+            "worker_id": worker.worker_id,
+            "code": source,
+            "sys_path": list(paths.sys_path),
+            "packages": dict(paths.packages),
+            "read_roots": list(paths.read_roots),
+            "list_roots": list(paths.list_roots),
+            "native_roots": list(paths.native_roots),
+            "allowed": list(allowed),
+            "allow_ctypes": paths.third_party,
+            "limits": limits,
         }
 
     def _gateway_handler(self, worker: WorkerSpec) -> GatewayHandler:
@@ -213,7 +227,8 @@ class PythonEngine(Engine):
                 process.broken = True
             raise PythonWorkerError(
                 f"Python worker {process.worker_id} failed: {reply.get('message')}",
-                str(reply.get("type")), str(reply.get("traceback", "")),
+                str(reply.get("type")),
+                str(reply.get("traceback", "")),
             )
         if reply["op"] != "result":
             process.broken = True
@@ -224,8 +239,9 @@ class PythonEngine(Engine):
         cpu_s = reply.get("cpu_s")
         limit = process.cpu_limit_s
         if isinstance(cpu_s, int | float) and cpu_s > CPU_RECYCLE_SHARE * limit:
-            logger.info("python worker %s used %.1f s CPU; recycling its sandbox",
-                        process.worker_id, cpu_s)
+            logger.info(
+                "python worker %s used %.1f s CPU; recycling its sandbox", process.worker_id, cpu_s
+            )
             process.broken = True
         try:
             return [decode(raw) for raw in reply.get("events", [])]

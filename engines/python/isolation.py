@@ -70,8 +70,13 @@ class Isolation:
 def _works(argv: list[str]) -> bool:
     try:
         done = subprocess.run(
-            argv, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S, check=False,
+            argv,
+            env={},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return False

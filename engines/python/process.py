@@ -44,8 +44,12 @@ MAX_LOG_LINE_BYTES = 4096
 #: seconds to wait for a child that closed its pipe to exit before killing it.
 EXIT_WAIT_S = 1.0
 
-_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-               "error": logging.ERROR}
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 #: Handles a ``gateway`` frame: (request, seconds left) -> ``gateway_reply`` frame.
 GatewayHandler = Callable[[dict[str, Any], float], dict[str, Any]]
@@ -121,9 +125,14 @@ class SandboxProcess:
         try:
             popen = subprocess.Popen(
                 [*argv, str(child_reads), str(child_writes)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                pass_fds=(child_reads, child_writes), cwd=self.directory, env={},
-                start_new_session=True, close_fds=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(child_reads, child_writes),
+                cwd=self.directory,
+                env={},
+                start_new_session=True,
+                close_fds=True,
             )
         except OSError as exc:
             for fd in (child_reads, host_writes, host_reads, child_writes):
@@ -181,7 +190,7 @@ class SandboxProcess:
         view = memoryview(frame)
         while view:
             try:
-                view = view[os.write(self._to_child, view):]
+                view = view[os.write(self._to_child, view) :]
             except BlockingIOError:
                 self._wait_writable(deadline)
             except BrokenPipeError:
@@ -220,8 +229,9 @@ class SandboxProcess:
             returncode = None
         while self._output >= 0 and select.select([self._output], [], [], 0)[0]:
             self._read_output()
-        raise WorkerExecutionError(f"the Python sandbox process {describe_exit(returncode)}"
-                                   f"{self.output_summary()}")
+        raise WorkerExecutionError(
+            f"the Python sandbox process {describe_exit(returncode)}{self.output_summary()}"
+        )
 
     def output_summary(self) -> str:
         """The last lines the child printed, for error messages."""

@@ -71,8 +71,14 @@ class FrameTransport:
         self._channel = channel
 
     def call(self, host: str, port: int, service: str, method: str, data: Any) -> Any:
-        request = {"op": "gateway", "host": host, "port": port, "service": service,
-                   "method": method, "data": data}
+        request = {
+            "op": "gateway",
+            "host": host,
+            "port": port,
+            "service": service,
+            "method": method,
+            "data": data,
+        }
         try:
             self._channel.send(request)
         except TypeError as exc:
@@ -151,8 +157,10 @@ def find_entry(namespace: dict[str, Any]) -> Entry:
     if callable(function):
         return Entry("process", function)
     classes = [
-        value for value in namespace.values()
-        if isinstance(value, type) and issubclass(value, WorkerBase)
+        value
+        for value in namespace.values()
+        if isinstance(value, type)
+        and issubclass(value, WorkerBase)
         and value.__module__ == WORKER_MODULE
     ]
     leaves = [c for c in classes if not any(o is not c and issubclass(o, c) for o in classes)]
@@ -222,9 +230,13 @@ def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> 
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except Exception:
         text = ""
-    message = {"op": "error", "type": type(exc).__qualname__,
-               "message": describe(exc) + _worker_line(exc, worker_file),
-               "traceback": text, "fatal": fatal}
+    message = {
+        "op": "error",
+        "type": type(exc).__qualname__,
+        "message": describe(exc) + _worker_line(exc, worker_file),
+        "traceback": text,
+        "fatal": fatal,
+    }
     return json.dumps(message).encode("utf-8")
 
 

@@ -41,38 +41,117 @@ from typing import Any
 DEVKIT_MODULE = "wm.devkit"
 
 #: Builtins worker code does not get.
-REMOVED_BUILTINS = frozenset({
-    "exec", "eval", "compile", "breakpoint", "input", "help", "exit", "quit",
-    "copyright", "credits", "license", "__loader__", "__spec__",
-})
+REMOVED_BUILTINS = frozenset(
+    {
+        "exec",
+        "eval",
+        "compile",
+        "breakpoint",
+        "input",
+        "help",
+        "exit",
+        "quit",
+        "copyright",
+        "credits",
+        "license",
+        "__loader__",
+        "__spec__",
+    }
+)
 
 #: Audit events refused whoever raises them.
-DENIED_EVENTS = frozenset({
-    "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
-    "os.startfile", "os.kill", "os.killpg", "signal.pthread_kill", "subprocess.Popen",
-    "pty.spawn", "os.chdir", "os.chown", "os.lchown", "os.chflags", "os.lchflags", "os.link",
-    "os.symlink", "os.setxattr", "os.removexattr", "resource.setrlimit", "resource.prlimit",
-    "sys.settrace", "sys.setprofile", "sys._current_frames",
-    "sys._current_exceptions", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-    "code.__new__", "function.__new__", "cpython.PyInterpreterState_New",
-    "cpython.PyFile_SetOpenCodeHook", "sqlite3.connect", "sqlite3.enable_load_extension",
-    "sqlite3.load_extension", "webbrowser.open", "urllib.Request", "mmap.__new__",
-})
+DENIED_EVENTS = frozenset(
+    {
+        "os.system",
+        "os.exec",
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.startfile",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "subprocess.Popen",
+        "pty.spawn",
+        "os.chdir",
+        "os.chown",
+        "os.lchown",
+        "os.chflags",
+        "os.lchflags",
+        "os.link",
+        "os.symlink",
+        "os.setxattr",
+        "os.removexattr",
+        "resource.setrlimit",
+        "resource.prlimit",
+        "sys.settrace",
+        "sys.setprofile",
+        "sys._current_frames",
+        "sys._current_exceptions",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "code.__new__",
+        "function.__new__",
+        "cpython.PyInterpreterState_New",
+        "cpython.PyFile_SetOpenCodeHook",
+        "sqlite3.connect",
+        "sqlite3.enable_load_extension",
+        "sqlite3.load_extension",
+        "webbrowser.open",
+        "urllib.Request",
+        "mmap.__new__",
+    }
+)
 
 #: Prefixes of audit events refused whoever raises them.
 DENIED_PREFIXES = (
-    "socket.", "ctypes.", "syslog.", "ftplib.", "smtplib.", "telnetlib.", "imaplib.",
-    "poplib.", "nntplib.", "http.client.",
+    "socket.",
+    "ctypes.",
+    "syslog.",
+    "ftplib.",
+    "smtplib.",
+    "telnetlib.",
+    "imaplib.",
+    "poplib.",
+    "nntplib.",
+    "http.client.",
 )
 
 #: Native extension modules that may never be loaded in the sandbox.
-DENIED_EXTENSIONS = frozenset({
-    "_posixsubprocess", "_socket", "_ssl", "_cffi_backend", "mmap", "_multiprocessing",
-    "_posixshmem", "_xxsubinterpreters", "_xxinterpchannels", "_testcapi",
-    "_testinternalcapi", "_testbuffer", "_testmultiphase", "_testimportmultiple",
-    "_testsinglephase", "_ctypes_test", "_tkinter", "_curses", "_curses_panel", "readline",
-    "termios", "_lsprof", "_xxtestfuzz", "resource", "fcntl", "_dbm", "_gdbm", "_sqlite3",
-})
+DENIED_EXTENSIONS = frozenset(
+    {
+        "_posixsubprocess",
+        "_socket",
+        "_ssl",
+        "_cffi_backend",
+        "mmap",
+        "_multiprocessing",
+        "_posixshmem",
+        "_xxsubinterpreters",
+        "_xxinterpchannels",
+        "_testcapi",
+        "_testinternalcapi",
+        "_testbuffer",
+        "_testmultiphase",
+        "_testimportmultiple",
+        "_testsinglephase",
+        "_ctypes_test",
+        "_tkinter",
+        "_curses",
+        "_curses_panel",
+        "readline",
+        "termios",
+        "_lsprof",
+        "_xxtestfuzz",
+        "resource",
+        "fcntl",
+        "_dbm",
+        "_gdbm",
+        "_sqlite3",
+    }
+)
 
 #: Attributes whose read hands out a frame object.
 FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
@@ -89,8 +168,16 @@ STRIPPED = {
 
 #: Builtin modules imported before the seal (none can be created afterwards).
 PRELOADED_BUILTINS = (
-    "_ast", "_string", "_symtable", "_tokenize", "atexit", "errno", "gc", "itertools",
-    "_locale", "_stat",
+    "_ast",
+    "_string",
+    "_symtable",
+    "_tokenize",
+    "atexit",
+    "errno",
+    "gc",
+    "itertools",
+    "_locale",
+    "_stat",
 )
 
 _UNSET: Any = None
@@ -347,9 +434,7 @@ def _on_dlopen(event: str, args: tuple[Any, ...], _error: Any = SandboxViolation
         raise _error("ctypes.dlopen is not allowed in a WorkManager Python worker")
 
 
-def _on_addaudithook(
-    event: str, args: tuple[Any, ...], _error: Any = SandboxTampering
-) -> None:
+def _on_addaudithook(event: str, args: tuple[Any, ...], _error: Any = SandboxTampering) -> None:
     raise _error("adding an audit hook is not allowed in a WorkManager Python worker")
 
 
@@ -378,8 +463,17 @@ _HANDLERS = (
     (frozenset({"object.__setattr__", "object.__delattr__"}), _on_setattr),
     (frozenset({"os.listdir", "os.scandir", "os.getxattr", "os.listxattr"}), _on_listdir),
     (
-        frozenset({"os.mkdir", "os.rmdir", "os.remove", "os.chmod", "os.utime", "os.truncate",
-                   "os.rename"}),
+        frozenset(
+            {
+                "os.mkdir",
+                "os.rmdir",
+                "os.remove",
+                "os.chmod",
+                "os.utime",
+                "os.truncate",
+                "os.rename",
+            }
+        ),
         _on_write_path,
     ),
     (frozenset({"ctypes.dlopen"}), _on_dlopen),
@@ -388,7 +482,11 @@ _HANDLERS = (
 
 #: Every function the hook runs; their defaults and code may never change once sealed.
 HOOK_FUNCTIONS: tuple[Callable[..., Any], ...] = (
-    audit_hook, _normalize, _within, _deny_if_worker_frames, *(h for _, h in _HANDLERS),
+    audit_hook,
+    _normalize,
+    _within,
+    _deny_if_worker_frames,
+    *(h for _, h in _HANDLERS),
 )
 
 

@@ -65,9 +65,7 @@ class StubEngine(Engine):
             time.sleep(sleep_s)
         data = event.get_data()
         poison = self._spec.get("fail_if_data_has")
-        if "fail" in self._spec and (
-            poison is None or (isinstance(data, dict) and poison in data)
-        ):
+        if "fail" in self._spec and (poison is None or (isinstance(data, dict) and poison in data)):
             raise WorkerExecutionError(self._spec["fail"])
         output_type = self._spec.get("output_type")
         if not output_type:

@@ -39,8 +39,12 @@ def upgrade() -> None:
     op.create_index(op.f("ix_workers_status"), "workers", ["status"])
     op.create_index(op.f("ix_workers_topic"), "workers", ["topic"])
     op.create_index(
-        "uq_workers_live_name", "workers", ["name"], unique=True,
-        postgresql_where=_LIVE, sqlite_where=_LIVE,
+        "uq_workers_live_name",
+        "workers",
+        ["name"],
+        unique=True,
+        postgresql_where=_LIVE,
+        sqlite_where=_LIVE,
     )
     op.create_table(
         "worker_versions",
@@ -72,9 +76,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_worker_transitions")),
     )
-    op.create_index(
-        op.f("ix_worker_transitions_worker_id"), "worker_transitions", ["worker_id"]
-    )
+    op.create_index(op.f("ix_worker_transitions_worker_id"), "worker_transitions", ["worker_id"])
     op.create_table(
         "subscriptions",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
@@ -123,7 +125,11 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     for table in (
-        "dead_letters", "outbox", "subscriptions", "worker_transitions", "worker_versions",
+        "dead_letters",
+        "outbox",
+        "subscriptions",
+        "worker_transitions",
+        "worker_versions",
         "workers",
     ):
         op.drop_table(table)

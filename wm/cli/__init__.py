@@ -34,10 +34,12 @@ _OWN_LOGGERS = ("wm", "engines")
 def build_parser() -> argparse.ArgumentParser:
     # Every parser accepts --json; SUPPRESS keeps a sub-parser from resetting the global one.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print JSON for scripts")
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
+    )
     parser = argparse.ArgumentParser(
-        prog="wm", description="Operate WorkManager: workers, events, dead letters.",
+        prog="wm",
+        description="Operate WorkManager: workers, events, dead letters.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -59,8 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkManagerError as exc:
         return _fail(str(exc) or type(exc).__name__)
     except SQLAlchemyError as exc:
-        return _fail(f"the worker store failed ({str(exc).splitlines()[0]}); check "
-                     "WM_DATABASE_URL and that `wm db upgrade` ran")
+        return _fail(
+            f"the worker store failed ({str(exc).splitlines()[0]}); check "
+            "WM_DATABASE_URL and that `wm db upgrade` ran"
+        )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -25,18 +25,42 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
     db = add_group(commands, "db", common, "migrate the worker store")
     add_command(db, "upgrade", db_upgrade, common, "apply every pending migration")
     add_command(db, "current", db_current, common, "print the current and the head revision")
-    add_command(commands, "config", show_config, common,
-                "print every setting: variable, default, current value, meaning")
-    up = add_command(commands, "up", run_up, common,
-                     "run the whole stack embedded on this machine (Redis, SQLite, a node)")
+    add_command(
+        commands,
+        "config",
+        show_config,
+        common,
+        "print every setting: variable, default, current value, meaning",
+    )
+    up = add_command(
+        commands,
+        "up",
+        run_up,
+        common,
+        "run the whole stack embedded on this machine (Redis, SQLite, a node)",
+    )
     up.add_argument("--demo", action="store_true", help="also deploy a demo worker")
-    up.add_argument("--events", type=int, default=0, metavar="N",
-                    help="with --demo: stop after N demo events (default: run until Ctrl-C)")
-    up.add_argument("--concurrency", type=int, default=2, metavar="N",
-                    help="Celery processes of the node (default 2)")
+    up.add_argument(
+        "--events",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --demo: stop after N demo events (default: run until Ctrl-C)",
+    )
+    up.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        metavar="N",
+        help="Celery processes of the node (default 2)",
+    )
     # Everything after ``bench`` is the benchmark's own command line, options included.
-    bench = commands.add_parser("bench", add_help=False, prefix_chars="\x00",
-                                help="run the benchmarks (wm bench --help for theirs)")
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        prefix_chars="\x00",
+        help="run the benchmarks (wm bench --help for theirs)",
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=run_bench, command_parser=bench)
 
@@ -71,23 +95,34 @@ def show_config(ctx: Context, args: argparse.Namespace) -> int:
     current = _current_values(ctx.settings)
     rows = [(env, default, current[env], meaning) for env, default, meaning in settings_table()]
     if ctx.as_json:
-        ctx.json([{"variable": env, "default": default, "current": value, "meaning": meaning}
-                  for env, default, value, meaning in rows])
+        ctx.json(
+            [
+                {"variable": env, "default": default, "current": value, "meaning": meaning}
+                for env, default, value, meaning in rows
+            ]
+        )
         return 0
-    ctx.table(["VARIABLE", "DEFAULT", "CURRENT", "MEANING"], rows, empty="no settings",
-              limit=CONFIG_CELL_CHARS)
+    ctx.table(
+        ["VARIABLE", "DEFAULT", "CURRENT", "MEANING"],
+        rows,
+        empty="no settings",
+        limit=CONFIG_CELL_CHARS,
+    )
     return 0
 
 
 def _current_values(settings: Settings) -> dict[str, str]:
     """Each variable's value in effect, shown like its default; passwords in URLs masked."""
-    return {env: maybe_sanitize_url(shown) if "://" in shown else shown
-            for env, shown in current_values(settings).items()}
+    return {
+        env: maybe_sanitize_url(shown) if "://" in shown else shown
+        for env, shown in current_values(settings).items()
+    }
 
 
 def run_up(ctx: Context, args: argparse.Namespace) -> int:
-    return int(_component("wm.up").run(demo=args.demo, events=args.events,
-                                       concurrency=args.concurrency))
+    return int(
+        _component("wm.up").run(demo=args.demo, events=args.events, concurrency=args.concurrency)
+    )
 
 
 def run_bench(ctx: Context, args: argparse.Namespace) -> int:

@@ -41,32 +41,54 @@ _TAIL_COLUMNS = ("time", "type", "id", "subject", "correlationid")
 
 def register(commands: Commands, common: argparse.ArgumentParser) -> None:
     _publish_parser(commands, common)
-    subscribe = add_command(commands, "subscribe", subscribe_topic, common,
-                            "feed a topic into a named durable queue any kombu client can read")
+    subscribe = add_command(
+        commands,
+        "subscribe",
+        subscribe_topic,
+        common,
+        "feed a topic into a named durable queue any kombu client can read",
+    )
     subscribe.add_argument("topic")
     subscribe.add_argument("name")
-    unsubscribe = add_command(commands, "unsubscribe", unsubscribe_topic, common,
-                              "remove a plain subscription and its queue")
+    unsubscribe = add_command(
+        commands,
+        "unsubscribe",
+        unsubscribe_topic,
+        common,
+        "remove a plain subscription and its queue",
+    )
     unsubscribe.add_argument("topic")
     unsubscribe.add_argument("name")
-    unsubscribe.add_argument("--keep-queue", action="store_true",
-                             help="keep the queue and what it holds")
-    listing = add_command(commands, "subscriptions", list_subscriptions, common,
-                          "list subscriptions (workers and plain) with their queue depth")
+    unsubscribe.add_argument(
+        "--keep-queue", action="store_true", help="keep the queue and what it holds"
+    )
+    listing = add_command(
+        commands,
+        "subscriptions",
+        list_subscriptions,
+        common,
+        "list subscriptions (workers and plain) with their queue depth",
+    )
     listing.add_argument("--topic")
-    tail = add_command(commands, "tail", tail_topic, common,
-                       "print a topic's events as they arrive (Ctrl-C stops)")
+    tail = add_command(
+        commands, "tail", tail_topic, common, "print a topic's events as they arrive (Ctrl-C stops)"
+    )
     tail.add_argument("topic")
     tail.add_argument("--count", type=positive_int, help="stop after this many events")
-    tail.add_argument("--timeout-s", type=positive_float,
-                      help="stop when no event arrived for this long")
+    tail.add_argument(
+        "--timeout-s", type=positive_float, help="stop when no event arrived for this long"
+    )
 
 
 def _publish_parser(commands: Commands, common: argparse.ArgumentParser) -> None:
-    publish = add_command(commands, "publish", publish_event, common,
-                          "publish a CloudEvent to a topic")
-    publish.add_argument("--event-file", metavar="PATH",
-                         help="a structured-mode CloudEvent JSON file; - reads standard input")
+    publish = add_command(
+        commands, "publish", publish_event, common, "publish a CloudEvent to a topic"
+    )
+    publish.add_argument(
+        "--event-file",
+        metavar="PATH",
+        help="a structured-mode CloudEvent JSON file; - reads standard input",
+    )
     publish.add_argument("--type", help="event type (also the default topic)")
     publish.add_argument("--source", help="event source, e.g. /my/app")
     publish.add_argument("--subject")
@@ -76,8 +98,14 @@ def _publish_parser(commands: Commands, common: argparse.ArgumentParser) -> None
     publish.add_argument("--topic", help="default: the event type")
     publish.add_argument("--id", help="default: a new UUID")
     publish.add_argument("--correlation-id", help="sets the correlationid extension")
-    publish.add_argument("--extension", action="append", type=key_value, default=[],
-                         metavar="KEY=VALUE", help="an extension attribute")
+    publish.add_argument(
+        "--extension",
+        action="append",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extension attribute",
+    )
 
 
 def publish_event(ctx: Context, args: argparse.Namespace) -> int:
@@ -89,14 +117,17 @@ def publish_event(ctx: Context, args: argparse.Namespace) -> int:
     elif reached:
         ctx.line(f"published {event.get_id()} to {topic}: reached {reached} subscription(s)")
     else:
-        ctx.line(f"published {event.get_id()} to {topic}: reached 0 subscriptions "
-                 "(dropped: topic has no subscriber)")
+        ctx.line(
+            f"published {event.get_id()} to {topic}: reached 0 subscriptions "
+            "(dropped: topic has no subscriber)"
+        )
     return 0
 
 
 def _event_from_file(args: argparse.Namespace) -> CloudEvent:
-    given = [f"--{name.replace('_', '-')}" for name in _EVENT_FLAGS
-             if getattr(args, name) is not None]
+    given = [
+        f"--{name.replace('_', '-')}" for name in _EVENT_FLAGS if getattr(args, name) is not None
+    ]
     if args.extension:
         given.append("--extension")
     if given:
@@ -115,8 +146,9 @@ def _event_from_flags(args: argparse.Namespace) -> CloudEvent:
     extensions = dict(args.extension)
     if args.correlation_id:
         extensions["correlationid"] = args.correlation_id
-    return make_event(args.type, args.source, data, id=args.id, subject=args.subject,
-                      extensions=extensions)
+    return make_event(
+        args.type, args.source, data, id=args.id, subject=args.subject, extensions=extensions
+    )
 
 
 def subscribe_topic(ctx: Context, args: argparse.Namespace) -> int:
@@ -142,9 +174,11 @@ def list_subscriptions(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.as_json:
         ctx.json(found)
         return 0
-    ctx.table(["TOPIC", "QUEUE", "WORKER", "DEPTH"],
-              ([s["topic"], s["queue"], s["worker_id"], s["depth"]] for s in found),
-              empty="no subscriptions")
+    ctx.table(
+        ["TOPIC", "QUEUE", "WORKER", "DEPTH"],
+        ([s["topic"], s["queue"], s["worker_id"], s["depth"]] for s in found),
+        empty="no subscriptions",
+    )
     return 0
 
 

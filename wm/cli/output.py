@@ -48,13 +48,18 @@ class Context:
         sys.stdout.buffer.flush()
 
     def table(
-        self, headers: Sequence[str], rows: Iterable[Sequence[Any]], *, empty: str,
+        self,
+        headers: Sequence[str],
+        rows: Iterable[Sequence[Any]],
+        *,
+        empty: str,
         limit: int = MAX_CELL_CHARS,
     ) -> None:
         """Columns aligned to their widest cell, each cut at ``limit`` but the last (free text);
         ``empty`` is printed instead of no rows."""
-        cells = [[*(cell(v, limit=limit) for v in row[:-1]), cell(row[-1], limit=None)]
-                 for row in rows]
+        cells = [
+            [*(cell(v, limit=limit) for v in row[:-1]), cell(row[-1], limit=None)] for row in rows
+        ]
         if not cells:
             self.line(empty)
             return

@@ -41,13 +41,19 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
         ("transitions", transitions, "list the worker's state changes"),
     ):
         add_command(workers, name, handler, common, help).add_argument("worker", help=_WORKER_HELP)
-    update = add_command(workers, "update-code", update_code, common,
-                         "add a code version and make it current (hot reload)")
+    update = add_command(
+        workers,
+        "update-code",
+        update_code,
+        common,
+        "add a code version and make it current (hot reload)",
+    )
     update.add_argument("worker", help=_WORKER_HELP)
     _code_source(update)
     update.add_argument("--note", help="why this version exists")
-    rollback = add_command(workers, "rollback", rollback_worker, common,
-                           "make an earlier code version current again")
+    rollback = add_command(
+        workers, "rollback", rollback_worker, common, "make an earlier code version current again"
+    )
     rollback.add_argument("worker", help=_WORKER_HELP)
     rollback.add_argument("version", type=positive_int)
     code = add_command(workers, "code", show_code, common, "write a version's code to stdout")
@@ -63,8 +69,14 @@ def _create_parser(workers: Commands, common: argparse.ArgumentParser) -> None:
     create.add_argument("--group", help="members of a group never run at the same time")
     create.add_argument("--name", help="unique among live workers; usable instead of the id")
     create.add_argument("--no-start", action="store_true", help="leave it in status created")
-    create.add_argument("--setting", action="append", type=key_value, default=[],
-                        metavar="KEY=VALUE", help="per-worker setting, e.g. timeout_s=5")
+    create.add_argument(
+        "--setting",
+        action="append",
+        type=key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="per-worker setting, e.g. timeout_s=5",
+    )
 
 
 def _code_source(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +98,14 @@ def _code(args: argparse.Namespace) -> bytes | None:
 
 def create_worker(ctx: Context, args: argparse.Namespace) -> int:
     info = ctx.manager.create_worker(
-        code=_code(args), url=args.url, mime_type=args.mime_type, topic=args.topic,
-        group=args.group, name=args.name, start=not args.no_start, sha256=args.sha256,
+        code=_code(args),
+        url=args.url,
+        mime_type=args.mime_type,
+        topic=args.topic,
+        group=args.group,
+        name=args.name,
+        start=not args.no_start,
+        sha256=args.sha256,
         settings={key: number_or_text(value) for key, value in args.setting},
     )
     _print_worker(ctx, info)
@@ -97,11 +115,13 @@ def create_worker(ctx: Context, args: argparse.Namespace) -> int:
 def update_code(ctx: Context, args: argparse.Namespace) -> int:
     code = _code(args)
     if code is None:
-        info = ctx.manager.load_code_from_url(args.worker, args.url, sha256=args.sha256,
-                                              note=args.note)
+        info = ctx.manager.load_code_from_url(
+            args.worker, args.url, sha256=args.sha256, note=args.note
+        )
     else:
-        info = ctx.manager.load_code_from_content(args.worker, code, sha256=args.sha256,
-                                                  note=args.note)
+        info = ctx.manager.load_code_from_content(
+            args.worker, code, sha256=args.sha256, note=args.note
+        )
     _print_summary(ctx, info)
     return 0
 
@@ -113,8 +133,7 @@ def list_workers(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     ctx.table(
         ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "VERSION", "MIME TYPE"],
-        ([i.id, i.name, i.topic, i.group, i.status, i.current_version, i.mime_type]
-         for i in found),
+        ([i.id, i.name, i.topic, i.group, i.status, i.current_version, i.mime_type] for i in found),
         empty="no workers",
     )
     return 0
@@ -154,8 +173,18 @@ def history(ctx: Context, args: argparse.Namespace) -> int:
         return 0
     ctx.table(
         ["VERSION", "CURRENT", "SOURCE", "SIZE", "SHA256", "CREATED", "NOTE"],
-        ([v.version, "*" if v.version == info.current_version else "", v.url or v.source_kind,
-          v.size, v.sha256, v.created_at, v.note] for v in versions),
+        (
+            [
+                v.version,
+                "*" if v.version == info.current_version else "",
+                v.url or v.source_kind,
+                v.size,
+                v.sha256,
+                v.created_at,
+                v.note,
+            ]
+            for v in versions
+        ),
         empty="no versions",
     )
     return 0
@@ -179,8 +208,13 @@ def show_code(ctx: Context, args: argparse.Namespace) -> int:
     version = args.version or info.current_version
     code = ctx.manager.get_code(info.id, version)
     if ctx.as_json:
-        ctx.json({"worker_id": str(info.id), "version": version,
-                  "code_base64": base64.b64encode(code).decode("ascii")})
+        ctx.json(
+            {
+                "worker_id": str(info.id),
+                "version": version,
+                "code_base64": base64.b64encode(code).decode("ascii"),
+            }
+        )
     else:
         ctx.raw(code)
     return 0
@@ -190,13 +224,22 @@ def _print_worker(ctx: Context, info: WorkerInfo) -> None:
     if ctx.as_json:
         ctx.json(info.to_json())
         return
-    ctx.fields([
-        ("id", info.id), ("name", info.name), ("topic", info.topic), ("group", info.group),
-        ("mime type", info.mime_type), ("status", info.status),
-        ("version", info.current_version), ("sha256", info.sha256), ("size", info.size),
-        ("settings", dict(info.settings)), ("created", info.created_at),
-        ("updated", info.updated_at),
-    ])
+    ctx.fields(
+        [
+            ("id", info.id),
+            ("name", info.name),
+            ("topic", info.topic),
+            ("group", info.group),
+            ("mime type", info.mime_type),
+            ("status", info.status),
+            ("version", info.current_version),
+            ("sha256", info.sha256),
+            ("size", info.size),
+            ("settings", dict(info.settings)),
+            ("created", info.created_at),
+            ("updated", info.updated_at),
+        ]
+    )
 
 
 def _print_summary(ctx: Context, info: WorkerInfo) -> None:

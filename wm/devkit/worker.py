@@ -64,9 +64,7 @@ class WorkerBase:
 
     def error(self, input_event: CloudEvent, message: str) -> CloudEvent:
         """An error response: type ``<response_type>.error``, data ``{"error": message}``."""
-        output = make_event(
-            self.response_type + ERROR_TYPE_SUFFIX, self.source, {"error": message}
-        )
+        output = make_event(self.response_type + ERROR_TYPE_SUFFIX, self.source, {"error": message})
         return with_correlation_id(output, input_event)
 
     def log(self, message: str, *args: Any, level: str = "info") -> None:
@@ -79,9 +77,6 @@ class WorkerBase:
 class ApiWorker(WorkerBase):
     """A worker with an :class:`ApiClient` for ``api_host:api_port`` in ``self.api``."""
 
-    def __init__(
-        self, api_host: str, api_port: int, response_type: str, source: str
-    ) -> None:
+    def __init__(self, api_host: str, api_port: int, response_type: str, source: str) -> None:
         super().__init__(response_type, source)
         self.api = ApiClient(api_host, api_port)
-
