@@ -6,7 +6,7 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 from wm.config import Settings
-from wm.models import Base
+from wm.store.models import Base
 
 config = context.config
 settings = config.attributes.get("settings") or Settings.from_env()

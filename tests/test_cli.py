@@ -22,8 +22,8 @@ from tests.helpers import STUB, drain, stub
 from wm import Settings, store
 from wm.cli import build_parser
 from wm.config import settings_table
-from wm.deadletters import DeadLetters, Failure
-from wm.events import encode, make_event
+from wm.dataplane.deadletters import DeadLetters, Failure
+from wm.events import encode, key_of, make_event
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Redis databases of these tests (broker, state); other suites use other numbers.
@@ -575,6 +575,7 @@ def park(env: dict[str, str], worker_id: str, topic: str, error_type: str) -> st
                 topic=topic,
                 worker_id=worker_id,
                 envelope=encode(event),
+                key=key_of(event),
                 event_id=event.get_id(),
                 error_type=error_type,
                 error_message="it broke",

@@ -9,11 +9,11 @@ import redis
 
 from tests.helpers import STUB, drain, eventually, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
-from wm.bus import Route
+from wm.dataplane.bus import Route
+from wm.dataplane.node import LEADER_KEY
+from wm.dataplane.outputs import OutputPublisher
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, event_key
-from wm.ledger import Ledger
-from wm.node import LEADER_KEY
-from wm.outputs import OutputPublisher
+from wm.state.ledger import Ledger
 
 FAST = {"retry_base_delay_ms": 20, "max_retries": 2}
 

@@ -6,7 +6,7 @@ import redis
 
 from tests.helpers import STUB, stub
 from wm import Settings, WorkManager
-from wm.directory import Directory, WorkerMeta
+from wm.state.directory import Directory, WorkerMeta
 
 
 def test_a_read_that_raced_a_change_is_not_cached(settings: Settings) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from wm.embedded import (
+from wm.errors import EmbeddedRedisError
+from wm.local.embedded import (
     INSTALL_HINT,
     EmbeddedRedis,
     find_redis_server,
@@ -23,7 +24,6 @@ from wm.embedded import (
     start_redis,
     stop_redis,
 )
-from wm.errors import EmbeddedRedisError
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def test_server_orphaned_by_a_dead_parent_is_found_and_stopped(
     parent = textwrap.dedent(
         f"""
         from pathlib import Path
-        from wm.embedded import start_redis
+        from wm.local.embedded import start_redis
         start_redis(Path({str(tmp_path)!r}), executable={redis_binary!r})
         """
     )
@@ -247,7 +247,7 @@ def test_hung_server_is_killed(
 ) -> None:
     running = start_redis(tmp_path, executable=redis_binary)
     os.kill(running.pid, signal.SIGSTOP)
-    with caplog.at_level(logging.WARNING, logger="wm.embedded"):
+    with caplog.at_level(logging.WARNING, logger="wm.local.embedded"):
         stop_redis(running, timeout_s=0.5)
     assert _process_gone(running.pid)
     assert "sending SIGKILL" in caplog.text

@@ -19,11 +19,11 @@ import redis
 from tests.conftest import AMQP_URL, need
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
-from wm.delivery import FENCE_EXTENSION
+from wm.dataplane.delivery import FENCE_EXTENSION
 from wm.events import event_key
-from wm.idempotency import Outcomes
-from wm.ledger import Ledger
-from wm.locks import GroupLocks
+from wm.state.ledger import Ledger
+from wm.state.locks import GroupLocks
+from wm.state.outcomes import Outcomes
 
 
 def _publish(manager: WorkManager, topic: str, count: int) -> list[str]:
@@ -252,7 +252,7 @@ def test_lock_contention_retries_at_broker_level_then_dead_letters(
         group="busy",
         settings={"max_retries": 2, "retry_base_delay_ms": 20},
     )
-    blocker = GroupLocks(redis.Redis.from_url(fast.redis_url), fast)
+    blocker = GroupLocks(fast)
     lease = blocker.acquire("busy", "operator-script")
     try:
         node = start_node(fast)

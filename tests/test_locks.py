@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
-from wm.locks import GroupLocks, Lease, make_owner
+from wm.state.locks import GroupLocks, Lease, make_owner
 
 SPAWN = multiprocessing.get_context("spawn")
 GROUP = "group-a"
@@ -129,7 +129,7 @@ def _contend(
 ) -> None:  # pragma: no cover - runs in a child
     try:
         settings = _settings(group_lock_retry_base_delay_ms=5, group_lock_max_retries=12)
-        locks = GroupLocks(redis.Redis.from_url(url), settings, prefix=prefix)
+        locks = GroupLocks(client=redis.Redis.from_url(url), settings=settings, prefix=prefix)
         intervals = []
         barrier.wait(timeout=CHILD_TIMEOUT_S)
         for index in range(ROUNDS_PER_PROCESS):
@@ -151,7 +151,7 @@ def _paused_holder(
 ) -> None:  # pragma: no cover - runs in a child
     try:
         settings = _settings(group_lock_max_age_s=1.0)
-        locks = GroupLocks(redis.Redis.from_url(url), settings, prefix=prefix)
+        locks = GroupLocks(client=redis.Redis.from_url(url), settings=settings, prefix=prefix)
         lease = locks.acquire(GROUP, make_owner("paused"))
         if write_first:
             locks.mark_write(lease)
@@ -172,7 +172,7 @@ def _paused_holder(
 
 def test_uncontended_acquire_and_release_take_two_round_trips(redis_url: str, prefix: str) -> None:
     counting, sent = _counting_client(redis_url)
-    locks = GroupLocks(counting, _settings(), prefix=prefix)
+    locks = GroupLocks(client=counting, settings=_settings(), prefix=prefix)
     warm_up = locks.acquire(GROUP, "warm-up")  # connects and loads each script once
     locks.mark_write(warm_up)
     locks.release(warm_up)
@@ -215,7 +215,7 @@ def test_four_processes_never_overlap_and_fences_follow_entry_order(
 
 
 def test_fences_increase_across_release_steal_and_expiry(client: redis.Redis, prefix: str) -> None:
-    locks = GroupLocks(client, _settings(group_lock_max_age_s=0.05), prefix=prefix)
+    locks = GroupLocks(client=client, settings=_settings(group_lock_max_age_s=0.05), prefix=prefix)
     first = locks.acquire(GROUP, "a")
     assert locks.release(first)
     second = locks.acquire(GROUP, "b")
@@ -249,7 +249,9 @@ def test_paused_holder_keeps_lock_only_if_it_wrote(
         assert child.pid is not None
         os.kill(child.pid, signal.SIGSTOP)
         _wait_stopped(child.pid)
-        contender = GroupLocks(client, _settings(group_lock_max_age_s=1.0), prefix=prefix)
+        contender = GroupLocks(
+            client=client, settings=_settings(group_lock_max_age_s=1.0), prefix=prefix
+        )
         _wait_until_stale(client, contender, 1.0)
         if holder_wrote:
             _contender_is_refused(contender, paused)
@@ -294,12 +296,12 @@ def _contender_steals(contender: GroupLocks, paused: Lease) -> None:
 def test_contention_backs_off_exponentially_then_names_the_holder(
     client: redis.Redis, redis_url: str, prefix: str
 ) -> None:
-    holder = GroupLocks(client, _settings(), prefix=prefix).acquire(GROUP, "holder")
+    holder = GroupLocks(client=client, settings=_settings(), prefix=prefix).acquire(GROUP, "holder")
     counting, sent = _counting_client(redis_url)
     base_ms, retries = 20, 3
     contender = GroupLocks(
-        counting,
-        _settings(group_lock_retry_base_delay_ms=base_ms, group_lock_max_retries=retries),
+        client=counting,
+        settings=_settings(group_lock_retry_base_delay_ms=base_ms, group_lock_max_retries=retries),
         prefix=prefix,
     )
 
@@ -319,7 +321,7 @@ def test_contention_backs_off_exponentially_then_names_the_holder(
 def test_non_owner_and_stale_fence_cannot_release_or_write(
     client: redis.Redis, prefix: str
 ) -> None:
-    locks = GroupLocks(client, _settings(), prefix=prefix)
+    locks = GroupLocks(client=client, settings=_settings(), prefix=prefix)
     lease = locks.acquire(GROUP, "owner")
     forgeries = [
         Lease(GROUP, "intruder", lease.fence, lease.acquired_at_ms),
@@ -341,7 +343,7 @@ def test_non_owner_and_stale_fence_cannot_release_or_write(
 def test_held_lock_is_not_taken_and_retaking_own_lock_is_idempotent(
     client: redis.Redis, prefix: str
 ) -> None:
-    locks = GroupLocks(client, _settings(), prefix=prefix)
+    locks = GroupLocks(client=client, settings=_settings(), prefix=prefix)
     lease = locks.acquire(GROUP, "owner")
     assert locks.try_acquire(GROUP, "other") is None
     assert locks.try_acquire(GROUP, "owner") == lease
@@ -350,7 +352,7 @@ def test_held_lock_is_not_taken_and_retaking_own_lock_is_idempotent(
 def test_lock_record_expires_as_safety_net_and_keys_share_a_slot(
     client: redis.Redis, prefix: str
 ) -> None:
-    locks = GroupLocks(client, _settings(group_lock_max_age_s=1.0), prefix=prefix)
+    locks = GroupLocks(client=client, settings=_settings(group_lock_max_age_s=1.0), prefix=prefix)
     lease = locks.acquire(GROUP, "owner")
     locks.mark_write(lease)
     record, fence = f"{prefix}{{{GROUP}}}", f"{prefix}{{{GROUP}}}:fence"
@@ -360,7 +362,7 @@ def test_lock_record_expires_as_safety_net_and_keys_share_a_slot(
 
 
 def test_holding_releases_when_the_block_fails(client: redis.Redis, prefix: str) -> None:
-    locks = GroupLocks(client, _settings(), prefix=prefix)
+    locks = GroupLocks(client=client, settings=_settings(), prefix=prefix)
     with pytest.raises(RuntimeError), locks.holding(GROUP, "owner") as lease:
         assert locks.holder(GROUP) is not None and lease.owner == "owner"
         raise RuntimeError("worker code failed")
@@ -369,7 +371,7 @@ def test_holding_releases_when_the_block_fails(client: redis.Redis, prefix: str)
 
 def test_works_with_a_client_that_decodes_responses(redis_url: str, prefix: str) -> None:
     decoding = redis.Redis.from_url(redis_url, decode_responses=True)
-    locks = GroupLocks(decoding, _settings(), prefix=prefix)
+    locks = GroupLocks(client=decoding, settings=_settings(), prefix=prefix)
     lease = locks.acquire(GROUP, "owner")
     locks.mark_write(lease)
     holder = locks.holder(GROUP)
@@ -385,7 +387,7 @@ def test_unreachable_redis_is_reported_with_the_setting_to_fix() -> None:
     unreachable = redis.Redis(
         host="127.0.0.1", port=port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
     )
-    locks = GroupLocks(unreachable, _settings())
+    locks = GroupLocks(_settings(redis_url=f"redis://127.0.0.1:{port}/0"), client=unreachable)
     with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}.*WM_REDIS_URL"):
         locks.try_acquire(GROUP, "owner")
     with pytest.raises(BrokerUnavailable):
@@ -398,12 +400,12 @@ def test_a_release_wakes_a_waiting_contender_before_its_backoff_ends(
 ) -> None:
     """A contender in a long backoff takes the lock as soon as the holder releases it."""
     settings = _settings(group_lock_retry_base_delay_ms=5000, group_lock_max_retries=1)
-    holder = GroupLocks(client, settings, prefix=prefix)
+    holder = GroupLocks(client=client, settings=settings, prefix=prefix)
     lease = holder.acquire("g", "holder")
     timer = threading.Timer(0.2, holder.release, args=(lease,))
     timer.start()
     started = time.monotonic()
-    taken = GroupLocks(client, settings, prefix=prefix).acquire("g", "contender")
+    taken = GroupLocks(client=client, settings=settings, prefix=prefix).acquire("g", "contender")
     waited = time.monotonic() - started
     timer.join()
     assert taken.owner == "contender" and taken.fence > lease.fence

@@ -6,7 +6,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from wm import Settings, store
-from wm.models import Base
+from wm.store.models import Base
 
 
 def test_models_and_migrations_agree(settings: Settings) -> None:

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 import wm  # noqa: F401 - import the platform before engines (engines.base needs wm first)
-from engines.base import WorkerSpec
 from engines.python import PythonEngine
 from engines.python.engine import PythonWorkerError
 from tests.workers import child_pids, code
 from wm.config import Settings
+from wm.engine import WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, make_event
 

@@ -37,13 +37,13 @@ from wm.events import CloudEvent, decode, encode, make_event
 from wm.lifecycle import Status
 
 if TYPE_CHECKING:
-    from wm.deadletters import DeadLetterInfo, DeadLetters
+    from wm.dataplane.deadletters import DeadLetters
     from wm.manager import WorkManager
-    from wm.views import TransitionInfo, VersionInfo, WorkerInfo
+    from wm.views import DeadLetterInfo, TransitionInfo, VersionInfo, WorkerInfo
 
 _LAZY = {
-    "DeadLetterInfo": "wm.deadletters",
-    "DeadLetters": "wm.deadletters",
+    "DeadLetterInfo": "wm.views",
+    "DeadLetters": "wm.dataplane.deadletters",
     "WorkManager": "wm.manager",
     "TransitionInfo": "wm.views",
     "VersionInfo": "wm.views",

@@ -7,9 +7,17 @@ boundary with ``raise ... from exc`` so the message tells the operator what to d
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class WorkManagerError(Exception):
-    """Base class of every error WorkManager raises on purpose."""
+    """Base class of every error WorkManager raises on purpose.
+
+    ``retryable`` is what the delivery policy reads when the error ends an attempt: false
+    means no later attempt of the same delivery can succeed, so it is dead-lettered at once.
+    """
+
+    retryable: ClassVar[bool] = True
 
 
 class ConfigurationError(WorkManagerError):
@@ -21,7 +29,9 @@ class InvalidArgument(WorkManagerError):
 
 
 class WorkerNotFound(WorkManagerError):
-    """Raised when no worker has the given id or name."""
+    """Raised when no worker has the given id or name (or a delivery's worker was deleted)."""
+
+    retryable = False
 
 
 class IllegalTransition(WorkManagerError):
@@ -33,23 +43,34 @@ class ConcurrencyConflict(WorkManagerError):
 
 
 class VersionNotFound(WorkManagerError):
-    """Raised when a rollback names a code version the worker does not have."""
+    """Raised when a rollback or a replay names a code version the worker does not have."""
+
+    retryable = False
 
 
-class EngineNotFound(WorkManagerError):
+class EngineError(WorkManagerError):
+    """Raised when an engine cannot run a worker's code; the subclass says who is at fault."""
+
+
+class EngineLoadError(EngineError):
+    """Raised when a worker's code cannot be loaded on this node. A delivery that meets it
+    moves the worker to ``failed`` and keeps the message for when the worker is repaired."""
+
+
+class EngineNotFound(EngineLoadError):
     """Raised when no engine is registered for a MIME type."""
 
 
-class EngineUnavailable(WorkManagerError):
+class EngineUnavailable(EngineLoadError):
     """Raised when an engine is registered but its optional dependency is not installed."""
 
 
-class InvalidCode(WorkManagerError):
-    """Raised when an engine refuses worker code at create or update time."""
+class InvalidCode(EngineLoadError):
+    """Raised when an engine refuses worker code at create, update or load time."""
 
 
-class WorkerExecutionError(WorkManagerError):
-    """Raised when worker code fails while processing an event."""
+class WorkerExecutionError(EngineError):
+    """Raised when worker code fails while processing an event (retried, then parked)."""
 
 
 class WorkerTimeout(WorkerExecutionError):
@@ -74,6 +95,8 @@ class IntegrityError(CodeSourceError):
 
 class EventDecodeError(WorkManagerError):
     """Raised when bytes or a dict are not a valid CloudEvent."""
+
+    retryable = False
 
 
 class DatabaseError(WorkManagerError):

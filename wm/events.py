@@ -124,6 +124,21 @@ def event_key(source: str, event_id: str) -> str:
     return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{source}\x00{event_id}"))
 
 
+def payload_key(payload: str) -> str | None:
+    """The key (:func:`event_key`) of an encoded event, or None for a payload without
+    a source and an id (it will be dead-lettered as malformed and needs no ledger entry)."""
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    source, event_id = parsed.get("source"), parsed.get("id")
+    if isinstance(source, str) and isinstance(event_id, str) and source and event_id:
+        return event_key(source, event_id)
+    return None
+
+
 def key_of(event: CloudEvent) -> str:
     return event_key(event.get_source(), event.get_id())
 

@@ -4,41 +4,34 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError as SAIntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.exc import StaleDataError
 
-from engines import WorkerSpec, engine_class
 from wm import codesource, store
-from wm.bus import Bus, plain_queue_name, worker_queue_name
 from wm.config import Settings
-from wm.directory import Directory
+from wm.dataplane import outbox
+from wm.dataplane.bus import Bus
+from wm.dataplane.queues import plain_queue_name, worker_queue_name
+from wm.engine import WorkerSpec, engine_class
 from wm.errors import (
-    BrokerUnavailable,
-    ConcurrencyConflict,
-    DatabaseError,
-    IllegalTransition,
     InvalidArgument,
     SubscriptionNotFound,
     VersionNotFound,
     WorkerNotFound,
     WorkManagerError,
 )
-from wm.events import LIFECYCLE_TOPIC, CloudEvent, decode, encode, lifecycle_event
-from wm.ledger import Ledger
-from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, EVENT_ON_ENTER, Status, check_transition
-from wm.models import OutboxEvent, Subscription, Worker, WorkerTransition, WorkerVersion
+from wm.events import CloudEvent
+from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status
+from wm.state.ledger import Ledger
+from wm.store import records
+from wm.store.models import Subscription, Worker, WorkerTransition, WorkerVersion
 from wm.views import TransitionInfo, VersionInfo, WorkerInfo, validate_worker_settings
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-#: How often a change is retried when a concurrent writer got there first.
-_CONFLICT_RETRIES = 8
 
 
 class WorkManager:
@@ -84,24 +77,23 @@ class WorkManager:
         queue = worker_queue_name(topic, str(worker_id))
 
         def insert(session: Session) -> None:
-            session.add(
-                Worker(
-                    id=worker_id,
-                    name=name,
-                    topic=topic,
-                    group=group,
-                    mime_type=mime_type,
-                    status=Status.CREATED,
-                    current_version=1,
-                    settings=dict(worker_settings),
-                )
+            worker = Worker(
+                id=worker_id,
+                name=name,
+                topic=topic,
+                group=group,
+                mime_type=mime_type,
+                status=Status.CREATED,
+                current_version=1,
+                settings=dict(worker_settings),
             )
+            session.add(worker)
             session.flush()
             session.add(_version_row(worker_id, 1, fetched, note="created"))
             session.add(Subscription(topic=topic, queue=queue, worker_id=worker_id))
-            self._record(
+            records.record_transition(
                 session,
-                worker_id,
+                worker,
                 None,
                 Status.CREATED,
                 "created",
@@ -109,9 +101,9 @@ class WorkManager:
                 extra={"group": group, "topic": topic},
             )
 
-        self._transaction(insert, name_hint=name)
+        records.transaction(self.settings, insert, name_hint=name)
         self.bus.add_route(topic, queue, str(worker_id))
-        self._changed(worker_id)
+        outbox.changed(self.settings, self.bus, worker_id)
         logger.info("created worker %s on topic %s", worker_id, topic)
         return self.start_worker(worker_id) if start else self.get_worker(worker_id)
 
@@ -142,25 +134,24 @@ class WorkManager:
         wid = self._resolve(worker_id)
 
         def rollback(session: Session) -> None:
-            worker = self._lock(session, wid, live=True)
+            worker = records.lock_worker(session, wid, live=True)
             exists = session.get(WorkerVersion, (wid, version))
             if exists is None:
                 raise VersionNotFound(f"worker {wid} has no version {version}")
             previous = worker.current_version
             worker.current_version = version
-            self._record(
+            records.record_transition(
                 session,
-                wid,
+                worker,
                 worker.status,
                 worker.status,
                 f"rolled back from version {previous} to version {version}",
                 version=version,
                 event="code_updated",
-                worker=worker,
             )
 
-        self._transaction(rollback)
-        self._changed(wid)
+        records.transaction(self.settings, rollback)
+        outbox.changed(self.settings, self.bus, wid)
         return self.get_worker(wid)
 
     # -- state changes ---------------------------------------------------------------------
@@ -168,8 +159,8 @@ class WorkManager:
     def start_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Start consuming the worker's queue; idempotent."""
         wid = self._resolve(worker_id)
-        changed = self._transaction(lambda s: self._start(s, wid))
-        self._changed(wid)
+        changed = records.transaction(self.settings, lambda s: self._start(s, wid))
+        outbox.changed(self.settings, self.bus, wid)
         if changed:
             Ledger(self.settings).restart_clocks(str(wid))
             self.bus.broadcast_consume(changed)
@@ -178,8 +169,8 @@ class WorkManager:
     def stop_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Stop consuming; the queue is kept so the worker resumes where it left off."""
         wid = self._resolve(worker_id)
-        changed = self._transaction(lambda s: self._stop(s, wid))
-        self._changed(wid)
+        changed = records.transaction(self.settings, lambda s: self._stop(s, wid))
+        outbox.changed(self.settings, self.bus, wid)
         if changed:
             self.bus.broadcast_cancel(changed)
         return self.get_worker(wid)
@@ -187,8 +178,8 @@ class WorkManager:
     def delete_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Delete from any state; the queue goes, versions and transitions stay for audit."""
         wid = self._resolve(worker_id)
-        removed = self._transaction(lambda s: self._delete(s, wid))
-        self._changed(wid)
+        removed = records.transaction(self.settings, lambda s: self._delete(s, wid))
+        outbox.changed(self.settings, self.bus, wid)
         for topic, queue in removed:
             self.bus.broadcast_cancel(queue)
             self.bus.remove_route(topic, queue)
@@ -207,20 +198,7 @@ class WorkManager:
         """Publish ``worker.error``; with ``fail`` also move the worker to ``failed``, which
         stops consumption (its queue keeps the messages until it is started again)."""
         wid = self._resolve(worker_id)
-
-        def record(session: Session) -> str | None:
-            worker = self._lock(session, wid)
-            data = {"error_type": error_type, "error_message": error_message}
-            self._outbox(session, "error", worker, data, reason=error_message)
-            if fail and worker.status in (Status.STARTING, Status.RUNNING):
-                self._move(session, worker, Status.FAILED, f"{error_type}: {error_message}")
-                return worker_queue_name(worker.topic, str(wid))
-            return None
-
-        failed_queue = self._transaction(record)
-        self._changed(wid)
-        if failed_queue:
-            self.bus.broadcast_cancel(failed_queue)
+        outbox.record_failure(self.settings, self.bus, wid, error_type, error_message, fail=fail)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -232,7 +210,7 @@ class WorkManager:
                 raise WorkerNotFound(f"no worker with id {wid}")
             version = session.get(WorkerVersion, (wid, worker.current_version))
             assert version is not None
-            return WorkerInfo.of(worker, version)
+            return records.worker_info(worker, version)
 
     def list_workers(
         self,
@@ -257,7 +235,7 @@ class WorkManager:
             query = query.where(Worker.status != Status.DELETED.value)
         with store.session_scope(self.settings) as session:
             rows = session.execute(query.order_by(Worker.created_at, Worker.id)).all()
-            return [WorkerInfo.of(w, v) for w, v in rows]
+            return [records.worker_info(w, v) for w, v in rows]
 
     def get_worker_history(self, worker_id: uuid.UUID | str) -> list[VersionInfo]:
         """Every code version, oldest first."""
@@ -269,7 +247,7 @@ class WorkManager:
                 .where(WorkerVersion.worker_id == wid)
                 .order_by(WorkerVersion.version)
             ).all()
-            return [VersionInfo.of(v) for v in rows]
+            return [records.version_info(v) for v in rows]
 
     def get_worker_transitions(self, worker_id: uuid.UUID | str) -> list[TransitionInfo]:
         """The audit trail of state changes and code changes, oldest first."""
@@ -281,7 +259,7 @@ class WorkManager:
                 .where(WorkerTransition.worker_id == wid)
                 .order_by(WorkerTransition.id)
             ).all()
-            return [TransitionInfo.of(t) for t in rows]
+            return [records.transition_info(t) for t in rows]
 
     def get_code(self, worker_id: uuid.UUID | str, version: int | None = None) -> bytes:
         info = self.get_worker(worker_id)
@@ -307,7 +285,7 @@ class WorkManager:
             if found is None:
                 session.add(Subscription(topic=topic, queue=queue, worker_id=None))
 
-        self._transaction(add)
+        records.transaction(self.settings, add)
         self.bus.add_route(topic, queue, None)
         return queue
 
@@ -324,7 +302,7 @@ class WorkManager:
             if not getattr(result, "rowcount", 0):
                 raise SubscriptionNotFound(f"topic {topic!r} has no subscription named {name!r}")
 
-        self._transaction(remove)
+        records.transaction(self.settings, remove)
         self.bus.remove_route(topic, queue, delete_queue=delete_queue)
 
     def list_subscriptions(self, topic: str | None = None) -> list[dict[str, Any]]:
@@ -352,32 +330,9 @@ class WorkManager:
 
     def flush_outbox(self) -> int:
         """Publish lifecycle events written by committed changes; returns how many were sent."""
-        sent = 0
-        try:
-            with store.session_scope(self.settings) as session:
-                rows = session.scalars(
-                    select(OutboxEvent)
-                    .order_by(OutboxEvent.id)
-                    .limit(500)
-                    .with_for_update(skip_locked=True)
-                ).all()
-                for row in rows:
-                    self.bus.publish(decode(row.payload), row.topic)
-                    session.delete(row)
-                    sent += 1
-        except (BrokerUnavailable, DatabaseError) as exc:
-            logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
-        return sent
+        return outbox.flush(self.settings, self.bus)
 
     # -- internals -------------------------------------------------------------------------
-
-    def _changed(self, wid: uuid.UUID) -> None:
-        """After a commit: nodes re-read the worker, lifecycle events go out."""
-        try:
-            Directory(self.settings).invalidate(str(wid))
-        except BrokerUnavailable as exc:
-            logger.warning("nodes will see worker %s change after their reconcile: %s", wid, exc)
-        self.flush_outbox()
 
     def _fetch(
         self, code: bytes | str | None, url: str | None, sha256: str | None
@@ -409,7 +364,7 @@ class WorkManager:
         self._validate_code(info.mime_type, fetched.code, spec)
 
         def add_version(session: Session) -> None:
-            worker = self._lock(session, info.id, live=True)
+            worker = records.lock_worker(session, info.id, live=True)
             latest = (
                 session.scalar(
                     select(func.max(WorkerVersion.version)).where(
@@ -421,148 +376,51 @@ class WorkManager:
             version = latest + 1
             session.add(_version_row(info.id, version, fetched, note=note))
             worker.current_version = version
-            self._record(
+            records.record_transition(
                 session,
-                info.id,
+                worker,
                 worker.status,
                 worker.status,
                 f"code updated to version {version}",
                 version=version,
                 event="code_updated",
-                worker=worker,
             )
 
-        self._transaction(add_version)
-        self._changed(info.id)
+        records.transaction(self.settings, add_version)
+        outbox.changed(self.settings, self.bus, info.id)
         return self.get_worker(info.id)
 
     def _start(self, session: Session, wid: uuid.UUID) -> str | None:
-        worker = self._lock(session, wid)
+        worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STARTED:
             return None
-        self._move(session, worker, Status.STARTING, "start requested")
+        records.move(session, worker, Status.STARTING, "start requested")
         try:
             engine_class(worker.mime_type)
         except WorkManagerError as exc:
-            self._move(session, worker, Status.FAILED, str(exc))
+            records.move(session, worker, Status.FAILED, str(exc))
             return None
-        self._move(session, worker, Status.RUNNING, "started")
+        records.move(session, worker, Status.RUNNING, "started")
         return worker_queue_name(worker.topic, str(wid))
 
     def _stop(self, session: Session, wid: uuid.UUID) -> str | None:
-        worker = self._lock(session, wid)
+        worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STOPPED:
             return None
-        self._move(session, worker, Status.STOPPING, "stop requested")
-        self._move(session, worker, Status.STOPPED, "stopped")
+        records.move(session, worker, Status.STOPPING, "stop requested")
+        records.move(session, worker, Status.STOPPED, "stopped")
         return worker_queue_name(worker.topic, str(wid))
 
     def _delete(self, session: Session, wid: uuid.UUID) -> list[tuple[str, str]]:
-        worker = self._lock(session, wid)
+        worker = records.lock_worker(session, wid)
         if worker.status == Status.DELETED:
             return []
-        self._move(session, worker, Status.DELETED, "deleted")
+        records.move(session, worker, Status.DELETED, "deleted")
         subs = session.scalars(select(Subscription).where(Subscription.worker_id == wid)).all()
         removed = [(s.topic, s.queue) for s in subs]
         for sub in subs:
             session.delete(sub)
         return removed
-
-    def _move(self, session: Session, worker: Worker, target: Status, reason: str) -> None:
-        source = worker.status
-        worker.status = check_transition(str(worker.id), source, target).value
-        self._record(
-            session,
-            worker.id,
-            source,
-            target,
-            reason,
-            version=worker.current_version,
-            worker=worker,
-        )
-
-    def _record(
-        self,
-        session: Session,
-        wid: uuid.UUID,
-        source: str | None,
-        target: Status | str,
-        reason: str,
-        *,
-        version: int | None = None,
-        event: str | None = None,
-        worker: Worker | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        session.add(
-            WorkerTransition(
-                worker_id=wid,
-                from_status=source,
-                to_status=str(target),
-                reason=reason,
-                version=version,
-            )
-        )
-        kind = event or EVENT_ON_ENTER.get(Status(target))
-        if kind is None:
-            return
-        worker = worker or session.get(Worker, wid)
-        assert worker is not None
-        data = {"from_state": source, "to_state": str(target), **(extra or {})}
-        self._outbox(session, kind, worker, data, reason=reason, version=version)
-
-    def _outbox(
-        self,
-        session: Session,
-        kind: str,
-        worker: Worker,
-        data: Mapping[str, Any],
-        *,
-        reason: str,
-        version: int | None = None,
-    ) -> None:
-        payload = {
-            "group": worker.group,
-            "topic": worker.topic,
-            "name": worker.name,
-            "version": version or worker.current_version,
-            "reason": reason,
-            **data,
-        }
-        event = lifecycle_event(kind, str(worker.id), payload)
-        session.add(OutboxEvent(topic=LIFECYCLE_TOPIC, payload=encode(event)))
-
-    def _lock(self, session: Session, wid: uuid.UUID, *, live: bool = False) -> Worker:
-        """The worker row, locked for update (PostgreSQL); ``live`` refuses deleted workers."""
-        worker = session.scalars(
-            select(Worker).where(Worker.id == wid).with_for_update()
-        ).one_or_none()
-        if worker is None:
-            raise WorkerNotFound(f"no worker with id {wid}")
-        if live and worker.status == Status.DELETED:
-            raise IllegalTransition(f"worker {wid} is deleted; its code can no longer change")
-        return worker
-
-    def _transaction(self, change: Callable[[Session], T], name_hint: str | None = None) -> T:
-        """Run ``change`` in a transaction, retrying when a concurrent writer won a race."""
-        last: Exception | None = None
-        for _ in range(_CONFLICT_RETRIES):
-            try:
-                with store.session_scope(self.settings) as session:
-                    return change(session)
-            except StaleDataError as exc:
-                last = exc
-            except DatabaseError as exc:
-                if not exc.transient:
-                    raise
-                last = exc
-            except SAIntegrityError as exc:
-                if name_hint is not None and "name" in str(exc.orig).lower():
-                    raise InvalidArgument(f"a live worker is already named {name_hint!r}") from exc
-                last = exc
-        raise ConcurrencyConflict(
-            f"the change was not applied: the worker kept changing under it ({last}); retry"
-        ) from last
 
     def _resolve(self, worker_id: uuid.UUID | str) -> uuid.UUID:
         """Accept a UUID, its text, or a live worker's name."""

@@ -1,4 +1,5 @@
-"""Immutable views of workers, versions and transitions returned by the API (never ORM rows)."""
+"""Immutable views of workers, versions, transitions and dead letters returned by the API
+(never ORM rows; ``wm.store.records`` builds them from rows)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from datetime import datetime
 from typing import Any
 
 from wm.errors import InvalidArgument
-from wm.models import Worker, WorkerTransition, WorkerVersion
 
 #: Per-worker settings and their types; anything else is refused.
 WORKER_SETTINGS: dict[str, type | tuple[type, ...]] = {
@@ -51,23 +51,6 @@ class WorkerInfo:
     created_at: datetime
     updated_at: datetime
 
-    @classmethod
-    def of(cls, worker: Worker, version: WorkerVersion) -> WorkerInfo:
-        return cls(
-            id=worker.id,
-            name=worker.name,
-            topic=worker.topic,
-            group=worker.group,
-            mime_type=worker.mime_type,
-            status=worker.status,
-            current_version=worker.current_version,
-            sha256=version.sha256,
-            size=version.size,
-            settings=dict(worker.settings or {}),
-            created_at=worker.created_at,
-            updated_at=worker.updated_at,
-        )
-
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
 
@@ -83,19 +66,6 @@ class VersionInfo:
     created_at: datetime
     note: str | None
 
-    @classmethod
-    def of(cls, row: WorkerVersion) -> VersionInfo:
-        return cls(
-            row.worker_id,
-            row.version,
-            row.source_kind,
-            row.url,
-            row.sha256,
-            row.size,
-            row.created_at,
-            row.note,
-        )
-
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
 
@@ -109,12 +79,33 @@ class TransitionInfo:
     version: int | None
     at: datetime
 
-    @classmethod
-    def of(cls, row: WorkerTransition) -> TransitionInfo:
-        return cls(row.worker_id, row.from_status, row.to_status, row.reason, row.version, row.at)
-
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
+
+
+@dataclass(frozen=True)
+class DeadLetterInfo:
+    id: str
+    topic: str
+    worker_id: str | None
+    event_id: str | None
+    error_type: str
+    error_message: str
+    attempts: int
+    version: int | None
+    sha256: str | None
+    fence: int | None
+    first_failure_at: datetime
+    last_failure_at: datetime
+    replay_count: int
+    replayed_at: datetime | None
+    envelope: str
+
+    def to_json(self, *, envelope: bool = True) -> dict[str, Any]:
+        data = _jsonable(asdict(self))
+        if not envelope:
+            data.pop("envelope")
+        return data
 
 
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:

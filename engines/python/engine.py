@@ -15,12 +15,12 @@ import threading
 import time
 from typing import Any
 
-from engines.base import Engine, WorkerSpec
 from engines.python import isolation
 from engines.python.gateway import GatewayCaller
 from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
 from engines.python.protocol import event_body
 from wm.config import Settings
+from wm.engine import Engine, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, decode
 

@@ -2,7 +2,7 @@
 
 The sandbox has no network; a worker's ``api.gateway.<service>.<method>(data)`` arrives as a
 ``gateway`` frame and is performed here, only for hosts listed in WM_GATEWAY_ALLOWED_HOSTS,
-with the URL convention of :mod:`wm.devkit.api` (``POST http://host:port/service/method``,
+with the URL convention of :mod:`wm.devkit.transport` (``POST http://host:port/service/method``,
 JSON both ways) and a time limit of WM_GATEWAY_TIMEOUT_S (less if the message's own deadline
 is nearer). The worker gets the decoded JSON response or a GatewayError with the reason.
 """
@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from wm.config import Settings
-from wm.devkit.api import GatewayError, HttpTransport, gateway_path
+from wm.devkit.transport import GatewayError, HttpTransport, gateway_path
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ Also here: the paths the child may import from, read and list, and its rlimits.
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from wm.errors import InvalidCode
+from wm.errors import InvalidCode, WorkerExecutionError
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ WANTED_LAYERS = ("network namespace", "no capabilities")
 
 #: Third-party modules the runner and the DevKit need inside the sandbox.
 SANDBOX_DEPENDENCIES = ("cloudevents", "dateutil", "six")
+#: Compiled standard-library modules whose location shows where this interpreter keeps them.
+EXTENSION_PROBES = ("resource", "select", "_json", "_struct", "math", "_datetime", "binascii")
+#: Standard-library modules the child cannot start without (``resource``: its rlimits).
+REQUIRED_STDLIB = ("os", "json", "struct", "traceback", "dataclasses", "typing", "resource")
+#: Directories of third-party code that some layouts keep inside the standard library's.
+SITE_DIRS = ("site-packages", "dist-packages")
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
 
@@ -115,6 +122,12 @@ def kernel_isolation() -> Isolation:
     return Isolation(tuple(prefix), tuple(layers))
 
 
+def _clean(path: str) -> str:
+    """Absolute and lexically normal: the audit hook compares normalised paths by prefix and
+    refuses any path with a ``..`` part, so a root spelled otherwise would match nothing."""
+    return os.path.normpath(os.path.abspath(path))
+
+
 def _spec_location(name: str) -> str | None:
     """The package directory or module file of top-level ``name`` (None if not found)."""
     try:
@@ -125,28 +138,91 @@ def _spec_location(name: str) -> str | None:
         return None
     locations = spec.submodule_search_locations
     if locations:
-        return str(next(iter(locations)))
-    return str(spec.origin) if spec.origin else None
+        return _clean(str(next(iter(locations))))
+    return _clean(str(spec.origin)) if spec.origin else None
 
 
 def _required_location(name: str) -> str:
     location = _spec_location(name)
     if location is None:
-        raise ModuleNotFoundError(f"{name} is needed inside the Python sandbox", name=name)
+        raise WorkerExecutionError(
+            f"the Python sandbox cannot start: it needs the package {name!r}, which "
+            f"{sys.executable} does not find (searched sys.path {sys.path}); install "
+            "WorkManager with its dependencies into this environment"
+        )
     return location
 
 
+def _stdlib_dir() -> str:
+    """Where the pure-Python standard library really is.
+
+    Not ``sysconfig``'s ``platstdlib``: inside a virtualenv that names the venv's own
+    ``lib/python3.X``, which holds neither the standard library nor ``lib-dynload``. The
+    interpreter sets ``os.__file__`` from the directory it actually loaded the standard
+    library from (the base installation's, for a venv).
+    """
+    origin = getattr(os, "__file__", None)
+    return _clean(os.path.dirname(origin) if origin else sysconfig.get_path("stdlib"))
+
+
+def _extension_dirs() -> list[str]:
+    """The directories this interpreter loads compiled standard-library modules from.
+
+    ``lib-dynload`` is not at a fixed place (``lib64`` on some distributions, beside the
+    standard library or under ``base_exec_prefix``), and a build may compile some of these
+    modules into the interpreter, so ask where the probes are really found.
+    """
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    found = []
+    for name in EXTENSION_PROBES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        origin = spec.origin if spec is not None else None
+        if origin and origin.endswith(suffixes):
+            found.append(_clean(os.path.dirname(origin)))
+    return list(dict.fromkeys(found))
+
+
 def _stdlib_paths() -> list[str]:
-    stdlib = sysconfig.get_path("stdlib")
-    platstdlib = sysconfig.get_path("platstdlib")
-    version = f"{sys.version_info.major}{sys.version_info.minor}"
-    candidates = [
-        os.path.join(sys.base_prefix, "lib", f"python{version}.zip"),
-        stdlib,
-        platstdlib,
-        os.path.join(platstdlib, "lib-dynload"),
-    ]
-    return list(dict.fromkeys(candidates))
+    """The child's standard-library import roots: zip (if the build uses one), the pure-Python
+    directory, the extension directories."""
+    zip_name = f"python{sys.version_info.major}{sys.version_info.minor}.zip"
+    zips = [_clean(p) for p in sys.path if p.endswith(zip_name) and os.path.isfile(p)]
+    return list(dict.fromkeys([*zips, _stdlib_dir(), *_extension_dirs()]))
+
+
+def _check_stdlib(stdlib: list[str]) -> None:
+    """Refuse to start a child that would die importing the standard library, saying why."""
+    for name in REQUIRED_STDLIB:
+        if name in sys.builtin_module_names:
+            continue
+        if importlib.machinery.PathFinder.find_spec(name, stdlib) is None:
+            raise WorkerExecutionError(
+                f"the Python sandbox cannot start: the standard-library module {name!r} is not "
+                f"in {stdlib}, where {sys.executable} (base prefix {sys.base_prefix}) keeps "
+                "its standard library"
+            )
+
+
+def _stdlib_read_roots(stdlib: list[str]) -> list[str]:
+    """The standard library without the site directories some layouts keep inside it.
+
+    A python.org, pyenv or uv-managed interpreter has ``site-packages`` inside
+    ``lib/python3.X``; reading all of it would hand the child every installed package.
+    """
+    roots: list[str] = []
+    for directory in stdlib:
+        try:
+            entries = sorted(os.listdir(directory))
+        except OSError:  # a zip, or gone
+            entries = []
+        if not any(entry in SITE_DIRS for entry in entries):
+            roots.append(directory)
+            continue
+        roots += [os.path.join(directory, e) for e in entries if e not in SITE_DIRS]
+    return roots
 
 
 def _third_party_location(name: str, stdlib: Iterable[str]) -> str | None:
@@ -154,9 +230,7 @@ def _third_party_location(name: str, stdlib: Iterable[str]) -> str | None:
     if name in sys.stdlib_module_names or name in sys.builtin_module_names:
         return None
     location = _spec_location(name)
-    if location is None:
-        return None
-    if "site-packages" not in location and any(location.startswith(s) for s in stdlib):
+    if location is None or os.path.dirname(location) in stdlib:
         return None
     return location
 
@@ -175,16 +249,21 @@ class SandboxPaths:
 
 @functools.cache
 def sandbox_paths(allowed: tuple[str, ...]) -> SandboxPaths:
-    """Paths for a child whose worker may import ``allowed`` (plus the DevKit)."""
+    """Paths for a child whose worker may import ``allowed`` (plus the DevKit).
+
+    Raises WorkerExecutionError, naming the module and where it was looked for, when this
+    interpreter lacks something the child cannot start without.
+    """
     stdlib = _stdlib_paths()
+    _check_stdlib(stdlib)
     packages = {name: _required_location(name) for name in ("engines", "wm")}
     code = [_required_location(m) for m in SANDBOX_DEPENDENCIES] + list(packages.values())
     third_party = [loc for loc in (_third_party_location(n, stdlib) for n in allowed) if loc]
     parents = [os.path.dirname(loc) for loc in code + third_party]
     sys_path = tuple(dict.fromkeys(stdlib + parents))
-    read_roots = tuple(dict.fromkeys([*stdlib, *code, *third_party, *EXTRA_READ_ROOTS]))
-    dynload = os.path.join(sysconfig.get_path("platstdlib"), "lib-dynload")
-    native = tuple(dict.fromkeys([dynload, *third_party]))
+    stdlib_reads = _stdlib_read_roots(stdlib)
+    read_roots = tuple(dict.fromkeys([*stdlib_reads, *code, *third_party, *EXTRA_READ_ROOTS]))
+    native = tuple(dict.fromkeys([*_extension_dirs(), *third_party]))
     return SandboxPaths(sys_path, read_roots, sys_path, native, packages, bool(third_party))
 
 

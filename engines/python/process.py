@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -43,6 +44,8 @@ OUTPUT_TAIL_LINES = 20
 MAX_LOG_LINE_BYTES = 4096
 #: seconds to wait for a child that closed its pipe to exit before killing it.
 EXIT_WAIT_S = 1.0
+#: How a child that could not import part of its own code says so on its way out.
+_MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 
 _LOG_LEVELS = {
     "debug": logging.DEBUG,
@@ -104,6 +107,8 @@ class SandboxProcess:
         self._buffer = FrameBuffer()
         self._pending: list[bytes] = []
         self._partial_line = b""
+        #: The sys.path sent with ``init``, kept until the child's first reply (see _raise_died).
+        self._startup_sys_path: list[str] | None = None
         self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         self.directory = tempfile.mkdtemp(prefix="wm-py-")
         try:
@@ -165,9 +170,13 @@ class SandboxProcess:
         dies or breaks the protocol; either way the process is marked broken.
         """
         try:
+            if isinstance(message, dict) and message.get("op") == "init":
+                self._startup_sys_path = list(message.get("sys_path", []))
             frame = pack(message) if isinstance(message, dict) else pack_body(message)
             self._send(frame, deadline)
-            return self._await_reply(deadline)
+            reply = self._await_reply(deadline)
+            self._startup_sys_path = None
+            return reply
         except (WorkerExecutionError, FrameError, OSError) as exc:
             self.broken = True
             if isinstance(exc, WorkerExecutionError):
@@ -229,9 +238,24 @@ class SandboxProcess:
             returncode = None
         while self._output >= 0 and select.select([self._output], [], [], 0)[0]:
             self._read_output()
+        summary = self.output_summary()
         raise WorkerExecutionError(
-            f"the Python sandbox process {describe_exit(returncode)}{self.output_summary()}"
+            f"the Python sandbox process {describe_exit(returncode)}{self._startup_hint()}{summary}"
         )
+
+    def _startup_hint(self) -> str:
+        """Why a child died importing its own code: the worker-side ModuleNotFoundError alone
+        does not say where the child looked."""
+        if self._startup_sys_path is None:
+            return ""
+        for line in reversed(self.output_tail):
+            found = _MISSING_MODULE.search(line)
+            if found:
+                return (
+                    f" while starting: module {found.group(1)!r} was not found (sys.path sent "
+                    f"to it: {self._startup_sys_path}, interpreter {sys.executable})"
+                )
+        return " while starting"
 
     def output_summary(self) -> str:
         """The last lines the child printed, for error messages."""
@@ -263,5 +287,15 @@ class SandboxProcess:
 
 
 def interpreter_argv(prefix: tuple[str, ...], bootstrap: str) -> list[str]:
-    """The child's command line, without the two pipe fds the spawn appends."""
+    """The child's command line, without the two pipe fds the spawn appends.
+
+    The host's own interpreter, also inside a virtualenv: ``-I -S`` keep the venv's
+    site-packages off the child's path, its standard library comes from the base installation
+    either way, and ``init`` replaces ``sys.path`` before anything else is imported.
+    """
+    if not sys.executable:
+        raise WorkerExecutionError(
+            "cannot start the Python sandbox: this process does not know its interpreter "
+            "(sys.executable is empty)"
+        )
     return [*prefix, sys.executable, "-I", "-S", "-B", bootstrap]

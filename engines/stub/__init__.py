@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from engines.base import Engine, WorkerSpec
+from wm.engine import Engine, WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError
 from wm.events import CloudEvent, make_event
 

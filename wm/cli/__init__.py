@@ -13,8 +13,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from wm.cli import admin, deadletters, messaging, workers
 from wm.cli.arguments import Handler, UsageError
 from wm.cli.output import Context
@@ -60,11 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(args.command_parser, exc)
     except WorkManagerError as exc:
         return _fail(str(exc) or type(exc).__name__)
-    except SQLAlchemyError as exc:
-        return _fail(
-            f"the worker store failed ({str(exc).splitlines()[0]}); check "
-            "WM_DATABASE_URL and that `wm db upgrade` ran"
-        )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:

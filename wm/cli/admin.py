@@ -121,12 +121,14 @@ def _current_values(settings: Settings) -> dict[str, str]:
 
 def run_up(ctx: Context, args: argparse.Namespace) -> int:
     return int(
-        _component("wm.up").run(demo=args.demo, events=args.events, concurrency=args.concurrency)
+        _component("wm.local.up").run(
+            demo=args.demo, events=args.events, concurrency=args.concurrency
+        )
     )
 
 
 def run_bench(ctx: Context, args: argparse.Namespace) -> int:
-    return int(_component("wm.bench").main(list(args.bench_args)))
+    return int(_component("wm.local.bench").main(list(args.bench_args)))
 
 
 def _component(name: str) -> Any:

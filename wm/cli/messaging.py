@@ -10,9 +10,6 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from kombu.exceptions import KombuError
-
-from wm.celeryapp import subscription_queue
 from wm.cli.arguments import (
     UsageError,
     add_command,
@@ -24,6 +21,8 @@ from wm.cli.arguments import (
     read_json,
 )
 from wm.cli.output import Context
+from wm.dataplane.app import broker_errors
+from wm.dataplane.queues import subscription_queue
 from wm.errors import EventDecodeError
 from wm.events import CloudEvent, decode, encode, event_to_dict, make_event
 
@@ -203,22 +202,19 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _consume(ctx: Context, queue: str, count: int | None, timeout_s: float | None) -> None:
     seen = 0
-    try:
-        # A kombu Connection to WM_BROKER_URL with the transport options publishers use.
-        with ctx.manager.bus.app.connection_for_read() as conn:
-            simple = conn.SimpleQueue(subscription_queue(queue))
-            try:
-                while count is None or seen < count:
-                    message = _next_message(simple, timeout_s)
-                    if message is None:
-                        return
-                    _print_event(ctx, message.body)
-                    message.ack()
-                    seen += 1
-            finally:
-                simple.close()
-    except (OSError, KombuError) as exc:
-        raise ctx.manager.bus.broker_down(exc) from exc
+    # A kombu Connection to WM_BROKER_URL with the transport options publishers use.
+    with broker_errors(ctx.settings), ctx.manager.bus.app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(subscription_queue(queue))
+        try:
+            while count is None or seen < count:
+                message = _next_message(simple, timeout_s)
+                if message is None:
+                    return
+                _print_event(ctx, message.body)
+                message.ack()
+                seen += 1
+        finally:
+            simple.close()
 
 
 def _next_message(simple: Any, timeout_s: float | None) -> Any:

@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any
 
 from wm.config import Settings
-from wm.deadletters import DeadLetters
+from wm.dataplane.deadletters import DeadLetters
 from wm.manager import WorkManager
 
 #: Widest a table cell is printed, in characters (a SHA-256 fits); ``--json`` shows all.

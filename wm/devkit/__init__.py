@@ -19,16 +19,10 @@ A class worker::
             return self.response(event, {"ok": True})
 """
 
-from wm.devkit.api import (
-    DEFAULT_API_PORT,
-    ApiClient,
-    Gateway,
-    GatewayError,
-    HttpTransport,
-    ServiceClient,
-)
+from wm.devkit.api import DEFAULT_API_PORT, ApiClient, Gateway, ServiceClient
 from wm.devkit.commands import ApiCommandWorker, CommandWorker, parse_command_node
-from wm.devkit.runtime import Runtime, Transport, current_runtime, install_runtime
+from wm.devkit.runtime import Runtime, current_runtime, install_runtime
+from wm.devkit.transport import GatewayError, HttpTransport, Transport
 from wm.devkit.worker import (
     CORRELATION_ID,
     ERROR_TYPE_SUFFIX,

@@ -17,7 +17,8 @@ import json
 from enum import Enum
 from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
-from wm.devkit.api import DEFAULT_API_PORT, ApiClient, GatewayError
+from wm.devkit.api import DEFAULT_API_PORT, ApiClient
+from wm.devkit.transport import GatewayError
 from wm.devkit.worker import WorkerBase, WorkerResult
 from wm.events import CloudEvent
 

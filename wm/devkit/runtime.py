@@ -10,18 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+
+from wm.devkit.transport import HttpTransport, Transport
 
 #: Log levels a worker may use, lowest first.
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class Transport(Protocol):
-    """Performs one gateway call: ``POST http://{host}:{port}/{service}/{method}``."""
-
-    def call(self, host: str, port: int, service: str, method: str, data: Any) -> Any:
-        """Send ``data`` as JSON and return the decoded JSON response."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -39,8 +32,6 @@ def _log_to_logging(level: str, message: str) -> None:
 
 
 def _default_runtime() -> Runtime:
-    from wm.devkit.api import HttpTransport
-
     return Runtime(log=_log_to_logging, transport=HttpTransport())
 
 

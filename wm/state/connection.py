@@ -1,14 +1,14 @@
-"""Redis connections for derived state (routing table, locks, fences, outcomes, leases).
-
-Everything kept here can be rebuilt from PostgreSQL; see ``wm.bus.Router.rebuild``.
-"""
+"""The Redis connection for derived state, and the one translation of Redis errors."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
+from kombu.utils.url import maybe_sanitize_url
 
 from wm.config import Settings
 from wm.errors import BrokerUnavailable
@@ -30,9 +30,17 @@ def redis_for(settings: Settings) -> redis.Redis:
         return client
 
 
-def unavailable(settings: Settings, exc: Exception) -> BrokerUnavailable:
-    """Translate a redis error into the error an operator can act on."""
+def redis_unavailable(settings: Settings, exc: BaseException) -> BrokerUnavailable:
     return BrokerUnavailable(
-        f"Redis at WM_REDIS_URL={settings.redis_url} is unreachable ({exc}); start it or fix "
-        "the setting"
+        f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)} is unreachable "
+        f"({exc}); start it or fix the setting"
     )
+
+
+@contextmanager
+def redis_errors(settings: Settings) -> Iterator[None]:
+    """Turn a Redis error raised inside the block into :class:`BrokerUnavailable`."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise redis_unavailable(settings, exc) from exc

@@ -20,11 +20,12 @@ from pathlib import Path
 from kombu.connection import Connection
 
 from wm import store
-from wm.celeryapp import DEFAULT_QUEUE, make_app
 from wm.config import Settings
-from wm.embedded import EmbeddedRedis, start_redis, stop_redis
+from wm.dataplane.app import make_app
+from wm.dataplane.queues import DEFAULT_QUEUE
 from wm.errors import WorkManagerError
 from wm.events import make_event
+from wm.local.embedded import EmbeddedRedis, start_redis, stop_redis
 from wm.manager import WorkManager
 from wm.views import WorkerInfo
 

@@ -15,10 +15,9 @@ import time
 from collections.abc import Iterable
 
 import redis
-from redis.client import Pipeline
 
 from wm.config import Settings
-from wm.state import redis_for, unavailable
+from wm.state.connection import redis_errors, redis_for
 
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
@@ -54,53 +53,57 @@ class Ledger:
     def add(self, deliveries: Iterable[tuple[str, str]], key: str, payload: str) -> None:
         """Record the event ``key`` as pending for each (worker id, queue) before it is sent."""
         now = time.time()
-        try:
+        with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             for worker_id, _ in deliveries:
                 index, bodies = self._keys(worker_id)
                 pipe.zadd(index, {key: now}, nx=True)
                 pipe.hset(bodies, key, payload)
             pipe.execute()
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
 
-    def settle(self, worker_id: str, key: str, pipe: Pipeline | None = None) -> None:
+    def settle(self, worker_id: str, key: str) -> None:
         """The delivery is done (outcome recorded, or dead-lettered): forget it."""
         index, bodies = self._keys(worker_id)
-        target = pipe if pipe is not None else self.redis.pipeline(transaction=False)
-        target.zrem(index, key)
-        target.hdel(bodies, key)
-        if pipe is None:
-            target.execute()
+        with redis_errors(self.settings):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(index, key)
+            pipe.hdel(bodies, key)
+            pipe.execute()
 
     def restart_clocks(self, worker_id: str) -> None:
         """A worker starts again: time spent stopped is not time a broker lost a message."""
-        self.redis.eval(_RESTART_CLOCKS, 1, self._keys(worker_id)[0], time.time())
+        with redis_errors(self.settings):
+            self.redis.eval(_RESTART_CLOCKS, 1, self._keys(worker_id)[0], time.time())
 
     def forget_worker(self, worker_id: str) -> None:
         """A deleted worker's queue is gone, and so are its pending deliveries."""
-        self.redis.delete(*self._keys(worker_id))
+        with redis_errors(self.settings):
+            self.redis.delete(*self._keys(worker_id))
 
     def pending(self, worker_id: str) -> int:
-        return int(self.redis.zcard(self._keys(worker_id)[0]))
+        with redis_errors(self.settings):
+            return int(self.redis.zcard(self._keys(worker_id)[0]))
 
     def overdue(self, worker_id: str, older_than_s: float) -> list[tuple[str, str]]:
         """(event key, payload) of deliveries pending longer than ``older_than_s``; their
         clock restarts, so each is sent again at most once per period."""
         index, bodies = self._keys(worker_id)
         now = time.time()
-        found: list[bytes] = self.redis.zrangebyscore(  # type: ignore[assignment]
-            index, 0, now - older_than_s, start=0, num=SWEEP_BATCH
-        )
-        ids = [i.decode() for i in found]
-        if not ids:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(index, dict.fromkeys(ids, now), xx=True)
-        pipe.hmget(bodies, ids)
-        _, payloads = pipe.execute()
+        with redis_errors(self.settings):
+            found: list[bytes] = self.redis.zrangebyscore(  # type: ignore[assignment]
+                index, 0, now - older_than_s, start=0, num=SWEEP_BATCH
+            )
+            ids = [i.decode() for i in found]
+            if not ids:
+                return []
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zadd(index, dict.fromkeys(ids, now), xx=True)
+            pipe.hmget(bodies, ids)
+            _, payloads = pipe.execute()
         return [(i, p.decode()) for i, p in zip(ids, payloads, strict=True) if p is not None]
 
     def claim_sweep(self, period_s: float) -> bool:
         """One node sweeps at a time, at most once per period."""
-        return bool(self.redis.set(_SWEEP_LOCK, 1, nx=True, px=max(1, int(period_s * 900))))
+        with redis_errors(self.settings):
+            claimed = self.redis.set(_SWEEP_LOCK, 1, nx=True, px=max(1, int(period_s * 900)))
+        return bool(claimed)

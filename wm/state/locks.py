@@ -34,10 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-import redis
-
 from wm.config import Settings
-from wm.errors import BrokerUnavailable, FenceRejected, LockContention
+from wm.errors import FenceRejected, LockContention
+from wm.state.connection import redis_errors, redis_for
 
 __all__ = [
     "MIN_SAFETY_TTL_MS",
@@ -165,8 +164,14 @@ def make_owner(task_id: str) -> str:
 class GroupLocks:
     """Fenced mutual exclusion per worker group, one Redis round trip per operation."""
 
-    def __init__(self, redis: redis.Redis, settings: Settings, *, prefix: str = "wm:lock:") -> None:
-        self._redis = redis
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        client: redis.Redis | None = None,
+        prefix: str = "wm:lock:",
+    ) -> None:
+        self._redis = redis = client if client is not None else redis_for(settings)
         self._settings = settings
         self._prefix = prefix
         self._max_age_ms = round(settings.group_lock_max_age_s * 1000)
@@ -217,7 +222,7 @@ class GroupLocks:
         Marking the write is what makes the lock unstealable, so a slow holder that already
         published finishes its message instead of having it processed a second time.
         """
-        with self._translated():
+        with redis_errors(self._settings):
             raw = self._mark_write_script(
                 keys=[self._record_key(lease.group)], args=[lease.owner, lease.fence]
             )
@@ -236,7 +241,7 @@ class GroupLocks:
 
     def release(self, lease: Lease) -> bool:
         """Delete the lock if this lease still holds it; ``False`` leaves someone else's lock."""
-        with self._translated():
+        with redis_errors(self._settings):
             released = int(
                 self._release_script(
                     keys=[self._record_key(lease.group), self._wake_key(lease.group)],
@@ -263,7 +268,7 @@ class GroupLocks:
 
     def holder(self, group: str) -> Holder | None:
         """Current holder of a group lock, for operators and tests; ``None`` when free."""
-        with self._translated():
+        with redis_errors(self._settings):
             raw: dict[Any, Any] = self._redis.hgetall(self._record_key(group))
         if not raw:
             return None
@@ -278,7 +283,7 @@ class GroupLocks:
     def _attempt(self, group: str, owner: str) -> _AcquireReply:
         if not group or not owner:
             raise ValueError("group and owner must be non-empty")
-        with self._translated():
+        with redis_errors(self._settings):
             raw = self._acquire_script(
                 keys=[self._record_key(group), self._fence_key(group)],
                 args=[owner, self._max_age_ms, self._safety_ttl_ms],
@@ -318,7 +323,7 @@ class GroupLocks:
             remaining = deadline - time.monotonic()
             if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever
                 return self._attempt(group, owner)
-            with self._translated():
+            with redis_errors(self._settings):
                 woken = self._redis.blpop([self._wake_key(group)], timeout=remaining)
             if woken is None:
                 _sleep_ms(int(max(0.0, deadline - time.monotonic()) * 1000))
@@ -326,17 +331,6 @@ class GroupLocks:
             reply = self._attempt(group, owner)
             if reply.status != _HELD:
                 return reply
-
-    @contextmanager
-    def _translated(self) -> Iterator[None]:
-        """Turn redis connection failures into the error the operator can act on."""
-        try:
-            yield
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise BrokerUnavailable(
-                f"Redis at {_location(self._redis)} did not answer a group-lock call ({exc}); "
-                "check WM_REDIS_URL and that Redis is running"
-            ) from exc
 
 
 def _lease(group: str, reply: _AcquireReply) -> Lease:
@@ -375,14 +369,6 @@ def _sleep_ms(delay_ms: int) -> None:
     while remaining > 0:
         time.sleep(remaining)
         remaining = deadline - time.monotonic()
-
-
-def _location(client: redis.Redis) -> str:
-    """Where the client points, without credentials, for error messages."""
-    kwargs = client.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}"
-    return f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
 
 
 def _text(value: Any) -> str:

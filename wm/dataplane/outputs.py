@@ -1,6 +1,6 @@
 """Publishing a worker's outputs exactly once to plain subscriptions.
 
-A redelivered event republishes its recorded outputs (``wm.idempotency``), so each output may
+A redelivered event republishes its recorded outputs (``wm.state.outcomes``), so each output may
 be sent more than once. Worker subscriptions absorb that (their deliveries are idempotent by
 event id). A plain subscription is a queue any kombu client reads, so it gets each output once:
 - Redis broker: one Lua script sets the output's marker and pushes the kombu message onto
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-from kombu.exceptions import KombuError
 from kombu.utils.json import dumps
 
-from wm.bus import CLOUDEVENT_CONTENT_TYPE, Bus, Route
-from wm.celeryapp import EXCHANGE
+from wm.dataplane.app import broker_errors
+from wm.dataplane.bus import Bus, Route
+from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
 from wm.events import CloudEvent, encode, key_of
-from wm.state import unavailable
+from wm.state.connection import redis_errors
 
 _MARKER = "wm:published:"
 # KEYS: marker, queue lists. ARGV: marker ttl s, one kombu message per queue.
@@ -58,28 +57,23 @@ class OutputPublisher:
                 self._send_marked(payload, plain, marker)
 
     def _push_once(self, payload: str, routes: list[Route], marker: str) -> None:
-        try:
-            with self.bus.app.connection_for_write() as conn:
-                channel = conn.default_channel
-                keys, messages = [marker], []
-                for route in routes:
-                    key, message = _kombu_message(channel, payload, route.queue)
-                    keys.append(key)
-                    messages.append(message)
-                with channel.conn_or_acquire() as client:
-                    client.eval(_PUSH_ONCE, len(keys), *keys, self.ttl_s, *messages)
-        except (OSError, KombuError, redis.RedisError) as exc:
-            raise self.bus.broker_down(exc) from exc
+        with broker_errors(self.bus.settings), self.bus.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            keys, messages = [marker], []
+            for route in routes:
+                key, message = _kombu_message(channel, payload, route.queue)
+                keys.append(key)
+                messages.append(message)
+            with channel.conn_or_acquire() as client:
+                client.eval(_PUSH_ONCE, len(keys), *keys, self.ttl_s, *messages)
 
     def _send_marked(self, payload: str, routes: list[Route], marker: str) -> None:
         state = self.bus.redis
-        try:
+        with redis_errors(self.bus.settings):
             if state.exists(marker):
                 return
             self.bus.send(payload, routes)
             state.set(marker, 1, ex=self.ttl_s)
-        except redis.RedisError as exc:
-            raise unavailable(self.bus.settings, exc) from exc
 
 
 def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:

@@ -16,8 +16,9 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.models import Worker, WorkerVersion
-from wm.state import redis_for, unavailable
+from wm.errors import VersionNotFound
+from wm.state.connection import redis_errors, redis_for
+from wm.store.models import Worker, WorkerVersion
 
 _KEY = "wm:worker:"
 #: A cached entry expires even if an invalidation was lost (e.g. Redis briefly down).
@@ -64,7 +65,7 @@ class Directory:
         meanwhile (the generation is unchanged): a read that raced a commit is not cached.
         """
         cache, generation = _KEY + worker_id, _GENERATION + worker_id
-        try:
+        with redis_errors(self.settings):
             raw, seen = self.redis.mget([cache, generation])
             if raw is not None:
                 return WorkerMeta(**json.loads(raw))
@@ -80,8 +81,6 @@ class Directory:
                     _CACHE_TTL_S,
                 )
             return meta
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
 
     def load(self, worker_id: str) -> WorkerMeta | None:
         try:
@@ -116,12 +115,12 @@ class Directory:
         with store.session_scope(self.settings) as session:
             row = session.get(WorkerVersion, (uuid.UUID(worker_id), version))
             if row is None:
-                raise LookupError(f"worker {worker_id} has no version {version}")
+                raise VersionNotFound(f"worker {worker_id} has no version {version}")
             return bytes(row.code)
 
     def invalidate(self, worker_id: str | None = None) -> None:
         """Forget one worker (after a change) or all of them (reconcile)."""
-        try:
+        with redis_errors(self.settings):
             if worker_id is None:
                 for key in self.redis.scan_iter(match=_KEY + "*", count=500):
                     self.redis.delete(key)
@@ -130,5 +129,3 @@ class Directory:
                 pipe.incr(_GENERATION + worker_id)
                 pipe.delete(_KEY + worker_id)
                 pipe.execute()
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc

@@ -21,13 +21,15 @@ from typing import Any
 from celery import Celery
 
 from wm import store
-from wm.celeryapp import make_app, subscription_queue
 from wm.config import Settings
+from wm.dataplane.app import make_app
+from wm.dataplane.queues import subscription_queue
+from wm.engine import WorkerSpec, engine_class
 from wm.events import make_event
-from wm.locks import GroupLocks
+from wm.local.up import celery_node, embedded_redis
 from wm.manager import WorkManager
-from wm.state import redis_for
-from wm.up import celery_node, embedded_redis
+from wm.state.connection import redis_for
+from wm.state.locks import GroupLocks
 
 BARE_QUEUE = "wm.bench.bare"
 #: Targets from the issues, as ratios of bare Celery throughput.
@@ -185,7 +187,7 @@ def _publish(manager: WorkManager, topic: str, count: int) -> None:
 def _lock_round_trips(settings: Settings) -> int:
     """EVALSHA calls the server saw for one acquire+release (one round trip each)."""
     client = redis_for(settings)
-    locks = GroupLocks(client, settings, prefix="wm:bench:lock:")
+    locks = GroupLocks(settings, prefix="wm:bench:lock:")
     locks.release(locks.acquire("warm", "bench"))
     before = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
     locks.release(locks.acquire("probe", "bench"))
@@ -205,10 +207,7 @@ ENGINE_WORKERS = {
 
 def _engine_round_trip(messages: int) -> None:
     """Time ``PythonEngine.process`` on the host: framing, two pipe hops, the worker call."""
-    from engines.base import WorkerSpec
-    from engines.python import PythonEngine
-
-    engine = PythonEngine(Settings.from_env())
+    engine = engine_class("text/x-python")(Settings.from_env())
     event = make_event("bench.in", "/bench", {"n": 1, "text": "a small payload"})
     print(f"\nPython engine round trip, {messages} messages (target: median ≤ 0.5 ms)\n")
     try:

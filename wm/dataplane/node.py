@@ -15,15 +15,16 @@ from celery import Celery, bootsteps
 from sqlalchemy import select
 
 from wm import store
-from wm.bus import Bus, Route
-from wm.celeryapp import EXCHANGE
 from wm.config import Settings
-from wm.directory import Directory
-from wm.ledger import Ledger
+from wm.dataplane import outbox
+from wm.dataplane.bus import Bus, Route
+from wm.dataplane.queues import EXCHANGE
+from wm.dataplane.tasks import reset_runtime
 from wm.lifecycle import Status
-from wm.manager import WorkManager
-from wm.models import Subscription, Worker
-from wm.state import redis_for
+from wm.state.connection import redis_for
+from wm.state.directory import Directory
+from wm.state.ledger import Ledger
+from wm.store.models import Subscription, Worker
 
 logger = logging.getLogger(__name__)
 LEADER_KEY = "workmanager/recovery/leader"
@@ -50,13 +51,13 @@ def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     if not Ledger(settings).claim_sweep(settings.reconcile_interval_s):
         return
     bus.rebuild_routes()
-    WorkManager(settings, bus=bus).flush_outbox()
+    outbox.flush(settings, bus)
     sweep_pending(settings, bus, running)
 
 
 def sweep_pending(settings: Settings, bus: Bus, running: Mapping[str, str]) -> int:
     """Send again the deliveries of running workers pending longer than
-    WM_REDELIVER_AFTER_S (``wm.ledger``)."""
+    WM_REDELIVER_AFTER_S (``wm.state.ledger``)."""
     ledger = Ledger(settings)
     sent = 0
     for queue, worker_id in running.items():
@@ -89,7 +90,7 @@ def recover(settings: Settings, app: Celery) -> bool:
             queues = session.scalars(select(Subscription.queue)).all()
         for queue in queues:
             bus.declare_queue(queue)
-        WorkManager(settings, bus=bus).flush_outbox()
+        outbox.flush(settings, bus)
         logger.info("recovery done: %d queue(s) declared", len(queues))
         return True
     except Exception:
@@ -167,14 +168,10 @@ def recover_with_retries(settings: Settings, app: Celery) -> None:
 
 def on_process_init() -> None:
     """In each pool process after fork: fresh database pools and a fresh runtime."""
-    from wm.tasks import reset_runtime
-
     store.dispose_engines()
     reset_runtime()
 
 
 def on_process_shutdown() -> None:
     """Close the engines (and their sandboxed subprocesses) of a pool process."""
-    from wm.tasks import reset_runtime
-
     reset_runtime()

@@ -2,7 +2,8 @@
 
 Every path ends in exactly one of: success (ack), a broker-level retry with backoff and
 jitter (a new message, then ack), a dead letter (stored, then ack), or a requeue (reject) when
-the platform itself (Redis, database) is unavailable — so no message is ever dropped.
+the platform itself (Redis, database) is unavailable — so no message is ever dropped. What
+an error means for the policy is declared by the error (``retryable``, ``EngineLoadError``).
 """
 
 from __future__ import annotations
@@ -10,42 +11,38 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
-from wm.bus import payload_key
-from wm.celeryapp import DELIVER_TASK
 from wm.config import Settings
-from wm.deadletters import Failure
-from wm.delivery import Delivery, Runtime
-from wm.directory import WorkerMeta
+from wm.dataplane import outbox
+from wm.dataplane.deadletters import Failure
+from wm.dataplane.delivery import Delivery, Runtime
+from wm.dataplane.queues import DELIVER_TASK
 from wm.errors import (
     BrokerUnavailable,
     DatabaseError,
-    EngineNotFound,
-    EngineUnavailable,
+    EngineLoadError,
     EventDecodeError,
-    InvalidCode,
+    WorkerNotFound,
+    WorkManagerError,
 )
-from wm.events import LIFECYCLE_TOPIC, decode, lifecycle_event
+from wm.events import LIFECYCLE_TOPIC, CloudEvent, decode, key_of, lifecycle_event, payload_key
 from wm.lifecycle import Status
-from wm.manager import WorkManager
+from wm.state.directory import WorkerMeta
 
 logger = logging.getLogger(__name__)
-#: Failures of the event itself, which no retry fixes: dead-lettered at once.
-NOT_RETRYABLE = (EventDecodeError, LookupError)
-#: Failures of the worker's code or engine on this node: the worker is moved to ``failed``
-#: and the message requeued, so nothing is lost while an operator repairs the worker.
-WORKER_BROKEN = (InvalidCode, EngineNotFound, EngineUnavailable)
 #: Pause before requeueing when the platform is down, so a node does not spin.
 _REQUEUE_PAUSE_S = 1.0
 _runtime: Runtime | None = None
 
 
 def runtime(task: Task) -> Runtime:
-    """The per-process runtime (reset after fork by ``wm.node``)."""
+    """The per-process runtime (reset after fork by ``wm.dataplane.node``)."""
     global _runtime
     if _runtime is None:
         _runtime = Runtime(Settings.from_env(), task.app)
@@ -57,6 +54,42 @@ def reset_runtime() -> None:
     if _runtime is not None:
         _runtime.engines.close()
     _runtime = None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One run of the consumer task on one message: what parking it would record."""
+
+    worker_id: str
+    payload: str
+    meta: WorkerMeta | None
+    number: int
+    first_failure_at: float | None
+
+    def failure(
+        self,
+        exc: Exception,
+        event: CloudEvent | None = None,
+        *,
+        key: str | None = None,
+        version: int | None = None,
+        fence: int | None = None,
+    ) -> Failure:
+        meta = self.meta
+        return Failure(
+            topic=meta.topic if meta else "unknown",
+            worker_id=self.worker_id,
+            envelope=self.payload,
+            key=key or (key_of(event) if event is not None else None),
+            event_id=event.get_id() if event is not None else None,
+            error_type=type(exc).__name__,
+            error_message=str(exc),
+            attempts=self.number,
+            version=version or (meta.version if meta else None),
+            sha256=meta.sha256 if meta else None,
+            fence=fence,
+            first_failure_at=self.first_failure_at,
+        )
 
 
 @shared_task(
@@ -100,15 +133,17 @@ def _deliver(
     first_failure_at: float | None,
 ) -> None:
     meta = rt.directory.get(worker_id)
-    topic = meta.topic if meta is not None else "unknown"
+    attempt = Attempt(
+        worker_id, payload, meta, int(task.request.retries or 0) + 1, first_failure_at
+    )
     try:
         event = decode(payload)
     except EventDecodeError as exc:
-        _park(rt, meta, topic, worker_id, payload, None, exc, 1, first_failure_at)
+        rt.dead_letters.park(attempt.failure(exc, key=payload_key(payload)))
         return
     if meta is None or meta.status == Status.DELETED:
-        error = LookupError(f"worker {worker_id} does not exist (deleted)")
-        _park(rt, meta, topic, worker_id, payload, event.get_id(), error, 1, first_failure_at)
+        error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
+        rt.dead_letters.park(attempt.failure(error, event))
         return
     if meta.status != Status.RUNNING:
         time.sleep(_REQUEUE_PAUSE_S)
@@ -118,55 +153,39 @@ def _deliver(
         delivery.run()
     except (BrokerUnavailable, DatabaseError):
         raise
-    except WORKER_BROKEN as exc:
+    except EngineLoadError as exc:
         logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
-        WorkManager(rt.settings, bus=rt.bus).record_failure(
-            meta.id, type(exc).__name__, str(exc), fail=True
+        outbox.record_failure(
+            rt.settings, rt.bus, uuid.UUID(meta.id), type(exc).__name__, str(exc), fail=True
         )
         raise Reject(f"worker {meta.id} failed: {exc}", requeue=True) from exc
     except Exception as exc:  # every failure goes through the policy
-        _failed(task, rt, delivery, payload, exc, first_failure_at)
+        _failed(task, rt, attempt, delivery, exc)
 
 
-def _failed(
-    task: Task,
-    rt: Runtime,
-    delivery: Delivery,
-    payload: str,
-    exc: Exception,
-    first_failure_at: float | None,
-) -> None:
-    meta, event = delivery.meta, delivery.event
-    attempts = int(task.request.retries or 0) + 1
-    first = first_failure_at or time.time()
-    _emit_error(rt, meta, exc, event.get_id(), attempts)
+def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
+    meta = delivery.meta
+    _emit_error(rt, meta, exc, delivery.event.get_id(), attempt.number)
     max_retries = int(meta.settings.get("max_retries", rt.settings.max_retries))
-    if isinstance(exc, NOT_RETRYABLE) or attempts > max_retries:
+    retryable = not isinstance(exc, WorkManagerError) or exc.retryable
+    if not retryable or attempt.number > max_retries:
         fence = delivery.lease.fence if delivery.lease else None
-        _park(
-            rt,
-            meta,
-            meta.topic,
-            meta.id,
-            payload,
-            event.get_id(),
-            exc,
-            attempts,
-            first,
-            version=delivery.version,
-            fence=fence,
+        failure = attempt.failure(
+            exc, delivery.event, key=delivery.key, version=delivery.version, fence=fence
         )
+        rt.dead_letters.park(failure)
         return
-    delay_s = backoff_s(rt.settings, meta, attempts)
+    delay_s = backoff_s(rt.settings, meta, attempt.number)
     logger.info(
         "retrying event %s for worker %s in %.2fs (attempt %d of %d): %s",
-        event.get_id(),
+        delivery.event.get_id(),
         meta.id,
         delay_s,
-        attempts,
+        attempt.number,
         max_retries + 1,
         exc,
     )
+    first = attempt.first_failure_at or time.time()
     kwargs: dict[str, Any] = dict(task.request.kwargs or {}, first_failure_at=first)
     raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
 
@@ -176,40 +195,6 @@ def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:
     base_ms = int(meta.settings.get("retry_base_delay_ms", settings.retry_base_delay_ms))
     ceiling_ms = min(settings.retry_max_delay_ms, base_ms * 2 ** (attempts - 1))
     return random.uniform(ceiling_ms / 2, ceiling_ms) / 1000
-
-
-def _park(
-    rt: Runtime,
-    meta: WorkerMeta | None,
-    topic: str,
-    worker_id: str,
-    payload: str,
-    event_id: str | None,
-    exc: Exception,
-    attempts: int,
-    first_failure_at: float | None,
-    *,
-    version: int | None = None,
-    fence: int | None = None,
-) -> None:
-    rt.dead_letters.park(
-        Failure(
-            topic=topic,
-            worker_id=worker_id,
-            envelope=payload,
-            event_id=event_id,
-            error_type=type(exc).__name__,
-            error_message=str(exc),
-            attempts=attempts,
-            version=version or (meta.version if meta else None),
-            sha256=meta.sha256 if meta else None,
-            fence=fence,
-            first_failure_at=first_failure_at,
-        )
-    )
-    key = payload_key(payload)
-    if key is not None:
-        rt.ledger.settle(worker_id, key)
 
 
 def _emit_error(

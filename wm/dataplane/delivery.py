@@ -1,5 +1,5 @@
 """The consumer side of one delivery (DESIGN.md §5.3): decode → idempotency check → group lock
-→ engine → record outcome → publish outputs. Failure policy lives in ``wm.tasks``."""
+→ engine → record outcome → publish outputs. Failure policy lives in ``wm.dataplane.tasks``."""
 
 from __future__ import annotations
 
@@ -11,20 +11,18 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import redis
 from celery import Celery
 
-from engines import Engine, WorkerSpec, engine_class
-from wm.bus import Bus
 from wm.config import Settings
-from wm.deadletters import DeadLetters
-from wm.directory import Directory, WorkerMeta
+from wm.dataplane.bus import Bus
+from wm.dataplane.deadletters import DeadLetters
+from wm.dataplane.outputs import OutputPublisher
+from wm.engine import Engine, WorkerSpec, engine_class
 from wm.events import CloudEvent, derive_id, key_of, with_attributes
-from wm.idempotency import Outcomes
-from wm.ledger import Ledger
-from wm.locks import GroupLocks, Lease
-from wm.outputs import OutputPublisher
-from wm.state import redis_for, unavailable
+from wm.state.directory import Directory, WorkerMeta
+from wm.state.ledger import Ledger
+from wm.state.locks import GroupLocks, Lease
+from wm.state.outcomes import Outcomes
 
 logger = logging.getLogger(__name__)
 #: Engines kept loaded per process; the least recently used beyond this is closed.
@@ -92,7 +90,7 @@ class Runtime:
         self.outcomes = Outcomes(settings)
         self.ledger = Ledger(settings)
         self.outputs = OutputPublisher(self.bus)
-        self.locks = GroupLocks(redis_for(settings), settings)
+        self.locks = GroupLocks(settings)
         self.dead_letters = DeadLetters(settings, self.bus)
         self.engines = EngineCache(settings, self.directory)
         self.node = f"{socket.gethostname()}:{os.getpid()}"
@@ -171,12 +169,9 @@ class Delivery:
 
     def publish(self, outputs: list[CloudEvent]) -> None:
         """Publish each output to the topic of its type (plain subscriptions get it once,
-        see ``wm.outputs``), then settle the delivery in the pending ledger."""
+        see ``wm.dataplane.outputs``), then settle the delivery in the pending ledger."""
         for output in outputs:
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
             self.rt.outputs.publish(output)
-        try:
-            self.rt.ledger.settle(self.meta.id, self.key)
-        except redis.RedisError as exc:
-            raise unavailable(self.rt.settings, exc) from exc
+        self.rt.ledger.settle(self.meta.id, self.key)

@@ -1,4 +1,5 @@
-"""Database access: engines, sessions and Alembic migrations for PostgreSQL and SQLite."""
+"""Database access: one pooled engine per URL and process, transactions, and the one
+translation of database errors (PostgreSQL, or SQLite for the embedded default)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from wm.config import Settings
 from wm.errors import DatabaseError
 
-_MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
@@ -75,11 +74,9 @@ def session_scope(settings: Settings) -> Iterator[Session]:
     factory = sessionmaker(engine_for(settings), expire_on_commit=False)
     session = factory()
     try:
-        yield session
-        session.commit()
-    except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.InterfaceError) as exc:
-        session.rollback()
-        raise translate(settings, exc) from exc
+        with database_errors(settings):
+            yield session
+            session.commit()
     except BaseException:
         session.rollback()
         raise
@@ -87,55 +84,30 @@ def session_scope(settings: Settings) -> Iterator[Session]:
         session.close()
 
 
-def translate(settings: Settings, exc: SQLAlchemyError) -> DatabaseError:
+@contextmanager
+def database_errors(settings: Settings) -> Iterator[None]:
+    """Turn a driver error raised inside the block into :class:`DatabaseError`.
+
+    A constraint violation passes through: the caller knows which constraint means what.
+    """
+    try:
+        yield
+    except sa.exc.IntegrityError:
+        raise
+    except sa.exc.DBAPIError as exc:
+        raise translate(settings, exc) from exc
+
+
+def translate(settings: Settings, exc: sa.exc.DBAPIError) -> DatabaseError:
     """The operator's view of a driver error: what failed and what to check."""
     text = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
     if any(fragment in text for fragment in _TRANSIENT):
         return DatabaseError(f"database busy: {text}", transient=True)
     return DatabaseError(
-        f"database {_safe_url(settings)} refused the operation ({text}); check "
-        "WM_DATABASE_URL and run `wm db upgrade`"
+        f"database {safe_url(settings)} refused the operation ({text}); check "
+        "WM_DATABASE_URL and that `wm db upgrade` ran"
     )
 
 
-def alembic_config(settings: Settings) -> Any:
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", str(_MIGRATIONS_DIR))
-    config.set_main_option("sqlalchemy.url", settings.database_url.replace("%", "%%"))
-    config.attributes["settings"] = settings
-    return config
-
-
-def upgrade(settings: Settings, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` (``wm db upgrade``)."""
-    from alembic import command
-
-    try:
-        command.upgrade(alembic_config(settings), revision)
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"migrating {_safe_url(settings)} failed: {exc}") from exc
-
-
-def current_revision(settings: Settings) -> str | None:
-    """The revision the database is at, or None if it was never migrated."""
-    from alembic.runtime.migration import MigrationContext
-
-    try:
-        with engine_for(settings).connect() as conn:
-            rev: str | None = MigrationContext.configure(conn).get_current_revision()
-            return rev
-    except SQLAlchemyError as exc:
-        raise DatabaseError(f"cannot read {_safe_url(settings)}: {exc}") from exc
-
-
-def head_revision(settings: Settings) -> str | None:
-    from alembic.script import ScriptDirectory
-
-    head: str | None = ScriptDirectory.from_config(alembic_config(settings)).get_current_head()
-    return head
-
-
-def _safe_url(settings: Settings) -> str:
+def safe_url(settings: Settings) -> str:
     return sa.make_url(settings.database_url).render_as_string(hide_password=True)

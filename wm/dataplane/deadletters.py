@@ -16,12 +16,16 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from wm import store
-from wm.bus import Bus, Route, payload_key, worker_queue_name
 from wm.config import Settings
+from wm.dataplane.bus import Bus, Route
+from wm.dataplane.queues import worker_queue_name
 from wm.errors import DeadLetterNotFound, InvalidArgument, WorkerNotFound, WorkManagerError
 from wm.events import make_event
 from wm.lifecycle import Status
-from wm.models import DeadLetter, Worker
+from wm.state.ledger import Ledger
+from wm.store import records
+from wm.store.models import DeadLetter, Worker
+from wm.views import DeadLetterInfo
 
 logger = logging.getLogger(__name__)
 DEAD_SUFFIX = "-dead"
@@ -30,11 +34,16 @@ DEAD_LETTER_TYPE = "com.virtufin.workmanager.deadletter"
 
 @dataclass(frozen=True)
 class Failure:
-    """Everything known about a delivery that is being parked."""
+    """Everything known about a delivery that is being parked.
+
+    ``key`` is the event key (source + id) when the envelope has one; a malformed envelope
+    is identified by its bytes instead.
+    """
 
     topic: str
     worker_id: str | None
     envelope: str
+    key: str | None
     event_id: str | None
     error_type: str
     error_message: str
@@ -46,55 +55,8 @@ class Failure:
 
     @property
     def letter_id(self) -> str:
-        basis = f"{self.worker_id}\x00{payload_key(self.envelope) or self.envelope}"
+        basis = f"{self.worker_id}\x00{self.key or self.envelope}"
         return hashlib.sha256(basis.encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class DeadLetterInfo:
-    id: str
-    topic: str
-    worker_id: str | None
-    event_id: str | None
-    error_type: str
-    error_message: str
-    attempts: int
-    version: int | None
-    sha256: str | None
-    fence: int | None
-    first_failure_at: datetime
-    last_failure_at: datetime
-    replay_count: int
-    replayed_at: datetime | None
-    envelope: str
-
-    @classmethod
-    def of(cls, row: DeadLetter) -> DeadLetterInfo:
-        return cls(
-            row.id,
-            row.topic,
-            str(row.worker_id) if row.worker_id else None,
-            row.event_id,
-            row.error_type,
-            row.error_message,
-            row.attempts,
-            row.version,
-            row.sha256,
-            row.fence,
-            row.first_failure_at,
-            row.last_failure_at,
-            row.replay_count,
-            row.replayed_at,
-            row.envelope,
-        )
-
-    def to_json(self, *, envelope: bool = True) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("first_failure_at", "last_failure_at", "replayed_at"):
-            data[key] = data[key].isoformat() if data[key] else None
-        if not envelope:
-            data.pop("envelope")
-        return data
 
 
 class DeadLetters:
@@ -103,7 +65,8 @@ class DeadLetters:
         self.bus = bus or Bus(settings)
 
     def park(self, failure: Failure) -> str:
-        """Store (upsert) the dead letter, then publish it to ``<topic>-dead``."""
+        """Store (upsert) the dead letter, publish it to ``<topic>-dead``, and settle the
+        delivery in the pending ledger (it is done: parked)."""
         now = datetime.now(UTC)
         first = (
             datetime.fromtimestamp(failure.first_failure_at, UTC)
@@ -124,6 +87,8 @@ class DeadLetters:
             row.sha256 = failure.sha256
             row.fence, row.last_failure_at, row.replayed_at = failure.fence, now, None
         self.bus.publish(self._event(failure, letter_id), failure.topic + DEAD_SUFFIX)
+        if failure.worker_id and failure.key:
+            Ledger(self.settings).settle(failure.worker_id, failure.key)
         logger.warning(
             "dead-lettered %s for worker %s: %s: %s",
             failure.event_id,
@@ -134,7 +99,8 @@ class DeadLetters:
         return letter_id
 
     def _event(self, failure: Failure, letter_id: str) -> Any:
-        data = {k: v for k, v in asdict(failure).items() if k != "first_failure_at"}
+        data = asdict(failure)
+        del data["first_failure_at"], data["key"]
         data["dead_letter_id"] = letter_id
         return make_event(
             DEAD_LETTER_TYPE,
@@ -156,14 +122,14 @@ class DeadLetters:
         with store.session_scope(self.settings) as session:
             query = self._filtered(topic, worker_id, error_type, include_replayed)
             rows = session.scalars(query.order_by(DeadLetter.last_failure_at).limit(limit)).all()
-            return [DeadLetterInfo.of(r) for r in rows]
+            return [records.dead_letter_info(r) for r in rows]
 
     def get(self, letter_id: str) -> DeadLetterInfo:
         with store.session_scope(self.settings) as session:
             row = session.get(DeadLetter, letter_id)
             if row is None:
                 raise DeadLetterNotFound(f"no dead letter with id {letter_id}")
-            return DeadLetterInfo.of(row)
+            return records.dead_letter_info(row)
 
     def replay(
         self,

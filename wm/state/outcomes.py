@@ -2,7 +2,7 @@
 
 The outcome of a delivery (the output events, with their deterministic ids) is recorded in
 Redis *before* any output is published. A redelivered event whose outcome is recorded
-republishes the recorded outputs instead of running the code again (``wm.outputs`` makes
+republishes the recorded outputs instead of running the code again (``wm.dataplane.outputs`` makes
 that republish reach each plain subscription once).
 """
 
@@ -14,7 +14,7 @@ import redis
 
 from wm.config import Settings
 from wm.events import CloudEvent, decode, encode
-from wm.state import redis_for, unavailable
+from wm.state.connection import redis_errors, redis_for
 
 _OUTCOME = "wm:outcome:"
 
@@ -36,10 +36,8 @@ class Outcomes:
 
     def get(self, worker_id: str, event_key: str) -> list[CloudEvent] | None:
         """The recorded outputs, or None when this event has no recorded outcome."""
-        try:
+        with redis_errors(self.settings):
             raw = self.redis.get(self.key(worker_id, event_key))
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
         return None if raw is None else self.parse(raw)
 
     @staticmethod
@@ -50,11 +48,9 @@ class Outcomes:
         """Record the outcome and return the one that counts: when two copies of a delivery
         ran at once, the first record wins and both publish it (one round trip)."""
         key = self.key(worker_id, event_key)
-        try:
+        with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(key, json.dumps([encode(e) for e in outputs]), ex=self.ttl_s, nx=True)
             pipe.get(key)
             created, stored = pipe.execute()
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
         return outputs if created else self.parse(stored)

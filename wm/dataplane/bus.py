@@ -8,7 +8,6 @@ a plain structured-mode CloudEvent for a plain subscription (sinks, observers, `
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Iterable
@@ -16,54 +15,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from amqp.exceptions import AMQPError
 from celery import Celery
-from kombu.exceptions import KombuError, OperationalError
 from sqlalchemy import select
 
 from wm import store
-from wm.celeryapp import DELIVER_TASK, EXCHANGE, make_app, subscription_queue
 from wm.config import Settings
-from wm.errors import BrokerUnavailable
-from wm.events import CloudEvent, encode, event_key, key_of
-from wm.ledger import Ledger
-from wm.models import Subscription
-from wm.state import redis_for, unavailable
+from wm.dataplane.app import BROKER_ERRORS, broker_errors, make_app
+from wm.dataplane.queues import (
+    CLOUDEVENT_CONTENT_TYPE,
+    DELIVER_TASK,
+    EXCHANGE,
+    subscription_queue,
+)
+from wm.events import CloudEvent, encode, key_of, payload_key
+from wm.state.connection import redis_errors, redis_for
+from wm.state.ledger import Ledger
+from wm.store.models import Subscription
 
 logger = logging.getLogger(__name__)
 
 _ROUTES = "wm:routes:"
 _ROUTES_READY = "wm:routes-ready"  # outside the wm:routes:* pattern
 _DROPPED = "wm:stats:dropped"
-#: Content type of plain-subscription messages.
-CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
-
-
-def payload_key(payload: str) -> str | None:
-    """The key (``wm.events.event_key``) of an encoded event, or None for a payload without
-    a source and an id (it will be dead-lettered as malformed and needs no ledger entry)."""
-    try:
-        parsed = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(parsed, dict):
-        return None
-    source, event_id = parsed.get("source"), parsed.get("id")
-    if isinstance(source, str) and isinstance(event_id, str) and source and event_id:
-        return event_key(source, event_id)
-    return None
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def worker_queue_name(topic: str, worker_id: str) -> str:
-    return f"{topic}::{worker_id}"
-
-
-def plain_queue_name(topic: str, name: str) -> str:
-    return f"{topic}::sub::{name}"
 
 
 @dataclass(frozen=True)
@@ -89,7 +66,7 @@ class Bus:
 
     def routes(self, topic: str) -> list[Route]:
         """Subscriptions of ``topic``; rebuilds the table first if Redis lost it."""
-        try:
+        with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             pipe.exists(_ROUTES_READY)
             pipe.hgetall(_ROUTES + topic)
@@ -97,8 +74,6 @@ class Bus:
             if not ready:
                 self.rebuild_routes()
                 table = self.redis.hgetall(_ROUTES + topic)
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
         return [Route(q.decode(), w.decode() or None) for q, w in sorted(table.items())]
 
     def rebuild_routes(self) -> int:
@@ -108,7 +83,7 @@ class Bus:
         added concurrently is never wiped; a route is removed only if a second look at the
         database confirms its subscription is gone.
         """
-        try:
+        with redis_errors(self.settings):
             wanted = self._subscribed()
             actual = self._routed()
             missing = {k: w for k, w in wanted.items() if actual.get(k) != w}
@@ -122,8 +97,6 @@ class Bus:
                 pipe.hdel(_ROUTES + topic, queue)
             pipe.set(_ROUTES_READY, "1")
             pipe.execute()
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
         if missing or extra:
             logger.warning(
                 "routing table repaired: %d route(s) added, %d removed", len(missing), len(extra)
@@ -146,42 +119,33 @@ class Bus:
     def add_route(self, topic: str, queue: str, worker_id: str | None) -> None:
         """Declare the queue, then route ``topic`` to it."""
         self.declare_queue(queue)
-        try:
+        with redis_errors(self.settings):
             self.redis.hset(_ROUTES + topic, queue, worker_id or "")
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
 
     def remove_route(self, topic: str, queue: str, *, delete_queue: bool = True) -> None:
-        try:
+        with redis_errors(self.settings):
             self.redis.hdel(_ROUTES + topic, queue)
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
         if delete_queue:
             self.delete_queue(queue)
 
     def dropped(self, topic: str | None = None) -> int:
         """Events dropped because nobody subscribed (per topic, or in total)."""
-        raw = self.redis.hget(_DROPPED, topic) if topic else self.redis.hget(_DROPPED, "*")
+        with redis_errors(self.settings):
+            raw = self.redis.hget(_DROPPED, topic or "*")
         return int(raw or 0)
 
     # -- queues ----------------------------------------------------------------------------
 
     def declare_queue(self, name: str) -> None:
-        try:
-            with self.app.connection_for_write() as conn:
-                subscription_queue(name).bind(conn.default_channel).declare()
-        except (OSError, KombuError) as exc:
-            raise self.broker_down(exc) from exc
+        with broker_errors(self.settings), self.app.connection_for_write() as conn:
+            subscription_queue(name).bind(conn.default_channel).declare()
 
     def delete_queue(self, name: str) -> None:
-        try:
-            with self.app.connection_for_write() as conn:
-                bound = subscription_queue(name).bind(conn.default_channel)
-                # kombu's virtual transports delete only bindings this channel knows about.
-                bound.declare()
-                bound.delete()
-        except (OSError, KombuError) as exc:
-            raise self.broker_down(exc) from exc
+        with broker_errors(self.settings), self.app.connection_for_write() as conn:
+            bound = subscription_queue(name).bind(conn.default_channel)
+            # kombu's virtual transports delete only bindings this channel knows about.
+            bound.declare()
+            bound.delete()
 
     def queue_depth(self, name: str) -> int:
         """Messages ready in ``name`` (0 when the queue does not exist)."""
@@ -191,7 +155,7 @@ class Bus:
                     subscription_queue(name).bind(conn.default_channel).queue_declare(passive=True)
                 )
                 return int(result.message_count)
-        except (OSError, KombuError, AMQPError):
+        except BROKER_ERRORS:
             return 0
 
     # -- publishing ------------------------------------------------------------------------
@@ -220,19 +184,16 @@ class Bus:
     ) -> None:
         """Send an encoded event to the given subscriptions (publish and dead-letter replay).
 
-        Deliveries to workers are written to the pending ledger first (``wm.ledger``).
+        Deliveries to workers are written to the pending ledger first (``wm.state.ledger``).
         """
         routes = list(routes)
         deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
         key = key or payload_key(payload)
         if deliveries and key:
             Ledger(self.settings).add(deliveries, key, payload)
-        try:
-            with self.app.producer_or_acquire() as producer:
-                for route in routes:
-                    self._send_one(producer, route, payload, dict(task_options))
-        except (OSError, KombuError, OperationalError) as exc:
-            raise self.broker_down(exc) from exc
+        with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
+            for route in routes:
+                self._send_one(producer, route, payload, dict(task_options))
 
     def _send_one(
         self, producer: Any, route: Route, payload: str, task_options: dict[str, Any]
@@ -261,19 +222,11 @@ class Bus:
         )
 
     def count_dropped(self, topic: str) -> None:
-        try:
+        with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             pipe.hincrby(_DROPPED, topic, 1)
             pipe.hincrby(_DROPPED, "*", 1)
             pipe.execute()
-        except redis.RedisError as exc:
-            raise unavailable(self.settings, exc) from exc
-
-    def broker_down(self, exc: Exception) -> BrokerUnavailable:
-        return BrokerUnavailable(
-            f"the broker at WM_BROKER_URL={self.settings.broker_url} is unreachable ({exc}); "
-            "start it or fix the setting"
-        )
 
     # -- consumers on running nodes --------------------------------------------------------
 
@@ -287,11 +240,11 @@ class Bus:
                 routing_key=queue,
                 reply=False,
             )
-        except (OSError, KombuError) as exc:
+        except BROKER_ERRORS as exc:
             logger.warning("could not broadcast add_consumer for %s: %s", queue, exc)
 
     def broadcast_cancel(self, queue: str) -> None:
         try:
             self.app.control.cancel_consumer(queue, reply=False)
-        except (OSError, KombuError) as exc:
+        except BROKER_ERRORS as exc:
             logger.warning("could not broadcast cancel_consumer for %s: %s", queue, exc)

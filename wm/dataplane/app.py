@@ -1,0 +1,86 @@
+"""The Celery app factory, its settings, and the one translation of broker errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from amqp.exceptions import AMQPError
+from celery import Celery
+from kombu.exceptions import KombuError
+from kombu.utils.url import maybe_sanitize_url
+
+from wm.config import Settings
+from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, subscription_queue
+from wm.errors import BrokerUnavailable
+
+#: Errors of kombu, py-amqp, redis (a Redis broker) and the sockets under them: the broker
+#: is unreachable or refused the operation.
+BROKER_ERRORS = (OSError, KombuError, AMQPError, redis.RedisError)
+
+
+def celery_settings(settings: Settings) -> dict[str, Any]:
+    """Celery configuration derived from WorkManager settings (``celeryconfig`` uses it)."""
+    return {
+        "broker_url": settings.broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout_s,
+            # Redis: look for a lost node's unacknowledged messages often, every sweep, and
+            # never let a killed node's sweep mutex block the others for long.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 2)),
+            "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 30,
+            "confirm_publish": True,
+        },
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "worker_prefetch_multiplier": settings.prefetch_multiplier,
+        "worker_concurrency": settings.node_concurrency or None,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_default_queue": DEFAULT_QUEUE,
+        "task_default_exchange": EXCHANGE.name,
+        "task_default_routing_key": DEFAULT_QUEUE,
+        "task_default_exchange_type": "direct",
+        "task_queues": [subscription_queue(DEFAULT_QUEUE)],
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+    }
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    """A Celery app for ``settings`` (default: the environment, via ``celeryconfig``).
+
+    The consumer task and the node's bootstep are named, not imported, so building an app
+    (an admin script publishing an event) loads neither.
+    """
+    app = Celery("wm", include=["wm.dataplane.tasks"])
+    if settings is None:
+        app.config_from_object("celeryconfig")
+    else:
+        app.conf.update(celery_settings(settings))
+    app.steps["consumer"].add("wm.dataplane.node:Reconciler")
+    return app
+
+
+def broker_unavailable(settings: Settings, exc: BaseException) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"the broker at WM_BROKER_URL={maybe_sanitize_url(settings.broker_url)} is "
+        f"unreachable ({exc}); start it or fix the setting"
+    )
+
+
+@contextmanager
+def broker_errors(settings: Settings) -> Iterator[None]:
+    """Turn a broker error raised inside the block into :class:`BrokerUnavailable`."""
+    try:
+        yield
+    except BROKER_ERRORS as exc:
+        raise broker_unavailable(settings, exc) from exc

@@ -1,0 +1,85 @@
+"""After a committed change: lifecycle events leave the outbox and nodes forget what they
+cached of the worker. Also the data plane's own change, a worker that cannot run here."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from wm import store
+from wm.config import Settings
+from wm.dataplane.bus import Bus
+from wm.dataplane.queues import worker_queue_name
+from wm.errors import BrokerUnavailable, DatabaseError
+from wm.events import decode
+from wm.lifecycle import Status
+from wm.state.directory import Directory
+from wm.store import records
+from wm.store.models import OutboxEvent
+
+logger = logging.getLogger(__name__)
+#: Outbox rows published per flush (the rest wait for the next one).
+FLUSH_BATCH = 500
+
+
+def flush(settings: Settings, bus: Bus) -> int:
+    """Publish lifecycle events written by committed changes; returns how many were sent.
+
+    Rows are locked with SKIP LOCKED, so concurrent flushes never send one event twice;
+    a broker or database outage leaves the rest for the next flush.
+    """
+    sent = 0
+    try:
+        with store.session_scope(settings) as session:
+            rows = session.scalars(
+                select(OutboxEvent)
+                .order_by(OutboxEvent.id)
+                .limit(FLUSH_BATCH)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for row in rows:
+                bus.publish(decode(row.payload), row.topic)
+                session.delete(row)
+                sent += 1
+    except (BrokerUnavailable, DatabaseError) as exc:
+        logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
+    return sent
+
+
+def changed(settings: Settings, bus: Bus, wid: uuid.UUID) -> None:
+    """After a commit: nodes re-read the worker, lifecycle events go out."""
+    try:
+        Directory(settings).invalidate(str(wid))
+    except BrokerUnavailable as exc:
+        logger.warning("nodes will see worker %s change after their reconcile: %s", wid, exc)
+    flush(settings, bus)
+
+
+def record_failure(
+    settings: Settings,
+    bus: Bus,
+    wid: uuid.UUID,
+    error_type: str,
+    error_message: str,
+    *,
+    fail: bool = False,
+) -> None:
+    """Publish ``worker.error``; with ``fail`` also move the worker to ``failed``, which
+    stops consumption (its queue keeps the messages until it is started again)."""
+
+    def record(session: Session) -> str | None:
+        worker = records.lock_worker(session, wid)
+        data = {"error_type": error_type, "error_message": error_message}
+        records.add_outbox(session, "error", worker, data, reason=error_message)
+        if fail and worker.status in (Status.STARTING, Status.RUNNING):
+            records.move(session, worker, Status.FAILED, f"{error_type}: {error_message}")
+            return worker_queue_name(worker.topic, str(wid))
+        return None
+
+    failed_queue = records.transaction(settings, record)
+    changed(settings, bus, wid)
+    if failed_queue:
+        bus.broadcast_cancel(failed_queue)

@@ -1,0 +1,26 @@
+"""Names on the broker: the exchange, queue naming and task names. Definitions only."""
+
+from __future__ import annotations
+
+from kombu.entity import Exchange, Queue
+
+#: Direct exchange every subscription queue is bound to (routing key = queue name).
+EXCHANGE = Exchange("wm", type="direct", durable=True)
+#: Queue of WorkManager's own tasks (dead-letter replay, maintenance).
+DEFAULT_QUEUE = "wm.default"
+DELIVER_TASK = "wm.deliver"
+#: Content type of plain-subscription messages.
+CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
+
+
+def subscription_queue(name: str) -> Queue:
+    """The durable queue of one subscription."""
+    return Queue(name, EXCHANGE, routing_key=name, durable=True)
+
+
+def worker_queue_name(topic: str, worker_id: str) -> str:
+    return f"{topic}::{worker_id}"
+
+
+def plain_queue_name(topic: str, name: str) -> str:
+    return f"{topic}::sub::{name}"

@@ -1,0 +1,100 @@
+"""The engine contract (``load``, ``process``, ``close``) and the registry that finds an
+engine by MIME type through the ``wm.engines`` entry points. Engines live in the ``engines``
+package (or any distribution) and import this module; the core never imports them."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, ClassVar
+
+from wm.config import Settings
+from wm.errors import EngineNotFound, EngineUnavailable
+from wm.events import CloudEvent
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What an engine may know about the worker whose code it runs."""
+
+    worker_id: str
+    topic: str
+    group: str | None = None
+    version: int = 1
+    sha256: str = ""
+    name: str | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Runs one worker's code. One instance per worker per process, reused across events.
+
+    ``load`` may be called again with new code (hot reload); an engine must finish calls in
+    flight on the old code before the new code takes effect.
+    """
+
+    #: MIME type the engine is registered for (informational; the entry point decides).
+    mime_type: ClassVar[str] = ""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def validate(self, code: bytes, worker: WorkerSpec) -> None:
+        """Refuse bad code with :class:`wm.errors.InvalidCode`; default: load, then close."""
+        try:
+            self.load(code, worker)
+        finally:
+            self.close()
+
+    def load(self, code: bytes, worker: WorkerSpec) -> None:
+        """Validate and prepare ``code``; raise :class:`wm.errors.InvalidCode` if it is bad."""
+        raise NotImplementedError("Engine.load() must be implemented.")
+
+    def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
+        """Run the code on ``event`` and return the events it produced (maybe none)."""
+        raise NotImplementedError("Engine.process() must be implemented.")
+
+    def close(self) -> None:
+        """Release what ``load`` acquired. Safe to call more than once."""
+
+
+# -- registry --------------------------------------------------------------------------------
+
+#: Entry-point group engines register their MIME type in.
+ENTRY_POINT_GROUP = "wm.engines"
+
+
+@cache
+def _entry_points() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def registered_mime_types() -> list[str]:
+    """MIME types with a registered engine, sorted."""
+    return sorted(_entry_points())
+
+
+def engine_class(mime_type: str) -> type[Engine]:
+    """The engine class for ``mime_type``, imported on first use."""
+    found = _entry_points().get(mime_type)
+    if found is None:
+        known = registered_mime_types()
+        close = difflib.get_close_matches(mime_type, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise EngineNotFound(
+            f"no engine is registered for MIME type {mime_type!r}.{hint} "
+            f"Registered: {', '.join(known) or '(none)'}"
+        )
+    try:
+        cls = found.load()
+    except ImportError as exc:
+        raise EngineUnavailable(
+            f"the engine for {mime_type!r} cannot be imported ({exc}); install the extra "
+            "that provides it (see the README's engine table)"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise EngineUnavailable(f"entry point {found.value!r} for {mime_type!r} is not an Engine")
+    return cls

@@ -1,0 +1,188 @@
+"""The writes every change is made of, shared by the admin facade and the data plane: one
+transaction retried when a concurrent writer won a race, the worker row locked for update,
+a state move checked against the lifecycle table, the transition recorded, and its lifecycle
+event written to the outbox (published after commit by ``wm.dataplane.outbox``). Also the
+views the API returns, built from rows."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError as SAIntegrityError
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
+
+from wm.config import Settings
+from wm.errors import (
+    ConcurrencyConflict,
+    DatabaseError,
+    IllegalTransition,
+    InvalidArgument,
+    WorkerNotFound,
+)
+from wm.events import LIFECYCLE_TOPIC, encode, lifecycle_event
+from wm.lifecycle import EVENT_ON_ENTER, Status, check_transition
+from wm.store.db import session_scope
+from wm.store.models import DeadLetter, OutboxEvent, Worker, WorkerTransition, WorkerVersion
+from wm.views import DeadLetterInfo, TransitionInfo, VersionInfo, WorkerInfo
+
+T = TypeVar("T")
+#: How often a change is retried when a concurrent writer got there first.
+CONFLICT_RETRIES = 8
+
+
+def transaction(
+    settings: Settings, change: Callable[[Session], T], *, name_hint: str | None = None
+) -> T:
+    """Run ``change`` in a transaction, retrying when a concurrent writer won a race.
+
+    ``name_hint`` is the worker name being written, so a unique-name violation is reported
+    as such instead of being retried.
+    """
+    last: Exception | None = None
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            with session_scope(settings) as session:
+                return change(session)
+        except StaleDataError as exc:
+            last = exc
+        except DatabaseError as exc:
+            if not exc.transient:
+                raise
+            last = exc
+        except SAIntegrityError as exc:
+            if name_hint is not None and "name" in str(exc.orig).lower():
+                raise InvalidArgument(f"a live worker is already named {name_hint!r}") from exc
+            last = exc
+    raise ConcurrencyConflict(
+        f"the change was not applied: the worker kept changing under it ({last}); retry"
+    ) from last
+
+
+def lock_worker(session: Session, wid: uuid.UUID, *, live: bool = False) -> Worker:
+    """The worker row, locked for update (PostgreSQL); ``live`` refuses deleted workers."""
+    worker = session.scalars(select(Worker).where(Worker.id == wid).with_for_update()).one_or_none()
+    if worker is None:
+        raise WorkerNotFound(f"no worker with id {wid}")
+    if live and worker.status == Status.DELETED:
+        raise IllegalTransition(f"worker {wid} is deleted; its code can no longer change")
+    return worker
+
+
+def move(session: Session, worker: Worker, target: Status, reason: str) -> None:
+    """Change the worker's state if the lifecycle allows it, and record the transition."""
+    source = worker.status
+    worker.status = check_transition(str(worker.id), source, target).value
+    record_transition(session, worker, source, target, reason, version=worker.current_version)
+
+
+def record_transition(
+    session: Session,
+    worker: Worker,
+    source: str | None,
+    target: Status | str,
+    reason: str,
+    *,
+    version: int | None = None,
+    event: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Add the transition to the audit trail and its lifecycle event (if any) to the outbox."""
+    session.add(
+        WorkerTransition(
+            worker_id=worker.id,
+            from_status=source,
+            to_status=str(target),
+            reason=reason,
+            version=version,
+        )
+    )
+    kind = event or EVENT_ON_ENTER.get(Status(target))
+    if kind is None:
+        return
+    data = {"from_state": source, "to_state": str(target), **(extra or {})}
+    add_outbox(session, kind, worker, data, reason=reason, version=version)
+
+
+def add_outbox(
+    session: Session,
+    kind: str,
+    worker: Worker,
+    data: Mapping[str, Any],
+    *,
+    reason: str,
+    version: int | None = None,
+) -> None:
+    """Write the lifecycle event ``kind`` of ``worker`` to the outbox, in this transaction."""
+    payload = {
+        "group": worker.group,
+        "topic": worker.topic,
+        "name": worker.name,
+        "version": version or worker.current_version,
+        "reason": reason,
+        **data,
+    }
+    event = lifecycle_event(kind, str(worker.id), payload)
+    session.add(OutboxEvent(topic=LIFECYCLE_TOPIC, payload=encode(event)))
+
+
+# -- views -----------------------------------------------------------------------------------
+
+
+def worker_info(worker: Worker, version: WorkerVersion) -> WorkerInfo:
+    return WorkerInfo(
+        id=worker.id,
+        name=worker.name,
+        topic=worker.topic,
+        group=worker.group,
+        mime_type=worker.mime_type,
+        status=worker.status,
+        current_version=worker.current_version,
+        sha256=version.sha256,
+        size=version.size,
+        settings=dict(worker.settings or {}),
+        created_at=worker.created_at,
+        updated_at=worker.updated_at,
+    )
+
+
+def version_info(row: WorkerVersion) -> VersionInfo:
+    return VersionInfo(
+        row.worker_id,
+        row.version,
+        row.source_kind,
+        row.url,
+        row.sha256,
+        row.size,
+        row.created_at,
+        row.note,
+    )
+
+
+def transition_info(row: WorkerTransition) -> TransitionInfo:
+    return TransitionInfo(
+        row.worker_id, row.from_status, row.to_status, row.reason, row.version, row.at
+    )
+
+
+def dead_letter_info(row: DeadLetter) -> DeadLetterInfo:
+    return DeadLetterInfo(
+        row.id,
+        row.topic,
+        str(row.worker_id) if row.worker_id else None,
+        row.event_id,
+        row.error_type,
+        row.error_message,
+        row.attempts,
+        row.version,
+        row.sha256,
+        row.fence,
+        row.first_failure_at,
+        row.last_failure_at,
+        row.replay_count,
+        row.replayed_at,
+        row.envelope,
+    )
