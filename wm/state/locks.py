@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import redis
+
 from wm.config import Settings
 from wm.errors import FenceRejected, LockContention
 from wm.state.connection import redis_errors, redis_for
@@ -171,14 +173,14 @@ class GroupLocks:
         client: redis.Redis | None = None,
         prefix: str = "wm:lock:",
     ) -> None:
-        self._redis = redis = client if client is not None else redis_for(settings)
+        self._redis = client = client if client is not None else redis_for(settings)
         self._settings = settings
         self._prefix = prefix
         self._max_age_ms = round(settings.group_lock_max_age_s * 1000)
         self._safety_ttl_ms = max(SAFETY_TTL_FACTOR * self._max_age_ms, MIN_SAFETY_TTL_MS)
-        self._acquire_script = redis.register_script(_ACQUIRE_LUA)
-        self._mark_write_script = redis.register_script(_MARK_WRITE_LUA)
-        self._release_script = redis.register_script(_RELEASE_LUA)
+        self._acquire_script = client.register_script(_ACQUIRE_LUA)
+        self._mark_write_script = client.register_script(_MARK_WRITE_LUA)
+        self._release_script = client.register_script(_RELEASE_LUA)
 
     def try_acquire(self, group: str, owner: str) -> Lease | None:
         """Take the lock if free or stealable, in one round trip; ``None`` if someone holds it.
