@@ -18,6 +18,7 @@ FLOORS = {
     "wm.events": 1,
     "wm.lifecycle": 1,
     "wm.views": 1,
+    "wm.names": 1,
     "wm.engine": 2,
     "wm.urlguard": 2,
     "wm.codesource": 2,

@@ -26,6 +26,7 @@ from wm.errors import (
 )
 from wm.events import CloudEvent
 from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status
+from wm.names import check_name
 from wm.state.ledger import Ledger
 from wm.store import records
 from wm.store.models import Subscription, Worker, WorkerTransition, WorkerVersion
@@ -68,7 +69,9 @@ class WorkManager:
         settings: Mapping[str, Any] | None = None,
     ) -> WorkerInfo:
         """Validate everything, persist the worker (status ``created``), optionally start it."""
-        _require_text("topic", topic)
+        check_name("topic", topic)
+        if name is not None:
+            check_name("worker name", name)
         worker_settings = validate_worker_settings(settings or {})
         fetched = self._fetch(code, url, sha256)
         worker_id = uuid.uuid4()
@@ -276,9 +279,7 @@ class WorkManager:
 
         Returns the queue name. Messages are structured-mode CloudEvent JSON.
         """
-        _require_text("topic", topic)
-        _require_text("name", name)
-        queue = plain_queue_name(topic, name)
+        queue = plain_queue_name(check_name("topic", topic), check_name("subscription name", name))
 
         def add(session: Session) -> None:
             found = session.scalar(select(Subscription).where(Subscription.queue == queue))
@@ -462,8 +463,3 @@ def _status(value: str) -> Status:
     except ValueError:
         known = ", ".join(s.value for s in Status)
         raise InvalidArgument(f"unknown status {value!r}; known: {known}") from None
-
-
-def _require_text(field: str, value: str) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidArgument(f"{field} must be a non-empty string")

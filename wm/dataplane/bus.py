@@ -28,6 +28,7 @@ from wm.dataplane.queues import (
     subscription_queue,
 )
 from wm.events import CloudEvent, encode, key_of, payload_key
+from wm.names import check_name
 from wm.state.connection import redis_errors, redis_for
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription
@@ -165,7 +166,7 @@ class Bus:
 
         Returns how many subscriptions it was sent to; 0 means it was dropped and counted.
         """
-        topic = topic or event.get_type()
+        topic = check_name("topic", topic or event.get_type())
         routes = self.routes(topic)
         if not routes:
             self.count_dropped(topic)

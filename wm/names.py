@@ -1,0 +1,43 @@
+"""Names an operator or a worker chooses: topics, subscription names and worker names.
+
+One set of rules for ``create``, ``publish`` and ``subscribe``, so that every queue name built
+from them (``<topic>::<worker id>``, ``<topic>::sub::<name>``) is unambiguous and fits every
+broker: no ``::`` inside a name, no control characters, at most :data:`MAX_NAME_BYTES`.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+from wm.errors import InvalidArgument
+
+#: Longest name in UTF-8 bytes: a plain subscription's queue joins a topic and a name, and
+#: AMQP caps queue names at 255 bytes (120 + 7 + 120 = 247).
+MAX_NAME_BYTES = 120
+#: Joins the parts of a queue name, so no part may contain it.
+SEPARATOR = "::"
+#: Unicode categories refused in names: control, format, line and paragraph separators.
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def check_name(kind: str, value: object) -> str:
+    """``value`` if it is a valid ``kind`` name (topic, subscription name, worker name);
+    otherwise :class:`InvalidArgument` naming the rule it breaks."""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgument(f"{kind} must be a non-empty string, not {value!r}")
+    size = len(value.encode("utf-8"))
+    if size > MAX_NAME_BYTES:
+        raise InvalidArgument(
+            f"{kind} {value[:40]!r}... is {size} bytes long; the limit is {MAX_NAME_BYTES} "
+            "bytes of UTF-8"
+        )
+    refused = next((c for c in value if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    if refused is not None:
+        raise InvalidArgument(
+            f"{kind} {value!r} contains the control character {refused!r}; names are printable text"
+        )
+    if SEPARATOR in value:
+        raise InvalidArgument(
+            f"{kind} {value!r} contains {SEPARATOR!r}, which separates the parts of a queue name"
+        )
+    return value
