@@ -12,8 +12,11 @@ import unicodedata
 from wm.errors import InvalidArgument
 
 #: Longest name in UTF-8 bytes: a plain subscription's queue joins a topic and a name, and
-#: AMQP caps queue names at 255 bytes (120 + 7 + 120 = 247).
+#: AMQP caps queue names at 255 bytes (120 + 7 + 120 = 247). A dead-letter topic may also
+#: carry its suffix (125 + 7 + 120 = 252).
 MAX_NAME_BYTES = 120
+#: Suffix of the topic a topic's dead letters are published to.
+DEAD_SUFFIX = "-dead"
 #: Joins the parts of a queue name, so no part may contain it.
 SEPARATOR = "::"
 #: Unicode categories refused in names: control, format, line and paragraph separators.
@@ -25,7 +28,7 @@ def check_name(kind: str, value: object) -> str:
     otherwise :class:`InvalidArgument` naming the rule it breaks."""
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgument(f"{kind} must be a non-empty string, not {value!r}")
-    size = len(value.encode("utf-8"))
+    size = len(value.removesuffix(DEAD_SUFFIX).encode("utf-8"))
     if size > MAX_NAME_BYTES:
         raise InvalidArgument(
             f"{kind} {value[:40]!r}... is {size} bytes long; the limit is {MAX_NAME_BYTES} "

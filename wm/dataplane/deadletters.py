@@ -8,7 +8,7 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,17 +19,29 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import worker_queue_name
-from wm.errors import DeadLetterNotFound, InvalidArgument, WorkerNotFound, WorkManagerError
+from wm.errors import (
+    DatabaseError,
+    DeadLetterNotFound,
+    InvalidArgument,
+    WorkerNotFound,
+    WorkManagerError,
+)
 from wm.events import make_event
 from wm.lifecycle import Status
+from wm.names import DEAD_SUFFIX
 from wm.state.ledger import Ledger
 from wm.store import records
 from wm.store.models import DeadLetter, Worker
 from wm.views import DeadLetterInfo
 
 logger = logging.getLogger(__name__)
-DEAD_SUFFIX = "-dead"
 DEAD_LETTER_TYPE = "com.virtufin.workmanager.deadletter"
+#: Longest error message kept in a dead letter (characters); the rest is cut, and says so.
+MAX_ERROR_MESSAGE_CHARS = 8192
+#: Longest envelope kept when the database refused the whole one (characters).
+FALLBACK_ENVELOPE_CHARS = 65536
+#: Length limit of the short text columns (error type, event id).
+_SHORT_TEXT_CHARS = 255
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,25 @@ class Failure:
         basis = f"{self.worker_id}\x00{self.key or self.envelope}"
         return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
+    def storable(self, *, envelope_chars: int | None = None) -> Failure:
+        """A copy every database accepts: no NUL characters (PostgreSQL's text type refuses
+        them, and a worker's error message may hold any), bounded text columns."""
+        return replace(
+            self,
+            envelope=_storable(self.envelope, envelope_chars),
+            event_id=_storable(self.event_id, _SHORT_TEXT_CHARS) if self.event_id else None,
+            error_type=_storable(self.error_type, _SHORT_TEXT_CHARS),
+            error_message=_storable(self.error_message, MAX_ERROR_MESSAGE_CHARS),
+        )
+
+
+def _storable(text: str, limit: int | None) -> str:
+    text = text.replace("\x00", "\\x00")
+    if limit is None or len(text) <= limit:
+        return text
+    keep = max(0, limit - 40)  # room for the marker
+    return f"{text[:keep]} [cut {len(text) - keep} characters]"
+
 
 class DeadLetters:
     def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
@@ -66,26 +97,21 @@ class DeadLetters:
 
     def park(self, failure: Failure) -> str:
         """Store (upsert) the dead letter, publish it to ``<topic>-dead``, and settle the
-        delivery in the pending ledger (it is done: parked)."""
-        now = datetime.now(UTC)
-        first = (
-            datetime.fromtimestamp(failure.first_failure_at, UTC)
-            if failure.first_failure_at
-            else now
-        )
+        delivery in the pending ledger (it is done: parked).
+
+        A letter the database refuses (an envelope too large, say) is stored as a bounded
+        copy rather than failing again on every redelivery: parking always ends.
+        """
         letter_id = failure.letter_id
-        with store.session_scope(self.settings) as session:
-            row = session.get(DeadLetter, letter_id)
-            if row is None:
-                row = DeadLetter(id=letter_id, replay_count=0, first_failure_at=first)
-                session.add(row)
-            row.topic, row.envelope = failure.topic, failure.envelope
-            row.event_id = failure.event_id[:255] if failure.event_id else None
-            row.worker_id = uuid.UUID(failure.worker_id) if failure.worker_id else None
-            row.error_type, row.error_message = failure.error_type, failure.error_message
-            row.attempts, row.version = failure.attempts, failure.version
-            row.sha256 = failure.sha256
-            row.fence, row.last_failure_at, row.replayed_at = failure.fence, now, None
+        try:
+            failure = self._store(letter_id, failure.storable())
+        except DatabaseError as exc:
+            if exc.transient:
+                raise
+            logger.error("dead letter %s refused (%s); storing a bounded copy", letter_id, exc)
+            failure = self._store(
+                letter_id, failure.storable(envelope_chars=FALLBACK_ENVELOPE_CHARS)
+            )
         self.bus.publish(self._event(failure, letter_id), failure.topic + DEAD_SUFFIX)
         if failure.worker_id and failure.key:
             Ledger(self.settings).settle(failure.worker_id, failure.key)
@@ -97,6 +123,27 @@ class DeadLetters:
             failure.error_message,
         )
         return letter_id
+
+    def _store(self, letter_id: str, failure: Failure) -> Failure:
+        now = datetime.now(UTC)
+        first = (
+            datetime.fromtimestamp(failure.first_failure_at, UTC)
+            if failure.first_failure_at
+            else now
+        )
+        with store.session_scope(self.settings) as session:
+            row = session.get(DeadLetter, letter_id)
+            if row is None:
+                row = DeadLetter(id=letter_id, replay_count=0, first_failure_at=first)
+                session.add(row)
+            row.topic, row.envelope = failure.topic, failure.envelope
+            row.event_id = failure.event_id
+            row.worker_id = uuid.UUID(failure.worker_id) if failure.worker_id else None
+            row.error_type, row.error_message = failure.error_type, failure.error_message
+            row.attempts, row.version = failure.attempts, failure.version
+            row.sha256 = failure.sha256
+            row.fence, row.last_failure_at, row.replayed_at = failure.fence, now, None
+        return failure
 
     def _event(self, failure: Failure, letter_id: str) -> Any:
         data = asdict(failure)

@@ -1,0 +1,56 @@
+"""Defects found by chaos runs, each reproduced first through real node processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.helpers import STUB, drain, eventually, stub
+from wm import DeadLetters, Settings, WorkManager, make_event
+from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
+from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
+
+ONE_ATTEMPT = {"max_retries": 0}
+
+
+def test_a_nul_byte_in_an_error_is_parked_once_not_looped(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """PostgreSQL refuses NUL in text: the dead letter once failed to store, and the delivery
+    was requeued every second for ever, each time with a lifecycle error."""
+    fast = pg_settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(
+        code=stub(fail="bad\x00byte"), mime_type=STUB, topic="in", settings=ONE_ATTEMPT
+    )
+    node.consuming(f"in::{worker.id}")
+    manager.publish(make_event("in", "/tests", {"n": 1}))
+
+    [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=30)
+    assert letter.error_message == "bad\\x00byte" and letter.attempts == 1
+    events = drain(fast, lifecycle, 50, timeout_s=5)
+    errors = [e for e in events if e["type"] == LIFECYCLE_TYPE_PREFIX + "error"]
+    assert len(errors) == 1, f"the delivery ran {len(errors)} times"
+
+
+def test_a_letter_the_database_refuses_is_stored_bounded(pg_settings: Settings) -> None:
+    """Parking always ends: what PostgreSQL cannot store is kept as a bounded copy."""
+    event = make_event("in", "/tests", {"n": 1})
+    huge = "x" * (MAX_ERROR_MESSAGE_CHARS * 4) + "\x00"
+    failure = Failure(
+        topic="in",
+        worker_id=None,
+        envelope=encode(event) + "\x00",
+        key=key_of(event),
+        event_id=event.get_id() + "\x00" * 300,
+        error_type="Weird\x00Error",
+        error_message=huge,
+        attempts=1,
+    )
+    letters = DeadLetters(pg_settings)
+    letter = letters.get(letters.park(failure))
+    assert letter.error_type == "Weird\\x00Error"
+    assert len(letter.error_message) <= MAX_ERROR_MESSAGE_CHARS
+    assert letter.error_message.endswith("characters]") and "\x00" not in letter.envelope
+    assert letter.event_id is not None and len(letter.event_id) <= 255
