@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.helpers import STUB, drain, eventually, stub
-from wm import DeadLetters, Settings, WorkManager, make_event
+from wm import DeadLetters, InvalidArgument, Settings, WorkManager, make_event
 from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
 
@@ -54,3 +56,68 @@ def test_a_letter_the_database_refuses_is_stored_bounded(pg_settings: Settings) 
     assert len(letter.error_message) <= MAX_ERROR_MESSAGE_CHARS
     assert letter.error_message.endswith("characters]") and "\x00" not in letter.envelope
     assert letter.event_id is not None and len(letter.event_id) <= 255
+
+
+def test_a_worker_feeding_itself_is_parked_after_max_hops(
+    settings: Settings, start_node: Any
+) -> None:
+    """A worker whose output type was its own topic once ran thousands of generations."""
+    fast = settings.replace(reconcile_interval_s=1.0, max_hops=3)
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("loop", "sink")
+    worker = manager.create_worker(code=stub(output_type="loop"), mime_type=STUB, topic="loop")
+    node.consuming(f"loop::{worker.id}")
+    manager.publish(make_event("loop", "/tests", {"n": 1}))
+
+    [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=30)
+    assert letter.error_type == "HopLimitExceeded" and letter.attempts == 1
+    assert "WM_MAX_HOPS=3" in letter.error_message
+    seen = drain(fast, sink, 10, timeout_s=3)
+    assert [e.get("wmhops") for e in seen] == [None, 1, 2, 3]
+
+
+def test_outputs_to_reserved_or_unlisted_topics_are_refused(
+    settings: Settings, start_node: Any
+) -> None:
+    """Workers could publish forged lifecycle and dead-letter events."""
+    fast = settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    forged_dead = manager.subscribe("in-dead", "alerts")
+    outputs = {
+        LIFECYCLE_TOPIC: {},
+        "in-dead": {},
+        "elsewhere": {"output_topics": ["allowed"]},
+    }
+    for output_type, worker_settings in outputs.items():
+        worker = manager.create_worker(
+            code=stub(output_type=output_type),
+            mime_type=STUB,
+            topic="in",
+            settings=worker_settings,
+        )
+        node.consuming(f"in::{worker.id}")
+    manager.publish(make_event("in", "/tests", {"n": 1}))
+
+    letters = eventually(lambda: len(DeadLetters(fast).list()) == 3 and DeadLetters(fast).list())
+    assert {(d.error_type, d.attempts) for d in letters} == {("OutputRefused", 1)}
+    messages = sorted(d.error_message for d in letters)
+    assert "is not in the worker's output_topics" in messages[0]
+    assert all("reserved" in m for m in messages[1:])
+    events = drain(fast, lifecycle, 100, timeout_s=3)
+    assert all(e["source"] == "/workmanager" for e in events)
+    alerts = drain(fast, forged_dead, 10, timeout_s=3)
+    assert [a["type"] for a in alerts] == ["com.virtufin.workmanager.deadletter"] * 3
+
+
+def test_output_topics_must_be_valid_names(manager: WorkManager) -> None:
+    with pytest.raises(InvalidArgument, match="output topic"):
+        manager.create_worker(
+            code=stub(), mime_type=STUB, topic="in", settings={"output_topics": ["a::b"]}
+        )
+    with pytest.raises(InvalidArgument, match="list of topics"):
+        manager.create_worker(
+            code=stub(), mime_type=STUB, topic="in", settings={"output_topics": "a"}
+        )

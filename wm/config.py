@@ -144,6 +144,12 @@ class Settings:
         _parse_int,
         "Deliveries retried before dead-lettering (a worker's settings may override it).",
     )
+    max_hops: int = _setting(
+        "WM_MAX_HOPS",
+        16,
+        _parse_int,
+        "Workers an event may pass through in a chain; one further is dead-lettered.",
+    )
     retry_base_delay_ms: int = _setting(
         "WM_RETRY_BASE_DELAY_MS",
         1000,

@@ -77,6 +77,21 @@ class WorkerTimeout(WorkerExecutionError):
     """Raised when worker code exceeds its per-message time limit."""
 
 
+class OutputRefused(WorkerExecutionError):
+    """Raised when worker code returns an event for a topic it may not publish to: a
+    reserved topic (lifecycle, dead letters), an invalid name, or one outside the worker's
+    ``output_topics``. The same code would return it again, so it is parked at once."""
+
+    retryable = False
+
+
+class HopLimitExceeded(WorkManagerError):
+    """Raised when an event has already passed through WM_MAX_HOPS workers: a chain that
+    loops (a worker whose output feeds itself) is parked instead of running for ever."""
+
+    retryable = False
+
+
 class CodeSourceError(WorkManagerError):
     """Raised when worker code cannot be obtained (bad base64, fetch failure, size)."""
 

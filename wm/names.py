@@ -19,6 +19,8 @@ MAX_NAME_BYTES = 120
 DEAD_SUFFIX = "-dead"
 #: Joins the parts of a queue name, so no part may contain it.
 SEPARATOR = "::"
+#: Topics only WorkManager itself publishes to; a worker's output may not name them.
+RESERVED_PREFIXES = ("workmanager.", "com.virtufin.workmanager.")
 #: Unicode categories refused in names: control, format, line and paragraph separators.
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
@@ -44,3 +46,8 @@ def check_name(kind: str, value: object) -> str:
             f"{kind} {value!r} contains {SEPARATOR!r}, which separates the parts of a queue name"
         )
     return value
+
+
+def reserved_topic(topic: str) -> bool:
+    """True for the lifecycle topic, dead-letter topics and everything WorkManager owns."""
+    return topic.startswith(RESERVED_PREFIXES) or topic.endswith(DEAD_SUFFIX)

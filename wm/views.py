@@ -10,8 +10,9 @@ from datetime import datetime
 from typing import Any
 
 from wm.errors import InvalidArgument
+from wm.names import check_name
 
-#: Per-worker settings and their types; anything else is refused.
+#: Per-worker numeric settings and their types; with ``output_topics``, anything else is refused.
 WORKER_SETTINGS: dict[str, type | tuple[type, ...]] = {
     "timeout_s": (int, float),
     "max_retries": int,
@@ -19,21 +20,31 @@ WORKER_SETTINGS: dict[str, type | tuple[type, ...]] = {
     "memory_mb": int,
     "cpu_limit_s": (int, float),
 }
+#: Per-worker allow-list: the only topics the worker's outputs may go to.
+OUTPUT_TOPICS = "output_topics"
 
 
 def validate_worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """Check per-worker settings: known keys, right types, non-negative numbers."""
     checked: dict[str, Any] = {}
     for key, value in settings.items():
+        if key == OUTPUT_TOPICS:
+            checked[key] = _topic_list(value)
+            continue
         expected = WORKER_SETTINGS.get(key)
         if expected is None:
-            raise InvalidArgument(
-                f"unknown worker setting {key!r}; known: {', '.join(sorted(WORKER_SETTINGS))}"
-            )
+            known = ", ".join(sorted([*WORKER_SETTINGS, OUTPUT_TOPICS]))
+            raise InvalidArgument(f"unknown worker setting {key!r}; known: {known}")
         if isinstance(value, bool) or not isinstance(value, expected) or value < 0:  # type: ignore[operator]
             raise InvalidArgument(f"worker setting {key!r} must be a non-negative number")
         checked[key] = value
     return checked
+
+
+def _topic_list(value: Any) -> list[str]:
+    if not isinstance(value, list | tuple):
+        raise InvalidArgument(f"worker setting {OUTPUT_TOPICS!r} must be a list of topics")
+    return [check_name("output topic", topic) for topic in value]
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 import importlib.machinery
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +62,8 @@ EXTENSION_PROBES = ("resource", "select", "_json", "_struct", "math", "_datetime
 REQUIRED_STDLIB = ("os", "json", "struct", "traceback", "dataclasses", "typing", "resource")
 #: Directories of third-party code that some layouts keep inside the standard library's.
 SITE_DIRS = ("site-packages", "dist-packages")
+#: Prints the sys.path an interpreter starts with (run as ``python -I -S -c``).
+_PATH_PROBE = "import json, sys; print(json.dumps(sys.path))"
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
 
@@ -153,44 +155,54 @@ def _required_location(name: str) -> str:
     return location
 
 
-def _stdlib_dir() -> str:
-    """Where the pure-Python standard library really is.
+@functools.cache
+def _interpreter_stdlib() -> tuple[str, ...]:
+    """The standard-library path of the child's interpreter, as that interpreter computes it.
 
-    Not ``sysconfig``'s ``platstdlib``: inside a virtualenv that names the venv's own
-    ``lib/python3.X``, which holds neither the standard library nor ``lib-dynload``. The
-    interpreter sets ``os.__file__`` from the directory it actually loaded the standard
-    library from (the base installation's, for a venv).
+    The child starts as ``python -I -S``, whose ``sys.path`` is the standard library alone
+    (zip, pure-Python directory, ``lib-dynload``), found from where the interpreter really
+    is: the base installation's for a venv, ``/usr/lib/python3.X`` for Debian's, ``lib64``
+    on some distributions. ``sysconfig`` can be wrong about it (inside a venv its
+    ``platstdlib`` is the venv's own ``lib/python3.X``, which holds neither), and the host's
+    own ``sys.path`` can be shadowed by PYTHONPATH or its working directory; the
+    interpreter's own answer is neither.
     """
-    origin = getattr(os, "__file__", None)
-    return _clean(os.path.dirname(origin) if origin else sysconfig.get_path("stdlib"))
+    argv = [sys.executable, "-I", "-S", "-c", _PATH_PROBE]
+    try:
+        done = subprocess.run(
+            argv,
+            env={},
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=True,
+        )
+        reported = json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        raise WorkerExecutionError(
+            f"the Python sandbox cannot start: {' '.join(argv)} does not report where its "
+            f"standard library is: {detail}"
+        ) from exc
+    return tuple(dict.fromkeys(_clean(str(p)) for p in reported if os.path.exists(str(p))))
 
 
-def _extension_dirs() -> list[str]:
-    """The directories this interpreter loads compiled standard-library modules from.
+def _extension_dirs(stdlib: list[str]) -> list[str]:
+    """The directories of ``stdlib`` that compiled standard-library modules load from.
 
-    ``lib-dynload`` is not at a fixed place (``lib64`` on some distributions, beside the
-    standard library or under ``base_exec_prefix``), and a build may compile some of these
-    modules into the interpreter, so ask where the probes are really found.
+    Looked up rather than assumed: ``lib-dynload`` is not at a fixed place, and a build may
+    compile some of these modules into the interpreter (Debian's has ``select`` built in).
     """
     suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     found = []
     for name in EXTENSION_PROBES:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
+        spec = importlib.machinery.PathFinder.find_spec(name, stdlib)
         origin = spec.origin if spec is not None else None
         if origin and origin.endswith(suffixes):
             found.append(_clean(os.path.dirname(origin)))
     return list(dict.fromkeys(found))
-
-
-def _stdlib_paths() -> list[str]:
-    """The child's standard-library import roots: zip (if the build uses one), the pure-Python
-    directory, the extension directories."""
-    zip_name = f"python{sys.version_info.major}{sys.version_info.minor}.zip"
-    zips = [_clean(p) for p in sys.path if p.endswith(zip_name) and os.path.isfile(p)]
-    return list(dict.fromkeys([*zips, _stdlib_dir(), *_extension_dirs()]))
 
 
 def _check_stdlib(stdlib: list[str]) -> None:
@@ -201,8 +213,8 @@ def _check_stdlib(stdlib: list[str]) -> None:
         if importlib.machinery.PathFinder.find_spec(name, stdlib) is None:
             raise WorkerExecutionError(
                 f"the Python sandbox cannot start: the standard-library module {name!r} is not "
-                f"in {stdlib}, where {sys.executable} (base prefix {sys.base_prefix}) keeps "
-                "its standard library"
+                f"in {stdlib}, the path {sys.executable} -I -S starts with (base prefix "
+                f"{sys.base_prefix})"
             )
 
 
@@ -254,7 +266,7 @@ def sandbox_paths(allowed: tuple[str, ...]) -> SandboxPaths:
     Raises WorkerExecutionError, naming the module and where it was looked for, when this
     interpreter lacks something the child cannot start without.
     """
-    stdlib = _stdlib_paths()
+    stdlib = list(_interpreter_stdlib())
     _check_stdlib(stdlib)
     packages = {name: _required_location(name) for name in ("engines", "wm")}
     code = [_required_location(m) for m in SANDBOX_DEPENDENCIES] + list(packages.values())
@@ -263,7 +275,7 @@ def sandbox_paths(allowed: tuple[str, ...]) -> SandboxPaths:
     sys_path = tuple(dict.fromkeys(stdlib + parents))
     stdlib_reads = _stdlib_read_roots(stdlib)
     read_roots = tuple(dict.fromkeys([*stdlib_reads, *code, *third_party, *EXTRA_READ_ROOTS]))
-    native = tuple(dict.fromkeys([*_extension_dirs(), *third_party]))
+    native = tuple(dict.fromkeys([*_extension_dirs(stdlib), *third_party]))
     return SandboxPaths(sys_path, read_roots, sys_path, native, packages, bool(third_party))
 
 

@@ -18,11 +18,14 @@ from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.outputs import OutputPublisher
 from wm.engine import Engine, WorkerSpec, engine_class
+from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused
 from wm.events import CloudEvent, derive_id, key_of, with_attributes
+from wm.names import check_name, reserved_topic
 from wm.state.directory import Directory, WorkerMeta
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks, Lease
 from wm.state.outcomes import Outcomes
+from wm.views import OUTPUT_TOPICS
 
 logger = logging.getLogger(__name__)
 #: Engines kept loaded per process; the least recently used beyond this is closed.
@@ -30,6 +33,8 @@ _ENGINE_CACHE_SIZE = 64
 #: Extension attributes copied from an input event to every output that lacks them.
 PROPAGATED = ("correlationid", "traceparent", "tracestate")
 FENCE_EXTENSION = "wmfence"
+#: Workers an event passed through on its way here; every output carries one more.
+HOPS_EXTENSION = "wmhops"
 
 
 class EngineCache:
@@ -115,6 +120,13 @@ class Delivery:
     def version(self) -> int:
         return self.pin_version or self.meta.version
 
+    @functools.cached_property
+    def hops(self) -> int:
+        try:
+            return max(0, int(self.event.get_extension(HOPS_EXTENSION) or 0))
+        except (TypeError, ValueError):
+            return 0
+
     def run(self) -> list[CloudEvent]:
         """Process the event, or republish its recorded outcome; returns the outputs."""
         recorded = self.rt.outcomes.get(self.meta.id, self.key)
@@ -126,6 +138,11 @@ class Delivery:
             )
             self.publish(recorded)
             return recorded
+        if self.hops >= self.rt.settings.max_hops:
+            raise HopLimitExceeded(
+                f"event {self.event.get_id()} already passed through {self.hops} workers "
+                f"(WM_MAX_HOPS={self.rt.settings.max_hops}); a chain of workers may loop"
+            )
         engine, temporary = self.rt.engines.engine(self.meta, self.version)
         try:
             if self.meta.group:
@@ -154,10 +171,15 @@ class Delivery:
         return engine.process(self.event, timeout_s)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
-        """Deterministic ids, propagated trace/correlation attributes and the fence."""
+        """Deterministic ids, propagated trace/correlation attributes, the hop count and the
+        fence; an output to a topic the worker may not publish to refuses them all."""
         stamped = []
         for index, output in enumerate(outputs):
-            extra: dict[str, object] = {"id": derive_id(self.key, self.meta.id, index)}
+            self.check_output_topic(output.get_type())
+            extra: dict[str, object] = {
+                "id": derive_id(self.key, self.meta.id, index),
+                HOPS_EXTENSION: self.hops + 1,
+            }
             for name in PROPAGATED:
                 value = self.event.get_extension(name)
                 if value is not None and output.get_extension(name) is None:
@@ -166,6 +188,22 @@ class Delivery:
                 extra[FENCE_EXTENSION] = self.lease.fence
             stamped.append(with_attributes(output, **extra))
         return stamped
+
+    def check_output_topic(self, topic: str) -> None:
+        allowed = self.meta.settings.get(OUTPUT_TOPICS)
+        try:
+            check_name("output topic", topic)
+        except InvalidArgument as exc:
+            raise OutputRefused(str(exc)) from exc
+        if reserved_topic(topic):
+            raise OutputRefused(
+                f"output topic {topic!r} is reserved for WorkManager's own events "
+                "(lifecycle, dead letters)"
+            )
+        if allowed is not None and topic not in allowed:
+            raise OutputRefused(
+                f"output topic {topic!r} is not in the worker's {OUTPUT_TOPICS}: {allowed}"
+            )
 
     def publish(self, outputs: list[CloudEvent]) -> None:
         """Publish each output to the topic of its type (plain subscriptions get it once,
