@@ -1,12 +1,17 @@
 """Fixtures against the real services: PostgreSQL, Redis, RabbitMQ and Celery node processes.
 
 Locally a missing service skips the tests that need it; in CI (``CI`` set) it fails them.
+
+Randomized tests draw from the ``rng`` fixture. Its seed is fresh on every run unless
+``TEST_SEED`` is set, and a failing test's report prints it (section "random seed") with the
+command line that replays it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -20,6 +25,13 @@ import pytest
 import redis
 
 from wm import Settings, WorkManager, store
+from wm.config import current_values
+
+#: ``celery_app`` and ``celery_worker``: a real Celery worker in a thread of the test process
+#: (used with kombu's in-memory broker by test_delivery_policy.py). Celery ships the plugin
+#: but no longer registers it; the pytest-celery distribution would, and would also replace
+#: ``celery_worker`` with its Docker-based one.
+pytest_plugins = ("celery.contrib.pytest",)
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
 REDIS_HOST = "redis://127.0.0.1:6379"
@@ -27,6 +39,10 @@ AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//"
 #: Redis databases of this test run: broker and state (other suites use other numbers).
 BROKER_DB, STATE_DB = 12, 13
 ROOT = Path(__file__).resolve().parent.parent
+#: Replays a randomized test: the seed its failure report printed. Not WM_*: the settings
+#: refuse unknown WM_* variables, and the suite runs ``Settings.from_env()`` in-process.
+SEED_ENV = "TEST_SEED"
+_SEED = pytest.StashKey[int]()
 
 
 def need(service: str, error: Exception) -> None:
@@ -39,6 +55,43 @@ def need(service: str, error: Exception) -> None:
 def flush_redis(*dbs: int) -> None:
     for db in dbs:
         redis.Redis.from_url(f"{REDIS_HOST}/{db}").flushdb()
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """This test's random seed: ``TEST_SEED`` if set, else a fresh one (printed on failure)."""
+    raw = os.environ.get(SEED_ENV, "").strip()
+    try:
+        value = int(raw) if raw else random.SystemRandom().randrange(2**32)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV}={raw!r} is not an integer") from None
+    request.node.stash[_SEED] = value
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.fixture
+def rng(seed: int) -> Iterator[random.Random]:
+    """A ``random.Random`` seeded with ``seed``. The module-level ``random`` that code under
+    test draws from in this process (retry jitter) is seeded too, and restored afterwards."""
+    state = random.getstate()
+    random.seed(seed)
+    yield random.Random(seed)
+    random.setstate(state)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    seed = item.stash.get(_SEED, None)
+    if seed is not None and report.failed:
+        report.sections.append(("random seed", f"seed={seed} (rerun with {SEED_ENV}={seed})"))
+    return report
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    raw = os.environ.get(SEED_ENV)
+    return f"random seed fixed by {SEED_ENV}={raw}" if raw else None
 
 
 @pytest.fixture(scope="session")
@@ -79,24 +132,12 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
 
 
 def env_of(settings: Settings, **extra: str) -> dict[str, str]:
-    """The environment that makes a subprocess (CLI, Celery node) use ``settings``."""
+    """The environment that makes a subprocess (CLI, Celery node) use ``settings``: every
+    setting's variable is set, so none comes from the developer's environment and a setting
+    added later reaches the subprocess too."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WM_")}
-    env.update(
-        WM_DATABASE_URL=settings.database_url,
-        WM_BROKER_URL=settings.broker_url,
-        WM_REDIS_URL=settings.redis_url,
-        WM_RECONCILE_INTERVAL_S=str(settings.reconcile_interval_s),
-        WM_RETRY_BASE_DELAY_MS=str(settings.retry_base_delay_ms),
-        WM_RETRY_MAX_DELAY_MS=str(settings.retry_max_delay_ms),
-        WM_MAX_RETRIES=str(settings.max_retries),
-        WM_VISIBILITY_TIMEOUT_S=str(settings.visibility_timeout_s),
-        WM_REDELIVER_AFTER_S=str(settings.redeliver_after_s),
-        GROUP_LOCK_RETRY_BASE_DELAY_MS=str(settings.group_lock_retry_base_delay_ms),
-        GROUP_LOCK_MAX_RETRIES=str(settings.group_lock_max_retries),
-        WM_GROUP_LOCK_MAX_AGE_S=str(settings.group_lock_max_age_s),
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(extra)
+    env.update(current_values(settings))
+    env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
 

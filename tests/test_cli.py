@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import REDIS_HOST, flush_redis, fresh_schema
 from tests.helpers import STUB, drain, stub
-from wm import Settings, store
+from wm import Settings, WorkManager, store
 from wm.cli import build_parser
 from wm.config import settings_table
 from wm.dataplane.deadletters import DeadLetters, Failure
@@ -76,7 +76,10 @@ def unmigrated_env(database_url: str, redis_ok: None) -> Iterator[dict[str, str]
 
 @pytest.fixture
 def env(unmigrated_env: dict[str, str]) -> dict[str, str]:
-    wm(unmigrated_env, "db", "upgrade")
+    """Migrated in this process: a ``wm db upgrade`` process per test costs a second each, and
+    ``test_db_upgrade_reaches_head`` runs that command itself."""
+    store.upgrade(Settings.from_env(unmigrated_env))
+    store.dispose_engines()
     return unmigrated_env
 
 
@@ -193,6 +196,7 @@ def test_create_from_file_then_list_and_show(env: dict[str, str], tmp_path: Path
     assert f"sha256:    {made['sha256']}" in shown
 
 
+@pytest.mark.slow
 def test_create_from_stdin_and_from_base64(env: dict[str, str]) -> None:
     from_stdin = stub(output_type="from.stdin")
     made = wm_json(
@@ -227,6 +231,7 @@ def test_create_from_stdin_and_from_base64(env: dict[str, str]) -> None:
     assert wm_json(env, "worker", "code", made["id"])["code_base64"] == encoded
 
 
+@pytest.mark.slow
 def test_json_is_a_global_flag_before_or_after_the_command(
     env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -237,6 +242,7 @@ def test_json_is_a_global_flag_before_or_after_the_command(
     assert before["name"] == "either"
 
 
+@pytest.mark.slow
 def test_history_after_update_code_and_rollback(env: dict[str, str], tmp_path: Path) -> None:
     made = create(env, tmp_path, "--name", "versions")
     second = stub(output_type="second")
@@ -268,6 +274,7 @@ def test_history_after_update_code_and_rollback(env: dict[str, str], tmp_path: P
     assert "no version 9" in error
 
 
+@pytest.mark.slow
 def test_stop_and_start_are_idempotent(env: dict[str, str], tmp_path: Path) -> None:
     made = create(env, tmp_path)
     for _ in range(2):
@@ -283,6 +290,7 @@ def test_stop_and_start_are_idempotent(env: dict[str, str], tmp_path: Path) -> N
     )
 
 
+@pytest.mark.slow
 def test_start_after_delete_fails_with_one_error_line(env: dict[str, str], tmp_path: Path) -> None:
     made = create(env, tmp_path, "--name", "doomed")
     assert wm_json(env, "worker", "delete", "doomed")["status"] == "deleted"
@@ -342,9 +350,9 @@ def test_bad_code_or_settings_are_refused_and_nothing_is_persisted(
         expect=1,
     )
     assert message in one_error_line(result)
-    assert wm_json(env, "worker", "list", "--status", "created") == []
-    assert wm_json(env, "worker", "list") == []
-    assert wm_json(env, "subscriptions") == []
+    stored = WorkManager(Settings.from_env(env))  # read in-process: a `wm` process costs ~0.6 s
+    assert stored.list_workers(status="created") == stored.list_workers() == []
+    assert stored.list_subscriptions() == []
 
 
 @pytest.mark.parametrize(
@@ -407,7 +415,10 @@ def test_unmigrated_database_is_one_error_line(unmigrated_env: dict[str, str]) -
     assert "wm db upgrade" in one_error_line(wm(unmigrated_env, "worker", "list", expect=1))
 
 
-def test_db_upgrade_reaches_head(env: dict[str, str]) -> None:
+def test_db_upgrade_reaches_head(unmigrated_env: dict[str, str]) -> None:
+    env = unmigrated_env
+    assert "wm db upgrade" in one_error_line(wm(env, "worker", "list", expect=1))
+    wm(env, "db", "upgrade")
     state = wm_json(env, "db", "current")
     assert state["current"] == state["head"]
     assert state["up_to_date"] is True
@@ -429,6 +440,7 @@ def test_config_prints_default_and_current_values(env: dict[str, str]) -> None:
 # -- events ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_publish_reaches_a_subscribed_queue(env: dict[str, str], tmp_path: Path) -> None:
     queue = wm_json(env, "subscribe", "orders", "sink")["queue"]
     reached = wm(
@@ -483,6 +495,7 @@ def test_bad_event_data_is_one_error_line(env: dict[str, str]) -> None:
     assert "lacks required attribute" in one_error_line(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite", "postgres"], indirect=True)
 def test_lifecycle_events_reach_a_subscribed_queue_in_order(
     env: dict[str, str], tmp_path: Path
@@ -511,6 +524,7 @@ def test_lifecycle_events_reach_a_subscribed_queue_in_order(
     wm(env, "unsubscribe", LIFECYCLE, "audit")
 
 
+@pytest.mark.slow
 def test_tail_prints_lifecycle_events_of_a_concurrent_create(
     env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -526,6 +540,7 @@ def test_tail_prints_lifecycle_events_of_a_concurrent_create(
     assert tail_queues(env, LIFECYCLE) == []
 
 
+@pytest.mark.slow
 def test_tail_human_line(env: dict[str, str]) -> None:
     tail = start_tail(env, "orders", "--count", "1")
     wm(
@@ -549,11 +564,13 @@ def test_tail_human_line(env: dict[str, str]) -> None:
     assert tail_queues(env, "orders") == []
 
 
+@pytest.mark.slow
 def test_tail_stops_after_a_quiet_period_and_cleans_up(env: dict[str, str]) -> None:
     assert wm(env, "tail", "orders", "--timeout-s", "1").out == ""
     assert wm_json(env, "subscriptions") == []
 
 
+@pytest.mark.slow
 def test_tail_cleans_up_on_ctrl_c(env: dict[str, str]) -> None:
     tail = start_tail(env, "orders")
     tail.send_signal(signal.SIGINT)
@@ -587,6 +604,7 @@ def park(env: dict[str, str], worker_id: str, topic: str, error_type: str) -> st
         store.dispose_engines()
 
 
+@pytest.mark.slow
 def test_dead_letters_list_show_replay_purge(env: dict[str, str], tmp_path: Path) -> None:
     worker = create(env, tmp_path, "--name", "flaky")["id"]
     timeout = park(env, worker, "orders", "WorkerTimeout")

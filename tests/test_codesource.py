@@ -434,11 +434,13 @@ def test_empty_or_truncated_body_is_refused(
 
 
 def test_unreachable_server_is_a_clear_error(loopback_settings: Settings) -> None:
+    # Bound but not listening: the port refuses connections while the probe holds it, and
+    # no other program can take it meanwhile.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(CodeSourceError, match="could not fetch"):
-        from_url(f"http://127.0.0.1:{port}/code.py", settings=loopback_settings)
+        with pytest.raises(CodeSourceError, match="could not fetch"):
+            from_url(f"http://127.0.0.1:{port}/code.py", settings=loopback_settings)
 
 
 def test_unresolvable_host_is_a_clear_error(settings: Settings) -> None:

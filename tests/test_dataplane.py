@@ -32,6 +32,7 @@ def _publish(manager: WorkManager, topic: str, count: int, **ext: Any) -> list[s
     return ids
 
 
+@pytest.mark.slow
 def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -54,6 +55,7 @@ def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: 
     assert manager.bus.dropped("nobody.listens") == 1
 
 
+@pytest.mark.slow
 def test_stopped_worker_keeps_its_queue_and_resumes(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -69,6 +71,7 @@ def test_stopped_worker_keeps_its_queue_and_resumes(fast: Settings, start_node: 
     assert len(drain(fast, sink, 5)) == 5
 
 
+@pytest.mark.slow
 def test_deleting_a_worker_removes_its_queue(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     start_node(fast)
@@ -81,6 +84,7 @@ def test_deleting_a_worker_removes_its_queue(fast: Settings, start_node: Any) ->
     assert manager.list_subscriptions("in") == []
 
 
+@pytest.mark.slow
 def test_code_update_reaches_a_running_node(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -96,6 +100,7 @@ def test_code_update_reaches_a_running_node(fast: Settings, start_node: Any) -> 
     assert len(second) == 6
 
 
+@pytest.mark.slow
 def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -134,6 +139,7 @@ def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -
     assert DeadLetters(fast).purge([letter.id]) == 1
 
 
+@pytest.mark.slow
 def test_replay_to_the_same_version_fails_again(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -150,6 +156,7 @@ def test_replay_to_the_same_version_fails_again(fast: Settings, start_node: Any)
     assert again[0].version == 1 and again[0].error_message == "v1 fails"
 
 
+@pytest.mark.slow
 def test_malformed_message_is_dead_lettered_at_once(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -164,6 +171,7 @@ def test_malformed_message_is_dead_lettered_at_once(fast: Settings, start_node: 
     assert "lacks required attribute(s): id, source" in " ".join(x.error_message for x in letters)
 
 
+@pytest.mark.slow
 def test_node_start_recovers_state_redis_lost(fast: Settings, start_node: Any) -> None:
     """Redis lost the routing table and the worker cache: the recovery leader rebuilds them
     from the database, releases its lease, and delivery works."""
@@ -181,6 +189,7 @@ def test_node_start_recovers_state_redis_lost(fast: Settings, start_node: Any) -
     assert len(drain(fast, sink, 2)) == 2
 
 
+@pytest.mark.slow
 def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: Any) -> None:
     """The pending ledger: a delivery whose broker message vanished (as kombu's Redis
     transport can lose one to a kill between BRPOP and its unacked record) is sent again."""
@@ -206,6 +215,7 @@ def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: A
     assert queue_empty(settings, sink, 2.0)  # sent again once, not over and over
 
 
+@pytest.mark.slow
 def test_settled_and_dead_lettered_deliveries_leave_the_ledger(
     fast: Settings, start_node: Any
 ) -> None:
@@ -237,9 +247,11 @@ def test_a_republished_output_reaches_a_plain_subscription_once(fast: Settings) 
         publisher.publish(output)
     other = make_event("done", "/tests", {"n": 2})
     publisher.publish(other)
-    assert [e["id"] for e in drain(fast, sink, 5, timeout_s=3)] == [output.get_id(), other.get_id()]
+    assert [e["id"] for e in drain(fast, sink, 2)] == [output.get_id(), other.get_id()]
+    assert queue_empty(fast, sink, 0.5)  # published synchronously: a copy would be there now
 
 
+@pytest.mark.slow
 def test_a_route_lost_behind_workmanagers_back_is_repaired(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     sink = manager.subscribe("done", "sink")
@@ -255,6 +267,7 @@ def test_a_route_lost_behind_workmanagers_back_is_repaired(fast: Settings, start
     assert len(drain(fast, sink, 1)) == 1
 
 
+@pytest.mark.slow
 def test_events_are_told_apart_by_source_and_id(fast: Settings, start_node: Any) -> None:
     """CloudEvents makes source + id unique: two producers may both send id "1"."""
     manager = WorkManager(fast)

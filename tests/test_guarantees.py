@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import itertools
 import random
-import shutil
 import signal
-import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,9 @@ from tests.conftest import AMQP_URL, need
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.delivery import FENCE_EXTENSION
-from wm.events import event_key
+from wm.errors import EmbeddedRedisError
+from wm.events import derive_id, event_key
+from wm.local.embedded import find_redis_server, start_redis, stop_redis
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
@@ -70,53 +71,28 @@ def test_group_members_never_overlap_and_fences_increase(
 
 
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Any:
-    """A Redis server of this test's own (port 6391), which the test may restart."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        need("redis-server", FileNotFoundError("redis-server"))
-    port = 6391
+def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
+    """A Redis server of this test's own, which the test may restart on the same port.
 
-    def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [
-                str(binary),
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(tmp_path),
-                "--appendonly",
-                "yes",
-                "--save",
-                "",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=port)
-        eventually(lambda: _pings(client), timeout_s=10)
-        return proc
-
-    procs = [start()]
+    ``start_redis`` (the embedded Redis of ``wm up``) picks a free port at run time and picks
+    again if another program takes it before the server binds it; the append-only file in
+    its data directory keeps the queued messages across the restart.
+    """
+    try:
+        binary = find_redis_server()
+    except EmbeddedRedisError as exc:
+        need("redis-server", exc)
+    data_dir = tmp_path / "redis"
+    servers = [start_redis(data_dir, executable=binary)]
+    port = servers[0].port
 
     def restart() -> None:
-        procs[-1].send_signal(signal.SIGTERM)
-        procs[-1].wait(timeout=10)
-        time.sleep(2.0)
-        procs.append(start())
+        stop_redis(servers[-1])
+        time.sleep(2.0)  # an outage the node must ride out, not a wait for a condition
+        servers.append(start_redis(data_dir, port=port, executable=binary))
 
     yield port, restart
-    procs[-1].terminate()
-    procs[-1].wait(timeout=10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
+    stop_redis(servers[-1])
 
 
 @pytest.mark.slow
@@ -194,7 +170,7 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
 
 @pytest.mark.slow
 def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
-    pg_settings: Settings, start_node: Any
+    pg_settings: Settings, start_node: Any, rng: random.Random
 ) -> None:
     settings = pg_settings.replace(
         visibility_timeout_s=5, reconcile_interval_s=1.0, redeliver_after_s=20.0
@@ -205,17 +181,27 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
         code=stub(output_type="done", sleep_ms=2), mime_type=STUB, topic="in"
     )
     ids = _publish(manager, "in", 1000)
-    rng = random.Random()
+    ledger = Ledger(settings)
     for round_ in range(3):
         node = start_node(settings, name=f"victim{round_}")
         node.consuming(f"in::{worker.id}")
-        time.sleep(rng.uniform(0.5, 2.5))
+        # Killed after a random share of the stream: mid-stream, at a point the seed replays.
+        target = ledger.pending(str(worker.id)) - rng.randint(20, 150)
+        eventually(
+            lambda target=target: ledger.pending(str(worker.id)) <= target,
+            timeout_s=60,
+            interval_s=0.02,
+        )
         node.kill(signal.SIGKILL)
     start_node(settings, name="survivor").consuming(f"in::{worker.id}")
     outputs = drain(settings, sink, 1000, timeout_s=180)
     outputs += drain(settings, sink, 1000, timeout_s=3)  # anything duplicated arrives too
     counts = Counter(e["id"] for e in outputs)
     assert [i for i, n in counts.items() if n > 1] == []
+    # Every published event (1000 distinct ones) has its output: the one derived from its key.
+    expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
+    assert len(expected) == 1000
+    assert set(counts) == expected
     inputs = {e["data"]["input"]["n"] for e in outputs}
     broker = redis.Redis.from_url(settings.broker_url)
     missing = sorted(set(range(1000)) - inputs)
@@ -232,10 +218,10 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
         manager.bus.queue_depth(sink),
     )
     assert state == ([], 0, 0, [], [], 0), state
-    eventually(lambda: Ledger(settings).pending(str(worker.id)) == 0, timeout_s=30)
-    assert len(ids) == 1000
+    eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=30)
 
 
+@pytest.mark.slow
 def test_lock_contention_retries_at_broker_level_then_dead_letters(
     settings: Settings, start_node: Any
 ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import STUB, drain, stub
+from tests.helpers import STUB, drain, queue_empty, stub
 from wm import (
     EngineNotFound,
     IllegalTransition,
@@ -35,7 +35,9 @@ def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
     manager.start_worker(worker.id)
     manager.delete_worker(worker.id)
 
-    events = drain(manager.settings, queue, 20, 5)
+    events = drain(manager.settings, queue, 7, 5)
+    # Published synchronously after each commit: anything extra would be queued already.
+    assert queue_empty(manager.settings, queue, 0.5)
     kinds = [e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in events]
     assert kinds == [
         "created",

@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from tests.conftest import REDIS_HOST, STATE_DB
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
 from wm.state.locks import GroupLocks, Lease, make_owner
@@ -33,25 +34,20 @@ ROUNDS_PER_PROCESS = 130
 CHILD_TIMEOUT_S = 60.0
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(reason)
-    pytest.skip(reason)
+#: The suite's own state database (never the developer's WM_REDIS_URL); keys live under a
+#: per-test prefix, so nothing is flushed.
+REDIS_URL = f"{REDIS_HOST}/{STATE_DB}"
 
 
 @pytest.fixture
-def redis_url() -> str:
-    return Settings.from_env().redis_url
+def redis_url(redis_ok: None) -> str:
+    """The suite's Redis; ``redis_ok`` skips when it is down, and fails in CI."""
+    return REDIS_URL
 
 
 @pytest.fixture
 def client(redis_url: str) -> Iterator[redis.Redis]:
     conn = redis.Redis.from_url(redis_url, socket_connect_timeout=2)
-    try:
-        conn.ping()
-    except redis.exceptions.ConnectionError as exc:
-        conn.close()
-        _unavailable(f"Redis at {redis_url} is unreachable: {exc}")
     yield conn
     conn.close()
 
@@ -72,7 +68,7 @@ def _settings(**changes: Any) -> Settings:
         "group_lock_max_retries": 3,
         "group_lock_max_age_s": 30.0,
     }
-    return Settings().replace(**{**fast, **changes})
+    return Settings(redis_url=REDIS_URL).replace(**{**fast, **changes})
 
 
 def _counting_client(url: str) -> tuple[redis.Redis, list[tuple[float, str]]]:
@@ -381,18 +377,21 @@ def test_works_with_a_client_that_decodes_responses(redis_url: str, prefix: str)
 
 
 def test_unreachable_redis_is_reported_with_the_setting_to_fix() -> None:
+    # Bound but not listening: connections to the port are refused for as long as the probe
+    # holds it, and no other program can take it meanwhile.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    unreachable = redis.Redis(
-        host="127.0.0.1", port=port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
-    )
-    locks = GroupLocks(_settings(redis_url=f"redis://127.0.0.1:{port}/0"), client=unreachable)
-    with pytest.raises(BrokerUnavailable, match=f"127.0.0.1:{port}.*WM_REDIS_URL"):
-        locks.try_acquire(GROUP, "owner")
-    with pytest.raises(BrokerUnavailable):
-        locks.holder(GROUP)
-    unreachable.close()
+        unreachable = redis.Redis(
+            host="127.0.0.1", port=port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+        )
+        locks = GroupLocks(_settings(redis_url=f"redis://127.0.0.1:{port}/0"), client=unreachable)
+        with pytest.raises(BrokerUnavailable) as refused:
+            locks.try_acquire(GROUP, "owner")
+        assert f"127.0.0.1:{port}" in str(refused.value) and "WM_REDIS_URL" in str(refused.value)
+        with pytest.raises(BrokerUnavailable):
+            locks.holder(GROUP)
+        unreachable.close()
 
 
 def test_a_release_wakes_a_waiting_contender_before_its_backoff_ends(

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import env_of
 from tests.helpers import drain, eventually
 from wm import DeadLetters, Settings, WorkManager, make_event
@@ -28,6 +30,7 @@ def _wm(settings: Settings, *args: str, stdin: str | None = None) -> Any:
     return json.loads(result.stdout) if result.stdout.strip() else None
 
 
+@pytest.mark.slow
 def test_cli_created_python_workers_process_events(settings: Settings, start_node: Any) -> None:
     fast = settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
@@ -85,6 +88,7 @@ def test_cli_created_python_workers_process_events(settings: Settings, start_nod
     assert "correlationid" not in refused
 
 
+@pytest.mark.slow
 def test_python_timeout_retries_then_dead_letters(settings: Settings, start_node: Any) -> None:
     fast = settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
@@ -101,6 +105,7 @@ def test_python_timeout_retries_then_dead_letters(settings: Settings, start_node
     assert letter.error_type == "WorkerTimeout" and letter.attempts == 2
 
 
+@pytest.mark.slow
 def test_python_hot_reload_through_a_running_node(settings: Settings, start_node: Any) -> None:
     fast = settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
@@ -119,6 +124,7 @@ def test_python_hot_reload_through_a_running_node(settings: Settings, start_node
     assert drain(fast, sink, 1)[0]["data"] == {"v": 2}
 
 
+@pytest.mark.slow
 def test_code_a_node_cannot_load_fails_the_worker_and_keeps_the_message(
     settings: Settings, start_node: Any
 ) -> None:

@@ -1,4 +1,5 @@
-"""Defects found by chaos runs, each reproduced first through real node processes."""
+"""Defects found by chaos runs, each reproduced first (through real node processes where the
+defect needs one)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
 ONE_ATTEMPT = {"max_retries": 0}
 
 
+@pytest.mark.slow
 def test_a_nul_byte_in_an_error_is_parked_once_not_looped(
     pg_settings: Settings, start_node: Any
 ) -> None:
@@ -58,6 +60,7 @@ def test_a_letter_the_database_refuses_is_stored_bounded(pg_settings: Settings) 
     assert letter.event_id is not None and len(letter.event_id) <= 255
 
 
+@pytest.mark.slow
 def test_a_worker_feeding_itself_is_parked_after_max_hops(
     settings: Settings, start_node: Any
 ) -> None:
@@ -77,6 +80,7 @@ def test_a_worker_feeding_itself_is_parked_after_max_hops(
     assert [e.get("wmhops") for e in seen] == [None, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_outputs_to_reserved_or_unlisted_topics_are_refused(
     settings: Settings, start_node: Any
 ) -> None:

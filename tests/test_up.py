@@ -28,6 +28,7 @@ def _run_up(cwd: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow
 def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path) -> None:
     proc = _run_up(tmp_path, "--demo", "--events", "3")
     out, _ = proc.communicate(timeout=180)
@@ -40,6 +41,7 @@ def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path) -> None:
     _assert_nothing_left(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_stops_everything(tmp_path: Path, stop: signal.Signals) -> None:
     proc = _run_up(tmp_path)

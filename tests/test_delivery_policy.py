@@ -1,0 +1,371 @@
+"""The consumer task's failure policy (``wm.dataplane.tasks``) on an in-process Celery worker.
+
+``celery_app`` and ``celery_worker`` (``celery.contrib.pytest``) run a real Celery worker in a
+thread of this process, on kombu's in-memory transport; the store and the Redis state are the
+suite's real ones. The worker's runtime reads its settings from the environment, as a node
+does; it runs the threads pool (a node runs prefork) and lacks the node's reconcile step, so
+it consumes a worker's queue when the manager's start broadcast reaches it. The same
+behaviour through real node processes and a real broker is covered by the slow tests in
+``test_dataplane.py``, ``test_guarantees.py`` and ``test_python_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import uuid
+from collections.abc import Iterator, Mapping
+from datetime import datetime
+from itertools import pairwise
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.worker import WorkController
+from celery.worker import state as worker_state
+from kombu.transport import memory
+from sqlalchemy import update
+
+from tests.helpers import STUB, drain, eventually, stub
+from wm import DeadLetters, Settings, WorkManager, make_event, store
+from wm.config import current_values
+from wm.dataplane.app import celery_settings
+from wm.dataplane.bus import Route
+from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.tasks import reset_runtime
+from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, encode, event_key
+from wm.lifecycle import Status
+from wm.state.ledger import Ledger
+from wm.state.locks import GroupLocks
+from wm.store.models import WorkerVersion
+from wm.views import WorkerInfo
+
+ERROR_TYPE = LIFECYCLE_TYPE_PREFIX + "error"
+
+
+# -- the in-process node -------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def memory_broker() -> Iterator[None]:
+    """kombu's in-memory broker is process-wide: each test starts and ends with it empty."""
+    _clear_memory_broker()
+    yield
+    _clear_memory_broker()
+
+
+def _clear_memory_broker() -> None:
+    memory.Channel.queues.clear()
+    memory.Channel.events.clear()
+    memory.Transport.global_state.clear()
+
+
+@pytest.fixture
+def node_settings(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, rng: random.Random
+) -> Iterator[Settings]:
+    """The test's settings on the in-memory broker, exported the way a node reads them.
+
+    ``rng`` seeds the retry jitter the worker thread draws, so a failure can be replayed.
+    """
+    result = settings.replace(
+        broker_url="memory://",
+        reconcile_interval_s=1.0,
+        group_lock_retry_base_delay_ms=10,
+        group_lock_max_retries=2,
+    )
+    for name in list(os.environ):
+        if name.startswith("WM_"):
+            monkeypatch.delenv(name)
+    for name, value in current_values(result).items():
+        monkeypatch.setenv(name, value)
+    reset_runtime()  # the worker thread builds its runtime from this environment
+    yield result
+    reset_runtime()
+
+
+@pytest.fixture
+def celery_config(node_settings: Settings) -> Mapping[str, Any]:
+    """WorkManager's own Celery configuration, polling the in-memory broker often."""
+    return {
+        **celery_settings(node_settings),
+        "broker_transport_options": {"polling_interval": 0.01},
+    }
+
+
+@pytest.fixture(scope="session")
+def celery_includes() -> tuple[str, ...]:
+    return ("wm.dataplane.tasks",)
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    """Threads, so the consumer keeps fetching (prefetch) while a delivery runs."""
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> Mapping[str, Any]:
+    # The ping check needs a result backend; WorkManager runs without one.
+    return {"perform_ping_check": False}
+
+
+@pytest.fixture
+def manager(node_settings: Settings) -> WorkManager:
+    return WorkManager(node_settings)
+
+
+@pytest.fixture
+def node(celery_worker: WorkController, celery_app: Celery) -> Iterator[WorkController]:
+    yield celery_worker
+    # celery_worker's teardown asks the worker to stop, but on a polling transport the worker
+    # notices only after its current drain cycle and one more (2 s each): wake both at once.
+    worker_state.should_terminate = 0
+    for _ in range(2):
+        celery_app.control.broadcast("ping", reply=False)
+
+
+def _consuming(node: WorkController, worker: WorkerInfo) -> str:
+    """Wait until the node consumes the worker's queue (``start_worker`` broadcasts it)."""
+    queue = worker_queue_name(worker.topic, str(worker.id))
+    eventually(
+        lambda: queue in {q.name for q in node.consumer.task_consumer.queues},
+        timeout_s=10,
+        interval_s=0.02,
+    )
+    return queue
+
+
+def _time(event: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(event["time"])
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_a_delivery_publishes_stamped_outputs_and_settles(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done", outputs=2), mime_type=STUB, topic="in"
+    )
+    _consuming(node, worker)
+    event = make_event("in", "/tests", {"n": 1}, extensions={"correlationid": "corr-1"})
+    manager.publish(event)
+
+    outputs = drain(node_settings, sink, 2, timeout_s=10)
+    key = event_key("/tests", event.get_id())
+    assert sorted(o["id"] for o in outputs) == sorted(
+        derive_id(key, str(worker.id), i) for i in (0, 1)
+    )
+    assert {o["correlationid"] for o in outputs} == {"corr-1"}
+    assert [o["data"]["input"] for o in outputs] == [{"n": 1}, {"n": 1}]
+    eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=5)
+    assert DeadLetters(node_settings).list() == []
+
+
+def test_a_failing_worker_is_retried_with_backoff_then_dead_lettered(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    alerts = manager.subscribe("in-dead", "alerts")
+    base_ms = 200
+    worker = manager.create_worker(
+        code=stub(fail="boom"),
+        mime_type=STUB,
+        topic="in",
+        settings={"max_retries": 2, "retry_base_delay_ms": base_ms},
+    )
+    queue = _consuming(node, worker)
+    event = make_event("in", "/tests", {"n": 1})
+    manager.publish(event)
+
+    [alert] = drain(node_settings, alerts, 1, timeout_s=15)
+    assert (alert["data"]["event_id"], alert["data"]["attempts"]) == (event.get_id(), 3)
+    [letter] = DeadLetters(node_settings).list(worker_id=str(worker.id))
+    assert (letter.error_type, letter.error_message, letter.attempts) == (
+        "WorkerExecutionError",
+        "boom",
+        3,
+    )
+    assert json.loads(letter.envelope)["id"] == event.get_id()  # parked, not dropped
+    events = drain(node_settings, lifecycle, 5, timeout_s=5)  # created, started, 3 errors
+    errors = [e for e in events if e["type"] == ERROR_TYPE]
+    assert [e["data"]["attempt"] for e in errors] == [1, 2, 3]
+    # Retry n waits between half and all of base × 2^(n-1).
+    gaps = [(_time(b) - _time(a)).total_seconds() for a, b in pairwise(errors)]
+    assert gaps[0] >= base_ms / 2 / 1000 and gaps[1] >= base_ms / 1000, gaps
+    assert manager.bus.queue_depth(queue) == 0
+    assert Ledger(node_settings).pending(str(worker.id)) == 0
+
+
+def test_a_malformed_payload_is_dead_lettered_at_once(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(
+        code=stub(output_type="done"),
+        mime_type=STUB,
+        topic="in",
+        settings={"max_retries": 5, "retry_base_delay_ms": 20},
+    )
+    queue = _consuming(node, worker)
+    payloads = ["this is not json", '{"specversion": "1.0", "type": "x"}']
+    route = Route(queue, str(worker.id))
+    for payload in payloads:
+        manager.bus.send(payload, [route])
+
+    letters = eventually(
+        lambda: len(DeadLetters(node_settings).list()) == 2 and DeadLetters(node_settings).list(),
+        timeout_s=10,
+    )
+    assert sorted(x.envelope for x in letters) == sorted(payloads)
+    assert {(x.error_type, x.attempts) for x in letters} == {("EventDecodeError", 1)}
+    assert "lacks required attribute(s): id, source" in " ".join(x.error_message for x in letters)
+    # Never retried: a retry (20 ms away) would have run within this window, reported an
+    # error and parked the letter again with attempts 2.
+    assert [
+        e for e in drain(node_settings, lifecycle, 50, timeout_s=0.5) if e["type"] == ERROR_TYPE
+    ] == []
+    assert {x.attempts for x in DeadLetters(node_settings).list()} == {1}
+    assert manager.bus.queue_depth(queue) == 0
+    assert Ledger(node_settings).pending(str(worker.id)) == 0
+
+
+def test_deliveries_a_node_holds_for_a_deleted_worker_are_dead_lettered(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    """The node has taken both events off the queue (the second waits for the first, which
+    is slow) when the worker is deleted: the second is parked as WorkerNotFound, not run."""
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done", sleep_ms=1000), mime_type=STUB, topic="in"
+    )
+    queue = _consuming(node, worker)
+    first, second = (make_event("in", "/tests", {"n": n}) for n in (1, 2))
+    manager.publish(first)
+    manager.publish(second)
+    eventually(lambda: manager.bus.queue_depth(queue) == 0, timeout_s=5, interval_s=0.01)
+    manager.delete_worker(worker.id)
+
+    [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=10)
+    assert (letter.event_id, letter.error_type, letter.attempts) == (
+        second.get_id(),
+        "WorkerNotFound",
+        1,
+    )
+    assert f"worker {worker.id} does not exist" in letter.error_message
+    assert json.loads(letter.envelope)["data"] == {"n": 2}
+    [output] = drain(node_settings, sink, 1)  # the one already running finished first
+    assert output["data"]["input"] == {"n": 1}
+
+
+def test_a_delivery_pinned_to_a_missing_version_is_dead_lettered_at_once(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(
+        code=stub(output_type="done"),
+        mime_type=STUB,
+        topic="in",
+        settings={"max_retries": 5, "retry_base_delay_ms": 20},
+    )
+    queue = _consuming(node, worker)
+    event = make_event("in", "/tests", {"n": 1})
+    manager.bus.send(encode(event), [Route(queue, str(worker.id))], kwargs={"pin_version": 7})
+
+    [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=10)
+    assert (letter.event_id, letter.error_type, letter.attempts, letter.version) == (
+        event.get_id(),
+        "VersionNotFound",
+        1,
+        7,
+    )
+    events = drain(node_settings, lifecycle, 3, timeout_s=5)  # created, started, 1 error
+    errors = [e for e in events if e["type"] == ERROR_TYPE]
+    assert [(e["data"]["error_type"], e["data"]["attempt"]) for e in errors] == [
+        ("VersionNotFound", 1)
+    ]
+
+
+def test_code_this_node_cannot_load_fails_the_worker_and_keeps_the_message(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    """Code accepted at create time that no longer loads (say, after an engine upgrade): the
+    worker moves to ``failed``, the node stops consuming, and the event waits in the queue
+    until the code is repaired and the worker started again."""
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    queue = _consuming(node, worker)
+    with store.session_scope(node_settings) as session:
+        session.execute(
+            update(WorkerVersion)
+            .where(WorkerVersion.worker_id == worker.id)
+            .values(code=stub(output_type="done", retired_key=1))
+        )
+    manager.publish(make_event("in", "/tests", {"n": 1}))
+
+    eventually(lambda: manager.get_worker(worker.id).status == Status.FAILED, timeout_s=10)
+    eventually(
+        lambda: (
+            queue not in {q.name for q in node.consumer.task_consumer.queues}
+            and manager.bus.queue_depth(queue) == 1
+        ),
+        timeout_s=10,
+    )
+    reason = manager.get_worker_transitions(worker.id)[-1].reason
+    assert reason.startswith("InvalidCode:") and "retired_key" in reason
+    assert DeadLetters(node_settings).list() == []
+
+    manager.load_code_from_content(worker.id, stub(output_type="done"))
+    manager.start_worker(worker.id)
+    [output] = drain(node_settings, sink, 1, timeout_s=10)
+    assert (output["data"]["input"], output["data"]["version"]) == ({"n": 1}, 2)
+
+
+def test_lock_contention_is_retried_then_dead_lettered_naming_the_holder(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    worker = manager.create_worker(
+        code=stub(output_type="done"),
+        mime_type=STUB,
+        topic="in",
+        group="busy",
+        settings={"max_retries": 2, "retry_base_delay_ms": 20},
+    )
+    _consuming(node, worker)
+    blocker = GroupLocks(node_settings)
+    lease = blocker.acquire("busy", "operator-script")
+    try:
+        event = make_event("in", "/tests", {"n": 1})
+        manager.publish(event)
+        [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=20)
+    finally:
+        blocker.release(lease)
+    assert (letter.event_id, letter.error_type, letter.attempts) == (
+        event.get_id(),
+        "LockContention",
+        3,
+    )
+    assert "operator-script" in letter.error_message
+
+
+def test_an_unknown_worker_id_is_dead_lettered_not_dropped(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    """A delivery naming a worker the store never had (say, sent by an old deployment)."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
+    queue = _consuming(node, worker)
+    ghost = str(uuid.uuid4())
+    event = make_event("in", "/tests", {"n": 1})
+    manager.bus.send(encode(event), [Route(queue, ghost)])
+
+    [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=10)
+    assert (letter.worker_id, letter.event_id, letter.error_type, letter.attempts) == (
+        ghost,
+        event.get_id(),
+        "WorkerNotFound",
+        1,
+    )
