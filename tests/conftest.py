@@ -36,8 +36,13 @@ pytest_plugins = ("celery.contrib.pytest",)
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
 REDIS_HOST = "redis://127.0.0.1:6379"
 AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-#: Redis databases of this test run: broker and state (other suites use other numbers).
-BROKER_DB, STATE_DB = 12, 13
+#: First of the four Redis databases a test run uses (``TEST_REDIS_DB_BASE``, default 10):
+#: two test runs at once on one Redis server need different bases (0-12, not 0-1 overlapping
+#: the defaults of WM_BROKER_URL and WM_REDIS_URL).
+REDIS_DB_BASE = int(os.environ.get("TEST_REDIS_DB_BASE", "10"))
+#: Redis databases of the CLI tests (base, base + 1) and of the others: broker and state.
+CLI_BROKER_DB, CLI_STATE_DB = REDIS_DB_BASE, REDIS_DB_BASE + 1
+BROKER_DB, STATE_DB = REDIS_DB_BASE + 2, REDIS_DB_BASE + 3
 ROOT = Path(__file__).resolve().parent.parent
 #: Replays a randomized test: the seed its failure report printed. Not WM_*: the settings
 #: refuse unknown WM_* variables, and the suite runs ``Settings.from_env()`` in-process.

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests.conftest import REDIS_HOST, flush_redis, fresh_schema
+from tests.conftest import CLI_BROKER_DB, CLI_STATE_DB, REDIS_HOST, flush_redis, fresh_schema
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, store
 from wm.cli import build_parser
@@ -27,7 +27,7 @@ from wm.events import encode, key_of, make_event
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Redis databases of these tests (broker, state); other suites use other numbers.
-BROKER_DB, STATE_DB = 10, 11
+BROKER_DB, STATE_DB = CLI_BROKER_DB, CLI_STATE_DB
 LIFECYCLE = "workmanager.lifecycle"
 LIFECYCLE_TYPE = "com.virtufin.workmanager.lifecycle."
 #: Longest one command or wait may take, in seconds: a guard against hangs, not a timing test.
