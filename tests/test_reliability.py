@@ -3,13 +3,16 @@ defect needs one)."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
+import redis
 
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, InvalidArgument, Settings, WorkManager, make_event
 from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
+from wm.dataplane.queues import EXCHANGE, subscription_queue
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
 
 ONE_ATTEMPT = {"max_retries": 0}
@@ -125,3 +128,52 @@ def test_output_topics_must_be_valid_names(manager: WorkManager) -> None:
         manager.create_worker(
             code=stub(), mime_type=STUB, topic="in", settings={"output_topics": "a"}
         )
+
+
+@pytest.mark.slow
+def test_messages_that_are_no_delivery_are_parked_and_the_node_lives(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """Raw bytes on a worker queue ended the node (kombu's JSON decode); an unknown task,
+    a pickle or a text/plain body was dropped with a log line."""
+    fast = pg_settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    queue = f"in::{worker.id}"
+    node.consuming(queue)
+
+    broker = redis.Redis.from_url(fast.broker_url)
+    broker.lpush(queue, b"\xff\xfe raw \x00 bytes")
+    broker.lpush(queue, b'{"hello": "json, but no kombu message"}')
+    app = manager.bus.app
+    with app.producer_or_acquire() as producer:
+        app.send_task("no.such.task", args=[1], queue=subscription_queue(queue), producer=producer)
+        pickled = (b"\x80\x04K\x01.", "application/x-python-serialize")
+        for body, content_type in ((b"plain words", "text/plain"), pickled):
+            producer.publish(
+                body,
+                exchange=EXCHANGE,
+                routing_key=queue,
+                serializer=None,
+                content_type=content_type,
+                content_encoding="binary",
+            )
+
+    letters = eventually(lambda: len(DeadLetters(fast).list()) == 5 and DeadLetters(fast).list())
+    assert {(d.error_type, d.worker_id, d.topic) for d in letters} == {
+        ("MalformedMessage", str(worker.id), "in")
+    }
+    envelopes = {d.envelope for d in letters}
+    # kombu decodes a popped item as UTF-8 (with replacement) before anyone else sees it.
+    assert "\ufffd\ufffd raw \\x00 bytes" in envelopes
+    assert "base64:" + base64.b64encode(b"\x80\x04K\x01.").decode() in envelopes
+    assert '{"hello": "json, but no kombu message"}' in envelopes
+    assert "plain words" in envelopes
+    reasons = " ".join(d.error_message for d in letters)
+    assert "no task named 'no.such.task'" in reasons and "text/plain" in reasons
+
+    manager.publish(make_event("in", "/tests", {"n": 1}))
+    assert len(drain(fast, sink, 1)) == 1
+    assert node.proc.poll() is None, node.tail()

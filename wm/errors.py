@@ -108,6 +108,13 @@ class IntegrityError(CodeSourceError):
     """Raised when fetched code does not match its SHA-256 pin."""
 
 
+class MalformedMessage(WorkManagerError):
+    """Raised for a message on a WorkManager queue that is no delivery at all (raw bytes, a
+    content type the nodes refuse, an unknown task): it is parked with its bytes."""
+
+    retryable = False
+
+
 class EventDecodeError(WorkManagerError):
     """Raised when bytes or a dict are not a valid CloudEvent."""
 

@@ -52,7 +52,16 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         "task_default_exchange_type": "direct",
         "task_queues": [subscription_queue(DEFAULT_QUEUE)],
         "worker_cancel_long_running_tasks_on_connection_loss": False,
+        # Messages that are no delivery are parked, never dropped, never fatal.
+        "worker_consumer": "wm.dataplane.consumer:Consumer",
+        **_redis_transport(settings.broker_url),
     }
+
+
+def _redis_transport(broker_url: str) -> dict[str, Any]:
+    if broker_url.startswith(("redis://", "rediss://")):
+        return {"broker_transport": "wm.dataplane.transport:Transport"}
+    return {}
 
 
 def make_app(settings: Settings | None = None) -> Celery:
