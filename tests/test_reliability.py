@@ -4,6 +4,7 @@ defect needs one)."""
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from wm import DeadLetters, InvalidArgument, Settings, WorkManager, make_event
 from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
 from wm.dataplane.queues import EXCHANGE, subscription_queue
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
+from wm.state.ledger import Ledger
 
 ONE_ATTEMPT = {"max_retries": 0}
 
@@ -177,3 +179,33 @@ def test_messages_that_are_no_delivery_are_parked_and_the_node_lives(
     manager.publish(make_event("in", "/tests", {"n": 1}))
     assert len(drain(fast, sink, 1)) == 1
     assert node.proc.poll() is None, node.tail()
+
+
+@pytest.mark.slow
+def test_a_backlog_is_not_sent_again_while_it_waits(settings: Settings, start_node: Any) -> None:
+    """The ledger sweep re-sent every delivery pending over WM_REDELIVER_AFTER_S, though its
+    message still waited in the queue: a 1,000-event backlog peaked at 2,300 messages. Only a
+    message the broker lost is sent again, once."""
+    fast = settings.replace(reconcile_interval_s=0.5, redeliver_after_s=1.0)
+    manager = WorkManager(fast)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done", sleep_ms=20), mime_type=STUB, topic="in"
+    )
+    queue = f"in::{worker.id}"
+    events = 150
+    for n in range(events):
+        manager.publish(make_event("in", "/tests", {"n": n}))
+    broker = redis.Redis.from_url(fast.broker_url)
+    lost = broker.rpop(queue)  # the broker lost the oldest one (as a kill after BRPOP does)
+    assert lost is not None
+    node = start_node(fast, concurrency=1)  # ~3 s of work: several sweeps see a backlog
+    node.consuming(queue)
+
+    outputs = drain(fast, sink, events, timeout_s=60)
+    assert sorted(e["data"]["input"]["n"] for e in outputs) == list(range(events))
+    eventually(lambda: Ledger(fast).pending(str(worker.id)) == 0)
+    log = node.log.read_text()
+    executed = len(re.findall(r"Task wm\.deliver\[[^]]+\] received", log))
+    assert executed <= events + 2, f"{executed} task runs for {events} events"
+    assert "sent 1 lost delivery(ies) again" in log

@@ -58,8 +58,13 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
     }
 
 
+def redis_broker(broker_url: str) -> bool:
+    """True when the broker is Redis (kombu's Redis transport)."""
+    return broker_url.startswith(("redis://", "rediss://"))
+
+
 def _redis_transport(broker_url: str) -> dict[str, Any]:
-    if broker_url.startswith(("redis://", "rediss://")):
+    if redis_broker(broker_url):
         return {"broker_transport": "wm.dataplane.transport:Transport"}
     return {}
 

@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import outbox
-from wm.dataplane.bus import Bus, Route
+from wm.dataplane import outbox, sweep
+from wm.dataplane.bus import Bus
 from wm.dataplane.queues import EXCHANGE
 from wm.dataplane.tasks import reset_runtime
 from wm.lifecycle import Status
@@ -47,30 +47,12 @@ def running_queues(settings: Settings) -> dict[str, str]:
 
 def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     """One node per reconcile period repairs derived state: the routing table, lifecycle
-    events left in the outbox, and deliveries a broker lost."""
+    events left in the outbox, and deliveries the broker lost (``wm.dataplane.sweep``)."""
     if not Ledger(settings).claim_sweep(settings.reconcile_interval_s):
         return
     bus.rebuild_routes()
     outbox.flush(settings, bus)
-    sweep_pending(settings, bus, running)
-
-
-def sweep_pending(settings: Settings, bus: Bus, running: Mapping[str, str]) -> int:
-    """Send again the deliveries of running workers pending longer than
-    WM_REDELIVER_AFTER_S (``wm.state.ledger``)."""
-    ledger = Ledger(settings)
-    sent = 0
-    for queue, worker_id in running.items():
-        for key, payload in ledger.overdue(worker_id, settings.redeliver_after_s):
-            bus.send(payload, [Route(queue, worker_id)], key=key)
-            sent += 1
-    if sent:
-        logger.warning(
-            "sent %d delivery(ies) again that stayed pending over %ss",
-            sent,
-            settings.redeliver_after_s,
-        )
-    return sent
+    sweep.sweep(settings, bus, running)
 
 
 def recover(settings: Settings, app: Celery) -> bool:

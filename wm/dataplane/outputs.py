@@ -15,7 +15,7 @@ from typing import Any
 
 from kombu.utils.json import dumps
 
-from wm.dataplane.app import broker_errors
+from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
 from wm.events import CloudEvent, encode, key_of
@@ -34,7 +34,7 @@ class OutputPublisher:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.ttl_s = bus.settings.outcome_ttl_s
-        self.redis_broker = bus.settings.broker_url.startswith(("redis://", "rediss://"))
+        self.redis_broker = redis_broker(bus.settings.broker_url)
 
     def publish(self, output: CloudEvent) -> None:
         """Send ``output`` to the topic of its type: to workers (maybe again), to plain

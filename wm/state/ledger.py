@@ -34,8 +34,6 @@ for i = 1, #members, 500 do
 end
 return #members
 """
-#: Overdue deliveries sent again per worker and sweep (the rest wait for the next sweep).
-SWEEP_BATCH = 500
 
 
 class Ledger:
@@ -84,23 +82,27 @@ class Ledger:
         with redis_errors(self.settings):
             return int(self.redis.zcard(self._keys(worker_id)[0]))
 
-    def overdue(self, worker_id: str, older_than_s: float) -> list[tuple[str, str]]:
-        """(event key, payload) of deliveries pending longer than ``older_than_s``; their
-        clock restarts, so each is sent again at most once per period."""
-        index, bodies = self._keys(worker_id)
-        now = time.time()
+    def overdue_keys(self, worker_id: str, older_than_s: float) -> list[str]:
+        """Event keys of deliveries pending longer than ``older_than_s``, oldest first."""
         with redis_errors(self.settings):
-            found: list[bytes] = self.redis.zrangebyscore(  # type: ignore[assignment]
-                index, 0, now - older_than_s, start=0, num=SWEEP_BATCH
+            found = self.redis.zrangebyscore(
+                self._keys(worker_id)[0], 0, time.time() - older_than_s
             )
-            ids = [i.decode() for i in found]
-            if not ids:
-                return []
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zadd(index, dict.fromkeys(ids, now), xx=True)
-            pipe.hmget(bodies, ids)
-            _, payloads = pipe.execute()
-        return [(i, p.decode()) for i, p in zip(ids, payloads, strict=True) if p is not None]
+        return [key.decode() for key in found]  # type: ignore[union-attr]
+
+    def payloads(self, worker_id: str, keys: list[str]) -> dict[str, str]:
+        """The payloads of the pending deliveries ``keys`` (settled ones are left out)."""
+        if not keys:
+            return {}
+        with redis_errors(self.settings):
+            found = self.redis.hmget(self._keys(worker_id)[1], keys)
+        return {k: p.decode() for k, p in zip(keys, found, strict=True) if p is not None}  # type: ignore[union-attr]
+
+    def restart_clock(self, worker_id: str, keys: list[str]) -> None:
+        """Deliveries sent again: each is sent again at most once per period."""
+        if keys:
+            with redis_errors(self.settings):
+                self.redis.zadd(self._keys(worker_id)[0], dict.fromkeys(keys, time.time()), xx=True)
 
     def claim_sweep(self, period_s: float) -> bool:
         """One node sweeps at a time, at most once per period."""
