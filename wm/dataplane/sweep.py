@@ -37,7 +37,8 @@ def sweep(settings: Settings, bus: Bus, running: Mapping[str, str]) -> int:
     if not redis_broker(settings.broker_url):
         return 0
     ledger = Ledger(settings)
-    pending = {q: n for q, w in running.items() if (n := ledger.pending(w))}
+    counts = ledger.pending_of(list(running.values()))
+    pending = {queue: counts[w] for queue, w in running.items() if counts[w]}
     if not pending:
         return 0
     sent = 0

@@ -79,8 +79,16 @@ class Ledger:
             self.redis.delete(*self._keys(worker_id))
 
     def pending(self, worker_id: str) -> int:
+        return self.pending_of([worker_id])[worker_id]
+
+    def pending_of(self, worker_ids: list[str]) -> dict[str, int]:
+        """Pending deliveries per worker, in one round trip."""
         with redis_errors(self.settings):
-            return int(self.redis.zcard(self._keys(worker_id)[0]))
+            pipe = self.redis.pipeline(transaction=False)
+            for worker_id in worker_ids:
+                pipe.zcard(self._keys(worker_id)[0])
+            counts = pipe.execute()
+        return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
 
     def overdue_keys(self, worker_id: str, older_than_s: float) -> list[str]:
         """Event keys of deliveries pending longer than ``older_than_s``, oldest first."""
