@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 import redis
+from kombu import Connection
 
 from tests.helpers import STUB, drain, eventually, stub
+from tests.test_guarantees import own_redis  # noqa: F401 (a fixture; moves to conftest)
 from wm import DeadLetters, InvalidArgument, Settings, WorkManager, make_event
 from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
 from wm.dataplane.queues import EXCHANGE, subscription_queue
+from wm.dataplane.transport import Transport
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
 from wm.state.ledger import Ledger
 
@@ -209,3 +212,50 @@ def test_a_backlog_is_not_sent_again_while_it_waits(settings: Settings, start_no
     executed = len(re.findall(r"Task wm\.deliver\[[^]]+\] received", log))
     assert executed <= events + 2, f"{executed} task runs for {events} events"
     assert "sent 1 lost delivery(ies) again" in log
+
+
+@pytest.mark.slow
+def test_two_nodes_under_load_survive_a_redis_restart(
+    pg_settings: Settings,
+    own_redis: Any,  # noqa: F811
+    start_node: Any,
+) -> None:
+    """A Redis restart under load once ended a node: kombu's restore of unacknowledged
+    messages during the reconnect failed ("Unrecoverable error: AttributeError")."""
+    port, restart = own_redis
+    settings = pg_settings.replace(
+        broker_url=f"redis://127.0.0.1:{port}/0",
+        redis_url=f"redis://127.0.0.1:{port}/1",
+        reconcile_interval_s=1.0,
+        redeliver_after_s=5.0,
+        visibility_timeout_s=10,  # unacknowledged messages of the lost connections return
+    )
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done", sleep_ms=5), mime_type=STUB, topic="in"
+    )
+    nodes = [start_node(settings, name=f"node{i}") for i in (1, 2)]
+    for node in nodes:
+        node.consuming(f"in::{worker.id}")
+    events = 400
+    for n in range(events):
+        manager.publish(make_event("in", "/tests", {"n": n}))
+    eventually(lambda: manager.bus.queue_depth(f"in::{worker.id}") < events - 50)
+    restart()
+
+    outputs = drain(settings, sink, events, timeout_s=180)
+    assert {e["data"]["input"]["n"] for e in outputs} == set(range(events))
+    for node in nodes:
+        assert node.proc.poll() is None, node.tail()
+
+
+def test_a_closed_broker_connection_is_a_connection_error(settings: Settings) -> None:
+    """kombu asked a connection detached by a Redis restart for its host ('NoneType' object
+    has no attribute 'hostname'), an error nothing expects, and the node ended."""
+    with Connection(settings.broker_url, transport=Transport) as conn:
+        channel = conn.default_channel
+        conn._do_close_transport()  # what Celery's close does when Redis goes away
+        with pytest.raises(redis.exceptions.ConnectionError, match="connection is closed"):
+            channel._connparams()
+        assert isinstance(redis.exceptions.ConnectionError(), tuple(conn.connection_errors))

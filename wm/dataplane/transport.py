@@ -1,11 +1,20 @@
-"""kombu's Redis transport, hardened against input it cannot parse.
+"""kombu's Redis transport, hardened against input it cannot parse and against a restart of
+Redis under load.
 
 Anything that can write to a Redis list can put bytes on a WorkManager queue. kombu decodes
 every item it pops as a JSON kombu message, and an item that is not one ended the node
 ("Unrecoverable error: JSONDecodeError") after the item was already popped: the node died
 and the bytes were lost. Here such an item is handed on as a message of content type
 ``application/octet-stream`` carrying the bytes, which the node's consumer refuses to decode
-and parks as a dead letter (``wm.dataplane.node.Consumer``).
+and parks as a dead letter (``wm.dataplane.consumer.Consumer``).
+
+When Redis restarts, Celery closes the broker connection (which detaches it from its
+transport) while channels still restore unacknowledged messages or delete queues on it;
+kombu then asks the detached connection for its host and fails with ``AttributeError:
+'NoneType' object has no attribute 'hostname'`` (kombu issues #582 and #970), an error no
+caller expects, which ended the node. Here that is the connection error it really is, which
+kombu's close path ignores; the messages stay unacknowledged in Redis and come back after
+WM_VISIBILITY_TIMEOUT_S (or through the pending-ledger sweep).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 
 from wm.dataplane.queues import EXCHANGE
@@ -24,6 +34,13 @@ _MESSAGE_KEYS = frozenset({"body", "headers", "properties"})
 
 
 class Channel(kombu_redis.Channel):
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        if self.connection.client is None:
+            raise redis.exceptions.ConnectionError(
+                "the broker connection is closed; unacknowledged messages stay in Redis"
+            )
+        return super()._connparams(asynchronous=asynchronous)
+
     def _brpop_read(self, **options: Any) -> bool:
         try:
             return bool(super()._brpop_read(**options))
