@@ -7,6 +7,10 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# bubblewrap and libseccomp: the Python sandbox's kernel layers (README "The sandbox").
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 \
+    && rm -rf /var/lib/apt/lists/*
+
 # A fixed uid, so volumes and Kubernetes securityContext can name it.
 RUN groupadd --system --gid 10001 workmanager \
     && useradd --system --uid 10001 --gid workmanager --create-home \

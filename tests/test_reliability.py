@@ -259,3 +259,15 @@ def test_a_closed_broker_connection_is_a_connection_error(settings: Settings) ->
         with pytest.raises(redis.exceptions.ConnectionError, match="connection is closed"):
             channel._connparams()
         assert isinstance(redis.exceptions.ConnectionError(), tuple(conn.connection_errors))
+
+
+@pytest.mark.slow
+def test_a_node_refuses_to_start_without_a_required_sandbox_layer(
+    settings: Settings, start_node: Any
+) -> None:
+    """WM_SANDBOX_REQUIRE: a node that could not sandbox Python workers as demanded never
+    takes work (here the demand names a layer no host has)."""
+    with pytest.raises(AssertionError, match="exited") as exited:
+        start_node(settings, WM_SANDBOX_REQUIRE="teleportation")
+    assert "Unrecoverable error: ConfigurationError" in str(exited.value)
+    assert "WM_SANDBOX_REQUIRE names unknown layers ['teleportation']" in str(exited.value)

@@ -5,6 +5,7 @@ package (or any distribution) and import this module; the core never imports the
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -14,6 +15,8 @@ from typing import Any, ClassVar
 from wm.config import Settings
 from wm.errors import EngineNotFound, EngineUnavailable
 from wm.events import CloudEvent
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class Engine:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+
+    @classmethod
+    def check_host(cls, settings: Settings) -> None:
+        """Refuse, with :class:`wm.errors.ConfigurationError`, a host on which this engine
+        cannot run as ``settings`` demand, and log what it can do here. Called once when a
+        node starts, so a node that could not run the engine safely never takes work."""
 
     def validate(self, code: bytes, worker: WorkerSpec) -> None:
         """Refuse bad code with :class:`wm.errors.InvalidCode`; default: load, then close."""
@@ -98,3 +107,15 @@ def engine_class(mime_type: str) -> type[Engine]:
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise EngineUnavailable(f"entry point {found.value!r} for {mime_type!r} is not an Engine")
     return cls
+
+
+def check_engines(settings: Settings) -> None:
+    """Run every installed engine's host check; one whose optional dependency is missing is
+    logged and skipped (its workers fail with the install hint if they reach this node)."""
+    for mime_type in registered_mime_types():
+        try:
+            cls = engine_class(mime_type)
+        except EngineUnavailable as exc:
+            logger.warning("engine for %s is not installed here: %s", mime_type, exc)
+            continue
+        cls.check_host(settings)

@@ -74,8 +74,15 @@ class PythonEngine(Engine):
 
     mime_type = "text/x-python"
 
+    @classmethod
+    def check_host(cls, settings: Settings) -> None:
+        """WM_SANDBOX_REQUIRE: every named layer is active here (they are logged), or the
+        node refuses to start."""
+        isolation.check_required(settings.sandbox_require)
+
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
+        isolation.check_required(settings.sandbox_require)
         self._lock = threading.Lock()
         self._gateway = GatewayCaller(settings)
         self._source: str | None = None
@@ -146,15 +153,12 @@ class PythonEngine(Engine):
     ) -> SandboxProcess:
         """A child that ran the module body and passed the contract check."""
         config = self._launch_config(source, worker)
-        argv = interpreter_argv(isolation.kernel_isolation().prefix, isolation.BOOTSTRAP)
-        process = SandboxProcess(argv, worker.worker_id, gateway or self._gateway_handler(worker))
+        process = self._spawn(worker, gateway or self._gateway_handler(worker), source)
         process.cpu_limit_s = config["limits"]["cpu_s"]
         config["write_root"] = process.directory
         config["filename"] = os.path.join(process.directory, WORKER_FILE)
         load_timeout_s = self.settings.message_handling_timeout_seconds + STARTUP_ALLOWANCE_S
         try:
-            with open(config["filename"], "w", encoding="utf-8") as handle:
-                handle.write(source)
             reply = process.request(config, time.monotonic() + load_timeout_s)
         except WorkerTimeout as exc:
             process.kill()
@@ -165,6 +169,20 @@ class PythonEngine(Engine):
             process.kill()
             raise
         return self._accept(process, reply)
+
+    def _spawn(self, worker: WorkerSpec, gateway: GatewayHandler, source: str) -> SandboxProcess:
+        """A started child with the worker's code in its directory (before any wrapper binds
+        that directory)."""
+        layers = isolation.kernel_isolation()
+        paths = isolation.sandbox_paths(tuple(self.settings.python_allowed_packages))
+        argv = interpreter_argv(layers.prefix, isolation.BOOTSTRAP, isolation.interpreter(layers))
+
+        def wrapper(directory: str) -> tuple[list[str], tuple[int, ...]]:
+            return isolation.child_wrapper(layers, paths, directory)
+
+        return SandboxProcess(
+            argv, worker.worker_id, gateway, wrapper=wrapper, files={WORKER_FILE: source}
+        )
 
     def _accept(self, process: SandboxProcess, reply: dict[str, Any]) -> SandboxProcess:
         if reply["op"] == "ready":

@@ -1,6 +1,11 @@
 """Host side: what a sandboxed child is started with.
 
-Kernel-level layers wrap the interpreter when the OS permits, probed once per host process:
+Kernel-level layers wrap the interpreter when the OS permits, probed once per host process.
+With bubblewrap installed and user namespaces allowed (as root or not), the child runs under
+``bwrap`` (see :mod:`engines.python.bwrap`): the layers ``BWRAP_LAYERS`` — user, mount, PID,
+IPC, UTS and network namespaces, a filesystem of read-only binds plus a private tmpfs, no
+capabilities and, with pyseccomp and libseccomp installed, a seccomp filter. Without
+bubblewrap, the util-linux fallback:
 
 * ``unshare --net`` — a fresh network namespace: no interface but a down loopback, so even
   code that got past the audit hook cannot reach the network. Needs CAP_SYS_ADMIN (root in
@@ -29,11 +34,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from wm.errors import InvalidCode, WorkerExecutionError
+from engines.python import bwrap
+from wm.errors import ConfigurationError, InvalidCode, WorkerExecutionError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +59,22 @@ PROBE_TIMEOUT_S = 5.0
 #: Files outside the code directories that any child may read.
 EXTRA_READ_ROOTS = ("/dev/null", "/dev/urandom", "/usr/share/zoneinfo")
 #: Kernel-level layers the sandbox uses when the host permits them.
-WANTED_LAYERS = ("network namespace", "no capabilities")
+WANTED_LAYERS = (
+    "user namespace",
+    "mount namespace",
+    "pid namespace",
+    "ipc namespace",
+    "uts namespace",
+    "network namespace",
+    "no capabilities",
+    "seccomp",
+)
+#: Layers bwrap adds by itself (``seccomp`` also needs the compiled filter).
+BWRAP_LAYERS = WANTED_LAYERS[:-1]
+#: Every layer name ``WM_SANDBOX_REQUIRE`` may list.
+KNOWN_LAYERS = (*WANTED_LAYERS, "no new privileges")
+#: Modules the bwrap probe child imports: the interpreter, its libraries and stdlib work.
+_BWRAP_PROBE = "import json, resource, select, math, _struct"
 
 #: Third-party modules the runner and the DevKit need inside the sandbox.
 SANDBOX_DEPENDENCIES = ("cloudevents", "dateutil", "six")
@@ -74,13 +96,19 @@ class Isolation:
 
     prefix: tuple[str, ...]
     layers: tuple[str, ...]
+    #: bwrap binary: when set, each child gets its own bwrap command (``child_wrapper``)
+    #: and ``prefix`` is unused.
+    bwrap: str | None = None
+    #: compiled seccomp BPF program bwrap loads (None: no seccomp layer).
+    seccomp: bytes | None = None
 
 
-def _works(argv: list[str]) -> bool:
+def _works(argv: list[str], pass_fds: tuple[int, ...] = ()) -> bool:
     try:
         done = subprocess.run(
             argv,
             env={},
+            pass_fds=pass_fds,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -105,9 +133,101 @@ def _layer_options() -> list[tuple[str, list[str]]]:
     return options
 
 
+def _bwrap_isolation() -> Isolation | None:
+    """bwrap layers, if a probe child starts under them (the full command, real binds)."""
+    binary = shutil.which("bwrap")
+    if binary is None:
+        return None
+    program = bwrap.seccomp_program()
+    candidate = Isolation((), (), binary, program)
+    try:
+        paths = sandbox_paths(())
+        with tempfile.TemporaryDirectory(prefix="wm-py-probe-") as directory:
+            prefix, fds = child_wrapper(candidate, paths, directory)
+            try:
+                argv = [*prefix, bwrap.interpreter(), "-I", "-S", "-c", _BWRAP_PROBE]
+                works = _works(argv, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    except (OSError, subprocess.SubprocessError, WorkerExecutionError) as exc:
+        logger.warning("python sandbox: bubblewrap unusable: %s", exc)
+        return None
+    if not works:
+        logger.warning("python sandbox: %s does not start a sandboxed interpreter", binary)
+        return None
+    layers = BWRAP_LAYERS + (("seccomp",) if program is not None else ())
+    return Isolation((), layers, binary, program)
+
+
+def child_wrapper(
+    isolation: Isolation, paths: SandboxPaths, directory: str
+) -> tuple[list[str], tuple[int, ...]]:
+    """(argv before the interpreter, fds the spawn must pass and then close) for one child.
+
+    Without bwrap: the fixed ``prefix``. With it: a command binding ``paths`` read-only and
+    a tmpfs at ``directory``, and a pipe holding the seccomp program.
+    """
+    if isolation.bwrap is None:
+        return list(isolation.prefix), ()
+    libs = bwrap.libraries(bwrap.interpreter(), paths.native_roots)
+    fds: tuple[int, ...] = ()
+    if isolation.seccomp is not None:
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, isolation.seccomp)
+        finally:
+            os.close(write_end)
+        fds = (read_end,)
+    argv = bwrap.command(
+        isolation.bwrap,
+        bwrap.interpreter(),
+        paths.read_roots,
+        libs,
+        directory,
+        fds[0] if fds else None,
+    )
+    return argv, fds
+
+
+def interpreter(isolation: Isolation) -> str:
+    """The interpreter path a child execs (the real file under bwrap, whose binds follow
+    no symlink chain)."""
+    return bwrap.interpreter() if isolation.bwrap is not None else sys.executable
+
+
+def _log_layers(layers: tuple[str, ...]) -> None:
+    missing = [wanted for wanted in WANTED_LAYERS if wanted not in layers]
+    logger.info("python sandbox isolation layers: %s", ", ".join(layers) or "none")
+    if missing:
+        logger.warning("python sandbox runs without: %s", ", ".join(missing))
+
+
+def check_required(required: Iterable[str]) -> None:
+    """Raise ConfigurationError unless every layer in ``required`` is active here."""
+    unknown = [name for name in required if name not in KNOWN_LAYERS]
+    if unknown:
+        raise ConfigurationError(
+            f"WM_SANDBOX_REQUIRE names unknown layers {unknown}; known: {', '.join(KNOWN_LAYERS)}"
+        )
+    layers = kernel_isolation().layers
+    missing = [name for name in required if name not in layers]
+    if missing:
+        raise ConfigurationError(
+            f"WM_SANDBOX_REQUIRE needs the sandbox layers {missing}, which this host does not "
+            f"provide (active: {', '.join(layers) or 'none'}); install bubblewrap (and "
+            "pyseccomp with libseccomp for 'seccomp') and allow user namespaces, or lower "
+            "WM_SANDBOX_REQUIRE"
+        )
+
+
 @functools.cache
 def kernel_isolation() -> Isolation:
     """Probe which kernel-level layers this host permits (once per process)."""
+    wrapped = _bwrap_isolation()
+    if wrapped is not None:
+        _log_layers(wrapped.layers)
+        return wrapped
     true = shutil.which("true") or "/bin/true"
     prefix: list[str] = []
     layers: list[str] = []
@@ -117,10 +237,7 @@ def kernel_isolation() -> Isolation:
         if _works([*prefix, *argv, true]):
             prefix += argv
             layers.append(layer)
-    missing = [wanted for wanted in WANTED_LAYERS if wanted not in layers]
-    logger.info("python sandbox isolation layers: %s", ", ".join(layers) or "none")
-    if missing:
-        logger.warning("python sandbox runs without: %s", ", ".join(missing))
+    _log_layers(tuple(layers))
     return Isolation(tuple(prefix), tuple(layers))
 
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engines.python.protocol import (
@@ -44,6 +44,10 @@ OUTPUT_TAIL_LINES = 20
 MAX_LOG_LINE_BYTES = 4096
 #: seconds to wait for a child that closed its pipe to exit before killing it.
 EXIT_WAIT_S = 1.0
+#: bwrap exits with this plus the signal number when the interpreter was killed by a signal.
+BWRAP_SIGNAL_BASE = 128
+#: Processes between the spawned one and the interpreter at most (bwrap, its pid 1).
+WRAPPER_DEPTH = 2
 #: How a child that could not import part of its own code says so on its way out.
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 
@@ -56,10 +60,33 @@ _LOG_LEVELS = {
 
 #: Handles a ``gateway`` frame: (request, seconds left) -> ``gateway_reply`` frame.
 GatewayHandler = Callable[[dict[str, Any], float], dict[str, Any]]
+#: The child's directory -> (argv placed before the interpreter, fds to pass then close).
+Wrapper = Callable[[str], tuple[list[str], tuple[int, ...]]]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as handle:
+            return [int(p) for p in handle.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _terminate(popen: subprocess.Popen[bytes], fds: list[int], directory: str) -> None:
-    """Kill the child's process group, reap the child, close pipes, remove its directory."""
+    """Kill the child's process group, reap the child, close pipes, remove its directory.
+
+    Under bwrap the namespace's pid 1 is killed first: the kernel then kills everything in
+    the PID namespace and bwrap exits once it is gone, so the interpreter is dead when the
+    wait returns (killing bwrap first would leave that to an asynchronous parent-death
+    signal).
+    """
+    inner = _children(popen.pid)
+    for pid in inner if popen.poll() is None else ():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    if inner:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(EXIT_WAIT_S)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -84,6 +111,8 @@ def describe_exit(returncode: int | None) -> str:
     """How a child ended, for error messages."""
     if returncode is None:
         return "stopped answering"
+    if BWRAP_SIGNAL_BASE < returncode < BWRAP_SIGNAL_BASE + signal.NSIG:
+        returncode = BWRAP_SIGNAL_BASE - returncode  # bwrap's pid 1 reports 128 + signal
     if returncode >= 0:
         return f"exited with code {returncode}"
     try:
@@ -96,7 +125,17 @@ def describe_exit(returncode: int | None) -> str:
 class SandboxProcess:
     """A running child; :meth:`request` sends a frame and waits for the final reply."""
 
-    def __init__(self, argv: list[str], worker_id: str, gateway: GatewayHandler) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        worker_id: str,
+        gateway: GatewayHandler,
+        *,
+        wrapper: Wrapper | None = None,
+        files: Mapping[str, str] | None = None,
+    ) -> None:
+        """``files`` (name -> text) are written into the child's directory before it starts;
+        ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``."""
         self.worker_id = worker_id
         self.broken = False
         #: Entry point the child reported (``process`` or a WorkerBase subclass name).
@@ -112,7 +151,8 @@ class SandboxProcess:
         self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         self.directory = tempfile.mkdtemp(prefix="wm-py-")
         try:
-            self._popen, self._to_child, self._from_child = self._spawn(argv)
+            self._write_files(files or {})
+            self._popen, self._to_child, self._from_child = self._spawn(argv, wrapper)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
@@ -124,7 +164,24 @@ class SandboxProcess:
         self._poll.register(self._from_child, select.POLLIN)
         self._poll.register(self._output, select.POLLIN)
 
-    def _spawn(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, int]:
+    def _write_files(self, files: Mapping[str, str]) -> None:
+        for name, text in files.items():
+            with open(os.path.join(self.directory, name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+
+    def _spawn(
+        self, argv: list[str], wrapper: Wrapper | None
+    ) -> tuple[subprocess.Popen[bytes], int, int]:
+        prefix, extra_fds = wrapper(self.directory) if wrapper is not None else ([], ())
+        try:
+            return self._popen_child([*prefix, *argv], extra_fds)
+        finally:
+            for fd in extra_fds:
+                os.close(fd)
+
+    def _popen_child(
+        self, argv: list[str], extra_fds: tuple[int, ...]
+    ) -> tuple[subprocess.Popen[bytes], int, int]:
         child_reads, host_writes = os.pipe()
         host_reads, child_writes = os.pipe()
         try:
@@ -133,7 +190,7 @@ class SandboxProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=(child_reads, child_writes),
+                pass_fds=(child_reads, child_writes, *extra_fds),
                 cwd=self.directory,
                 env={},
                 start_new_session=True,
@@ -150,7 +207,15 @@ class SandboxProcess:
 
     @property
     def pid(self) -> int:
-        return self._popen.pid
+        """Host pid of the interpreter: under bwrap, the grandchild of the spawned process
+        (bwrap's reaper is pid 1 of the namespace, the interpreter its child)."""
+        pid = self._popen.pid
+        for _ in range(WRAPPER_DEPTH):
+            children = _children(pid)
+            if len(children) != 1:
+                break
+            pid = children[0]
+        return pid
 
     @property
     def exited(self) -> bool:
@@ -286,16 +351,19 @@ class SandboxProcess:
         logger.log(level, "python worker %s: %s", self.worker_id, message.get("message"))
 
 
-def interpreter_argv(prefix: tuple[str, ...], bootstrap: str) -> list[str]:
+def interpreter_argv(
+    prefix: tuple[str, ...] | list[str], bootstrap: str, executable: str | None = None
+) -> list[str]:
     """The child's command line, without the two pipe fds the spawn appends.
 
     The host's own interpreter, also inside a virtualenv: ``-I -S`` keep the venv's
     site-packages off the child's path, its standard library comes from the base installation
     either way, and ``init`` replaces ``sys.path`` before anything else is imported.
+    ``executable`` overrides it (bwrap execs the real file behind a venv's symlink).
     """
     if not sys.executable:
         raise WorkerExecutionError(
             "cannot start the Python sandbox: this process does not know its interpreter "
             "(sys.executable is empty)"
         )
-    return [*prefix, sys.executable, "-I", "-S", "-B", bootstrap]
+    return [*prefix, executable or sys.executable, "-I", "-S", "-B", bootstrap]

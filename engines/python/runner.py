@@ -28,6 +28,10 @@ from wm.devkit import GatewayError, Runtime, WorkerBase, install_runtime
 
 #: Name of the worker's module (``__module__`` of the classes it defines).
 WORKER_MODULE = "worker"
+#: Key of the ``init`` frame that leaves out the import guard, restricted builtins and audit
+#: hook, so tests can attack the kernel layers alone. Only tests set it: the engine never
+#: does, and no setting or worker input reaches the init frame's keys.
+TEST_ONLY_KERNEL_LAYERS_ALONE = "test_only_kernel_layers_alone"
 #: seconds of CPU between the soft limit (SIGXCPU) and the hard limit (SIGKILL).
 CPU_GRACE_S = 2
 
@@ -137,12 +141,12 @@ def load_worker(config: dict[str, Any], channel: BlockingChannel) -> Entry:
     apply_limits(config["limits"])
     install_frame_runtime(channel)
     code = compile_worker(config)
-    guard = sandbox.make_import_guard(config["allowed"], builtins.__import__)
-    namespace: dict[str, Any] = {
-        "__name__": WORKER_MODULE,
-        "__builtins__": sandbox.restricted_builtins(guard),
-    }
-    _seal(config)
+    if config.get(TEST_ONLY_KERNEL_LAYERS_ALONE) is True:
+        namespace: dict[str, Any] = {"__name__": WORKER_MODULE, "__builtins__": builtins}
+    else:
+        guard = sandbox.make_import_guard(config["allowed"], builtins.__import__)
+        namespace = {"__name__": WORKER_MODULE, "__builtins__": sandbox.restricted_builtins(guard)}
+        _seal(config)
     try:
         exec(code, namespace)
     except BaseException as exc:  # SystemExit or tampering in the module body: refuse the code

@@ -6,10 +6,12 @@ The code is a JSON object::
      "sleep_ms": 0,                  # busy time per event
      "fail": "boom",                 # raise a WorkerExecutionError with this message
      "fail_if_data_has": "poison",   # ...only for events whose data contains this key
-     "outputs": 1}                   # how many output events per input
+     "outputs": 1,                   # how many output events per input
+     "trace": "/tmp/runs.jsonl"}     # append one line per execution begun to this file
 
 Each output's data records the input data, the worker version and the process id and
-start/end times, so tests can check who ran what, when and on which code.
+start/end times, so tests can check who ran what, when and on which code. The trace also
+counts executions whose outputs were never published (a process killed, a write refused).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from wm.engine import Engine, WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError
 from wm.events import CloudEvent, make_event
 
-_KEYS = {"output_type": str, "sleep_ms": int, "fail": str, "fail_if_data_has": str, "outputs": int}
+_KEYS = {
+    "output_type": str,
+    "sleep_ms": int,
+    "fail": str,
+    "fail_if_data_has": str,
+    "outputs": int,
+    "trace": str,
+}
 
 
 def parse_stub_code(code: bytes) -> dict[str, Any]:
@@ -60,6 +69,8 @@ class StubEngine(Engine):
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
         assert self._worker is not None, "load() first"
         started = time.time()
+        if "trace" in self._spec:
+            _trace(self._spec["trace"], event.get_id(), started)
         sleep_s = self._spec.get("sleep_ms", 0) / 1000
         if sleep_s:
             time.sleep(sleep_s)
@@ -81,3 +92,10 @@ class StubEngine(Engine):
             make_event(output_type, f"/workers/{self._worker.worker_id}", dict(body, index=i))
             for i in range(self._spec.get("outputs", 1))
         ]
+
+
+def _trace(path: str, event_id: str, started: float) -> None:
+    """One line per execution begun; a single append of one short line is not interleaved."""
+    line = json.dumps({"event_id": event_id, "pid": os.getpid(), "started_at": started})
+    with open(path, "a", encoding="utf-8") as trace:
+        trace.write(line + "\n")

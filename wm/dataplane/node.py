@@ -20,6 +20,7 @@ from wm.dataplane import outbox, sweep
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import EXCHANGE
 from wm.dataplane.tasks import reset_runtime
+from wm.engine import check_engines
 from wm.lifecycle import Status
 from wm.state.connection import redis_for
 from wm.state.directory import Directory
@@ -112,6 +113,7 @@ class Reconciler(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         if not self.recovered:  # once per node; the step restarts after broker reconnects
+            check_engines(self.settings)  # a host that cannot run an engine safely stops here
             recover_with_retries(self.settings, parent.app)
             self.recovered = True
         self._tick(parent)
