@@ -12,6 +12,7 @@ behaviour through real node processes and a real broker is covered by the slow t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import uuid
@@ -325,31 +326,55 @@ def test_code_this_node_cannot_load_fails_the_worker_and_keeps_the_message(
     assert (output["data"]["input"], output["data"]["version"]) == ({"n": 1}, 2)
 
 
-def test_lock_contention_is_retried_then_dead_lettered_naming_the_holder(
-    node: WorkController, manager: WorkManager, node_settings: Settings
+def test_waiting_for_a_group_lock_is_no_failure_and_frees_the_pool(
+    node: WorkController,
+    manager: WorkManager,
+    node_settings: Settings,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    worker = manager.create_worker(
-        code=stub(output_type="done"),
+    """A group lock held (and renewed) elsewhere while a member's deliveries wait many times
+    longer than its retries would last: they wait in the broker, so the node's one pool
+    thread runs another worker's event meanwhile; no wait counts as a failure; once the lock
+    is free one runs and the other fails and is retried exactly ``max_retries`` times."""
+    caplog.set_level(logging.INFO, logger="celery.app.trace")
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    sink, free_sink = manager.subscribe("done", "sink"), manager.subscribe("free", "free-sink")
+    grouped = manager.create_worker(
+        code=stub(output_type="done", fail="boom", fail_if_data_has="poison"),
         mime_type=STUB,
         topic="in",
         group="busy",
-        settings={"max_retries": 2, "retry_base_delay_ms": 20},
+        settings={"max_retries": 1, "retry_base_delay_ms": 20},
     )
-    _consuming(node, worker)
-    blocker = GroupLocks(node_settings)
-    lease = blocker.acquire("busy", "operator-script")
-    try:
-        event = make_event("in", "/tests", {"n": 1})
-        manager.publish(event)
-        [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=20)
-    finally:
-        blocker.release(lease)
+    free = manager.create_worker(code=stub(output_type="free"), mime_type=STUB, topic="other")
+    _consuming(node, grouped)
+    _consuming(node, free)
+    good, poison = make_event("in", "/tests", {"n": 1}), make_event("in", "/tests", {"poison": 1})
+
+    def waits() -> int:
+        return sum("LockContention" in r.getMessage() for r in caplog.records)
+
+    with GroupLocks(node_settings).holding("busy", "operator-script", limit_s=60):
+        manager.publish(good)
+        manager.publish(poison)
+        eventually(lambda: waits() >= 6, timeout_s=15, interval_s=0.02)
+        manager.publish(make_event("other", "/tests", {"n": 2}))
+        assert len(drain(node_settings, free_sink, 1, timeout_s=10)) == 1
+        assert drain(node_settings, sink, 1, timeout_s=0.2) == []
+        assert DeadLetters(node_settings).list() == []
+
+    [output] = drain(node_settings, sink, 1, timeout_s=10)
+    assert output["data"]["input"] == {"n": 1}
+    [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=10)
     assert (letter.event_id, letter.error_type, letter.attempts) == (
-        event.get_id(),
-        "LockContention",
-        3,
+        poison.get_id(),
+        "WorkerExecutionError",
+        2,
     )
-    assert "operator-script" in letter.error_message
+    errors = [
+        e for e in drain(node_settings, lifecycle, 10, timeout_s=2) if e["type"] == ERROR_TYPE
+    ]
+    assert [e["data"]["attempt"] for e in errors] == [1, 2]  # the waits counted no attempt
 
 
 def test_an_unknown_worker_id_is_dead_lettered_not_dropped(

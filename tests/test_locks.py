@@ -24,7 +24,7 @@ from redis.retry import Retry
 from tests.conftest import REDIS_HOST, STATE_DB
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
-from wm.state.locks import GroupLocks, Lease, make_owner
+from wm.state.locks import GroupLocks, Lease, make_owner, retry_delay_ms
 
 SPAWN = multiprocessing.get_context("spawn")
 GROUP = "group-a"
@@ -66,7 +66,7 @@ def _settings(**changes: Any) -> Settings:
     fast = {
         "group_lock_retry_base_delay_ms": 5,
         "group_lock_max_retries": 3,
-        "group_lock_max_age_s": 30.0,
+        "group_lock_lease_s": 5.0,
     }
     return Settings(redis_url=REDIS_URL).replace(**{**fast, **changes})
 
@@ -90,13 +90,13 @@ def _server_ms(client: redis.Redis) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def _wait_until_stale(client: redis.Redis, locks: GroupLocks, max_age_s: float) -> None:
-    """Wait on the Redis clock (the one the scripts use) until the lock is past its max age."""
-    holder = locks.holder(GROUP)
-    assert holder is not None
-    stale_at_ms = holder["acquired_at_ms"] + round(max_age_s * 1000) + 1
-    while _server_ms(client) <= stale_at_ms:
-        time.sleep(0.01)
+def _wait_until_expired(client: redis.Redis, locks: GroupLocks, group: str = GROUP) -> float:
+    """Wait until the lock's lease has run out on the Redis clock; returns the wait (s)."""
+    started = time.monotonic()
+    while locks.holder(group) is not None:
+        assert time.monotonic() - started < CHILD_TIMEOUT_S, "the lease never expired"
+        time.sleep(0.005)
+    return time.monotonic() - started
 
 
 def _receive(conn: Connection) -> Any:
@@ -142,22 +142,25 @@ def _contend(
         results.put(("error", traceback.format_exc()))
 
 
-def _paused_holder(
-    url: str, prefix: str, write_first: bool, conn: Connection
+def _live_holder(
+    url: str, prefix: str, lease_s: float, write_first: bool, conn: Connection
 ) -> None:  # pragma: no cover - runs in a child
+    """Holds the lock with a heartbeat (as a delivery does) until the parent stops, kills or
+    resumes it; then tries a late write."""
     try:
-        settings = _settings(group_lock_max_age_s=1.0)
+        settings = _settings(group_lock_lease_s=lease_s)
         locks = GroupLocks(client=redis.Redis.from_url(url), settings=settings, prefix=prefix)
         lease = locks.acquire(GROUP, make_owner("paused"))
-        if write_first:
-            locks.mark_write(lease)
-        conn.send(("held", lease))
-        conn.recv()  # the parent says "publish" once this process runs again
-        try:
-            locks.mark_write(lease)
-            late_publish = "accepted"
-        except FenceRejected as exc:
-            late_publish = f"refused: {exc}"
+        with locks.keep_alive(lease, limit_s=CHILD_TIMEOUT_S):
+            if write_first:
+                locks.mark_write(lease)
+            conn.send(("held", lease))
+            conn.recv()  # the parent says "publish" once this process runs again
+            try:
+                locks.mark_write(lease)
+                late_publish = "accepted"
+            except FenceRejected as exc:
+                late_publish = f"refused: {exc}"
         conn.send(("done", late_publish, locks.release(lease)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -210,35 +213,43 @@ def test_four_processes_never_overlap_and_fences_follow_entry_order(
         assert before[2] < after[2], f"fence went backwards: {before} then {after}"
 
 
-def test_fences_increase_across_release_steal_and_expiry(client: redis.Redis, prefix: str) -> None:
-    locks = GroupLocks(client=client, settings=_settings(group_lock_max_age_s=0.05), prefix=prefix)
+def test_fences_increase_across_release_expiry_and_takeover(
+    client: redis.Redis, prefix: str
+) -> None:
+    locks = GroupLocks(client=client, settings=_settings(group_lock_lease_s=0.1), prefix=prefix)
     first = locks.acquire(GROUP, "a")
     assert locks.release(first)
     second = locks.acquire(GROUP, "b")
-    _wait_until_stale(client, locks, 0.05)
-    stolen = locks.try_acquire(GROUP, "c")
-    assert stolen is not None
-    client.delete(f"{prefix}{{{GROUP}}}")  # what the safety-net expiry does
-    after_expiry = locks.acquire(GROUP, "d")
+    assert locks.try_acquire(GROUP, "c") is None  # held while its lease runs
+    _wait_until_expired(client, locks)
+    taken_over = locks.try_acquire(GROUP, "c")
+    assert taken_over is not None
+    client.delete(f"{prefix}{{{GROUP}}}")  # deleted by hand
+    after_delete = locks.acquire(GROUP, "d")
 
-    fences = [first.fence, second.fence, stolen.fence, after_expiry.fence]
+    fences = [first.fence, second.fence, taken_over.fence, after_delete.fence]
     assert fences == sorted(set(fences)), fences
-    assert locks.holder(GROUP) == {
-        "owner": "d",
-        "fence": after_expiry.fence,
-        "acquired_at_ms": after_expiry.acquired_at_ms,
-        "written": False,
-    }
+    holder = locks.holder(GROUP)
+    assert holder is not None
+    assert (holder["owner"], holder["fence"], holder["written"]) == ("d", after_delete.fence, False)
+    assert holder["acquired_at_ms"] == after_delete.acquired_at_ms
+    assert 0 < holder["lease_left_ms"] <= 100
 
 
 @pytest.mark.parametrize("holder_wrote", [True, False], ids=["wrote", "did-not-write"])
-def test_paused_holder_keeps_lock_only_if_it_wrote(
+def test_a_paused_holder_loses_its_lock_after_one_lease_and_its_late_write_is_refused(
     client: redis.Redis, redis_url: str, prefix: str, holder_wrote: bool
 ) -> None:
+    """SIGSTOP stops the heartbeat with the holder: its lease runs out whether or not it has
+    written, a contender takes over under a higher fence, and the resumed holder's next write
+    and its release are refused (the fence decides, not the holder's belief)."""
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("needs /proc to see that the holder is stopped")
+    lease_s = 0.5
     ours, theirs = SPAWN.Pipe()
-    child = SPAWN.Process(target=_paused_holder, args=(redis_url, prefix, holder_wrote, theirs))
+    child = SPAWN.Process(
+        target=_live_holder, args=(redis_url, prefix, lease_s, holder_wrote, theirs)
+    )
     child.start()
     try:
         _, paused = _receive(ours)
@@ -246,13 +257,10 @@ def test_paused_holder_keeps_lock_only_if_it_wrote(
         os.kill(child.pid, signal.SIGSTOP)
         _wait_stopped(child.pid)
         contender = GroupLocks(
-            client=client, settings=_settings(group_lock_max_age_s=1.0), prefix=prefix
+            client=client, settings=_settings(group_lock_lease_s=lease_s), prefix=prefix
         )
-        _wait_until_stale(client, contender, 1.0)
-        if holder_wrote:
-            _contender_is_refused(contender, paused)
-        else:
-            _contender_steals(contender, paused)
+        _wait_until_expired(client, contender)
+        taken_over = contender.try_acquire(GROUP, "contender")
         os.kill(child.pid, signal.SIGCONT)
         ours.send("publish")
         _, late_publish, released = _receive(ours)
@@ -260,33 +268,79 @@ def test_paused_holder_keeps_lock_only_if_it_wrote(
         if child.is_alive():
             child.kill()
         child.join()
-    if holder_wrote:
-        assert (late_publish, released) == ("accepted", True)
-        assert contender.holder(GROUP) is None
-    else:
-        assert late_publish.startswith("refused:") and f"fence {paused.fence}" in late_publish
-        assert released is False
-        holder = contender.holder(GROUP)
-        assert holder is not None and holder["owner"] == "contender"
-
-
-def _contender_is_refused(contender: GroupLocks, paused: Lease) -> None:
-    with pytest.raises(LockContention) as refused:
-        contender.acquire(GROUP, "contender")
-    message = str(refused.value)
-    assert GROUP in message and paused.owner in message and f"fence {paused.fence}" in message
+    assert taken_over is not None and taken_over.fence > paused.fence
+    assert late_publish.startswith("refused:") and f"fence {paused.fence}" in late_publish
+    assert "'contender'" in late_publish
+    assert released is False
     holder = contender.holder(GROUP)
-    assert holder is not None
-    assert (holder["owner"], holder["fence"], holder["written"]) == (
-        paused.owner,
-        paused.fence,
-        True,
+    assert holder is not None and (holder["owner"], holder["fence"]) == (
+        "contender",
+        taken_over.fence,
     )
 
 
-def _contender_steals(contender: GroupLocks, paused: Lease) -> None:
-    stolen = contender.try_acquire(GROUP, "contender")
-    assert stolen is not None and stolen.fence > paused.fence
+def test_a_killed_holder_frees_its_group_within_one_lease(
+    client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    """kill -9 of a holder that renews its lease and has written: the lock is free again at
+    most one lease after the kill (the last renewal was at most a third of a lease earlier)."""
+    lease_s = 0.6
+    ours, theirs = SPAWN.Pipe()
+    child = SPAWN.Process(target=_live_holder, args=(redis_url, prefix, lease_s, True, theirs))
+    child.start()
+    try:
+        _, killed = _receive(ours)
+        time.sleep(2 * lease_s)  # the heartbeat keeps it held across several leases
+        contender = GroupLocks(
+            client=client, settings=_settings(group_lock_lease_s=lease_s), prefix=prefix
+        )
+        assert contender.try_acquire(GROUP, "contender") is None
+        child.kill()
+        child.join()
+        freed_after_s = _wait_until_expired(client, contender)
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+    taken_over = contender.try_acquire(GROUP, "contender")
+    assert taken_over is not None and taken_over.fence > killed.fence
+    assert freed_after_s <= lease_s, freed_after_s
+
+
+def test_a_heartbeat_keeps_a_live_holder_until_its_limit(client: redis.Redis, prefix: str) -> None:
+    lease_s, limit_s = 0.3, 1.2
+    locks = GroupLocks(client=client, settings=_settings(group_lock_lease_s=lease_s), prefix=prefix)
+    lease = locks.acquire(GROUP, "holder")
+    started = time.monotonic()
+    with locks.keep_alive(lease, limit_s=limit_s) as heartbeat:
+        while time.monotonic() - started < limit_s - lease_s:
+            assert locks.try_acquire(GROUP, "contender") is None
+            time.sleep(0.02)
+        locks.mark_write(lease)  # still the holder, several leases after taking the lock
+        _wait_until_expired(client, locks)  # renewal stops at the limit
+        freed_at_s = time.monotonic() - started
+    assert heartbeat.renewals >= 3 and not heartbeat.lost
+    assert limit_s <= freed_at_s <= limit_s + lease_s + 0.5, freed_at_s
+    with pytest.raises(FenceRejected, match="lock is free"):
+        locks.mark_write(lease)
+    assert locks.release(lease) is False
+
+
+def test_renewing_a_lost_lease_fails_and_leaves_the_new_holder_alone(
+    client: redis.Redis, prefix: str
+) -> None:
+    short = GroupLocks(client=client, settings=_settings(group_lock_lease_s=0.1), prefix=prefix)
+    long = GroupLocks(client=client, settings=_settings(group_lock_lease_s=2.0), prefix=prefix)
+    record = f"{prefix}{{{GROUP}}}"
+    old = short.acquire(GROUP, "old")
+    _wait_until_expired(client, short)
+    assert long.renew(old) is False
+    new = long.acquire(GROUP, "new")
+    client.pexpire(record, 1000)
+    assert long.renew(old) is False
+    assert 0 < client.pttl(record) <= 1000  # untouched by the stale renewal
+    assert long.renew(new) is True
+    assert 1000 < client.pttl(record) <= 2000
 
 
 def test_contention_backs_off_exponentially_then_names_the_holder(
@@ -345,16 +399,28 @@ def test_held_lock_is_not_taken_and_retaking_own_lock_is_idempotent(
     assert locks.try_acquire(GROUP, "owner") == lease
 
 
-def test_lock_record_expires_as_safety_net_and_keys_share_a_slot(
+def test_the_record_lives_one_lease_writes_renew_it_and_keys_share_a_slot(
     client: redis.Redis, prefix: str
 ) -> None:
-    locks = GroupLocks(client=client, settings=_settings(group_lock_max_age_s=1.0), prefix=prefix)
+    locks = GroupLocks(client=client, settings=_settings(group_lock_lease_s=2.0), prefix=prefix)
     lease = locks.acquire(GROUP, "owner")
-    locks.mark_write(lease)
     record, fence = f"{prefix}{{{GROUP}}}", f"{prefix}{{{GROUP}}}:fence"
-    assert 9000 < client.pttl(record) <= 10_000
+    assert 1500 < client.pttl(record) <= 2000
+    client.pexpire(record, 500)
+    locks.mark_write(lease)
+    assert 1500 < client.pttl(record) <= 2000
     assert client.pttl(fence) == -1  # the fence counter must never reset
     assert key_slot(record.encode()) == key_slot(fence.encode())
+
+
+def test_retry_delays_double_up_to_the_cap_and_never_exceed_half_a_lease() -> None:
+    settings = _settings(
+        group_lock_retry_base_delay_ms=100, group_lock_max_retries=3, group_lock_lease_s=5.0
+    )
+    assert [retry_delay_ms(settings, n) for n in range(6)] == [100, 200, 400, 800, 800, 800]
+    short = settings.replace(group_lock_lease_s=0.5)
+    assert [retry_delay_ms(short, n) for n in range(4)] == [100, 200, 250, 250]
+    assert retry_delay_ms(settings.replace(group_lock_lease_s=0.0), 0) == 50  # lease floor 100 ms
 
 
 def test_holding_releases_when_the_block_fails(client: redis.Redis, prefix: str) -> None:
@@ -398,7 +464,7 @@ def test_a_release_wakes_a_waiting_contender_before_its_backoff_ends(
     client: redis.Redis, prefix: str
 ) -> None:
     """A contender in a long backoff takes the lock as soon as the holder releases it."""
-    settings = _settings(group_lock_retry_base_delay_ms=5000, group_lock_max_retries=1)
+    settings = _settings(group_lock_retry_base_delay_ms=2000, group_lock_max_retries=1)
     holder = GroupLocks(client=client, settings=settings, prefix=prefix)
     lease = holder.acquire("g", "holder")
     timer = threading.Timer(0.2, holder.release, args=(lease,))
@@ -408,4 +474,38 @@ def test_a_release_wakes_a_waiting_contender_before_its_backoff_ends(
     waited = time.monotonic() - started
     timer.join()
     assert taken.owner == "contender" and taken.fence > lease.fence
-    assert 0.2 <= waited < 4.0  # woken by the release, long before the 5 s backoff
+    assert 0.2 <= waited < 1.5  # woken by the release, long before the 2 s backoff
+
+
+@pytest.mark.parametrize("released_after_s", [0.05, None], ids=["within", "never"])
+def test_take_waits_only_its_hand_off_window(
+    client: redis.Redis, prefix: str, released_after_s: float | None
+) -> None:
+    """What a delivery does: take a lock released within the hand-off window at once, else
+    give up after the window (not after backoffs) so the delivery can wait in the broker."""
+    settings = _settings(group_lock_handoff_ms=300, group_lock_retry_base_delay_ms=5000)
+    locks = GroupLocks(client=client, settings=settings, prefix=prefix)
+    lease = locks.acquire("g", "holder")
+    timer = threading.Timer(released_after_s or 0, locks.release, args=(lease,))
+    if released_after_s is not None:
+        timer.start()
+    started = time.monotonic()
+    try:
+        taken: Lease | None = locks.take("g", "contender")
+    except LockContention as exc:
+        assert "'holder'" in str(exc) and "lease left" in str(exc)
+        taken = None
+    waited = time.monotonic() - started
+    if released_after_s is not None:
+        timer.join()
+        assert taken is not None and taken.fence > lease.fence
+        assert released_after_s <= waited < 0.3
+    else:
+        assert taken is None
+        assert 0.3 <= waited < 1.0
+
+
+def test_the_hand_off_window_is_at_most_a_quarter_lease() -> None:
+    settings = _settings(group_lock_handoff_ms=5000, group_lock_lease_s=2.0)
+    assert GroupLocks(settings).handoff_ms == 500
+    assert GroupLocks(settings.replace(group_lock_handoff_ms=0)).handoff_ms == 0

@@ -94,19 +94,25 @@ class Settings:
         "GROUP_LOCK_RETRY_BASE_DELAY_MS",
         500,
         _parse_int,
-        "Group-lock backoff base: retry n waits up to base × 2^n (a release wakes it).",
+        "Group-lock wait base: a waiting delivery tries again after ½–1 × base × 2^n.",
     )
     group_lock_max_retries: int = _setting(
         "GROUP_LOCK_MAX_RETRIES",
         3,
         _parse_int,
-        "Acquire retries after the first try (base × 2^n apart), then lock contention.",
+        "Doublings of a group-lock wait (never over half a lease); retries of a blocking acquire.",
     )
-    group_lock_max_age_s: float = _setting(
-        "WM_GROUP_LOCK_MAX_AGE_S",
-        30.0,
+    group_lock_lease_s: float = _setting(
+        "WM_GROUP_LOCK_LEASE_S",
+        5.0,
         _parse_float,
-        "Age after which a group lock whose holder has not written may be stolen.",
+        "Group-lock lease: renewed while its holder runs; a dead holder's lock is free after it.",
+    )
+    group_lock_handoff_ms: int = _setting(
+        "WM_GROUP_LOCK_HANDOFF_MS",
+        50,
+        _parse_int,
+        "Wait in-process for a held group lock's release, then in the broker (≤ ¼ lease, 0 never).",
     )
     worker_recovery_on_start: bool = _setting(
         "WORKER_RECOVERY_ON_START",
@@ -131,6 +137,13 @@ class Settings:
         _parse_csv(DEFAULT_PYTHON_ALLOWED_PACKAGES),
         _parse_csv,
         "Top-level modules a Python worker may import (plus the DevKit).",
+    )
+    sandbox_require: tuple[str, ...] = _setting(
+        "WM_SANDBOX_REQUIRE",
+        (),
+        _parse_csv,
+        "Python sandbox layers that must be active or the engine refuses to start "
+        "(e.g. network namespace,seccomp).",
     )
     message_handling_timeout_seconds: float = _setting(
         "MESSAGE_HANDLING_TIMEOUT_SECONDS",

@@ -127,8 +127,32 @@ class Delivery:
         except (TypeError, ValueError):
             return 0
 
+    @property
+    def timeout_s(self) -> float:
+        """The per-message time limit of the worker's code."""
+        return float(
+            self.meta.settings.get("timeout_s", self.rt.settings.message_handling_timeout_seconds)
+        )
+
+    @property
+    def hold_limit_s(self) -> float:
+        """How long a group member may keep its lock renewed: its time limit plus one lease
+        of grace for recording and publishing (each write renews the lease too)."""
+        return self.timeout_s + self.rt.locks.lease_ms / 1000
+
+    @property
+    def longest_hold_s(self) -> float:
+        """How long one holder can keep this group's lock without writing: renewed up to
+        :attr:`hold_limit_s`, then one more lease until it expires."""
+        return self.hold_limit_s + self.rt.locks.lease_ms / 1000
+
     def run(self) -> list[CloudEvent]:
-        """Process the event, or republish its recorded outcome; returns the outputs."""
+        """Process the event, or republish its recorded outcome; returns the outputs.
+
+        A group member whose lock stays held through the hand-off window raises
+        :class:`~wm.errors.LockContention`: the task sends the delivery again with a delay
+        (``wm.dataplane.tasks``), so waiting does not keep a pool process.
+        """
         recorded = self.rt.outcomes.get(self.meta.id, self.key)
         if recorded is not None:
             logger.info(
@@ -145,30 +169,42 @@ class Delivery:
             )
         engine, temporary = self.rt.engines.engine(self.meta, self.version)
         try:
-            if self.meta.group:
-                owner = f"{self.rt.node}:{self.delivery_id}"
-                self.lease = self.rt.locks.acquire(self.meta.group, owner)
-                recorded = self.rt.outcomes.get(self.meta.id, self.key)
-                if recorded is not None:  # another copy ran while this one waited
-                    self.publish(recorded)
-                    return recorded
-            outputs = self.stamp(self.execute(engine))
-            if self.lease is not None:
-                self.rt.locks.mark_write(self.lease)
-            outputs = self.rt.outcomes.record(self.meta.id, self.key, outputs)
-            self.publish(outputs)
-            return outputs
+            group = self.meta.group
+            return self.run_locked(engine, group) if group else self.process(engine)
         finally:
-            if self.lease is not None:
-                self.rt.locks.release(self.lease)
             if temporary:
                 engine.close()
 
+    def run_locked(self, engine: Engine, group: str) -> list[CloudEvent]:
+        """Process under the group lock, its lease renewed by a heartbeat meanwhile.
+
+        The lock may come from a holder that died after recording its outcome, or this event
+        may have been processed by another copy while this one waited: a recorded outcome is
+        republished, never run again.
+        """
+        owner = f"{self.rt.node}:{self.delivery_id}"
+        self.lease = self.rt.locks.take(group, owner)
+        try:
+            with self.rt.locks.keep_alive(self.lease, self.hold_limit_s):
+                recorded = self.rt.outcomes.get(self.meta.id, self.key)
+                if recorded is not None:
+                    self.publish(recorded)
+                    return recorded
+                return self.process(engine)
+        finally:
+            self.rt.locks.release(self.lease)
+
+    def process(self, engine: Engine) -> list[CloudEvent]:
+        """Run the code, record its outcome (fence-checked first), publish what was recorded."""
+        outputs = self.stamp(self.execute(engine))
+        if self.lease is not None:
+            self.rt.locks.mark_write(self.lease)
+        outputs = self.rt.outcomes.record(self.meta.id, self.key, outputs)
+        self.publish(outputs)
+        return outputs
+
     def execute(self, engine: Engine) -> list[CloudEvent]:
-        timeout_s = float(
-            self.meta.settings.get("timeout_s", self.rt.settings.message_handling_timeout_seconds)
-        )
-        return engine.process(self.event, timeout_s)
+        return engine.process(self.event, self.timeout_s)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the

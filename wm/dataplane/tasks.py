@@ -4,6 +4,11 @@ Every path ends in exactly one of: success (ack), a broker-level retry with back
 jitter (a new message, then ack), a dead letter (stored, then ack), or a requeue (reject) when
 the platform itself (Redis, database) is unavailable — so no message is ever dropped. What
 an error means for the policy is declared by the error (``retryable``, ``EngineLoadError``).
+
+A group member whose lock is held (beyond the short hand-off window of
+``GroupLocks.take``) is no failure: the delivery is sent again with a delay (a new message,
+then ack) and its pool process moves on. Such waits are counted apart (``lock_waits``):
+they never use up the worker's retries and never dead-letter it.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from wm.errors import (
     DatabaseError,
     EngineLoadError,
     EventDecodeError,
+    LockContention,
     WorkerNotFound,
     WorkManagerError,
 )
 from wm.events import LIFECYCLE_TOPIC, CloudEvent, decode, key_of, lifecycle_event, payload_key
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
+from wm.state.locks import retry_delay_ms
 
 logger = logging.getLogger(__name__)
 #: Pause before requeueing when the platform is down, so a node does not spin.
@@ -101,10 +108,13 @@ def deliver(
     payload: str,
     pin_version: int | None = None,
     first_failure_at: float | None = None,
+    lock_waits: int = 0,
+    waiting_since: float | None = None,
 ) -> None:
     rt = runtime(self)
+    waits = LockWaits(lock_waits, waiting_since)
     try:
-        _deliver(self, rt, worker_id, payload, pin_version, first_failure_at)
+        _deliver(self, rt, worker_id, payload, pin_version, first_failure_at, waits)
     except Retry:
         raise
     except Reject as exc:
@@ -131,11 +141,11 @@ def _deliver(
     payload: str,
     pin_version: int | None,
     first_failure_at: float | None,
+    waits: LockWaits,
 ) -> None:
     meta = rt.directory.get(worker_id)
-    attempt = Attempt(
-        worker_id, payload, meta, int(task.request.retries or 0) + 1, first_failure_at
-    )
+    number = max(1, int(task.request.retries or 0) - waits.count + 1)
+    attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
     try:
         event = decode(payload)
     except EventDecodeError as exc:
@@ -153,6 +163,8 @@ def _deliver(
         delivery.run()
     except (BrokerUnavailable, DatabaseError):
         raise
+    except LockContention as exc:
+        _wait_for_lock(task, rt, delivery, waits, exc)
     except EngineLoadError as exc:
         logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
         outbox.record_failure(
@@ -188,6 +200,46 @@ def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: 
     first = attempt.first_failure_at or time.time()
     kwargs: dict[str, Any] = dict(task.request.kwargs or {}, first_failure_at=first)
     raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
+
+
+@dataclass(frozen=True)
+class LockWaits:
+    """How often, and since when, a delivery has waited for its group lock."""
+
+    count: int
+    since: float | None
+
+
+def _wait_for_lock(
+    task: Task, rt: Runtime, delivery: Delivery, waits: LockWaits, exc: LockContention
+) -> None:
+    """Send the delivery again after ``lock_wait_s``: the pool process is free meanwhile, and
+    the wait is not a failure. A delivery that has waited longer than any one holder may keep
+    the lock is logged as a warning (the group is saturated, or a holder misbehaves)."""
+    since = waits.since or time.time()
+    waited_s = time.time() - since
+    if waited_s > delivery.longest_hold_s:
+        logger.warning(
+            "event %s for worker %s has waited %.1f s (%d times) for group %r: %s",
+            delivery.event.get_id(),
+            delivery.meta.id,
+            waited_s,
+            waits.count,
+            delivery.meta.group,
+            exc,
+        )
+    kwargs: dict[str, Any] = dict(
+        task.request.kwargs or {}, lock_waits=waits.count + 1, waiting_since=since
+    )
+    delay_s = lock_wait_s(rt.settings, waits.count)
+    raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
+
+
+def lock_wait_s(settings: Settings, waits: int) -> float:
+    """Between half and all of :func:`wm.state.locks.retry_delay_ms` (jitter spreads the
+    waiters of one group)."""
+    ceiling_ms = retry_delay_ms(settings, waits)
+    return random.uniform(ceiling_ms / 2, ceiling_ms) / 1000
 
 
 def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:

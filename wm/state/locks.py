@@ -1,26 +1,28 @@
-"""Group locks with fencing tokens, kept in Redis (DESIGN §6).
+"""Group locks with fencing tokens and leases, kept in Redis (DESIGN §6).
 
 Workers of one group must not process messages concurrently. A lock is a Redis hash holding
-the owner, a fence, the acquisition time (Redis server clock) and a *written* flag. Every
-operation is one Lua script, so it is atomic and costs one round trip: an uncontended
-acquire plus release is two round trips.
+the owner, a fence, the acquisition time (Redis server clock) and a *written* flag, and it
+expires after a lease (``WM_GROUP_LOCK_LEASE_S``). Every operation is one Lua script, so it
+is atomic and costs one round trip: an uncontended acquire plus release is two round trips.
 
-* Acquire mints a fence with ``INCR`` on a counter that is never reset, so fences of a group
-  increase strictly across releases, steals and expiries.
-* A lock older than ``group_lock_max_age_s`` may be stolen, but only while its holder has not
-  written: a slow but valid holder that already published keeps its lock, so one message is
-  never processed to completion twice.
+* Acquire takes a lock that does not exist: never taken, released, or expired because its
+  holder stopped renewing it. It mints a fence with ``INCR`` on a counter that is never
+  reset, so fences of a group increase strictly across releases and takeovers.
+* The holder renews its lease from a :class:`Heartbeat` while it runs, for at most a limit
+  its caller sets (a delivery: its time limit plus one lease). A holder killed, paused or
+  hung beyond that limit stops renewing, so its group is free again within one lease. No
+  other way takes a lock from its holder: a slow but live holder keeps it.
 * Before each side effect the holder calls :meth:`GroupLocks.mark_write`, the atomic fence
-  check: it marks the write, or refuses a holder whose lock was stolen.
-* A holder that wrote can never be robbed, so the lock of a holder that crashed after writing
-  would stay until deleted by hand. The record therefore expires :data:`SAFETY_TTL_FACTOR` *
-  max age after it was taken (5 min by default): far beyond any legitimate processing (the
-  per-message time limit is 30 s), short enough for the group to recover by itself. Writes do
-  not extend it; a holder still running at expiry has its next :meth:`GroupLocks.mark_write`
-  refused, which is the safe outcome.
+  check: it renews the lease of a holder that still holds the lock, and refuses one whose
+  lease expired, so a holder never writes after a takeover. What it wrote before (a recorded
+  outcome) is what the next attempt of its delivery republishes (``wm.dataplane.delivery``).
+* A release leaves a wake-up token, so a contender waiting in :meth:`GroupLocks.take`'s
+  short hand-off window (or in the blocking :meth:`GroupLocks.acquire`) retries at once.
+* The written flag only tells operators that a holder is in its publishing phase.
 
-Keys are ``<prefix>{<group>}`` (the record) and ``<prefix>{<group>}:fence`` (the counter);
-the hash tag keeps both on one cluster slot, as a Lua script touching both requires.
+Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter) and
+``<prefix>{<group>}:wake`` (the wake-up token); the hash tag keeps them on one cluster slot,
+as a Lua script touching several requires.
 """
 
 from __future__ import annotations
@@ -28,78 +30,81 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypedDict
 
 import redis
 
 from wm.config import Settings
-from wm.errors import FenceRejected, LockContention
+from wm.errors import BrokerUnavailable, FenceRejected, LockContention
 from wm.state.connection import redis_errors, redis_for
 
 __all__ = [
-    "MIN_SAFETY_TTL_MS",
-    "SAFETY_TTL_FACTOR",
+    "MIN_LEASE_MS",
+    "RENEWALS_PER_LEASE",
     "GroupLocks",
+    "Heartbeat",
     "Holder",
     "Lease",
+    "lease_ms",
     "make_owner",
+    "retry_delay_ms",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Lifetime of a lock record as a multiple of the lock max age (dimensionless).
-SAFETY_TTL_FACTOR = 10
-#: Floor of the lock record lifetime (ms), so a max age of 0 never expires a lock at once.
-MIN_SAFETY_TTL_MS = 1000
-
+#: Shortest lease (ms): a lease of 0 would delete a lock the moment it is taken.
+MIN_LEASE_MS = 100
+#: Heartbeats per lease: a holder survives two lost or late renewals in a row.
+RENEWALS_PER_LEASE = 3
+#: How long stopping a heartbeat waits for a renewal in flight (s).
+_HEARTBEAT_JOIN_S = 1.0
 #: Shortest BLPOP wait worth a round trip (BLPOP with timeout 0 blocks for ever).
 _MIN_BLOCK_S = 0.001
+#: Shortest life of a wake-up token (ms): long enough for a waiter's next BLPOP to see it.
+_MIN_WAKE_TTL_MS = 1000
 _HELD = "held"
-_STOLEN = "stolen"
 
-# KEYS: record, fence counter. ARGV: owner, max age ms, safety ttl ms.
-# Reply: status, owner, fence, acquired_at_ms, written, server_ms[, previous owner, fence].
+# KEYS: record, fence counter. ARGV: owner, lease ms.
+# Reply: status, owner, fence, acquired_at_ms, written, server_ms, lease left ms.
 _ACQUIRE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'acquired_at_ms', 'written')
-local status = 'acquired'
 if cur[1] then
-  if cur[1] == ARGV[1] then
-    return {'acquired', cur[1], cur[2], cur[3], cur[4], now}
+  if cur[1] ~= ARGV[1] then
+    return {'held', cur[1], cur[2], cur[3], cur[4], now, redis.call('PTTL', KEYS[1])}
   end
-  if cur[4] == '1' or now - tonumber(cur[3]) <= tonumber(ARGV[2]) then
-    return {'held', cur[1], cur[2], cur[3], cur[4], now}
-  end
-  status = 'stolen'
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {'acquired', cur[1], cur[2], cur[3], cur[4], now, ARGV[2]}
 end
 local fence = redis.call('INCR', KEYS[2])
 local at = string.format('%d', now)
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'acquired_at_ms', at,
            'written', '0')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if status == 'stolen' then
-  return {status, ARGV[1], fence, at, '0', now, cur[1], cur[2]}
-end
-return {status, ARGV[1], fence, at, '0', now}
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {'acquired', ARGV[1], fence, at, '0', now, ARGV[2]}
 """
 
-# KEYS: record. ARGV: owner, fence. Reply: {1} or {0, current owner, current fence}.
-_MARK_WRITE_LUA = """
+# KEYS: record. ARGV: owner, fence, lease ms, '1' to mark a write.
+# Reply: {1} when renewed, else {0, current owner, current fence}.
+_RENEW_LUA = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence')
 if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
-  redis.call('HSET', KEYS[1], 'written', '1')
+  if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'written', '1') end
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {1}
 end
 return {0, cur[1] or '', cur[2] or ''}
 """
 
 # KEYS: record, wake list. ARGV: owner, fence, wake ttl ms. Reply: 1 when deleted, else 0.
-# A release leaves one wake-up token, so one waiting contender retries at once.
+# A release leaves one wake-up token, so one contender waiting for it retries at once.
 _RELEASE_LUA = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence')
 if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
@@ -130,6 +135,7 @@ class Holder(TypedDict):
     fence: int
     acquired_at_ms: int
     written: bool
+    lease_left_ms: int
 
 
 @dataclass(frozen=True)
@@ -140,12 +146,11 @@ class _AcquireReply:
     acquired_at_ms: int
     written: bool
     server_ms: int
-    previous_owner: str = ""
-    previous_fence: int = 0
+    lease_left_ms: int
 
     @classmethod
     def parse(cls, raw: list[Any]) -> _AcquireReply:
-        status, owner, fence, acquired_at_ms, written, server_ms, *previous = raw
+        status, owner, fence, acquired_at_ms, written, server_ms, lease_left_ms = raw
         return cls(
             status=_text(status),
             owner=_text(owner),
@@ -153,8 +158,7 @@ class _AcquireReply:
             acquired_at_ms=int(acquired_at_ms),
             written=_text(written) == "1",
             server_ms=int(server_ms),
-            previous_owner=_text(previous[0]) if previous else "",
-            previous_fence=int(previous[1]) if previous else 0,
+            lease_left_ms=int(lease_left_ms),
         )
 
 
@@ -163,8 +167,23 @@ def make_owner(task_id: str) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{task_id}"
 
 
+def retry_delay_ms(settings: Settings, retry: int) -> int:
+    """The wait before try ``retry + 1`` of a held lock: ``GROUP_LOCK_RETRY_BASE_DELAY_MS ×
+    2^retry``, doubling at most ``GROUP_LOCK_MAX_RETRIES`` times and never longer than half a
+    lease, so a waiter looks at least twice per lease and a group whose holder died resumes
+    within 1.5 leases of its last renewal."""
+    doublings = min(max(retry, 0), settings.group_lock_max_retries)
+    ceiling_ms = settings.group_lock_retry_base_delay_ms << doublings
+    return max(1, min(ceiling_ms, lease_ms(settings) // 2))
+
+
+def lease_ms(settings: Settings) -> int:
+    """The lock lease in ms, floored at :data:`MIN_LEASE_MS`."""
+    return max(MIN_LEASE_MS, round(settings.group_lock_lease_s * 1000))
+
+
 class GroupLocks:
-    """Fenced mutual exclusion per worker group, one Redis round trip per operation."""
+    """Fenced, leased mutual exclusion per worker group, one Redis round trip per operation."""
 
     def __init__(
         self,
@@ -176,34 +195,34 @@ class GroupLocks:
         self._redis = client = client if client is not None else redis_for(settings)
         self._settings = settings
         self._prefix = prefix
-        self._max_age_ms = round(settings.group_lock_max_age_s * 1000)
-        self._safety_ttl_ms = max(SAFETY_TTL_FACTOR * self._max_age_ms, MIN_SAFETY_TTL_MS)
+        self.lease_ms = lease_ms(settings)
+        self.handoff_ms = min(settings.group_lock_handoff_ms, self.lease_ms // 4)
         self._acquire_script = client.register_script(_ACQUIRE_LUA)
-        self._mark_write_script = client.register_script(_MARK_WRITE_LUA)
+        self._renew_script = client.register_script(_RENEW_LUA)
         self._release_script = client.register_script(_RELEASE_LUA)
 
     def try_acquire(self, group: str, owner: str) -> Lease | None:
-        """Take the lock if free or stealable, in one round trip; ``None`` if someone holds it.
+        """Take the lock if free, in one round trip; ``None`` if someone holds it.
 
-        Calling again with the owner that already holds the lock returns the same lease, so a
-        round trip retried after a lost reply cannot lock the owner out of its own lock.
+        Calling again with the owner that already holds the lock returns the same lease (and
+        renews it), so a round trip retried after a lost reply cannot lock the owner out.
         """
         reply = self._attempt(group, owner)
         return None if reply.status == _HELD else _lease(group, reply)
 
-    def acquire(self, group: str, owner: str) -> Lease:
-        """Take the lock, retrying with backoff; raise :class:`LockContention` when it stays held.
+    def acquire(self, group: str, owner: str, *, retries: int | None = None) -> Lease:
+        """Take the lock, trying ``retries`` more times (default ``GROUP_LOCK_MAX_RETRIES``)
+        up to :func:`retry_delay_ms` apart; raise :class:`LockContention` naming the holder.
 
-        The first attempt is followed by up to ``group_lock_max_retries`` retries, retry *n*
-        after a wait of up to ``base * 2**n`` ms (500 ms → 1 s → 2 s by default) that ends
-        early when the holder releases. Giving up quickly
-        lets the broker redeliver later instead of pinning a worker process on one group.
+        Each wait ends early when the holder releases. This blocking form serves scripts and
+        operators; a delivery uses :meth:`take`, which never waits longer than a hand-off.
         """
         started = time.monotonic()
+        limit = self._settings.group_lock_max_retries if retries is None else retries
         reply = self._attempt(group, owner)
         retry = 0
-        while reply.status == _HELD and retry < self._settings.group_lock_max_retries:
-            delay_ms = self._settings.group_lock_retry_base_delay_ms * 2**retry
+        while reply.status == _HELD and retry < limit:
+            delay_ms = retry_delay_ms(self._settings, retry)
             logger.debug(
                 "group lock %r held by %s (fence %d); retry %d in %d ms",
                 group,
@@ -218,19 +237,34 @@ class GroupLocks:
             return _lease(group, reply)
         raise _contention(group, reply, retry + 1, time.monotonic() - started)
 
-    def mark_write(self, lease: Lease) -> None:
-        """Fence check before a side effect: record the write, or refuse a robbed holder.
+    def take(self, group: str, owner: str) -> Lease:
+        """Take the lock now, or when its holder releases it within the hand-off window
+        (``WM_GROUP_LOCK_HANDOFF_MS``, at most a quarter lease); else raise
+        :class:`LockContention` naming the holder, and the caller waits elsewhere.
 
-        Marking the write is what makes the lock unstealable, so a slow holder that already
-        published finishes its message instead of having it processed a second time.
+        Why a window: a group busy with short deliveries is handed from one to the next
+        without idle time or a trip through the broker, while a waiter for a long delivery
+        gives its process back after the window.
         """
-        with redis_errors(self._settings):
-            raw = self._mark_write_script(
-                keys=[self._record_key(lease.group)], args=[lease.owner, lease.fence]
-            )
-        if int(raw[0]) == 1:
+        started = time.monotonic()
+        reply = self._attempt(group, owner)
+        if reply.status == _HELD and self.handoff_ms:
+            reply = self._wait_for_release(group, owner, self.handoff_ms)
+        if reply.status != _HELD:
+            return _lease(group, reply)
+        raise _contention(group, reply, 1, time.monotonic() - started)
+
+    def renew(self, lease: Lease) -> bool:
+        """Extend the lease by a full lease; ``False`` when it expired and the lock is lost."""
+        return self._renew(lease, mark_write=False) is None
+
+    def mark_write(self, lease: Lease) -> None:
+        """Fence check before a side effect: renew the lease and mark the write, or refuse a
+        holder whose lease expired (its group may already run under a higher fence)."""
+        refused = self._renew(lease, mark_write=True)
+        if refused is None:
             return
-        current_owner, current_fence = _text(raw[1]), _text(raw[2])
+        current_owner, current_fence = refused
         logger.warning(
             "group lock %r: write under fence %d by %s refused; holder now %s (fence %s)",
             lease.group,
@@ -252,26 +286,36 @@ class GroupLocks:
             )
         if not released:
             logger.warning(
-                "group lock %r no longer held by %s (fence %d) at release",
+                "group lock %r no longer held by %s (fence %d) at release: its lease expired",
                 lease.group,
                 lease.owner,
                 lease.fence,
             )
         return released == 1
 
+    def keep_alive(self, lease: Lease, limit_s: float) -> Heartbeat:
+        """A heartbeat renewing ``lease`` for at most ``limit_s``; use it as a context."""
+        return Heartbeat(self, lease, limit_s)
+
     @contextmanager
-    def holding(self, group: str, owner: str) -> Iterator[Lease]:
-        """Hold the group lock for a block and release it however the block ends."""
+    def holding(self, group: str, owner: str, *, limit_s: float | None = None) -> Iterator[Lease]:
+        """Hold the group lock for a block, renewed for at most ``limit_s`` (default: the
+        per-message time limit), and release it however the block ends."""
+        limit = self._settings.message_handling_timeout_seconds if limit_s is None else limit_s
         lease = self.acquire(group, owner)
         try:
-            yield lease
+            with self.keep_alive(lease, limit):
+                yield lease
         finally:
             self.release(lease)
 
     def holder(self, group: str) -> Holder | None:
         """Current holder of a group lock, for operators and tests; ``None`` when free."""
         with redis_errors(self._settings):
-            raw: dict[Any, Any] = self._redis.hgetall(self._record_key(group))
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hgetall(self._record_key(group))
+            pipe.pttl(self._record_key(group))
+            raw, left_ms = pipe.execute()
         if not raw:
             return None
         fields = {_text(key): _text(value) for key, value in raw.items()}
@@ -280,6 +324,7 @@ class GroupLocks:
             fence=int(fields["fence"]),
             acquired_at_ms=int(fields["acquired_at_ms"]),
             written=fields["written"] == "1",
+            lease_left_ms=int(left_ms),
         )
 
     def _attempt(self, group: str, owner: str) -> _AcquireReply:
@@ -288,21 +333,20 @@ class GroupLocks:
         with redis_errors(self._settings):
             raw = self._acquire_script(
                 keys=[self._record_key(group), self._fence_key(group)],
-                args=[owner, self._max_age_ms, self._safety_ttl_ms],
+                args=[owner, self.lease_ms],
             )
-        reply = _AcquireReply.parse(raw)
-        if reply.status == _STOLEN:
-            logger.warning(
-                "group lock %r stolen by %s (fence %d) from %s (fence %d), "
-                "which had not written within %d ms",
-                group,
-                owner,
-                reply.fence,
-                reply.previous_owner,
-                reply.previous_fence,
-                self._max_age_ms,
+        return _AcquireReply.parse(raw)
+
+    def _renew(self, lease: Lease, *, mark_write: bool) -> tuple[str, str] | None:
+        """``None`` when renewed, else the (owner, fence) now in the record ('' when free)."""
+        with redis_errors(self._settings):
+            raw = self._renew_script(
+                keys=[self._record_key(lease.group)],
+                args=[lease.owner, lease.fence, self.lease_ms, "1" if mark_write else "0"],
             )
-        return reply
+        if int(raw[0]) == 1:
+            return None
+        return _text(raw[1]), _text(raw[2])
 
     def _record_key(self, group: str) -> str:
         return f"{self._prefix}{{{group}}}"
@@ -314,12 +358,11 @@ class GroupLocks:
         return f"{self._prefix}{{{group}}}:wake"
 
     def _wake_ttl_ms(self) -> int:
-        return max(1000, self._settings.group_lock_retry_base_delay_ms * 4)
+        return max(_MIN_WAKE_TTL_MS, self._settings.group_lock_retry_base_delay_ms * 4)
 
     def _wait_for_release(self, group: str, owner: str, delay_ms: int) -> _AcquireReply:
-        """One backoff step: wait ``delay_ms`` for the lock, trying again whenever a release
-        leaves a wake-up token (BLPOP) — the lock is handed on without idle time, and the
-        time a contender waits in all is still the sum of its backoffs."""
+        """Wait up to ``delay_ms`` for the lock, trying again whenever a release leaves a
+        wake-up token (BLPOP): the lock is handed on without idle time."""
         deadline = time.monotonic() + delay_ms / 1000
         while True:
             remaining = deadline - time.monotonic()
@@ -335,6 +378,76 @@ class GroupLocks:
                 return reply
 
 
+class Heartbeat:
+    """Renews a lease from a daemon thread, every 1/:data:`RENEWALS_PER_LEASE` of a lease.
+
+    Why a thread: worker code may run for up to its time limit, far longer than a lease, and
+    only a live process renews, so a killed or paused holder frees its group within one
+    lease. Renewal stops at ``limit_s`` (code that hangs beyond its time limit loses the lock
+    rather than stall its group) and when a renewal finds the lease lost; a Redis error is
+    logged and renewal goes on, as the lease may still be saved. :attr:`lost` tells whether
+    the lease was found lost; the holder's next :meth:`GroupLocks.mark_write` refuses anyway.
+    """
+
+    def __init__(self, locks: GroupLocks, lease: Lease, limit_s: float) -> None:
+        self._locks = locks
+        self._lease = lease
+        self._interval_s = locks.lease_ms / RENEWALS_PER_LEASE / 1000
+        self._deadline = time.monotonic() + limit_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"lease-{lease.group}-{lease.fence}", daemon=True
+        )
+        self.renewals = 0
+        self.lost = False
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop renewing; the holder releases the lock (or lets the lease run out)."""
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(_HEARTBEAT_JOIN_S)
+
+    def _run(self) -> None:
+        lease = self._lease
+        while not self._stopped.wait(self._interval_s):
+            if time.monotonic() >= self._deadline:
+                logger.warning(
+                    "group lock %r: %s (fence %d) still runs at its limit; no longer renewing "
+                    "its lease, so the group moves on and its late writes are refused",
+                    lease.group,
+                    lease.owner,
+                    lease.fence,
+                )
+                return
+            try:
+                renewed = self._locks.renew(lease)
+            except BrokerUnavailable as exc:
+                logger.warning("group lock %r: renewal failed, trying again: %s", lease.group, exc)
+                continue
+            if not renewed:
+                self.lost = True
+                logger.warning(
+                    "group lock %r: lease of %s (fence %d) expired before its renewal",
+                    lease.group,
+                    lease.owner,
+                    lease.fence,
+                )
+                return
+            self.renewals += 1
+
+
 def _lease(group: str, reply: _AcquireReply) -> Lease:
     return Lease(
         group=group, owner=reply.owner, fence=reply.fence, acquired_at_ms=reply.acquired_at_ms
@@ -348,8 +461,8 @@ def _contention(
     age_ms = reply.server_ms - reply.acquired_at_ms
     return LockContention(
         f"group {group!r} is held by {reply.owner!r} (fence {reply.fence}, {state}, "
-        f"age {age_ms} ms) after {attempts} attempts in {elapsed_s:.3f} s; "
-        "the delivery should be retried later"
+        f"age {age_ms} ms, lease left {reply.lease_left_ms} ms) after {attempts} attempts in "
+        f"{elapsed_s:.3f} s; try again later (a delivery waits without counting a failure)"
     )
 
 
@@ -357,10 +470,10 @@ def _fence_message(lease: Lease, current_owner: str, current_fence: str) -> str:
     if current_owner:
         now = f"the lock is now held by {current_owner!r} (fence {current_fence})"
     else:
-        now = "the lock is free (released, or expired after its safety TTL)"
+        now = "the lock is free (released, or its lease expired)"
     return (
-        f"group {lease.group!r}: write under fence {lease.fence} by {lease.owner!r} refused; "
-        f"{now}; the delivery must be retried"
+        f"group {lease.group!r}: write under fence {lease.fence} by {lease.owner!r} refused "
+        f"because its lease expired; {now}; the delivery must be retried"
     )
 
 
