@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ import redis
 
 from wm import Settings, WorkManager, store
 from wm.config import current_values
+from wm.errors import EmbeddedRedisError
+from wm.local.embedded import find_redis_server, start_redis, stop_redis
 
 #: ``celery_app`` and ``celery_worker``: a real Celery worker in a thread of the test process
 #: (used with kombu's in-memory broker by test_delivery_policy.py). Celery ships the plugin
@@ -264,3 +266,28 @@ def start_node(tmp_path: Path) -> Iterator[Any]:
     yield start
     for node in nodes:
         node.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
+    """A Redis server of this test's own, which the test may restart on the same port.
+
+    ``start_redis`` (the embedded Redis of ``wm up``) picks a free port at run time and picks
+    again if another program takes it before the server binds it; the append-only file in
+    its data directory keeps the queued messages across the restart.
+    """
+    try:
+        binary = find_redis_server()
+    except EmbeddedRedisError as exc:
+        need("redis-server", exc)
+    data_dir = tmp_path / "redis"
+    servers = [start_redis(data_dir, executable=binary)]
+    port = servers[0].port
+
+    def restart() -> None:
+        stop_redis(servers[-1])
+        time.sleep(2.0)  # an outage the node must ride out, not a wait for a condition
+        servers.append(start_redis(data_dir, port=port, executable=binary))
+
+    yield port, restart
+    stop_redis(servers[-1])

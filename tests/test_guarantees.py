@@ -10,7 +10,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,7 @@ from tests.conftest import AMQP_URL, need
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.delivery import FENCE_EXTENSION
-from wm.errors import EmbeddedRedisError
 from wm.events import derive_id, event_key
-from wm.local.embedded import find_redis_server, start_redis, stop_redis
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
@@ -70,31 +68,6 @@ def test_group_members_never_overlap_and_fences_increase(
         assert int(after[FENCE_EXTENSION]) > int(before[FENCE_EXTENSION])
     assert len({e["data"]["pid"] for e in outputs}) > 1  # several processes took part
     assert DeadLetters(settings).list() == []
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
-    """A Redis server of this test's own, which the test may restart on the same port.
-
-    ``start_redis`` (the embedded Redis of ``wm up``) picks a free port at run time and picks
-    again if another program takes it before the server binds it; the append-only file in
-    its data directory keeps the queued messages across the restart.
-    """
-    try:
-        binary = find_redis_server()
-    except EmbeddedRedisError as exc:
-        need("redis-server", exc)
-    data_dir = tmp_path / "redis"
-    servers = [start_redis(data_dir, executable=binary)]
-    port = servers[0].port
-
-    def restart() -> None:
-        stop_redis(servers[-1])
-        time.sleep(2.0)  # an outage the node must ride out, not a wait for a condition
-        servers.append(start_redis(data_dir, port=port, executable=binary))
-
-    yield port, restart
-    stop_redis(servers[-1])
 
 
 @pytest.mark.slow

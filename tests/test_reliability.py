@@ -12,7 +12,6 @@ import redis
 from kombu import Connection
 
 from tests.helpers import STUB, drain, eventually, stub
-from tests.test_guarantees import own_redis  # noqa: F401 (a fixture; moves to conftest)
 from wm import DeadLetters, InvalidArgument, Settings, WorkManager, make_event
 from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
 from wm.dataplane.queues import EXCHANGE, subscription_queue
@@ -217,7 +216,7 @@ def test_a_backlog_is_not_sent_again_while_it_waits(settings: Settings, start_no
 @pytest.mark.slow
 def test_two_nodes_under_load_survive_a_redis_restart(
     pg_settings: Settings,
-    own_redis: Any,  # noqa: F811
+    own_redis: Any,
     start_node: Any,
 ) -> None:
     """A Redis restart under load once ended a node: kombu's restore of unacknowledged
