@@ -161,6 +161,7 @@ def finish(tail: subprocess.Popen[bytes]) -> tuple[str, str]:
 # -- workers -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_create_from_file_then_list_and_show(env: dict[str, str], tmp_path: Path) -> None:
     made = create(
         env,
@@ -415,6 +416,7 @@ def test_unmigrated_database_is_one_error_line(unmigrated_env: dict[str, str]) -
     assert "wm db upgrade" in one_error_line(wm(unmigrated_env, "worker", "list", expect=1))
 
 
+@pytest.mark.slow
 def test_db_upgrade_reaches_head(unmigrated_env: dict[str, str]) -> None:
     env = unmigrated_env
     assert "wm db upgrade" in one_error_line(wm(env, "worker", "list", expect=1))

@@ -326,6 +326,7 @@ def test_code_this_node_cannot_load_fails_the_worker_and_keeps_the_message(
     assert (output["data"]["input"], output["data"]["version"]) == ({"n": 1}, 2)
 
 
+@pytest.mark.slow
 def test_waiting_for_a_group_lock_is_no_failure_and_frees_the_pool(
     node: WorkController,
     manager: WorkManager,

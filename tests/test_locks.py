@@ -186,6 +186,7 @@ def test_uncontended_acquire_and_release_take_two_round_trips(redis_url: str, pr
     counting.close()
 
 
+@pytest.mark.slow
 def test_four_processes_never_overlap_and_fences_follow_entry_order(
     redis_url: str, prefix: str
 ) -> None:
@@ -279,6 +280,7 @@ def test_a_paused_holder_loses_its_lock_after_one_lease_and_its_late_write_is_re
     )
 
 
+@pytest.mark.slow
 def test_a_killed_holder_frees_its_group_within_one_lease(
     client: redis.Redis, redis_url: str, prefix: str
 ) -> None:
