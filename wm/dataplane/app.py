@@ -84,17 +84,13 @@ def make_app(settings: Settings | None = None) -> Celery:
     return app
 
 
-def broker_unavailable(settings: Settings, exc: BaseException) -> BrokerUnavailable:
-    return BrokerUnavailable(
-        f"the broker at WM_BROKER_URL={maybe_sanitize_url(settings.broker_url)} is "
-        f"unreachable ({exc}); start it or fix the setting"
-    )
-
-
 @contextmanager
 def broker_errors(settings: Settings) -> Iterator[None]:
     """Turn a broker error raised inside the block into :class:`BrokerUnavailable`."""
     try:
         yield
     except BROKER_ERRORS as exc:
-        raise broker_unavailable(settings, exc) from exc
+        raise BrokerUnavailable(
+            f"the broker at WM_BROKER_URL={maybe_sanitize_url(settings.broker_url)} is "
+            f"unreachable ({exc}); start it or fix the setting"
+        ) from exc

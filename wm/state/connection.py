@@ -30,17 +30,13 @@ def redis_for(settings: Settings) -> redis.Redis:
         return client
 
 
-def redis_unavailable(settings: Settings, exc: BaseException) -> BrokerUnavailable:
-    return BrokerUnavailable(
-        f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)} is unreachable "
-        f"({exc}); start it or fix the setting"
-    )
-
-
 @contextmanager
 def redis_errors(settings: Settings) -> Iterator[None]:
     """Turn a Redis error raised inside the block into :class:`BrokerUnavailable`."""
     try:
         yield
     except redis.RedisError as exc:
-        raise redis_unavailable(settings, exc) from exc
+        raise BrokerUnavailable(
+            f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)} is unreachable "
+            f"({exc}); start it or fix the setting"
+        ) from exc
