@@ -9,10 +9,12 @@ locally without them, failed in CI (``need``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -114,6 +116,29 @@ def test_kernel_layers_alone_stop_escapes_as_an_unprivileged_user(
     if os.geteuid() != 0:
         _check(_run([], sys.executable, ports, {"PYTHONPATH": ROOT}))
         return
-    python, path = _unprivileged_python()
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": path, "HOME": "/tmp"}
-    _check(_run(_setpriv(), python, ports, env))
+    site = sysconfig.get_paths()["purelib"]
+    with _traversable([ROOT, site, os.path.realpath(sys.executable)]):
+        python, path = _unprivileged_python()
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": path, "HOME": "/tmp"}
+        _check(_run(_setpriv(), python, ports, env))
+
+
+@contextlib.contextmanager
+def _traversable(paths: list[str]) -> Iterator[None]:
+    """Let other users pass through the folders above ``paths`` for the test's duration: a
+    clone in ``mktemp -d`` (mode 0700) or under ``/root`` is closed to uid nobody. Only the
+    search bit is added, and every mode is restored afterwards."""
+    opened: dict[str, int] = {}
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        while folder not in opened and folder != "/":
+            mode = os.stat(folder).st_mode
+            if not mode & stat.S_IXOTH:
+                opened[folder] = mode
+                os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+            folder = os.path.dirname(folder)
+    try:
+        yield
+    finally:
+        for folder, mode in opened.items():
+            os.chmod(folder, stat.S_IMODE(mode))
