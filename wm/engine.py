@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
@@ -30,6 +30,18 @@ class WorkerSpec:
     sha256: str = ""
     name: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Outputs(list[CloudEvent]):
+    """What ``process`` may return instead of a plain list: the events to publish, and in
+    ``worker_error`` the error the worker answered with (its error response is among the
+    events). Such an answer is no failed delivery: it is recorded and published like any
+    outcome, never retried, and the delivery reports it as a ``worker.error`` lifecycle event.
+    """
+
+    def __init__(self, events: Iterable[CloudEvent] = (), worker_error: str | None = None):
+        super().__init__(events)
+        self.worker_error = worker_error
 
 
 class Engine:
@@ -63,7 +75,8 @@ class Engine:
         raise NotImplementedError("Engine.load() must be implemented.")
 
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
-        """Run the code on ``event`` and return the events it produced (maybe none)."""
+        """Run the code on ``event`` and return the events it produced (maybe none; an
+        :class:`Outputs` when the worker answered with an error)."""
         raise NotImplementedError("Engine.process() must be implemented.")
 
     def close(self) -> None:

@@ -2,8 +2,8 @@
 subprocess that the host talks to over length-prefixed JSON frames.
 
 Host side: :mod:`engines.python.engine` (the :class:`PythonEngine`), ``process`` (one child),
-``isolation`` (kernel-level layers, paths, rlimits), ``gateway`` (HTTP calls made on behalf of
-a worker). Sandbox side: ``bootstrap`` (entry script), ``runner`` (message loop) and
+``isolation`` (kernel-level layers, paths, rlimits); gateway calls go through
+:mod:`wm.devkit.gateway`. Sandbox side: ``bootstrap`` (entry script), ``runner`` (message loop) and
 ``sandbox`` (import guard, restricted builtins, audit hook). ``protocol`` is shared.
 
 Operator notes:

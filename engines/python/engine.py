@@ -16,10 +16,10 @@ import time
 from typing import Any
 
 from engines.python import isolation
-from engines.python.gateway import GatewayCaller
 from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
 from engines.python.protocol import event_body
 from wm.config import Settings
+from wm.devkit.gateway import GatewayCaller
 from wm.engine import Engine, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, decode

@@ -17,9 +17,16 @@ from wm.config import Settings
 from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.outputs import OutputPublisher
-from wm.engine import Engine, WorkerSpec, engine_class
+from wm.engine import Engine, Outputs, WorkerSpec, engine_class
 from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused
-from wm.events import CloudEvent, derive_id, key_of, with_attributes
+from wm.events import (
+    LIFECYCLE_TOPIC,
+    CloudEvent,
+    derive_id,
+    key_of,
+    lifecycle_event,
+    with_attributes,
+)
 from wm.names import check_name, reserved_topic
 from wm.state.directory import Directory, WorkerMeta
 from wm.state.ledger import Ledger
@@ -110,6 +117,7 @@ class Delivery:
     event: CloudEvent
     delivery_id: str
     pin_version: int | None = None
+    attempt: int = 1
     lease: Lease | None = None
 
     @functools.cached_property
@@ -195,12 +203,16 @@ class Delivery:
             self.rt.locks.release(self.lease)
 
     def process(self, engine: Engine) -> list[CloudEvent]:
-        """Run the code, record its outcome (fence-checked first), publish what was recorded."""
-        outputs = self.stamp(self.execute(engine))
+        """Run the code, record its outcome (fence-checked first), publish what was recorded.
+        An error the worker answered with is reported as ``worker.error`` once published."""
+        produced = self.execute(engine)
+        outputs = self.stamp(produced)
         if self.lease is not None:
             self.rt.locks.mark_write(self.lease)
         outputs = self.rt.outcomes.record(self.meta.id, self.key, outputs)
         self.publish(outputs)
+        if isinstance(produced, Outputs) and produced.worker_error is not None:
+            self.emit_error("WorkerAnswer", produced.worker_error)
         return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
@@ -240,6 +252,19 @@ class Delivery:
             raise OutputRefused(
                 f"output topic {topic!r} is not in the worker's {OUTPUT_TOPICS}: {allowed}"
             )
+
+    def emit_error(self, error_type: str, error_message: str) -> None:
+        """Publish a ``worker.error`` lifecycle event about this attempt."""
+        data = {
+            "group": self.meta.group,
+            "topic": self.meta.topic,
+            "version": self.version,
+            "error_type": error_type,
+            "error_message": error_message,
+            "event_id": self.event.get_id(),
+            "attempt": self.attempt,
+        }
+        self.rt.bus.publish(lifecycle_event("error", self.meta.id, data), LIFECYCLE_TOPIC)
 
     def publish(self, outputs: list[CloudEvent]) -> None:
         """Publish each output to the topic of its type (plain subscriptions get it once,

@@ -37,7 +37,7 @@ from wm.errors import (
     WorkerNotFound,
     WorkManagerError,
 )
-from wm.events import LIFECYCLE_TOPIC, CloudEvent, decode, key_of, lifecycle_event, payload_key
+from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
 from wm.state.locks import retry_delay_ms
@@ -158,7 +158,7 @@ def _deliver(
     if meta.status != Status.RUNNING:
         time.sleep(_REQUEUE_PAUSE_S)
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
-    delivery = Delivery(rt, meta, event, str(task.request.id), pin_version)
+    delivery = Delivery(rt, meta, event, str(task.request.id), pin_version, number)
     try:
         delivery.run()
     except (BrokerUnavailable, DatabaseError):
@@ -177,7 +177,7 @@ def _deliver(
 
 def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
     meta = delivery.meta
-    _emit_error(rt, meta, exc, delivery.event.get_id(), attempt.number)
+    delivery.emit_error(type(exc).__name__, str(exc))
     max_retries = int(meta.settings.get("max_retries", rt.settings.max_retries))
     retryable = not isinstance(exc, WorkManagerError) or exc.retryable
     if not retryable or attempt.number > max_retries:
@@ -247,21 +247,6 @@ def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:
     base_ms = int(meta.settings.get("retry_base_delay_ms", settings.retry_base_delay_ms))
     ceiling_ms = min(settings.retry_max_delay_ms, base_ms * 2 ** (attempts - 1))
     return random.uniform(ceiling_ms / 2, ceiling_ms) / 1000
-
-
-def _emit_error(
-    rt: Runtime, meta: WorkerMeta, exc: Exception, event_id: str, attempts: int
-) -> None:
-    data = {
-        "group": meta.group,
-        "topic": meta.topic,
-        "version": meta.version,
-        "error_type": type(exc).__name__,
-        "error_message": str(exc),
-        "event_id": event_id,
-        "attempt": attempts,
-    }
-    rt.bus.publish(lifecycle_event("error", meta.id, data), LIFECYCLE_TOPIC)
 
 
 @shared_task(name="wm.noop", acks_late=True, reject_on_worker_lost=True)

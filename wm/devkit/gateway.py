@@ -1,10 +1,11 @@
-"""Host side: gateway calls made on behalf of a sandboxed worker.
+"""Host side: gateway calls made on behalf of a worker that has no network of its own.
 
-The sandbox has no network; a worker's ``api.gateway.<service>.<method>(data)`` arrives as a
-``gateway`` frame and is performed here, only for hosts listed in WM_GATEWAY_ALLOWED_HOSTS,
-with the URL convention of :mod:`wm.devkit.transport` (``POST http://host:port/service/method``,
-JSON both ways) and a time limit of WM_GATEWAY_TIMEOUT_S (less if the message's own deadline
-is nearer). The worker gets the decoded JSON response or a GatewayError with the reason.
+Every engine uses it: a sandboxed Python worker's ``api.gateway.<service>.<method>(data)``
+arrives as a ``gateway`` frame, a native worker calls ``host->gateway_call``. The call is
+performed here, only for hosts listed in WM_GATEWAY_ALLOWED_HOSTS, with the URL convention
+of :mod:`wm.devkit.transport` (``POST http://host:port/service/method``, JSON both ways) and
+a time limit of WM_GATEWAY_TIMEOUT_S (less if the message's own deadline is nearer). The
+worker gets the decoded JSON response or a GatewayError with the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ MIN_CALL_TIME_S = 0.05
 
 
 class GatewayCaller:
-    """Performs the gateway frames of one engine's children."""
+    """Performs the gateway calls of one engine's workers."""
 
     def __init__(self, settings: Settings) -> None:
         self._allowed = frozenset(host.lower() for host in settings.gateway_allowed_hosts)
@@ -31,13 +32,15 @@ class GatewayCaller:
     def reply(self, request: dict[str, Any], remaining_s: float, worker_id: str) -> dict[str, Any]:
         """The ``gateway_reply`` frame answering ``request``."""
         try:
-            data = self._call(request, remaining_s)
+            data = self.call(request, remaining_s)
         except GatewayError as exc:
-            logger.info("python worker %s: gateway call refused or failed: %s", worker_id, exc)
+            logger.info("worker %s: gateway call refused or failed: %s", worker_id, exc)
             return {"op": "gateway_reply", "ok": False, "error": str(exc)}
         return {"op": "gateway_reply", "ok": True, "data": data}
 
-    def _call(self, request: dict[str, Any], remaining_s: float) -> Any:
+    def call(self, request: dict[str, Any], remaining_s: float) -> Any:
+        """Perform ``request`` (``host``, ``port``, ``service``, ``method``, ``data``) within
+        ``remaining_s``; the decoded JSON answer, or :class:`GatewayError` naming the reason."""
         host, port = request.get("host"), request.get("port")
         service, method = request.get("service"), request.get("method")
         if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):

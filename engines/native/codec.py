@@ -1,0 +1,471 @@
+"""The FlatBuffers wire format of the native ABI (``native_abi/worker_api.fbs``), by hand.
+
+A native worker is called once per event, so the codec is on the hot path: the generated
+Python builder costs ~95 µs per event, this codec a few. It writes exactly the bytes that
+``flatc -b`` writes for the same fields in schema order (objects created in field order,
+back to front, every string padded after its terminator, one vtable shared by all
+``Extension`` tables), which the tests check byte for byte. Every string sits on a 4-byte
+boundary whatever came before it, so a string's bytes depend on the string alone and the
+recurring ones (source, type, extension keys) are cached.
+
+Reading trusts nothing: every offset, length and vtable is checked against the buffer, so
+a malformed answer raises :class:`CodecError` and never another exception, an endless loop
+or a large allocation.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import struct
+from datetime import datetime
+from typing import Any, Final, NamedTuple
+
+from cloudevents.core.v1.event import CloudEvent
+
+__all__ = ["CodecError", "Encoder", "Response", "decode_response", "encode_event"]
+
+
+class CodecError(ValueError):
+    """Raised when an event cannot be written as a FlatBuffer (its data is not
+    JSON-serializable) or a worker's answer is not a well-formed WorkerResponse; the
+    message names the defect."""
+
+
+class Response(NamedTuple):
+    """A worker's answer: exactly one of ``event`` and ``error`` is set. A named tuple, so
+    ``event, error = decode_response(buf)`` works too."""
+
+    event: CloudEvent | None
+    error: str | None
+
+
+#: Strings of these fields recur from event to event (per worker, per topic).
+_RECURRING: Final = frozenset({"source", "type", "specversion", "datacontenttype"})
+#: CloudEvent string fields in schema order: (field id, attribute name, cached).
+_STRING_FIELDS: Final = tuple(
+    (1 << index, name, name in _RECURRING)
+    for index, name in enumerate(
+        ("id", "source", "type", "specversion", "datacontenttype", "subject")
+    )
+)
+#: The same for reading: (field id, attribute name, what an error message calls it).
+_READ_FIELDS: Final = tuple(
+    (bit.bit_length() - 1, name, f"result_event.{name}") for bit, name, _ in _STRING_FIELDS
+)
+_TIME, _DATA, _EXTENSIONS = 6, 7, 8
+_TIME_BIT, _DATA_BIT, _EXTENSIONS_BIT = 1 << _TIME, 1 << _DATA, 1 << _EXTENSIONS
+#: Number of CloudEvent fields this codec knows; later ones (added to the schema at the
+#: end) are ignored when reading.
+_CE_FIELDS: Final = 9
+#: Attributes that are table fields; every other attribute travels as an extension.
+_FIELD_NAMES: Final = frozenset(name for _, name, _ in _STRING_FIELDS) | {"time"}
+#: Strings cached per Encoder before the cache is emptied and starts over.
+DEFAULT_CACHE_SIZE: Final = 256
+
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_VT_HEAD = struct.Struct("<HH")
+#: The first Extension table and its vtable: 8-byte vtable of a 12-byte table whose key is
+#: at offset 4 and value at 8, then the table (soffset 8: its vtable right before it).
+_FIRST_EXTENSION = struct.Struct("<HHHHiII")
+_NEXT_EXTENSION = struct.Struct("<iII")
+#: A string's terminator and padding to the next 4-byte boundary, by ``len & 3``.
+_STRING_TAIL: Final = (b"\0\0\0\0", b"\0\0\0", b"\0\0", b"\0")
+#: A byte vector's padding to the next 4-byte boundary, by ``len & 3``.
+_VECTOR_TAIL: Final = (b"", b"\0\0\0", b"\0\0", b"\0")
+#: Packers of an offset vector (length, then offsets) by length.
+_U32S: Final = tuple(struct.Struct(f"<{n + 1}I") for n in range(8))
+_U16S: Final = tuple(struct.Struct(f"<{n}H") for n in range(_CE_FIELDS + 1))
+_ZEROS: Final = tuple((0,) * n for n in range(_CE_FIELDS + 1))
+_EXTENSION_NAME = re.compile(r"[a-z0-9]+")
+_RFC3339 = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+#: How data is read back, by datacontenttype (bounded like the Encoder's cache).
+_BYTES, _TEXT, _JSON_DATA = 0, 1, 2
+_DATA_KINDS: dict[str, int] = {}
+#: Extension keys already found valid (bounded like the Encoder's cache).
+_KEYS_SEEN: set[str] = set()
+
+
+def _rfc3339(value: datetime) -> str:
+    """``value`` as the SDK's JSON format writes a time: ISO 8601, UTC as ``Z``."""
+    text = value.isoformat()
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def _json_default(value: object) -> str:
+    if isinstance(value, datetime):
+        return _rfc3339(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+
+
+#: Data as the SDK's JSON format writes it, compact and UTF-8 (a circular value recurses
+#: into a RecursionError, which is reported like any other unserializable data).
+_JSON = json.JSONEncoder(
+    ensure_ascii=False,
+    check_circular=False,
+    allow_nan=False,
+    separators=(",", ":"),
+    default=_json_default,
+)
+
+
+def _string(text: str) -> bytes:
+    """A string object: length, UTF-8 bytes, terminator, padding to 4 bytes."""
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CodecError(f"{text!r} cannot be written as UTF-8: {exc.reason}") from exc
+    return _U32.pack(len(raw)) + raw + _STRING_TAIL[len(raw) & 3]
+
+
+def _canonical(value: object) -> str:
+    """An extension value in the CloudEvents canonical string form."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime):
+        return _rfc3339(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(value).decode("ascii")
+    return str(value)
+
+
+def _data_bytes(data: object) -> bytes:
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, bytearray | memoryview):
+        return bytes(data)
+    try:
+        return (data if isinstance(data, str) else _JSON.encode(data)).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CodecError(f"data cannot be written as UTF-8 or JSON: {exc}") from exc
+
+
+class _Head(NamedTuple):
+    """Root offset, padding, vtable and soffset of a CloudEvent with a given set of fields,
+    and the packer of its field offsets."""
+
+    prefix: bytes
+    offsets: struct.Struct
+
+
+def _head(mask: int) -> _Head:
+    present = [index for index in range(_CE_FIELDS) if mask >> index & 1]
+    slots = [0] * (present[-1] + 1)
+    for position, index in enumerate(present):
+        slots[index] = 4 + 4 * position
+    vtable_size = 4 + 2 * len(slots)
+    pad = vtable_size & 3
+    root = 4 + pad + vtable_size
+    prefix = struct.pack(
+        f"<I{pad}x{len(slots) + 2}Hi", root, vtable_size, 4 + 4 * len(present), *slots, vtable_size
+    )
+    return _Head(prefix, struct.Struct(f"<{len(present)}I"))
+
+
+_HEADS: Final = tuple(_head(mask) if mask & 7 == 7 else None for mask in range(1 << _CE_FIELDS))
+
+
+class Encoder:
+    """Writes CloudEvents as FlatBuffers, caching the encoded form of recurring strings.
+
+    One per worker: its source, types and extension keys repeat from event to event. The
+    cache holds at most ``cache_size`` strings and starts over when full.
+    """
+
+    def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._cache_size = cache_size
+        self._strings: dict[str, bytes] = {}
+
+    def _cached(self, text: str) -> bytes:
+        chunk = self._strings.get(text)
+        if chunk is None:
+            if len(self._strings) >= self._cache_size:
+                self._strings.clear()
+            chunk = self._strings[text] = _string(text)
+        return chunk
+
+    def encode(self, event: CloudEvent) -> bytes:
+        """The FlatBuffer of ``event``; its root is a ``virtufin.worker.CloudEvent``."""
+        attributes = event.get_attributes()
+        # Written back to front like flatc: ``chunks`` are reversed at the end (so an object
+        # of several chunks appends its last one first), ``size`` is the newest object's
+        # distance from the end of the buffer and ``ends`` holds each field's.
+        chunks: list[bytes] = []
+        ends: list[int] = []
+        size = mask = 0
+        cache = self._strings
+        for bit, name, recurring in _STRING_FIELDS:
+            value = attributes.get(name)
+            if value is not None:
+                chunk = (cache.get(value) or self._cached(value)) if recurring else _string(value)
+                chunks.append(chunk)
+                size += len(chunk)
+                ends.append(size)
+                mask |= bit
+        time = attributes.get("time")
+        if time is not None:
+            chunks.append(_string(_rfc3339(time) if isinstance(time, datetime) else str(time)))
+            size += len(chunks[-1])
+            ends.append(size)
+            mask |= _TIME_BIT
+        fields = len(ends)
+        data = event.get_data()
+        if data is not None:
+            raw = _data_bytes(data)
+            chunks += (_VECTOR_TAIL[len(raw) & 3], raw, _U32.pack(len(raw)))
+            size += (len(raw) + 7) & ~3
+            ends.append(size)
+            mask |= _DATA_BIT
+        if len(attributes) > fields:  # attributes not written yet are extensions
+            grown = self._extensions(attributes, chunks, size)
+            if grown != size:
+                size = grown
+                ends.append(size)
+                mask |= _EXTENSIONS_BIT
+        return self._finish(mask, chunks, ends, size)
+
+    def _extensions(self, attributes: dict[str, Any], chunks: list[bytes], size: int) -> int:
+        """Write the Extension tables and their vector; return the new size (unchanged when
+        every extension is None)."""
+        tables: list[int] = []
+        vtable = 0
+        for name in sorted(attributes.keys() - _FIELD_NAMES):
+            value = attributes[name]
+            if value is None:
+                continue
+            key = self._strings.get(name) or self._cached(name)
+            text = _string(value if type(value) is str else _canonical(value))
+            size += len(key) + len(text)
+            chunks += (key, text)
+            table = size + 12
+            if vtable:
+                chunks.append(_NEXT_EXTENSION.pack(vtable - table, 8 + len(text), 4))
+                size = table
+            else:
+                chunks.append(_FIRST_EXTENSION.pack(8, 12, 4, 8, 8, 8 + len(text), 4))
+                size = vtable = table + 8
+            tables.append(table)
+        if tables:
+            size += 4 + 4 * len(tables)
+            offsets = [size - 4 * i - table for i, table in enumerate(tables, 1)]
+            packer = (
+                _U32S[len(offsets)] if len(offsets) < 8 else struct.Struct(f"<{len(offsets) + 1}I")
+            )
+            chunks.append(packer.pack(len(offsets), *offsets))
+        return size
+
+    @staticmethod
+    def _finish(mask: int, chunks: list[bytes], ends: list[int], size: int) -> bytes:
+        head = _HEADS[mask]
+        if head is None:
+            missing = [name for bit, name, _ in _STRING_FIELDS[:3] if not mask & bit]
+            raise CodecError(f"event lacks required attribute(s): {', '.join(missing)}")
+        # With the table's fields written, field j (schema order) is size - 4 * j from the end.
+        size += 4 * len(ends)
+        chunks.append(head.offsets.pack(*[size - 4 * j - end for j, end in enumerate(ends)]))
+        chunks.append(head.prefix)
+        chunks.reverse()
+        return b"".join(chunks)
+
+
+_ENCODER = Encoder()
+
+
+def encode_event(event: CloudEvent) -> bytes:
+    """The FlatBuffer of ``event`` (root ``virtufin.worker.CloudEvent``), with a shared cache."""
+    return _ENCODER.encode(event)
+
+
+def decode_response(buf: bytes | memoryview) -> Response:
+    """Read a worker's ``WorkerResponse``; any defect raises :class:`CodecError`.
+
+    The result event's data is parsed per its datacontenttype: JSON (``application/json``
+    or ``…+json``) into its value, ``text/*`` into a str, anything else (or none) stays bytes.
+    """
+    if type(buf) is not bytes:
+        buf = bytes(buf)
+    size = len(buf)
+    if size < 8:
+        raise CodecError(f"WorkerResponse: a {size}-byte buffer is too short for a FlatBuffer")
+    root = _U32.unpack_from(buf, 0)[0]
+    if root + 4 > size:
+        raise CodecError(f"WorkerResponse: root offset {root} is outside the {size}-byte buffer")
+    table, fields = _table(buf, root, 2, "WorkerResponse")
+    event_at, error_at = fields
+    if event_at and error_at:
+        raise CodecError("WorkerResponse: both result_event and error_message are set")
+    if error_at:
+        return Response(None, _text(buf, table + error_at, "WorkerResponse.error_message"))
+    if not event_at:
+        raise CodecError("WorkerResponse: neither result_event nor error_message is set")
+    at = table + event_at
+    return Response(_event(buf, at + _U32.unpack_from(buf, at)[0]), None)
+
+
+def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[int, ...]]:
+    """Check the table at ``table`` and its vtable; return the table's position and the
+    offsets of its first ``count`` fields (0: absent)."""
+    size = len(buf)
+    if table + 4 > size:
+        raise CodecError(f"{what}: table offset {table} is outside the {size}-byte buffer")
+    vtable = table - _I32.unpack_from(buf, table)[0]
+    if vtable < 0 or vtable + 4 > size:
+        raise CodecError(f"{what}: vtable offset {vtable} is outside the {size}-byte buffer")
+    vtable_size, table_size = _VT_HEAD.unpack_from(buf, vtable)
+    if vtable_size < 4 or vtable_size & 1 or vtable + vtable_size > size:
+        raise CodecError(f"{what}: vtable of {vtable_size} bytes at {vtable} is malformed")
+    if table_size < 4 or table + table_size > size:
+        raise CodecError(f"{what}: table of {table_size} bytes at {table} overruns the buffer")
+    known = min((vtable_size - 4) >> 1, count)
+    fields = _U16S[known].unpack_from(buf, vtable + 4) + _ZEROS[count - known]
+    if max(fields, default=0) > table_size - 4:
+        raise CodecError(f"{what}: a field lies outside its {table_size}-byte table")
+    return table, fields
+
+
+def _text(buf: bytes, at: int, what: str) -> str:
+    """The string the offset at ``at`` refers to."""
+    start = at + _U32.unpack_from(buf, at)[0]
+    if start + 4 > len(buf):
+        raise CodecError(f"{what}: string offset {start} is outside the {len(buf)}-byte buffer")
+    end = start + 4 + _U32.unpack_from(buf, start)[0]
+    if end >= len(buf) or buf[end]:
+        raise CodecError(f"{what}: string at {start} overruns the buffer or lacks its terminator")
+    try:
+        return buf[start + 4 : end].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"{what}: string is not valid UTF-8 ({exc.reason})") from exc
+
+
+class _DecodedCloudEvent(CloudEvent):
+    """A CloudEvent whose attributes this codec has already checked against the rules the
+    SDK's constructor enforces (the tests run the SDK's check on every decoded event); the
+    constructor's own check would cost a quarter of the decode time."""
+
+    @staticmethod
+    def _validate_attribute(attributes: dict[str, Any]) -> None:
+        pass
+
+
+def _event(buf: bytes, at: int) -> CloudEvent:
+    table, fields = _table(buf, at, _CE_FIELDS, "result_event")
+    if 0 in fields[:3]:
+        missing = ("id", "source", "type")[fields.index(0)]
+        raise CodecError(f"result_event: required field {missing!r} is missing")
+    attributes: dict[str, Any] = {}
+    for index, name, what in _READ_FIELDS:
+        if fields[index]:
+            attributes[name] = _text(buf, table + fields[index], what)
+    if "" in attributes.values():
+        empty = next(name for name, value in attributes.items() if not value)
+        raise CodecError(f"result_event: {empty!r} is empty")
+    specversion = attributes.setdefault("specversion", "1.0")
+    if specversion != "1.0":
+        raise CodecError(f"result_event: specversion {specversion!r} is not 1.0")
+    if fields[_TIME]:
+        attributes["time"] = _time(_text(buf, table + fields[_TIME], "result_event.time"))
+    if fields[_EXTENSIONS]:
+        _extensions_into(attributes, buf, table + fields[_EXTENSIONS])
+        if attributes.get("dataschema") == "":
+            raise CodecError("result_event: 'dataschema' is empty")
+    data = _data(buf, table + fields[_DATA], attributes) if fields[_DATA] else None
+    return _DecodedCloudEvent(attributes, data)
+
+
+def _time(text: str) -> datetime:
+    if _RFC3339.fullmatch(text):
+        try:
+            return datetime.fromisoformat(text.upper())
+        except ValueError:
+            pass
+    raise CodecError(f"result_event: time {text!r} is not an RFC 3339 timestamp")
+
+
+def _vector(buf: bytes, at: int, width: int, what: str) -> tuple[int, int]:
+    """Position of the first element and length of the vector the offset at ``at`` refers to."""
+    start = at + _U32.unpack_from(buf, at)[0]
+    if start + 4 > len(buf):
+        raise CodecError(f"{what}: vector offset {start} is outside the {len(buf)}-byte buffer")
+    length = _U32.unpack_from(buf, start)[0]
+    if start + 4 + length * width > len(buf):
+        raise CodecError(f"{what}: vector of {length} elements at {start} overruns the buffer")
+    return start + 4, length
+
+
+def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
+    first, length = _vector(buf, at, 4, "result_event.extensions")
+    # A string shared by several extensions is read once. Other strings never overlap in a
+    # well-formed buffer, so more text than the buffer holds means a hostile one.
+    budget = len(buf)
+    shared: dict[int, str] = {}
+    element = first
+    try:
+        for element in range(first, first + 4 * length, 4):
+            table, (key_at, value_at) = _table(
+                buf, element + _U32.unpack_from(buf, element)[0], 2, "table"
+            )
+            if not key_at:
+                raise CodecError("required field 'key' is missing")
+            key = _text(buf, table + key_at, "key")
+            if key not in _KEYS_SEEN:
+                _check_key(key)
+            if key in attributes:
+                raise CodecError(f"extension key {key!r} appears twice")
+            value = ""
+            if value_at:
+                start = table + value_at + _U32.unpack_from(buf, table + value_at)[0]
+                value = shared.get(start) or _text(buf, table + value_at, "value")
+                budget -= len(value) if start not in shared else 0
+                shared[start] = value
+            budget -= len(key)
+            if budget < 0:
+                raise CodecError("strings overlap (more text than the buffer holds)")
+            attributes[key] = value
+    except CodecError as exc:
+        index = (element - first) // 4
+        raise CodecError(f"result_event.extensions[{index}]: {exc}") from exc
+
+
+def _check_key(key: str) -> None:
+    if not _EXTENSION_NAME.fullmatch(key) or key == "data" or key in _FIELD_NAMES:
+        raise CodecError(f"extension key {key!r} is not a valid CloudEvents attribute name")
+    if len(_KEYS_SEEN) >= DEFAULT_CACHE_SIZE:
+        _KEYS_SEEN.clear()
+    _KEYS_SEEN.add(key)
+
+
+def _data(buf: bytes, at: int, attributes: dict[str, Any]) -> Any:
+    start, length = _vector(buf, at, 1, "result_event.data")
+    raw = buf[start : start + length]
+    kind = _data_kind(attributes.get("datacontenttype"))
+    if kind == _BYTES:
+        return raw
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text) if kind == _JSON_DATA else text
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"result_event.data: string is not valid UTF-8 ({exc.reason})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise CodecError(f"result_event.data: not valid JSON ({exc})") from exc
+
+
+def _data_kind(content_type: str | None) -> int:
+    if content_type is None:
+        return _BYTES
+    kind = _DATA_KINDS.get(content_type)
+    if kind is None:
+        media = content_type.partition(";")[0].strip().lower()
+        if media == "application/json" or media.endswith("+json"):
+            kind = _JSON_DATA
+        else:
+            kind = _TEXT if media.startswith("text/") else _BYTES
+        if len(_DATA_KINDS) >= DEFAULT_CACHE_SIZE:
+            _DATA_KINDS.clear()
+        _DATA_KINDS[content_type] = kind
+    return kind
