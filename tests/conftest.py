@@ -291,3 +291,24 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
 
     yield port, restart
     stop_redis(servers[-1])
+
+
+@pytest.fixture(scope="session")
+def native_zips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The example native workers, built by ``make -C native_abi``: name -> worker zip."""
+    build = tmp_path_factory.mktemp("native-build")
+    result = subprocess.run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(ROOT / "native_abi"),
+            f"BUILD={build}",
+            f"PYTHON={sys.executable}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"make -C native_abi failed:\n{result.stdout}{result.stderr}"
+    return {zip_file.stem: zip_file for zip_file in build.glob("*.zip")}

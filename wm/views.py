@@ -12,13 +12,20 @@ from typing import Any
 from wm.errors import InvalidArgument
 from wm.names import check_name
 
-#: Per-worker numeric settings and their types; with ``output_topics``, anything else is refused.
+#: Per-worker numeric settings and their types; with the text settings and ``output_topics``,
+#: anything else is refused.
 WORKER_SETTINGS: dict[str, type | tuple[type, ...]] = {
     "timeout_s": (int, float),
     "max_retries": int,
     "retry_base_delay_ms": int,
     "memory_mb": int,
     "cpu_limit_s": (int, float),
+    "api_port": int,
+}
+#: Per-worker text settings, and the values each may take (None: any non-empty text).
+TEXT_SETTINGS: dict[str, tuple[str, ...] | None] = {
+    "isolation": ("in-process", "subprocess"),
+    "api_host": None,
 }
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"
@@ -31,14 +38,25 @@ def validate_worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         if key == OUTPUT_TOPICS:
             checked[key] = _topic_list(value)
             continue
+        if key in TEXT_SETTINGS:
+            checked[key] = _text_setting(key, value, TEXT_SETTINGS[key])
+            continue
         expected = WORKER_SETTINGS.get(key)
         if expected is None:
-            known = ", ".join(sorted([*WORKER_SETTINGS, OUTPUT_TOPICS]))
+            known = ", ".join(sorted([*WORKER_SETTINGS, *TEXT_SETTINGS, OUTPUT_TOPICS]))
             raise InvalidArgument(f"unknown worker setting {key!r}; known: {known}")
         if isinstance(value, bool) or not isinstance(value, expected) or value < 0:  # type: ignore[operator]
             raise InvalidArgument(f"worker setting {key!r} must be a non-negative number")
         checked[key] = value
     return checked
+
+
+def _text_setting(key: str, value: Any, choices: tuple[str, ...] | None) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"worker setting {key!r} must be a non-empty string")
+    if choices is not None and value not in choices:
+        raise InvalidArgument(f"worker setting {key!r} must be one of {', '.join(choices)}")
+    return value
 
 
 def _topic_list(value: Any) -> list[str]:

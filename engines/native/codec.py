@@ -65,6 +65,7 @@ _FIELD_NAMES: Final = frozenset(name for _, name, _ in _STRING_FIELDS) | {"time"
 DEFAULT_CACHE_SIZE: Final = 256
 
 _U32 = struct.Struct("<I")
+_u32 = _U32.unpack_from
 _I32 = struct.Struct("<i")
 _VT_HEAD = struct.Struct("<HH")
 #: The first Extension table and its vtable: 8-byte vtable of a 12-byte table whose key is
@@ -293,7 +294,7 @@ def decode_response(buf: bytes | memoryview) -> Response:
     size = len(buf)
     if size < 8:
         raise CodecError(f"WorkerResponse: a {size}-byte buffer is too short for a FlatBuffer")
-    root = _U32.unpack_from(buf, 0)[0]
+    root = _u32(buf, 0)[0]
     if root + 4 > size:
         raise CodecError(f"WorkerResponse: root offset {root} is outside the {size}-byte buffer")
     table, fields = _table(buf, root, 2, "WorkerResponse")
@@ -305,7 +306,7 @@ def decode_response(buf: bytes | memoryview) -> Response:
     if not event_at:
         raise CodecError("WorkerResponse: neither result_event nor error_message is set")
     at = table + event_at
-    return Response(_event(buf, at + _U32.unpack_from(buf, at)[0]), None)
+    return Response(_event(buf, at + _u32(buf, at)[0]), None)
 
 
 def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[int, ...]]:
@@ -331,11 +332,12 @@ def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[in
 
 def _text(buf: bytes, at: int, what: str) -> str:
     """The string the offset at ``at`` refers to."""
-    start = at + _U32.unpack_from(buf, at)[0]
-    if start + 4 > len(buf):
-        raise CodecError(f"{what}: string offset {start} is outside the {len(buf)}-byte buffer")
-    end = start + 4 + _U32.unpack_from(buf, start)[0]
-    if end >= len(buf) or buf[end]:
+    size = len(buf)
+    start = at + _u32(buf, at)[0]
+    if start + 4 > size:
+        raise CodecError(f"{what}: string offset {start} is outside the {size}-byte buffer")
+    end = start + 4 + _u32(buf, start)[0]
+    if end >= size or buf[end]:
         raise CodecError(f"{what}: string at {start} overruns the buffer or lacks its terminator")
     try:
         return buf[start + 4 : end].decode("utf-8")
@@ -389,10 +391,10 @@ def _time(text: str) -> datetime:
 
 def _vector(buf: bytes, at: int, width: int, what: str) -> tuple[int, int]:
     """Position of the first element and length of the vector the offset at ``at`` refers to."""
-    start = at + _U32.unpack_from(buf, at)[0]
+    start = at + _u32(buf, at)[0]
     if start + 4 > len(buf):
         raise CodecError(f"{what}: vector offset {start} is outside the {len(buf)}-byte buffer")
-    length = _U32.unpack_from(buf, start)[0]
+    length = _u32(buf, start)[0]
     if start + 4 + length * width > len(buf):
         raise CodecError(f"{what}: vector of {length} elements at {start} overruns the buffer")
     return start + 4, length
@@ -407,9 +409,7 @@ def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
     element = first
     try:
         for element in range(first, first + 4 * length, 4):
-            table, (key_at, value_at) = _table(
-                buf, element + _U32.unpack_from(buf, element)[0], 2, "table"
-            )
+            table, (key_at, value_at) = _table(buf, element + _u32(buf, element)[0], 2, "table")
             if not key_at:
                 raise CodecError("required field 'key' is missing")
             key = _text(buf, table + key_at, "key")
@@ -419,7 +419,7 @@ def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
                 raise CodecError(f"extension key {key!r} appears twice")
             value = ""
             if value_at:
-                start = table + value_at + _U32.unpack_from(buf, table + value_at)[0]
+                start = table + value_at + _u32(buf, table + value_at)[0]
                 value = shared.get(start) or _text(buf, table + value_at, "value")
                 budget -= len(value) if start not in shared else 0
                 shared[start] = value

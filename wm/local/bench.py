@@ -1,6 +1,8 @@
 """``wm bench``: WorkManager delivery against a bare Celery task, in one run, on the same broker
 and concurrency. Prints events/s, p50/p99 publish→done latency and the ratio to bare Celery,
-then the Python engine's per-message round trip (host → sandboxed child → host).
+then the Python engine's per-message round trip (host → sandboxed child → host). With
+``--native-zip``, a native worker is one more scenario and the native engine's in-process
+round trip (encode, the C call, decode) is timed too.
 
 Both delivery sides are timed the same way, from Celery's own task events: ``task-sent``
 (stamped by the publisher) to ``task-succeeded`` (stamped by the node).
@@ -33,7 +35,8 @@ from wm.state.locks import GroupLocks
 
 BARE_QUEUE = "wm.bench.bare"
 #: Targets from the issues, as ratios of bare Celery throughput.
-TARGETS = {"no group": 0.7, "group": 0.5, "python worker": 0.5}
+TARGETS = {"no group": 0.7, "group": 0.5, "python worker": 0.5, "native worker": 0.7}
+NATIVE = "application/x-native-dll"
 
 
 @dataclass
@@ -114,6 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=5000,
         help="messages for the Python engine round trip (0 skips it)",
     )
+    parser.add_argument(
+        "--native-zip",
+        type=Path,
+        help="a native worker zip (make -C native_abi builds build/c-example.zip): adds a native "
+        "worker scenario and the native engine's round trip",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
         home = Path(tmp)
@@ -124,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _report(results, args)
     if args.engine_messages:
         _engine_round_trip(args.engine_messages)
+        if args.native_zip:
+            _native_round_trip(args.native_zip.read_bytes(), args.engine_messages * 10)
     return 0
 
 
@@ -143,6 +154,10 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
             topic="bench.python",
         ),
     }
+    if args.native_zip:
+        workers["native worker"] = manager.create_worker(
+            code=args.native_zip.read_bytes(), mime_type=NATIVE, topic="bench.native"
+        )
     subscription_queue(BARE_QUEUE).bind(app.connection().default_channel).declare()
     clock = TaskClock(app)
     clock.start()
@@ -227,6 +242,29 @@ def _engine_round_trip(messages: int) -> None:
             )
     finally:
         engine.close()
+
+
+def _native_round_trip(code: bytes, messages: int) -> None:
+    """Time ``NativeEngine.process`` in-process: encode, the C call, decode, FreeResult."""
+    engine = engine_class(NATIVE)(Settings.from_env())
+    event = make_event(
+        "bench.in", "/bench", {"n": 1, "text": "a small payload"}, extensions={"correlationid": "c"}
+    )
+    print(f"\nNative engine round trip, {messages} messages (target: median ≤ 30 µs)\n")
+    try:
+        engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
+        for _ in range(1000):  # warm up
+            engine.process(event, timeout_s=5)
+        samples = []
+        for _ in range(messages):
+            started = time.perf_counter_ns()
+            engine.process(event, timeout_s=5)
+            samples.append((time.perf_counter_ns() - started) / 1e3)
+    finally:
+        engine.close()
+    timing = Result("native", messages, sum(samples) / 1e6, samples)
+    median, p99 = timing.percentile(0.5), timing.percentile(0.99)
+    print(f"{'in-process':<18} median {median:.1f} µs  p99 {p99:.1f} µs")
 
 
 def _report(results: list[Result], args: argparse.Namespace) -> None:

@@ -1,0 +1,51 @@
+"""The native engine (MIME ``application/x-native-dll``): workers shipped as a zip holding
+``manifest.json`` and a shared library per architecture under ``runtimes/<rid>/native/``,
+called through the C ABI of ``native_abi/virtufin_worker_api.h`` (seed 001), over cffi.
+
+Modules: ``package`` (the zip and its manifest), ``codec`` (CloudEvent and WorkerResponse
+FlatBuffers, hand-written for speed; the flatc-generated code in ``native_abi/generated`` is
+the reference it is tested against), ``library`` (one loaded library: Process, FreeResult,
+the VirtufinHost callbacks), ``engine`` (the :class:`NativeEngine`), ``isolated`` and
+``helper`` (isolation mode, host and helper sides of the pipe), ``frames`` (their framing).
+
+Operator notes:
+
+* In-process by default, as the seed specifies: the call costs microseconds, but a crash in
+  the library (segfault, illegal instruction, stack overflow) ends the Celery process that
+  runs it, and a call past its time limit cannot be stopped (its answer is dropped as a
+  timeout when it returns). ``isolation: subprocess`` (worker setting, or the manifest)
+  runs the library in a helper process: a crash or a hang costs a failed delivery (retried,
+  then dead-lettered), the helper is killed at the time limit and started again.
+* Worker settings read by this engine: ``isolation``, and ``api_host`` / ``api_port`` (where
+  ``host->gateway_call`` goes; the host must be in WM_GATEWAY_ALLOWED_HOSTS).
+* VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC are set before the library
+  loads (in the helper's environment when isolated) and restored when the engine closes.
+  They are process-wide, so a library reads them once when it initializes: each load is a
+  fresh copy of the library, which sees its own worker's values.
+
+cffi is imported only by this package; without it the engine is reported unavailable with
+the extra to install.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engines.native.engine import NativeEngine
+
+__all__ = ["NativeEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NativeEngine":
+        try:
+            from engines.native.engine import NativeEngine
+        except ModuleNotFoundError as exc:
+            if exc.name != "cffi":
+                raise
+            raise ImportError(
+                "the native engine needs cffi: pip install 'workmanager[native]'"
+            ) from exc
+        return NativeEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,51 @@
+"""Frames between the host and an isolated native worker's helper process: one kind byte,
+a little-endian uint32 length, then the payload. Shared by both sides."""
+
+from __future__ import annotations
+
+import struct
+from typing import BinaryIO
+
+HEADER = struct.Struct("<cI")
+CODE = struct.Struct("<i")
+#: Largest frame either side accepts (a library image, or an answer plus slack).
+MAX_FRAME_BYTES = 300 * 1024 * 1024
+
+# host -> helper
+INIT = b"I"  # JSON header, b"\n", the library image
+CALL = b"C"  # the CloudEvent FlatBuffer
+GATEWAY_REPLY = b"g"  # int32 code, the response JSON
+# helper -> host
+READY = b"R"  # empty
+LOG = b"L"  # int32 level (Python logging), UTF-8 message
+GATEWAY = b"G"  # JSON {"service", "method"}, b"\n", the request JSON
+ANSWER = b"A"  # the WorkerResponse FlatBuffer
+FAILED = b"F"  # JSON {"type", "message", "code"}: a refusal or a failed call
+
+
+class FrameError(Exception):
+    """The other side sent something that is not a frame, or closed the pipe."""
+
+
+def write_frame(stream: BinaryIO, kind: bytes, payload: bytes = b"") -> None:
+    stream.write(HEADER.pack(kind, len(payload)))
+    stream.write(payload)
+    stream.flush()
+
+
+def parse_header(header: bytes) -> tuple[bytes, int]:
+    if len(header) != HEADER.size:
+        raise FrameError("the pipe closed")
+    kind, length = HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"a frame of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+    return kind, length
+
+
+def read_frame(stream: BinaryIO) -> tuple[bytes, bytes]:
+    """The next frame (blocking); :class:`FrameError` at the end of the stream."""
+    kind, length = parse_header(stream.read(HEADER.size))
+    payload = stream.read(length) if length else b""
+    if len(payload) != length:
+        raise FrameError("the pipe closed inside a frame")
+    return kind, payload

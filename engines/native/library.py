@@ -1,0 +1,258 @@
+"""One loaded native worker library and calls into it, over cffi in ABI mode (no compiler).
+
+The library is copied to a fresh temporary file and opened from there, so each load is a new
+instance (a reload never reuses the old code's globals) and the worker's bytes never have to
+be on disk under a guessable name. ``call`` is the whole ABI round trip: Process, checks of
+the answer, a copy of it, and FreeResult exactly once whenever Process handed out a buffer,
+on every path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cffi import FFI, CDefError
+
+from wm.errors import InvalidCode, WorkerExecutionError
+
+logger = logging.getLogger(__name__)
+
+#: Largest answer accepted from Process.
+MAX_OUTPUT_BYTES = 16 * 1024 * 1024
+#: Process's return codes, by name (virtufin_worker_api.h).
+RETURN_CODES = {
+    0: "VIRTUFIN_OK",
+    1: "VIRTUFIN_ERR_INVALID_INPUT",
+    2: "VIRTUFIN_ERR_INTERNAL",
+    3: "VIRTUFIN_ERR_OUT_OF_MEMORY",
+}
+GATEWAY_OK, GATEWAY_FAILED, GATEWAY_BAD_REQUEST = 0, 1, 2
+#: Python logging levels of the ABI's 0 trace .. 4 error (trace is below DEBUG).
+TRACE = 5
+LOG_LEVELS = (TRACE, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)
+ABI_VERSION = 1
+
+#: ``log(level, message)`` as Python sees it.
+LogSink = Callable[[int, str], None]
+#: ``gateway(service, method, request) -> (return code, response JSON bytes)``.
+GatewaySink = Callable[[str, str, bytes], tuple[int, bytes]]
+
+ffi = FFI()
+ffi.cdef(
+    """
+    typedef struct VirtufinHost {
+        void*   engine_ptr;
+        int32_t abi_version;
+        void    (*log)(int32_t level, const char* message);
+        int32_t (*gateway_call)(const char* service, const char* method,
+                                const uint8_t* request, int32_t request_len,
+                                uint8_t** response, int32_t* response_len);
+        void    (*free_response)(uint8_t* response);
+    } VirtufinHost;
+    """
+)
+#: The C library's allocator: gateway responses are malloc'ed and released by free_response.
+_libc_ffi = FFI()
+_libc_ffi.cdef("void* malloc(size_t size); void free(void* ptr);")
+_libc: Any = _libc_ffi.dlopen(None)
+
+
+class NativeCallFailed(WorkerExecutionError):
+    """Raised when Process returns a non-zero code: a failed delivery (retried, then parked)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NativeOutputRefused(WorkerExecutionError):
+    """Raised when Process's answer is unusable (no buffer, a bad length, not a valid
+    WorkerResponse): the same code would answer the same again, so it is parked at once."""
+
+    retryable = False
+
+
+def code_name(code: int) -> str:
+    return f"{code} ({RETURN_CODES[code]})" if code in RETURN_CODES else str(code)
+
+
+class NativeLibrary:
+    """A worker library loaded from ``image`` (its bytes) with its two exports resolved.
+
+    ``log`` and ``gateway`` receive the worker's host callbacks; they may be called from any
+    thread that runs Process, and must not raise (an exception is logged and answered with a
+    failure code).
+    """
+
+    def __init__(
+        self,
+        image: bytes,
+        file_name: str,
+        entry_point: str,
+        free_result: str,
+        log: LogSink,
+        gateway: GatewaySink,
+    ) -> None:
+        self.file_name = file_name
+        self._log, self._gateway = log, gateway
+        self._responses: set[int] = set()
+        self._responses_lock = threading.Lock()
+        fd, self.path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
+        self._ffi = FFI()
+        self._ffi.include(ffi)
+        self._lib: Any = None
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(image)
+            os.chmod(self.path, 0o500)
+            _declare(self._ffi, entry_point, free_result)
+            try:
+                self._lib = self._ffi.dlopen(self.path)
+            except OSError as exc:
+                raise InvalidCode(
+                    f"the native library {file_name} cannot be loaded: {exc}"
+                ) from exc
+            self._process = self._export(entry_point, "entry_point")
+            self._free = self._export(free_result, "free_result")
+            self._host = self._make_host()
+        except BaseException:
+            self.close()
+            raise
+
+    def _export(self, name: str, key: str) -> Any:
+        try:
+            return getattr(self._lib, name)
+        except AttributeError as exc:
+            raise InvalidCode(
+                f"the native library {self.file_name} does not export {name!r} "
+                f"(manifest.json {key}): {exc}"
+            ) from exc
+
+    def _make_host(self) -> Any:
+        self._handle = ffi.new_handle(self)
+        self._callbacks = (
+            ffi.callback("void(int32_t, const char*)", self._on_log),
+            ffi.callback(
+                "int32_t(const char*, const char*, const uint8_t*, int32_t, uint8_t**, int32_t*)",
+                self._on_gateway,
+                error=GATEWAY_FAILED,
+            ),
+            ffi.callback("void(uint8_t*)", self._on_free_response),
+        )
+        host = ffi.new("VirtufinHost*")
+        host.engine_ptr = self._handle
+        host.abi_version = ABI_VERSION
+        host.log, host.gateway_call, host.free_response = self._callbacks
+        return host
+
+    def call(self, request: bytes) -> bytes:
+        """Run Process on ``request`` (a CloudEvent FlatBuffer); its answer, copied."""
+        out_buf = ffi.new("uint8_t**")
+        out_len = ffi.new("int32_t*")
+        code = self._process(self._host, request, len(request), out_buf, out_len)
+        buffer, length = out_buf[0], out_len[0]
+        if buffer == ffi.NULL:
+            if code:
+                raise NativeCallFailed(code, f"Process returned {code_name(code)}")
+            raise NativeOutputRefused("Process returned 0 (VIRTUFIN_OK) but no output buffer")
+        try:
+            if code:
+                raise NativeCallFailed(code, f"Process returned {code_name(code)}")
+            if not 0 < length <= MAX_OUTPUT_BYTES:
+                raise NativeOutputRefused(
+                    f"Process returned an output length of {length} bytes; "
+                    f"expected 1 to {MAX_OUTPUT_BYTES}"
+                )
+            return bytes(ffi.buffer(buffer, length))
+        finally:
+            self._free(buffer)
+
+    def close(self) -> None:
+        """Unload the library and delete its file. Safe to call more than once."""
+        lib, self._lib = self._lib, None
+        if lib is not None:
+            self._ffi.dlclose(lib)
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = ""
+
+    # -- host callbacks (called from native code: must never raise) --------------------------
+
+    def _on_log(self, level: int, message: Any) -> None:
+        try:
+            text = ffi.string(message).decode("utf-8", "replace") if message else ""
+            self._log(LOG_LEVELS[level] if 0 <= level < len(LOG_LEVELS) else logging.ERROR, text)
+        except Exception:
+            logger.exception("native worker log callback failed")
+
+    def _on_gateway(
+        self,
+        service: Any,
+        method: Any,
+        request: Any,
+        request_len: int,
+        response: Any,
+        response_len: Any,
+    ) -> int:
+        if response == ffi.NULL or response_len == ffi.NULL:
+            return GATEWAY_BAD_REQUEST
+        response[0], response_len[0] = ffi.NULL, 0
+        try:
+            if service == ffi.NULL or method == ffi.NULL or request_len < 0:
+                code, answer = GATEWAY_BAD_REQUEST, b'{"error": "gateway_call arguments"}'
+            else:
+                body = bytes(ffi.buffer(request, request_len)) if request_len else b""
+                code, answer = self._gateway(
+                    ffi.string(service).decode("utf-8", "replace"),
+                    ffi.string(method).decode("utf-8", "replace"),
+                    body,
+                )
+        except Exception as exc:
+            logger.exception("native worker gateway callback failed")
+            code, answer = GATEWAY_FAILED, _error_json(f"gateway call failed in the host: {exc}")
+        memory = _libc.malloc(max(1, len(answer)))
+        if memory == ffi.NULL:
+            return GATEWAY_FAILED
+        ffi.memmove(memory, answer, len(answer))
+        with self._responses_lock:
+            self._responses.add(int(ffi.cast("uintptr_t", memory)))
+        response[0], response_len[0] = ffi.cast("uint8_t*", memory), len(answer)
+        return code
+
+    def _on_free_response(self, response: Any) -> None:
+        if response == ffi.NULL:
+            return
+        address = int(ffi.cast("uintptr_t", response))
+        with self._responses_lock:
+            known = address in self._responses
+            self._responses.discard(address)
+        if known:
+            _libc.free(response)
+        else:
+            self._log(logging.ERROR, f"free_response({address:#x}): not a response of this host")
+
+
+def _declare(local: FFI, entry_point: str, free_result: str) -> None:
+    if entry_point == free_result:
+        raise InvalidCode(
+            f"manifest.json names {entry_point!r} as both entry_point and free_result"
+        )
+    try:
+        local.cdef(
+            f"int32_t {entry_point}(const VirtufinHost*, const char*, int32_t, uint8_t**, "
+            f"int32_t*);\nvoid {free_result}(uint8_t*);"
+        )
+    except CDefError as exc:
+        raise InvalidCode(f"manifest.json export names cannot be declared: {exc}") from exc
+
+
+def _error_json(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
