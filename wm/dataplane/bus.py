@@ -38,6 +38,18 @@ logger = logging.getLogger(__name__)
 _ROUTES = "wm:routes:"
 _ROUTES_READY = "wm:routes-ready"  # outside the wm:routes:* pattern
 _DROPPED = "wm:stats:dropped"
+# KEYS: ready flag, the topic's routes, drop counters. ARGV: topic, "1" to count a drop.
+# Returns false when the table must be rebuilt first, else the routes (HGETALL's list);
+# an empty one is counted as a drop in the same round trip.
+_ROUTES_OR_DROP = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local routes = redis.call('HGETALL', KEYS[2])
+if #routes == 0 and ARGV[2] == '1' then
+  redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+  redis.call('HINCRBY', KEYS[3], '*', 1)
+end
+return routes
+"""
 
 
 def _text(value: bytes | str) -> str:
@@ -65,17 +77,18 @@ class Bus:
 
     # -- routing table ---------------------------------------------------------------------
 
-    def routes(self, topic: str) -> list[Route]:
-        """Subscriptions of ``topic``; rebuilds the table first if Redis lost it."""
+    def routes(self, topic: str, *, count_drop: bool = False) -> list[Route]:
+        """Subscriptions of ``topic``; rebuilds the table first if Redis lost it. With
+        ``count_drop``, no subscription counts the event as dropped (same round trip)."""
+        keys = (_ROUTES_READY, _ROUTES + topic, _DROPPED)
+        flag = "1" if count_drop else "0"
         with redis_errors(self.settings):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.exists(_ROUTES_READY)
-            pipe.hgetall(_ROUTES + topic)
-            ready, table = pipe.execute()
-            if not ready:
+            flat = self.redis.eval(_ROUTES_OR_DROP, len(keys), *keys, topic, flag)
+            if flat is None:
                 self.rebuild_routes()
-                table = self.redis.hgetall(_ROUTES + topic)
-        return [Route(q.decode(), w.decode() or None) for q, w in sorted(table.items())]
+                flat = self.redis.eval(_ROUTES_OR_DROP, len(keys), *keys, topic, flag)
+        pairs = zip(flat[::2], flat[1::2], strict=True) if flat else ()
+        return [Route(_text(q), _text(w) or None) for q, w in sorted(pairs)]
 
     def rebuild_routes(self) -> int:
         """Make the routing table match the ``subscriptions`` table; returns the fixes made.
@@ -167,9 +180,8 @@ class Bus:
         Returns how many subscriptions it was sent to; 0 means it was dropped and counted.
         """
         topic = check_name("topic", topic or event.get_type())
-        routes = self.routes(topic)
+        routes = self.routes(topic, count_drop=True)
         if not routes:
-            self.count_dropped(topic)
             logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
             return 0
         self.send(encode(event), routes, key=key_of(event))
@@ -221,13 +233,6 @@ class Bus:
             producer=producer,
             **task_options,
         )
-
-    def count_dropped(self, topic: str) -> None:
-        with redis_errors(self.settings):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hincrby(_DROPPED, topic, 1)
-            pipe.hincrby(_DROPPED, "*", 1)
-            pipe.execute()
 
     # -- consumers on running nodes --------------------------------------------------------
 

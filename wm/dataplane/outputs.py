@@ -40,9 +40,8 @@ class OutputPublisher:
         """Send ``output`` to the topic of its type: to workers (maybe again), to plain
         subscriptions once."""
         topic = output.get_type()
-        routes = self.bus.routes(topic)
+        routes = self.bus.routes(topic, count_drop=True)
         if not routes:
-            self.bus.count_dropped(topic)
             return
         payload, key = encode(output), key_of(output)
         workers = [r for r in routes if r.worker_id is not None]
