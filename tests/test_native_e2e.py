@@ -143,3 +143,33 @@ def test_failures_retry_then_dead_letter_and_a_crash_in_isolation_spares_the_nod
     [after] = drain(fast, done, 1)
     assert after["data"] == {"AFTER": "CRASH"}
     assert node.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_an_event_that_keeps_crashing_in_process_code_is_parked(
+    pg_settings: Settings, start_node: Any, native_zips: dict[str, Path]
+) -> None:
+    """In-process, a segfault kills the pool process and Celery redelivers the message: the
+    runs that never ended are counted, and past the worker's attempts the event is parked."""
+    fast = pg_settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(fast)
+    done = manager.subscribe("inproc.processed", "sink")
+    worker = manager.create_worker(
+        code=native_zips["misbehave"].read_bytes(),
+        mime_type=NATIVE,
+        topic="inproc",
+        settings={"max_retries": 1},
+    )
+    node = start_node(fast)
+    node.consuming(f"inproc::{worker.id}")
+
+    manager.publish(make_event("inproc", "/tests", {}, subject="crash"))
+    [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=90)
+    assert letter.error_type == "WorkerCrashed"
+    assert "killed the process running it 2 times" in letter.error_message
+    assert node.log.read_text().count("SIGSEGV") >= 2
+
+    manager.publish(make_event("inproc", "/tests", {"after": "crashes"}))
+    [after] = drain(fast, done, 1)
+    assert after["data"] == {"AFTER": "CRASHES"}
+    assert node.proc.poll() is None

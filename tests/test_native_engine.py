@@ -88,6 +88,7 @@ def test_example_answers_with_identity_and_correlation_id(
 
     [out] = engine.process(incoming, timeout_s=5)
 
+    assert engine.shares_process
     assert out.get_type() == "orders.processed"
     assert out.get_extension("correlationid") == "corr-1"
     assert out.get_extension("workerid") == "w-native-1"
@@ -317,6 +318,7 @@ def test_isolated_crash_fails_the_delivery_not_the_host(
     engine: NativeEngine, native_zips: dict[str, Path]
 ) -> None:
     engine.load(zip_bytes(native_zips["misbehave"]), ISOLATED)
+    assert not engine.shares_process
     [out] = engine.process(event(), timeout_s=5)
     assert out.get_type() == "orders.processed"
     with pytest.raises(WorkerExecutionError, match="killed by SIGSEGV") as crashed:

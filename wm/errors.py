@@ -77,6 +77,14 @@ class WorkerTimeout(WorkerExecutionError):
     """Raised when worker code exceeds its per-message time limit."""
 
 
+class WorkerCrashed(WorkerExecutionError):
+    """Raised instead of running an event again whose runs killed the node's process (code
+    that shares it, such as in-process native code) more often than the worker's retries
+    allow: the event is parked rather than killing process after process."""
+
+    retryable = False
+
+
 class OutputRefused(WorkerExecutionError):
     """Raised when worker code returns an event for a topic it may not publish to: a
     reserved topic (lifecycle, dead letters), an invalid name, or one outside the worker's

@@ -175,6 +175,10 @@ class NativeEngine(Engine):
         self._reloading = False
         self._saved_env: dict[str, str | None] | None = None
 
+    @property
+    def shares_process(self) -> bool:
+        return isinstance(self._runner, InProcess)
+
     def validate(self, code: bytes, worker: WorkerSpec) -> None:
         """Check the zip, then load the library and resolve its exports in a throwaway helper
         process: the library's initializers never run in the validating process."""

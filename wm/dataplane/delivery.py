@@ -18,7 +18,7 @@ from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.outputs import OutputPublisher
 from wm.engine import Engine, Outputs, WorkerSpec, engine_class
-from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused
+from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused, WorkerCrashed
 from wm.events import (
     LIFECYCLE_TOPIC,
     CloudEvent,
@@ -143,6 +143,10 @@ class Delivery:
         )
 
     @property
+    def max_retries(self) -> int:
+        return int(self.meta.settings.get("max_retries", self.rt.settings.max_retries))
+
+    @property
     def hold_limit_s(self) -> float:
         """How long a group member may keep its lock renewed: its time limit plus one lease
         of grace for recording and publishing (each write renews the lease too)."""
@@ -216,7 +220,22 @@ class Delivery:
         return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
-        return engine.process(self.event, self.timeout_s)
+        """Run the code. Code that shares this process is counted in the ledger first: runs
+        that never ended crashed a process, and past the worker's attempts it is parked."""
+        if not engine.shares_process:
+            return engine.process(self.event, self.timeout_s)
+        runs = self.rt.ledger.begin_run(self.meta.id, self.key)
+        if runs > self.max_retries + 1:
+            raise WorkerCrashed(
+                f"worker {self.meta.id}'s code killed the process running it {runs - 1} times "
+                f"on event {self.event.get_id()}; it is parked instead of run again (native "
+                "code with isolation 'subprocess' fails one delivery instead)"
+            )
+        try:
+            return engine.process(self.event, self.timeout_s)
+        except BaseException:
+            self.rt.ledger.end_run(self.meta.id, self.key)
+            raise
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the

@@ -178,7 +178,7 @@ def _deliver(
 def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
     meta = delivery.meta
     delivery.emit_error(type(exc).__name__, str(exc))
-    max_retries = int(meta.settings.get("max_retries", rt.settings.max_retries))
+    max_retries = delivery.max_retries
     retryable = not isinstance(exc, WorkManagerError) or exc.retryable
     if not retryable or attempt.number > max_retries:
         fence = delivery.lease.fence if delivery.lease else None

@@ -48,6 +48,10 @@ class Ledger:
     def _keys(worker_id: str) -> tuple[str, str]:
         return f"{_PENDING}{{{worker_id}}}", f"{_PENDING}{{{worker_id}}}:body"
 
+    @staticmethod
+    def _runs(worker_id: str) -> str:
+        return f"{_PENDING}{{{worker_id}}}:runs"
+
     def add(self, deliveries: Iterable[tuple[str, str]], key: str, payload: str) -> None:
         """Record the event ``key`` as pending for each (worker id, queue) before it is sent."""
         now = time.time()
@@ -66,7 +70,20 @@ class Ledger:
             pipe = self.redis.pipeline(transaction=False)
             pipe.zrem(index, key)
             pipe.hdel(bodies, key)
+            pipe.hdel(self._runs(worker_id), key)
             pipe.execute()
+
+    def begin_run(self, worker_id: str, key: str) -> int:
+        """Count a run of code that shares the node's process; returns the runs begun and
+        not ended (by :meth:`end_run` or :meth:`settle`): those beyond the first killed the
+        process that ran them."""
+        with redis_errors(self.settings):
+            return int(self.redis.hincrby(self._runs(worker_id), key, 1))
+
+    def end_run(self, worker_id: str, key: str) -> None:
+        """The run ended with an error (the delivery's policy takes over): not a crash."""
+        with redis_errors(self.settings):
+            self.redis.hdel(self._runs(worker_id), key)
 
     def restart_clocks(self, worker_id: str) -> None:
         """A worker starts again: time spent stopped is not time a broker lost a message."""
@@ -76,7 +93,7 @@ class Ledger:
     def forget_worker(self, worker_id: str) -> None:
         """A deleted worker's queue is gone, and so are its pending deliveries."""
         with redis_errors(self.settings):
-            self.redis.delete(*self._keys(worker_id))
+            self.redis.delete(*self._keys(worker_id), self._runs(worker_id))
 
     def pending(self, worker_id: str) -> int:
         return self.pending_of([worker_id])[worker_id]
