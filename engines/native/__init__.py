@@ -14,9 +14,10 @@ Operator notes:
   the library (segfault, illegal instruction, stack overflow) ends the Celery process that
   runs it (Celery delivers the message again; the delivery counts such runs and parks an
   event that keeps crashing as WorkerCrashed), and a call past its time limit cannot be
-  stopped (its answer is dropped as a timeout when it returns). ``isolation: subprocess`` (worker setting, or the manifest)
-  runs the library in a helper process: a crash or a hang costs a failed delivery (retried,
-  then dead-lettered), the helper is killed at the time limit and started again.
+  stopped (its answer is dropped as a timeout when it returns). ``isolation: subprocess``
+  (worker setting, or the manifest) runs the library in a helper process: a crash or a hang
+  costs a failed delivery (retried, then dead-lettered), the helper is killed at the time
+  limit and started again.
 * Worker settings read by this engine: ``isolation``, and ``api_host`` / ``api_port`` (where
   ``host->gateway_call`` goes; the host must be in WM_GATEWAY_ALLOWED_HOSTS).
 * VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC are set before the library

@@ -108,6 +108,9 @@ class NativeLibrary:
         self._ffi = FFI()
         self._ffi.include(ffi)
         self._lib: Any = None
+        self._host: Any = None
+        self._handle: Any = None
+        self._callbacks: tuple[Any, ...] = ()
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(image)
@@ -179,6 +182,9 @@ class NativeLibrary:
         lib, self._lib = self._lib, None
         if lib is not None:
             self._ffi.dlclose(lib)
+        # the host struct, its callbacks and the engine handle die with the library
+        self._host = self._handle = None
+        self._callbacks = ()
         if self.path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
