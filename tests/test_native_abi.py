@@ -32,6 +32,8 @@ import pytest
 from tests.conftest import ROOT, need
 
 KIT = ROOT / "native_abi"
+#: C, C++ and Python sources the tests build or run.
+HERE = ROOT / "tests" / "native"
 #: Library name of each example worker -> its zip.
 ZIPS = {
     "c_example": "c-example.zip",
@@ -281,35 +283,7 @@ def host(libc: Any) -> Host:
 # --- the kit -------------------------------------------------------------------------------------
 
 #: Uses every function of virtufin_flatbuf.h, so that each is compiled and analysed.
-EVERY_FUNCTION = """
-#include "virtufin_worker_api.h"
-#include "virtufin_flatbuf.h"
-
-int32_t Process(const VirtufinHost *host, const uint8_t *in_buf, int32_t in_len,
-                uint8_t **out_buf, int32_t *out_len)
-{
-    vfb_event in;
-    vfb_string key, value;
-    vfb_extension ext[1];
-    vfb_new_event ev;
-    memset(&ev, 0, sizeof ev);
-    if (vfb_event_read(&in, in_buf, in_len) != VFB_OK) {
-        host->log(VIRTUFIN_LOG_WARN, in.error);
-        return VIRTUFIN_ERR_INVALID_INPUT;
-    }
-    if (vfb_event_extension(&in, 0, &key, &value) == VFB_OK && vfb_string_is(key, "x"))
-        return vfb_build_error(vfb_str("x"), out_buf, out_len);
-    ext[0].key = vfb_str("correlationid");
-    ext[0].value = vfb_event_find_extension(&in, "correlationid");
-    ev.id = in.id, ev.source = in.source, ev.type = in.type, ev.data = in.data;
-    ev.extensions = ext, ev.extension_count = 1;
-    if (vfb_string_is(in.subject, "both"))
-        return vfb_build_response(&ev, vfb_str("both"), out_buf, out_len);
-    return vfb_build_result(&ev, out_buf, out_len);
-}
-
-void FreeResult(uint8_t *out_buf) { free(out_buf); }
-"""
+EVERY_FUNCTION = HERE / "every_function.c"
 
 
 @pytest.mark.parametrize(
@@ -319,7 +293,7 @@ def test_headers_compile_clean(tmp_path: Path, compiler: str, standard: str, suf
     if shutil.which(compiler) is None:
         need(compiler, FileNotFoundError(f"{compiler} is not on PATH"))
     source = tmp_path / f"every_function.{suffix}"
-    source.write_text(EVERY_FUNCTION)
+    source.write_text(EVERY_FUNCTION.read_text())
     flags = ["-pedantic", "-Wall", "-Wextra", "-Werror", "-O2", f"-I{KIT}"]
     _run([compiler, standard, *flags, "-c", str(source), "-o", str(tmp_path / "out.o")])
 
@@ -464,32 +438,7 @@ def test_example_is_reentrant(
 #: Calls Process of library argv[2] on each input of the JSON file argv[3] (hex strings) and
 #: prints the codes. Each input is passed twice: right after a PROT_NONE page, then right before
 #: one, so that reading outside it is a segfault, not an unnoticed read.
-CHILD = r"""
-import json, mmap, sys
-import cffi
-
-ffi = cffi.FFI()
-ffi.cdef(sys.argv[1])
-ffi.cdef("int mprotect(void *addr, size_t len, int prot);")
-libc, lib = ffi.dlopen(None), ffi.dlopen(sys.argv[2])
-with open(sys.argv[3]) as f:
-    cases = [bytes.fromhex(case) for case in json.load(f)]
-page = mmap.PAGESIZE
-area = mmap.mmap(-1, 3 * page)
-base = ffi.cast("uint8_t *", ffi.from_buffer(area))
-assert libc.mprotect(base, page, 0) == 0 and libc.mprotect(base + 2 * page, page, 0) == 0
-log = ffi.callback("void(int32_t, const char *)", lambda level, message: None)
-host = ffi.new("VirtufinHost *", {"abi_version": 1, "log": log})
-out, out_len = ffi.new("uint8_t **"), ffi.new("int32_t *")
-codes = []
-for case in cases:
-    for start in (page, 2 * page - len(case)):
-        area[start : start + len(case)] = case
-        codes.append(lib.Process(host, base + start, len(case), out, out_len))
-        if out[0] != ffi.NULL:
-            lib.FreeResult(out[0])
-print(json.dumps(codes))
-"""
+CHILD = HERE / "guarded_calls.py"
 
 
 def _in_child(
@@ -497,7 +446,7 @@ def _in_child(
 ) -> subprocess.CompletedProcess[str]:
     cases_file = tmp_path / "cases.json"
     cases_file.write_text(json.dumps([case.hex() for case in cases]))
-    cmd = [sys.executable, "-c", CHILD, CDEF, str(library), str(cases_file)]
+    cmd = [sys.executable, str(CHILD), CDEF, str(library), str(cases_file)]
     return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
 
 
@@ -621,32 +570,14 @@ def test_misbehave_counts_results_not_freed_and_freed_twice(
 
 # --- the answers of virtufin_flatbuf.h against the official C++ verifier -------------------------
 
-VERIFIER = """
-#include <cstdio>
-#include <fstream>
-#include <iterator>
-#include <vector>
-#include "worker_api_generated.h"
-
-int main(int argc, char **argv) {
-    for (int i = 1; i < argc; i++) {
-        std::ifstream file(argv[i], std::ios::binary);
-        std::vector<uint8_t> buf((std::istreambuf_iterator<char>(file)),
-                                 std::istreambuf_iterator<char>());
-        flatbuffers::Verifier verifier(buf.data(), buf.size());
-        bool ok = virtufin::worker::VerifyWorkerResponseBuffer(verifier);
-        std::printf("%s %s\\n", argv[i], ok ? "valid" : "invalid");
-    }
-    return 0;
-}
-"""
+VERIFIER = HERE / "verify_answers.cpp"
 
 
 def test_c_answers_pass_the_official_verifier(
     libraries: dict[str, Library], wire: Wire, host: Host, tmp_path: Path
 ) -> None:
     source, program = tmp_path / "verify.cpp", tmp_path / "verify"
-    source.write_text(VERIFIER)
+    source.write_text(VERIFIER.read_text())
     _run(["c++", "-std=c++17", f"-I{KIT / 'generated' / 'cpp'}", str(source), "-o", str(program)])
     cases = {
         "full": ("c_example", wire.encode({"correlationid": "c", "b": "x"}, data=b"abc")),
