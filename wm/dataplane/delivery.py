@@ -118,6 +118,8 @@ class Delivery:
     delivery_id: str
     pin_version: int | None = None
     attempt: int = 1
+    #: The broker delivers this message again (its consumer died without acknowledging it).
+    redelivered: bool = False
     lease: Lease | None = None
 
     @functools.cached_property
@@ -220,14 +222,16 @@ class Delivery:
         return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
-        """Run the code. Code that shares this process is counted in the ledger first: runs
-        that never ended crashed a process, and past the worker's attempts it is parked."""
-        if not engine.shares_process:
+        """Run the code. A message the broker delivers again may have killed the process
+        that ran it, when the code shares that process: such runs are counted in the ledger
+        (ended by a settle or an error), and once they reach the worker's attempts the event
+        is parked instead of killing another process."""
+        if not (self.redelivered and engine.shares_process):
             return engine.process(self.event, self.timeout_s)
         runs = self.rt.ledger.begin_run(self.meta.id, self.key)
-        if runs > self.max_retries + 1:
+        if runs > self.max_retries:
             raise WorkerCrashed(
-                f"worker {self.meta.id}'s code killed the process running it {runs - 1} times "
+                f"worker {self.meta.id}'s code killed the process running it {runs} times "
                 f"on event {self.event.get_id()}; it is parked instead of run again (native "
                 "code with isolation 'subprocess' fails one delivery instead)"
             )

@@ -158,7 +158,8 @@ def _deliver(
     if meta.status != Status.RUNNING:
         time.sleep(_REQUEUE_PAUSE_S)
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
-    delivery = Delivery(rt, meta, event, str(task.request.id), pin_version, number)
+    redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
+    delivery = Delivery(rt, meta, event, str(task.request.id), pin_version, number, redelivered)
     try:
         delivery.run()
     except (BrokerUnavailable, DatabaseError):

@@ -74,9 +74,9 @@ class Ledger:
             pipe.execute()
 
     def begin_run(self, worker_id: str, key: str) -> int:
-        """Count a run of code that shares the node's process; returns the runs begun and
-        not ended (by :meth:`end_run` or :meth:`settle`): those beyond the first killed the
-        process that ran them."""
+        """Count a run of a redelivered event by code that shares the node's process;
+        returns the runs begun and not ended (by :meth:`end_run` or :meth:`settle`): each
+        one's delivery came back because the process running it died."""
         with redis_errors(self.settings):
             return int(self.redis.hincrby(self._runs(worker_id), key, 1))
 
