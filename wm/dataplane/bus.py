@@ -80,14 +80,26 @@ class Bus:
     def routes(self, topic: str, *, count_drop: bool = False) -> list[Route]:
         """Subscriptions of ``topic``; rebuilds the table first if Redis lost it. With
         ``count_drop``, no subscription counts the event as dropped (same round trip)."""
-        keys = (_ROUTES_READY, _ROUTES + topic, _DROPPED)
-        flag = "1" if count_drop else "0"
         with redis_errors(self.settings):
-            flat = self.redis.eval(_ROUTES_OR_DROP, len(keys), *keys, topic, flag)
-            if flat is None:
+            found = self.parse_routes(self.redis.eval(*self.routes_command(topic, count_drop)))
+            if found is None:
                 self.rebuild_routes()
-                flat = self.redis.eval(_ROUTES_OR_DROP, len(keys), *keys, topic, flag)
-        pairs = zip(flat[::2], flat[1::2], strict=True) if flat else ()
+                found = self.parse_routes(self.redis.eval(*self.routes_command(topic, count_drop)))
+        assert found is not None
+        return found
+
+    @staticmethod
+    def routes_command(topic: str, count_drop: bool) -> tuple[Any, ...]:
+        """The EVAL arguments of a routes lookup (for a pipeline; see :meth:`parse_routes`)."""
+        keys = (_ROUTES_READY, _ROUTES + topic, _DROPPED)
+        return (_ROUTES_OR_DROP, len(keys), *keys, topic, "1" if count_drop else "0")
+
+    @staticmethod
+    def parse_routes(flat: list[Any] | None) -> list[Route] | None:
+        """The routes a lookup returned; None when the table must be rebuilt first."""
+        if flat is None:
+            return None
+        pairs = zip(flat[::2], flat[1::2], strict=True)
         return [Route(_text(q), _text(w) or None) for q, w in sorted(pairs)]
 
     def rebuild_routes(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from celery import Celery
 
 from wm.config import Settings
-from wm.dataplane.bus import Bus
+from wm.dataplane.bus import Bus, Route
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.outputs import OutputPublisher
 from wm.engine import Engine, Outputs, WorkerSpec, engine_class
@@ -215,8 +215,14 @@ class Delivery:
         outputs = self.stamp(produced)
         if self.lease is not None:
             self.rt.locks.mark_write(self.lease)
-        outputs = self.rt.outcomes.record(self.meta.id, self.key, outputs)
-        self.publish(outputs)
+        recorded, lookups = self.rt.outcomes.record(
+            self.meta.id, self.key, outputs, self.rt.outputs.lookups(outputs)
+        )
+        if recorded is outputs:  # the routes looked up with the record are these outputs'
+            self.publish(outputs, [self.rt.bus.parse_routes(found) for found in lookups])
+        else:
+            self.publish(recorded)
+        outputs = recorded
         if isinstance(produced, Outputs) and produced.worker_error is not None:
             self.emit_error("WorkerAnswer", produced.worker_error)
         return outputs
@@ -289,11 +295,14 @@ class Delivery:
         }
         self.rt.bus.publish(lifecycle_event("error", self.meta.id, data), LIFECYCLE_TOPIC)
 
-    def publish(self, outputs: list[CloudEvent]) -> None:
+    def publish(
+        self, outputs: list[CloudEvent], routes: list[list[Route] | None] | None = None
+    ) -> None:
         """Publish each output to the topic of its type (plain subscriptions get it once,
-        see ``wm.dataplane.outputs``), then settle the delivery in the pending ledger."""
-        for output in outputs:
+        see ``wm.dataplane.outputs``), then settle the delivery in the pending ledger.
+        ``routes``: each output's, when looked up already (None: look it up)."""
+        for index, output in enumerate(outputs):
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
-            self.rt.outputs.publish(output)
+            self.rt.outputs.publish(output, routes[index] if routes else None)
         self.rt.ledger.settle(self.meta.id, self.key)

@@ -11,9 +11,11 @@ event id). A plain subscription is a queue any kombu client reads, so it gets ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kombu.utils.json import dumps
+from redis.client import Pipeline
 
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus, Route
@@ -36,11 +38,22 @@ class OutputPublisher:
         self.ttl_s = bus.settings.outcome_ttl_s
         self.redis_broker = redis_broker(bus.settings.broker_url)
 
-    def publish(self, output: CloudEvent) -> None:
+    def lookups(self, outputs: list[CloudEvent]) -> Callable[[Pipeline], None]:
+        """Queues the routes lookups of ``outputs`` in a pipeline (drops counted), so
+        :meth:`publish` can be given their results instead of asking Redis again."""
+
+        def queue(pipe: Pipeline) -> None:
+            for output in outputs:
+                pipe.eval(*Bus.routes_command(output.get_type(), True))
+
+        return queue
+
+    def publish(self, output: CloudEvent, routes: list[Route] | None = None) -> None:
         """Send ``output`` to the topic of its type: to workers (maybe again), to plain
-        subscriptions once."""
+        subscriptions once. ``routes``: the topic's, looked up (and a drop counted) already."""
         topic = output.get_type()
-        routes = self.bus.routes(topic, count_drop=True)
+        if routes is None:
+            routes = self.bus.routes(topic, count_drop=True)
         if not routes:
             return
         payload, key = encode(output), key_of(output)

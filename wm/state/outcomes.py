@@ -9,8 +9,11 @@ that republish reach each plain subscription once).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from wm.config import Settings
 from wm.events import CloudEvent, decode, encode
@@ -44,13 +47,22 @@ class Outcomes:
     def parse(raw: bytes | str) -> list[CloudEvent]:
         return [decode(item) for item in json.loads(raw)]
 
-    def record(self, worker_id: str, event_key: str, outputs: list[CloudEvent]) -> list[CloudEvent]:
+    def record(
+        self,
+        worker_id: str,
+        event_key: str,
+        outputs: list[CloudEvent],
+        also: Callable[[Pipeline], None] | None = None,
+    ) -> tuple[list[CloudEvent], list[Any]]:
         """Record the outcome and return the one that counts: when two copies of a delivery
-        ran at once, the first record wins and both publish it (one round trip)."""
+        ran at once, the first record wins and both publish it. ``also`` may queue more
+        commands in the same round trip; their results come second."""
         key = self.key(worker_id, event_key)
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(key, json.dumps([encode(e) for e in outputs]), ex=self.ttl_s, nx=True)
             pipe.get(key)
-            created, stored = pipe.execute()
-        return outputs if created else self.parse(stored)
+            if also is not None:
+                also(pipe)
+            created, stored, *more = pipe.execute()
+        return (outputs if created else self.parse(stored)), more
