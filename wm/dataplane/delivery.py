@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from celery import Celery
+from redis.client import Pipeline
 
 from wm.config import Settings
 from wm.dataplane.bus import Bus, Route
@@ -121,6 +122,8 @@ class Delivery:
     #: The broker delivers this message again (its consumer died without acknowledging it).
     redelivered: bool = False
     lease: Lease | None = None
+    #: The event's recorded outcome (None: none), when read already; used once.
+    known_outcome: tuple[list[CloudEvent] | None] | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -167,7 +170,8 @@ class Delivery:
         :class:`~wm.errors.LockContention`: the task sends the delivery again with a delay
         (``wm.dataplane.tasks``), so waiting does not keep a pool process.
         """
-        recorded = self.rt.outcomes.get(self.meta.id, self.key)
+        known, self.known_outcome = self.known_outcome, None
+        recorded = known[0] if known else self.rt.outcomes.get(self.meta.id, self.key)
         if recorded is not None:
             logger.info(
                 "event %s already processed by worker %s; republishing its outcome",
@@ -215,13 +219,19 @@ class Delivery:
         outputs = self.stamp(produced)
         if self.lease is not None:
             self.rt.locks.mark_write(self.lease)
-        recorded, lookups = self.rt.outcomes.record(
-            self.meta.id, self.key, outputs, self.rt.outputs.lookups(outputs)
-        )
+        lookups = self.rt.outputs.lookups(outputs)
+        settling = self.rt.ledger.settling(self.meta.id, self.key)
+
+        def also(pipe: Pipeline) -> None:
+            lookups(pipe)
+            settling(pipe)
+
+        recorded, found = self.rt.outcomes.record(self.meta.id, self.key, outputs, also)
         if recorded is outputs:  # the routes looked up with the record are these outputs'
-            self.publish(outputs, [self.rt.bus.parse_routes(found) for found in lookups])
+            routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
+            self.publish(outputs, routes, settled=True)
         else:
-            self.publish(recorded)
+            self.publish(recorded, settled=True)
         outputs = recorded
         if isinstance(produced, Outputs) and produced.worker_error is not None:
             self.emit_error("WorkerAnswer", produced.worker_error)
@@ -296,13 +306,19 @@ class Delivery:
         self.rt.bus.publish(lifecycle_event("error", self.meta.id, data), LIFECYCLE_TOPIC)
 
     def publish(
-        self, outputs: list[CloudEvent], routes: list[list[Route] | None] | None = None
+        self,
+        outputs: list[CloudEvent],
+        routes: list[list[Route] | None] | None = None,
+        *,
+        settled: bool = False,
     ) -> None:
         """Publish each output to the topic of its type (plain subscriptions get it once,
-        see ``wm.dataplane.outputs``), then settle the delivery in the pending ledger.
-        ``routes``: each output's, when looked up already (None: look it up)."""
+        see ``wm.dataplane.outputs``), then settle the delivery in the pending ledger unless
+        the outcome's record ``settled`` it already. ``routes``: each output's, when looked
+        up already (None: look it up)."""
         for index, output in enumerate(outputs):
             if self.lease is not None:
                 self.rt.locks.mark_write(self.lease)
             self.rt.outputs.publish(output, routes[index] if routes else None)
-        self.rt.ledger.settle(self.meta.id, self.key)
+        if not settled:
+            self.rt.ledger.settle(self.meta.id, self.key)

@@ -143,14 +143,18 @@ def _deliver(
     first_failure_at: float | None,
     waits: LockWaits,
 ) -> None:
-    meta = rt.directory.get(worker_id)
     number = max(1, int(task.request.retries or 0) - waits.count + 1)
-    attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
     try:
         event = decode(payload)
     except EventDecodeError as exc:
+        attempt = Attempt(worker_id, payload, rt.directory.get(worker_id), number, first_failure_at)
         rt.dead_letters.park(attempt.failure(exc, key=payload_key(payload)))
         return
+    # the worker's facts and the event's recorded outcome, in one round trip
+    meta, (outcome,) = rt.directory.get_with(
+        worker_id, rt.outcomes.lookup(worker_id, key_of(event))
+    )
+    attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
         rt.dead_letters.park(attempt.failure(error, event))
@@ -160,6 +164,7 @@ def _deliver(
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
     redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
     delivery = Delivery(rt, meta, event, str(task.request.id), pin_version, number, redelivered)
+    delivery.known_outcome = (rt.outcomes.parse(outcome),)
     try:
         delivery.run()
     except (BrokerUnavailable, DatabaseError):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 from sqlalchemy import select
 
 from wm import store
@@ -64,11 +66,22 @@ class Directory:
         A miss reads the database and caches what it read only if no change was announced
         meanwhile (the generation is unchanged): a read that raced a commit is not cached.
         """
+        return self.get_with(worker_id)[0]
+
+    def get_with(
+        self, worker_id: str, also: Callable[[Pipeline], None] | None = None
+    ) -> tuple[WorkerMeta | None, list[Any]]:
+        """:meth:`get`, with the commands ``also`` queues sent in the same round trip;
+        their results come second."""
         cache, generation = _KEY + worker_id, _GENERATION + worker_id
         with redis_errors(self.settings):
-            raw, seen = self.redis.mget([cache, generation])
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.mget([cache, generation])
+            if also is not None:
+                also(pipe)
+            (raw, seen), *more = pipe.execute()
             if raw is not None:
-                return WorkerMeta(**json.loads(raw))
+                return WorkerMeta(**json.loads(raw)), more
             meta = self.load(worker_id)
             if meta is not None:
                 self.redis.eval(
@@ -80,7 +93,7 @@ class Directory:
                     meta.to_json(),
                     _CACHE_TTL_S,
                 )
-            return meta
+            return meta, more
 
     def load(self, worker_id: str) -> WorkerMeta | None:
         try:

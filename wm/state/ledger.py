@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import redis
+from redis.client import Pipeline
 
 from wm.config import Settings
 from wm.state.connection import redis_errors, redis_for
@@ -65,13 +66,22 @@ class Ledger:
 
     def settle(self, worker_id: str, key: str) -> None:
         """The delivery is done (outcome recorded, or dead-lettered): forget it."""
-        index, bodies = self._keys(worker_id)
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
+            self.settling(worker_id, key)(pipe)
+            pipe.execute()
+
+    def settling(self, worker_id: str, key: str) -> Callable[[Pipeline], None]:
+        """Queues :meth:`settle` in a pipeline (the outcome record's, for one)."""
+        index, bodies = self._keys(worker_id)
+        runs = self._runs(worker_id)
+
+        def queue(pipe: Pipeline) -> None:
             pipe.zrem(index, key)
             pipe.hdel(bodies, key)
-            pipe.hdel(self._runs(worker_id), key)
-            pipe.execute()
+            pipe.hdel(runs, key)
+
+        return queue
 
     def begin_run(self, worker_id: str, key: str) -> int:
         """Count a run of a redelivered event by code that shares the node's process;

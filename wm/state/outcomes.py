@@ -40,12 +40,20 @@ class Outcomes:
     def get(self, worker_id: str, event_key: str) -> list[CloudEvent] | None:
         """The recorded outputs, or None when this event has no recorded outcome."""
         with redis_errors(self.settings):
-            raw = self.redis.get(self.key(worker_id, event_key))
-        return None if raw is None else self.parse(raw)
+            return self.parse(self.redis.get(self.key(worker_id, event_key)))
+
+    def lookup(self, worker_id: str, event_key: str) -> Callable[[Pipeline], None]:
+        """Queues :meth:`get` in a pipeline; :meth:`parse` reads its result."""
+        key = self.key(worker_id, event_key)
+
+        def queue(pipe: Pipeline) -> None:
+            pipe.get(key)
+
+        return queue
 
     @staticmethod
-    def parse(raw: bytes | str) -> list[CloudEvent]:
-        return [decode(item) for item in json.loads(raw)]
+    def parse(raw: bytes | str | None) -> list[CloudEvent] | None:
+        return None if raw is None else [decode(item) for item in json.loads(raw)]
 
     def record(
         self,
@@ -65,4 +73,4 @@ class Outcomes:
             if also is not None:
                 also(pipe)
             created, stored, *more = pipe.execute()
-        return (outputs if created else self.parse(stored)), more
+        return (outputs if created else self.parse(stored) or []), more
