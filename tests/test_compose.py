@@ -136,7 +136,9 @@ def test_dockerfile_installs_the_package_as_a_non_root_user() -> None:
     lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
     instructions = [line for line in lines if line and not line.startswith("#")]
     assert instructions[0] == "FROM python:3.11-slim"
-    assert any("pip install" in line and "[postgres,flower,native]" in line for line in instructions)
+    assert any(
+        "pip install" in line and "[postgres,flower,native]" in line for line in instructions
+    )
     users = [line.split()[1] for line in instructions if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
 

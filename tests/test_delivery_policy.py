@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from datetime import datetime
@@ -22,6 +23,7 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.worker import WorkController
 from celery.worker import state as worker_state
@@ -395,3 +397,42 @@ def test_an_unknown_worker_id_is_dead_lettered_not_dropped(
         "WorkerNotFound",
         1,
     )
+
+
+def test_a_delivery_costs_two_redis_round_trips(
+    node: WorkController,
+    manager: WorkManager,
+    node_settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One before the engine call (the worker's facts and the recorded outcome), one after
+    (the outcome, its outputs' routes, the ledger): counted as the sends of the worker's
+    threads (a new connection's handshake aside), for deliveries with an output to a topic
+    nobody subscribes to."""
+    worker = manager.create_worker(
+        code=stub(output_type="nobody.listens"), mime_type=STUB, topic="in"
+    )
+    _consuming(node, worker)
+    manager.publish(make_event("in", "/tests", {"n": 0}))  # warm: engine loaded, cache filled
+    eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=5)
+    sends: list[list[str]] = []
+    real_send = redis.connection.AbstractConnection.send_packed_command
+    main = threading.main_thread()
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread() is not main:
+            names = [part.split(b"\r\n")[2].decode() for part in command if part[:1] == b"*"]
+            if not set(names) <= HANDSHAKE:
+                sends.append(names)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    for n in range(1, 11):
+        manager.publish(make_event("in", "/tests", {"n": n}))
+    eventually(lambda: manager.bus.dropped("nobody.listens") == 11, timeout_s=10)
+    eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=5)
+    assert len(sends) == 20, sends
+
+
+#: What redis-py sends when it opens a connection.
+HANDSHAKE = {"HELLO", "AUTH", "CLIENT", "SELECT", "PING"}
