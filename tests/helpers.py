@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kombu import Connection
@@ -54,3 +59,49 @@ def eventually(check: Callable[[], Any], timeout_s: float = 30, interval_s: floa
             return value
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s}s (last value: {value!r})")
+
+
+def wm_cli(settings: Settings, *args: str, stdin: str | None = None) -> Any:
+    """Run ``wm --json ARGS`` against ``settings``; its JSON output (None when empty)."""
+    from tests.conftest import env_of
+
+    result = subprocess.run(
+        [sys.executable, "-m", "wm.cli", "--json", *args],
+        input=stdin,
+        env=env_of(settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout) if result.stdout.strip() else None
+
+
+class _Echo(BaseHTTPRequestHandler):
+    """Answers every POST with ``{"path": ..., "got": <the JSON body>}``."""
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        answer = json.dumps({"path": self.path, "got": json.loads(body or b"null")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[int]:
+    """A loopback HTTP gateway that echoes what it gets (see ``_Echo``); yields its port."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -3,58 +3,23 @@ by real prefork Celery nodes."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import env_of
-from tests.helpers import drain, eventually
+from tests.helpers import drain, echo_server, eventually, wm_cli
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
 
 NATIVE = "application/x-native-dll"
 
 
-def _wm(settings: Settings, *args: str) -> Any:
-    result = subprocess.run(
-        [sys.executable, "-m", "wm.cli", "--json", *args],
-        env=env_of(settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout) if result.stdout.strip() else None
-
-
-class _Echo(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        answer = json.dumps({"path": self.path, "got": json.loads(body or b"null")}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def gateway_port() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with echo_server() as port:
+        yield port
 
 
 @pytest.mark.slow
@@ -66,13 +31,13 @@ def test_c_and_cpp_workers_created_from_the_cli_run_on_prefork_nodes(
     done = manager.subscribe("orders.processed", "sink")
     errors = manager.subscribe("orders.error", "sink")
     lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
-    c_worker = _wm(
+    c_worker = wm_cli(
         fast,
         *("worker", "create", "--topic", "orders", "--mime-type", NATIVE),
         *("--file", str(native_zips["c-example"]), "--group", "c"),
         *("--setting", "api_host=127.0.0.1", "--setting", f"api_port={gateway_port}"),
     )
-    cpp_worker = _wm(
+    cpp_worker = wm_cli(
         fast,
         *("worker", "create", "--topic", "orders", "--mime-type", NATIVE),
         *("--file", str(native_zips["cpp-example"])),

@@ -12,7 +12,6 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from cffi import FFI
 from engines.native.engine import NativeEngine
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import running_rid
+from tests.helpers import echo_server
 from wm.config import Settings
 from wm.engine import Outputs, WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
@@ -254,28 +254,10 @@ def test_in_process_timeout_drops_the_late_answer(
     assert outstanding(engine) == 0
 
 
-class _Gateway(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
-        answer = json.dumps({"path": self.path, "got": body}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def gateway() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with echo_server() as port:
+        yield port
 
 
 @pytest.mark.parametrize("isolation", ["in-process", "subprocess"])

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import env_of
-from tests.helpers import drain, eventually
+from tests.helpers import drain, eventually, wm_cli
 from wm import DeadLetters, Settings, WorkManager, make_event
 
 WORKERS = Path(__file__).parent / "workers"
-
-
-def _wm(settings: Settings, *args: str, stdin: str | None = None) -> Any:
-    result = subprocess.run(
-        [sys.executable, "-m", "wm.cli", "--json", *args],
-        input=stdin,
-        env=env_of(settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout) if result.stdout.strip() else None
 
 
 @pytest.mark.slow
@@ -37,7 +20,7 @@ def test_cli_created_python_workers_process_events(settings: Settings, start_nod
     echo_sink = manager.subscribe("echo.out", "sink")
     orders_sink = manager.subscribe("orders.result", "sink")
     errors_sink = manager.subscribe("orders.result.error", "sink")
-    echo = _wm(
+    echo = wm_cli(
         fast,
         "worker",
         "create",
@@ -48,7 +31,7 @@ def test_cli_created_python_workers_process_events(settings: Settings, start_nod
         "--file",
         str(WORKERS / "echo.py"),
     )
-    orders = _wm(
+    orders = wm_cli(
         fast,
         "worker",
         "create",

@@ -228,18 +228,8 @@ def _engine_round_trip(messages: int) -> None:
     try:
         for name, code in ENGINE_WORKERS.items():
             engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
-            for _ in range(200):  # warm up
-                engine.process(event, timeout_s=5)
-            samples = []
-            for _ in range(messages):
-                started = time.perf_counter_ns()
-                engine.process(event, timeout_s=5)
-                samples.append((time.perf_counter_ns() - started) / 1e6)
-            timing = Result(name, messages, sum(samples) / 1000, samples)
-            print(
-                f"{name:<18} median {timing.percentile(0.5):.3f} ms  "
-                f"p99 {timing.percentile(0.99):.3f} ms"
-            )
+            median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, 200)
+            print(f"{name:<18} median {median / 1e3:.3f} ms  p99 {p99 / 1e3:.3f} ms")
     finally:
         engine.close()
 
@@ -253,18 +243,23 @@ def _native_round_trip(code: bytes, messages: int) -> None:
     print(f"\nNative engine round trip, {messages} messages (target: median ≤ 30 µs)\n")
     try:
         engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
-        for _ in range(1000):  # warm up
-            engine.process(event, timeout_s=5)
-        samples = []
-        for _ in range(messages):
-            started = time.perf_counter_ns()
-            engine.process(event, timeout_s=5)
-            samples.append((time.perf_counter_ns() - started) / 1e3)
+        median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, 1000)
     finally:
         engine.close()
-    timing = Result("native", messages, sum(samples) / 1e6, samples)
-    median, p99 = timing.percentile(0.5), timing.percentile(0.99)
     print(f"{'in-process':<18} median {median:.1f} µs  p99 {p99:.1f} µs")
+
+
+def _time_calls(call: Callable[[], object], count: int, warm_up: int) -> tuple[float, float]:
+    """Median and p99 of ``count`` timed calls after ``warm_up`` untimed ones, in µs."""
+    for _ in range(warm_up):
+        call()
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter_ns()
+        call()
+        samples.append((time.perf_counter_ns() - started) / 1e3)
+    timing = Result("calls", count, sum(samples) / 1e6, samples)
+    return timing.percentile(0.5), timing.percentile(0.99)
 
 
 def _report(results: list[Result], args: argparse.Namespace) -> None:
