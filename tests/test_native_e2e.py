@@ -114,8 +114,8 @@ def test_failures_retry_then_dead_letter_and_a_crash_in_isolation_spares_the_nod
 def test_an_event_that_keeps_crashing_in_process_code_is_parked(
     pg_settings: Settings, start_node: Any, native_zips: dict[str, Path]
 ) -> None:
-    """In-process, a segfault kills the pool process and Celery redelivers the message: the
-    runs that never ended are counted, and past the worker's attempts the event is parked."""
+    """In-process, a segfault kills the pool process and Celery redelivers the message: such
+    redeliveries are counted, and past the worker's attempts the event is parked."""
     fast = pg_settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     done = manager.subscribe("inproc.processed", "sink")
@@ -131,7 +131,7 @@ def test_an_event_that_keeps_crashing_in_process_code_is_parked(
     manager.publish(make_event("inproc", "/tests", {}, subject="crash"))
     [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=90)
     assert letter.error_type == "WorkerCrashed"
-    assert "killed the process running it 2 times" in letter.error_message
+    assert "died 2 times before finishing it" in letter.error_message
     assert node.log.read_text().count("SIGSEGV") >= 2
 
     manager.publish(make_event("inproc", "/tests", {"after": "crashes"}))

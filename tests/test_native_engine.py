@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cffi import FFI
 
 from engines.native.engine import NativeEngine
 from engines.native.library import NativeCallFailed, NativeOutputRefused
@@ -67,15 +66,11 @@ def rezip(source: Path, manifest: Any = None, *, drop: str = "", rename: str = "
 
 
 def outstanding(engine: NativeEngine) -> int:
-    """Buffers the misbehave library handed out that FreeResult has not taken back."""
+    """Buffers the misbehave library handed out that FreeResult has not taken back (and,
+    by the thousand, those it was given twice)."""
     library = engine._runner.library  # type: ignore[union-attr]
-    ffi = FFI()
-    ffi.cdef("int32_t OutstandingResults(void); int32_t FreedTwice(void);")
-    same = ffi.dlopen(library.path)  # the same path: the instance the engine loaded
-    try:
-        return int(same.OutstandingResults()) + 1000 * int(same.FreedTwice())
-    finally:
-        ffi.dlclose(same)
+    counters = library.declare("int32_t OutstandingResults(void); int32_t FreedTwice(void);")
+    return int(counters.OutstandingResults()) + 1000 * int(counters.FreedTwice())
 
 
 @pytest.mark.parametrize("example", ["c-example", "cpp-example"])
@@ -88,7 +83,6 @@ def test_example_answers_with_identity_and_correlation_id(
 
     [out] = engine.process(incoming, timeout_s=5)
 
-    assert engine.shares_process
     assert out.get_type() == "orders.processed"
     assert out.get_extension("correlationid") == "corr-1"
     assert out.get_extension("workerid") == "w-native-1"
@@ -195,12 +189,12 @@ def test_identity_is_set_at_load_and_restored_at_close(
     assert os.environ["VIRTUFIN_WORKER_GROUP"] == "g1"
     assert os.environ["VIRTUFIN_WORKER_TOPIC"] == "orders"
     path = engine._runner.library.path  # type: ignore[union-attr]
-    assert os.path.exists(path)
+    assert not os.path.exists(path), "the library's file is deleted once it is loaded"
+    assert path in Path("/proc/self/maps").read_text()
     engine.close()
     assert os.environ["VIRTUFIN_WORKER_ID"] == "prior"
     assert os.environ["VIRTUFIN_WORKER_GROUP"] == "prior-group"
     assert "VIRTUFIN_WORKER_TOPIC" not in os.environ
-    assert not os.path.exists(path), "close deletes the library's temporary file"
     assert path not in Path("/proc/self/maps").read_text(), "close unloads the library"
 
 
@@ -300,7 +294,6 @@ def test_isolated_crash_fails_the_delivery_not_the_host(
     engine: NativeEngine, native_zips: dict[str, Path]
 ) -> None:
     engine.load(zip_bytes(native_zips["misbehave"]), ISOLATED)
-    assert not engine.shares_process
     [out] = engine.process(event(), timeout_s=5)
     assert out.get_type() == "orders.processed"
     with pytest.raises(WorkerExecutionError, match="killed by SIGSEGV") as crashed:
@@ -308,6 +301,25 @@ def test_isolated_crash_fails_the_delivery_not_the_host(
     assert crashed.value.retryable
     [out] = engine.process(event(), timeout_s=5)  # a fresh helper answers
     assert out.get_type() == "orders.processed"
+
+
+@pytest.mark.parametrize("isolation", ["in-process", "subprocess"])
+def test_a_library_may_log_from_threads_of_its_own(
+    native_zips: dict[str, Path], isolation: str, caplog: Any
+) -> None:
+    caplog.set_level(logging.INFO, logger="engines.native.worker")
+    engine = NativeEngine(Settings.from_env())
+    try:
+        engine.load(
+            zip_bytes(native_zips["misbehave"]),
+            WorkerSpec("w-t", "orders", settings={"isolation": isolation}),
+        )
+        [out] = engine.process(event("threads"), timeout_s=10)
+        [again] = engine.process(event(), timeout_s=5)  # the pipes are still in step
+    finally:
+        engine.close()
+    assert out.get_type() == again.get_type() == "orders.processed"
+    assert caplog.text.count("chatter from a thread of the worker's own") == 6 * 50
 
 
 def test_isolated_hang_is_killed_at_the_limit(

@@ -57,12 +57,6 @@ class Engine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    @property
-    def shares_process(self) -> bool:
-        """True when the loaded code runs in the calling process, where a crash kills it
-        (the delivery then counts runs, so an event that keeps crashing is parked)."""
-        return False
-
     @classmethod
     def check_host(cls, settings: Settings) -> None:
         """Refuse, with :class:`wm.errors.ConfigurationError`, a host on which this engine

@@ -78,9 +78,10 @@ class WorkerTimeout(WorkerExecutionError):
 
 
 class WorkerCrashed(WorkerExecutionError):
-    """Raised instead of running an event again whose runs killed the node's process (code
-    that shares it, such as in-process native code) more often than the worker's retries
-    allow: the event is parked rather than killing process after process."""
+    """Raised instead of running an event again whose runs ended with the process running
+    them (a crash in code that shares it, such as in-process native code) more often than
+    the worker's retries allow: the event is parked rather than killing process after
+    process."""
 
     retryable = False
 

@@ -12,9 +12,10 @@ Operator notes:
 
 * In-process by default, as the seed specifies: the call costs microseconds, but a crash in
   the library (segfault, illegal instruction, stack overflow) ends the Celery process that
-  runs it (Celery delivers the message again; the delivery counts such runs and parks an
-  event that keeps crashing as WorkerCrashed), and a call past its time limit cannot be
-  stopped (its answer is dropped as a timeout when it returns). ``isolation: subprocess``
+  runs it (the broker delivers the message again; such redeliveries are counted and an
+  event that keeps crashing is parked as WorkerCrashed), and a call past its time limit
+  cannot be stopped (its answer is dropped as a timeout when it returns; until then it
+  keeps its process). ``isolation: subprocess``
   (worker setting, or the manifest) runs the library in a helper process: a crash or a hang
   costs a failed delivery (retried, then dead-lettered), the helper is killed at the time
   limit and started again.

@@ -21,6 +21,7 @@ from engines.native.library import (
     GATEWAY_OK,
     NativeLibrary,
     NativeOutputRefused,
+    error_json,
 )
 from engines.native.package import ISOLATION_MODES, Package, library_file, read_package
 from wm.config import Settings
@@ -67,10 +68,10 @@ class Sinks:
         try:
             data = json.loads(request) if request else None
         except (UnicodeDecodeError, ValueError) as exc:
-            return GATEWAY_BAD_REQUEST, _error(f"gateway request is not JSON: {exc}")
+            return GATEWAY_BAD_REQUEST, error_json(f"gateway request is not JSON: {exc}")
         host, port = self.worker.settings.get(API_HOST), self.worker.settings.get(API_PORT)
         if host is None or port is None:
-            return GATEWAY_FAILED, _error(
+            return GATEWAY_FAILED, error_json(
                 f"worker {self.worker.worker_id} has no {API_HOST} and {API_PORT} settings "
                 "for gateway calls"
             )
@@ -81,12 +82,8 @@ class Sinks:
             answer = self.gateway_caller.call(call, remaining_s)
         except GatewayError as exc:
             logger.info("native worker %s: gateway call failed: %s", self.worker.worker_id, exc)
-            return GATEWAY_FAILED, _error(str(exc))
+            return GATEWAY_FAILED, error_json(str(exc))
         return GATEWAY_OK, json.dumps(answer).encode()
-
-
-def _error(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()
 
 
 class InProcess:
@@ -175,21 +172,17 @@ class NativeEngine(Engine):
         self._reloading = False
         self._saved_env: dict[str, str | None] | None = None
 
-    @property
-    def shares_process(self) -> bool:
-        return isinstance(self._runner, InProcess)
-
     def validate(self, code: bytes, worker: WorkerSpec) -> None:
         """Check the zip, then load the library and resolve its exports in a throwaway helper
         process: the library's initializers never run in the validating process."""
         package = read_package(code)
-        _isolation(package, worker)
+        _mode(package, worker)
         helper = HelperProcess(package, identity(worker), Sinks(self.settings, worker))
         helper.close()
 
     def load(self, code: bytes, worker: WorkerSpec) -> None:
         package = read_package(code)
-        mode = _isolation(package, worker)
+        mode = _mode(package, worker)
         sinks = Sinks(self.settings, worker)
         runner: Runner
         if mode == "subprocess":
@@ -286,7 +279,7 @@ def _apply_env(values: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
-def _isolation(package: Package, worker: WorkerSpec) -> str:
+def _mode(package: Package, worker: WorkerSpec) -> str:
     mode: Any = worker.settings.get(ISOLATION) or package.manifest.isolation or "in-process"
     if mode not in ISOLATION_MODES:
         raise InvalidCode(

@@ -3,7 +3,8 @@
 It loads the library the host sends, then answers CALL frames with the ABI round trip of
 :class:`engines.native.library.NativeLibrary`, relaying the worker's log and gateway calls to
 the host. If the library crashes or hangs, only this process dies (or is killed by the host).
-It takes no core dumps and is killed when the host dies.
+It takes no core dumps and is killed when the host dies (precisely: when the host thread that
+started it ends; the host starts a fresh helper on its next call then).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 from typing import BinaryIO
 
 from engines.native import frames
@@ -32,21 +34,27 @@ def _die_with_parent() -> None:
 
 
 class Host:
-    """The host at the other end of the pipes."""
+    """The host at the other end of the pipes. A library may log or call the gateway from
+    threads of its own: frames are written whole, and a gateway call holds the pipes until
+    its reply is read."""
 
     def __init__(self, incoming: BinaryIO, outgoing: BinaryIO) -> None:
         self.incoming, self.outgoing = incoming, outgoing
+        self._sending = threading.Lock()
+        self._calling = threading.Lock()
 
     def send(self, kind: bytes, payload: bytes = b"") -> None:
-        frames.write_frame(self.outgoing, kind, payload)
+        with self._sending:
+            frames.write_frame(self.outgoing, kind, payload)
 
     def log(self, level: int, message: str) -> None:
         self.send(frames.LOG, frames.CODE.pack(level) + message.encode("utf-8", "replace"))
 
     def gateway(self, service: str, method: str, request: bytes) -> tuple[int, bytes]:
         header = json.dumps({"service": service, "method": method}).encode()
-        self.send(frames.GATEWAY, header + b"\n" + request)
-        kind, payload = frames.read_frame(self.incoming)
+        with self._calling:
+            self.send(frames.GATEWAY, header + b"\n" + request)
+            kind, payload = frames.read_frame(self.incoming)
         if kind != frames.GATEWAY_REPLY or len(payload) < frames.CODE.size:
             raise frames.FrameError(f"expected a gateway reply, got {kind!r}")
         (code,) = frames.CODE.unpack_from(payload)

@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -29,13 +30,19 @@ from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
 logger = logging.getLogger(__name__)
 #: seconds a helper may take to start and load its library.
 LOAD_TIMEOUT_S = 30.0
+#: seconds an idle helper gets to exit on its own when it is closed.
+CLOSE_GRACE_S = 1.0
+#: bytes read from a helper's pipe at once, at least.
+READ_CHUNK_BYTES = 65536
 _REFUSALS: dict[str, type[Exception]] = {
     "InvalidCode": InvalidCode,
     "NativeOutputRefused": NativeOutputRefused,
 }
 
 
-class Sinks(Protocol):
+class Callbacks(Protocol):
+    """What the host does for a helper's worker: its log and its gateway calls."""
+
     deadline: threading.local
 
     def log(self, level: int, message: str) -> None: ...
@@ -46,19 +53,25 @@ class Sinks(Protocol):
 class HelperProcess:
     """A helper that loaded ``package``'s library, with ``env`` set over the host's."""
 
-    def __init__(self, package: Package, env: dict[str, str | None], sinks: Sinks) -> None:
+    def __init__(self, package: Package, env: dict[str, str | None], sinks: Callbacks) -> None:
         self.package, self.sinks = package, sinks
         self.env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
-        self._buffer = b""
-        self._start()
+        self._buffer = bytearray()
+        try:
+            self._start()
+        except WorkerExecutionError as exc:
+            raise InvalidCode(
+                f"the native library could not be loaded in isolation: {exc}"
+            ) from exc
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
     def _start(self) -> None:
+        """A fresh helper with the library loaded; WorkerExecutionError if it fails."""
         manifest = self.package.manifest
         spec = {
             "file_name": library_file(manifest.library),
@@ -72,56 +85,69 @@ class HelperProcess:
             env=self.env,
             start_new_session=True,
         )
-        self._buffer = b""
+        self._buffer = bytearray()
         try:
             self._send(frames.INIT, json.dumps(spec).encode() + b"\n" + self.package.library)
             self._wait(time.monotonic() + LOAD_TIMEOUT_S, frames.READY, "loading its library")
-        except WorkerExecutionError as exc:
-            self.close()
-            raise InvalidCode(
-                f"the native library could not be loaded in isolation: {exc}"
-            ) from exc
         except BaseException:
-            self.close()
+            self._discard()
             raise
         logger.info("native helper pid %s loaded %s", self.pid, self.package.entry)
 
     def call(self, request: bytes, timeout_s: float) -> bytes:
+        """One Process call in the helper. Only a clean refusal or failure code keeps the
+        helper; anything else (a timeout, a death, a broken frame) discards it, so the next
+        call never reads what was meant for this one."""
         with self._lock:
             if self._process is None or self._process.poll() is not None:
                 self._discard()
-                self._start()
+                try:
+                    self._start()
+                except InvalidCode as exc:  # it loaded before: a failed restart is transient
+                    raise WorkerExecutionError(
+                        f"restarting the native helper failed: {exc}"
+                    ) from exc
             deadline = time.monotonic() + timeout_s
             self.sinks.deadline.value = deadline
             try:
                 self._send(frames.CALL, request)
                 return self._wait(deadline, frames.ANSWER, "processing an event")
+            except (NativeCallFailed, NativeOutputRefused):
+                raise
             except WorkerTimeout:
                 self._discard()
                 raise WorkerTimeout(
                     f"the native worker did not answer within {timeout_s:g} s; its helper "
                     "process was killed and a fresh one starts with the next message"
                 ) from None
-            except (frames.FrameError, WorkerExecutionError) as exc:
-                if not isinstance(exc, NativeCallFailed | NativeOutputRefused):
-                    self._discard()
+            except frames.FrameError as exc:
+                self._discard()
+                raise WorkerExecutionError(f"the native helper broke the protocol: {exc}") from exc
+            except BaseException:
+                self._discard()
                 raise
 
     def close(self) -> None:
         with self._lock:
-            self._discard()
+            self._discard(graceful=True)
 
-    def _discard(self) -> None:
+    def _discard(self, *, graceful: bool = False) -> None:
+        """End the helper: killed at once, or, ``graceful``, told to finish (its stdin
+        closes, so an idle helper unloads its library and exits) and killed only if it has
+        not within CLOSE_GRACE_S."""
         process, self._process = self._process, None
         if process is None:
             return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
         for stream in (process.stdin, process.stdout):
             if stream is not None:
-                stream.close()
-        process.wait()
+                with contextlib.suppress(OSError):
+                    stream.close()
+        try:
+            process.wait(timeout=CLOSE_GRACE_S if graceful else 0)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
     # -- frames ------------------------------------------------------------------------------
 
@@ -138,18 +164,25 @@ class HelperProcess:
             kind, payload = self._read_frame(deadline, doing)
             if kind == expected:
                 return payload
-            if kind == frames.LOG:
-                (level,) = frames.CODE.unpack_from(payload)
-                self.sinks.log(level, payload[frames.CODE.size :].decode("utf-8", "replace"))
-            elif kind == frames.GATEWAY:
-                header, request = payload.split(b"\n", 1)
-                names = json.loads(header)
-                code, answer = self.sinks.gateway(names["service"], names["method"], request)
-                self._send(frames.GATEWAY_REPLY, frames.CODE.pack(code) + answer)
-            elif kind == frames.FAILED:
-                raise _failure(json.loads(payload))
-            else:
-                raise frames.FrameError(f"unexpected frame {kind!r} from the native helper")
+            try:
+                self._serve(kind, payload)
+            except (ValueError, KeyError, TypeError, struct.error) as exc:
+                raise frames.FrameError(f"a malformed {kind!r} frame: {exc}") from exc
+
+    def _serve(self, kind: bytes, payload: bytes) -> None:
+        """Act on a frame the helper sent in the middle of a call."""
+        if kind == frames.LOG:
+            (level,) = frames.CODE.unpack_from(payload)
+            self.sinks.log(level, payload[frames.CODE.size :].decode("utf-8", "replace"))
+        elif kind == frames.GATEWAY:
+            header, request = payload.split(b"\n", 1)
+            names = json.loads(header)
+            code, answer = self.sinks.gateway(names["service"], names["method"], request)
+            self._send(frames.GATEWAY_REPLY, frames.CODE.pack(code) + answer)
+        elif kind == frames.FAILED:
+            raise _failure(json.loads(payload))
+        else:
+            raise frames.FrameError(f"unexpected frame {kind!r} from the native helper")
 
     def _read_frame(self, deadline: float, doing: str) -> tuple[bytes, bytes]:
         kind, length = frames.parse_header(self._read(frames.HEADER.size, deadline, doing))
@@ -165,18 +198,19 @@ class HelperProcess:
             ready, _, _ = select.select([fd], [], [], remaining)
             if not ready:
                 continue
-            chunk = os.read(fd, max(65536, count - len(self._buffer)))
+            chunk = os.read(fd, max(READ_CHUNK_BYTES, count - len(self._buffer)))
             if not chunk:
                 raise self._died(doing)
             self._buffer += chunk
-        data, self._buffer = self._buffer[:count], self._buffer[count:]
+        data = bytes(self._buffer[:count])
+        del self._buffer[:count]
         return data
 
     def _died(self, doing: str) -> WorkerExecutionError:
         assert self._process is not None
         pid = self._process.pid
         try:
-            code = self._process.wait(timeout=5)
+            code = self._process.wait(timeout=CLOSE_GRACE_S)
         except subprocess.TimeoutExpired:
             code = None
         self._discard()

@@ -9,7 +9,6 @@ on every path.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -104,7 +103,9 @@ class NativeLibrary:
         self._log, self._gateway = log, gateway
         self._responses: set[int] = set()
         self._responses_lock = threading.Lock()
-        fd, self.path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
+        fd, path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
+        #: Where the library was loaded from (the file is gone: only the mapping is left).
+        self.path = path
         self._ffi = FFI()
         self._ffi.include(ffi)
         self._lib: Any = None
@@ -114,20 +115,25 @@ class NativeLibrary:
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(image)
-            os.chmod(self.path, 0o500)
+            os.chmod(path, 0o500)
             _declare(self._ffi, entry_point, free_result)
-            try:
-                self._lib = self._ffi.dlopen(self.path)
-            except OSError as exc:
-                raise InvalidCode(
-                    f"the native library {file_name} cannot be loaded: {exc}"
-                ) from exc
+            self._lib = _open(self._ffi, path, file_name)
+        finally:
+            # the mapping outlives the file: nothing is left on disk, even if the process dies
+            os.unlink(path)
+        try:
             self._process = self._export(entry_point, "entry_point")
             self._free = self._export(free_result, "free_result")
             self._host = self._make_host()
         except BaseException:
             self.close()
             raise
+
+    def declare(self, declarations: str) -> Any:
+        """The library with more of its exports declared (C declarations), for tests and
+        tools that read a worker's own diagnostics."""
+        self._ffi.cdef(declarations, override=True)
+        return self._lib
 
     def _export(self, name: str, key: str) -> Any:
         try:
@@ -178,17 +184,13 @@ class NativeLibrary:
             self._free(buffer)
 
     def close(self) -> None:
-        """Unload the library and delete its file. Safe to call more than once."""
+        """Unload the library. Safe to call more than once."""
         lib, self._lib = self._lib, None
         if lib is not None:
             self._ffi.dlclose(lib)
         # the host struct, its callbacks and the engine handle die with the library
         self._host = self._handle = None
         self._callbacks = ()
-        if self.path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            self.path = ""
 
     # -- host callbacks (called from native code: must never raise) --------------------------
 
@@ -212,7 +214,12 @@ class NativeLibrary:
             return GATEWAY_BAD_REQUEST
         response[0], response_len[0] = ffi.NULL, 0
         try:
-            if service == ffi.NULL or method == ffi.NULL or request_len < 0:
+            if (
+                service == ffi.NULL
+                or method == ffi.NULL
+                or request_len < 0
+                or (request == ffi.NULL and request_len > 0)
+            ):
                 code, answer = GATEWAY_BAD_REQUEST, b'{"error": "gateway_call arguments"}'
             else:
                 body = bytes(ffi.buffer(request, request_len)) if request_len else b""
@@ -223,7 +230,7 @@ class NativeLibrary:
                 )
         except Exception as exc:
             logger.exception("native worker gateway callback failed")
-            code, answer = GATEWAY_FAILED, _error_json(f"gateway call failed in the host: {exc}")
+            code, answer = GATEWAY_FAILED, error_json(f"gateway call failed in the host: {exc}")
         memory = _libc.malloc(max(1, len(answer)))
         if memory == ffi.NULL:
             return GATEWAY_FAILED
@@ -260,5 +267,19 @@ def _declare(local: FFI, entry_point: str, free_result: str) -> None:
         raise InvalidCode(f"manifest.json export names cannot be declared: {exc}") from exc
 
 
-def _error_json(message: str) -> bytes:
+def _open(local: FFI, path: str, file_name: str) -> Any:
+    try:
+        return local.dlopen(path)
+    except OSError as exc:
+        hint = ""
+        if "map segment" in str(exc):
+            hint = (
+                f" (libraries are copied to {os.path.dirname(path)} to be loaded: if it is "
+                "mounted noexec, point TMPDIR at a folder that is not)"
+            )
+        raise InvalidCode(f"the native library {file_name} cannot be loaded: {exc}{hint}") from exc
+
+
+def error_json(message: str) -> bytes:
+    """A gateway answer carrying an error: ``{"error": message}``."""
     return json.dumps({"error": message}).encode()

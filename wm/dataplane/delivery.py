@@ -69,7 +69,9 @@ class EngineCache:
         engine.load(self.directory.code(meta.id, version), _spec(meta, version))
         with self._lock:
             self._engines[meta.id] = (version, engine)
-            self._evict()
+            evicted = self._evict()
+        for old in evicted:  # outside the lock: closing may wait for calls in flight
+            old.close()
         return engine, False
 
     def _load(self, meta: WorkerMeta, version: int) -> Engine:
@@ -77,10 +79,13 @@ class EngineCache:
         engine.load(self.directory.code(meta.id, version), _spec(meta, version))
         return engine
 
-    def _evict(self) -> None:
+    def _evict(self) -> list[Engine]:
+        """The least recently used engines beyond the cache's size, taken out of it."""
+        evicted = []
         while len(self._engines) > _ENGINE_CACHE_SIZE:
             _, (_, engine) = self._engines.popitem(last=False)
-            engine.close()
+            evicted.append(engine)
+        return evicted
 
     def close(self) -> None:
         with self._lock:
@@ -122,8 +127,9 @@ class Delivery:
     #: The broker delivers this message again (its consumer died without acknowledging it).
     redelivered: bool = False
     lease: Lease | None = None
-    #: The event's recorded outcome (None: none), when read already; used once.
-    known_outcome: tuple[list[CloudEvent] | None] | None = None
+    #: The event's recorded outcome as stored (None: none), when read already; used once.
+    prefetched: bool = False
+    prefetched_outcome: bytes | str | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -170,8 +176,11 @@ class Delivery:
         :class:`~wm.errors.LockContention`: the task sends the delivery again with a delay
         (``wm.dataplane.tasks``), so waiting does not keep a pool process.
         """
-        known, self.known_outcome = self.known_outcome, None
-        recorded = known[0] if known else self.rt.outcomes.get(self.meta.id, self.key)
+        if self.prefetched:
+            self.prefetched = False
+            recorded = self.rt.outcomes.parse(self.prefetched_outcome)
+        else:
+            recorded = self.rt.outcomes.get(self.meta.id, self.key)
         if recorded is not None:
             logger.info(
                 "event %s already processed by worker %s; republishing its outcome",
@@ -185,13 +194,34 @@ class Delivery:
                 f"event {self.event.get_id()} already passed through {self.hops} workers "
                 f"(WM_MAX_HOPS={self.rt.settings.max_hops}); a chain of workers may loop"
             )
-        engine, temporary = self.rt.engines.engine(self.meta, self.version)
+        counted = self.redelivered and self.count_run()
         try:
-            group = self.meta.group
-            return self.run_locked(engine, group) if group else self.process(engine)
-        finally:
-            if temporary:
-                engine.close()
+            engine, temporary = self.rt.engines.engine(self.meta, self.version)
+            try:
+                group = self.meta.group
+                return self.run_locked(engine, group) if group else self.process(engine)
+            finally:
+                if temporary:
+                    engine.close()
+        except BaseException:
+            if counted:  # the run ended, if not well: it did not take the process down
+                self.rt.ledger.end_run(self.meta.id, self.key)
+            raise
+
+    def count_run(self) -> bool:
+        """Count this run of a message the broker delivers again because the process that
+        had it died. Runs end with the outcome's record or an error; when they keep ending
+        with their process (a crash in code that shares it, such as in-process native code,
+        or a node killed every time), the event is parked past the worker's attempts."""
+        runs = self.rt.ledger.begin_run(self.meta.id, self.key)
+        if runs > self.max_retries:
+            raise WorkerCrashed(
+                f"the process running worker {self.meta.id} on event {self.event.get_id()} "
+                f"died {runs} times before finishing it; the event is parked instead of run "
+                "again (code that crashes its process, such as in-process native code, "
+                "is contained by isolation 'subprocess')"
+            )
+        return True
 
     def run_locked(self, engine: Engine, group: str) -> list[CloudEvent]:
         """Process under the group lock, its lease renewed by a heartbeat meanwhile.
@@ -238,24 +268,7 @@ class Delivery:
         return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
-        """Run the code. A message the broker delivers again may have killed the process
-        that ran it, when the code shares that process: such runs are counted in the ledger
-        (ended by a settle or an error), and once they reach the worker's attempts the event
-        is parked instead of killing another process."""
-        if not (self.redelivered and engine.shares_process):
-            return engine.process(self.event, self.timeout_s)
-        runs = self.rt.ledger.begin_run(self.meta.id, self.key)
-        if runs > self.max_retries:
-            raise WorkerCrashed(
-                f"worker {self.meta.id}'s code killed the process running it {runs} times "
-                f"on event {self.event.get_id()}; it is parked instead of run again (native "
-                "code with isolation 'subprocess' fails one delivery instead)"
-            )
-        try:
-            return engine.process(self.event, self.timeout_s)
-        except BaseException:
-            self.rt.ledger.end_run(self.meta.id, self.key)
-            raise
+        return engine.process(self.event, self.timeout_s)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the

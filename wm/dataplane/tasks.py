@@ -164,7 +164,7 @@ def _deliver(
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
     redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
     delivery = Delivery(rt, meta, event, str(task.request.id), pin_version, number, redelivered)
-    delivery.known_outcome = (rt.outcomes.parse(outcome),)
+    delivery.prefetched, delivery.prefetched_outcome = True, outcome
     try:
         delivery.run()
     except (BrokerUnavailable, DatabaseError):

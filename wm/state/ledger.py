@@ -84,14 +84,13 @@ class Ledger:
         return queue
 
     def begin_run(self, worker_id: str, key: str) -> int:
-        """Count a run of a redelivered event by code that shares the node's process;
-        returns the runs begun and not ended (by :meth:`end_run` or :meth:`settle`): each
-        one's delivery came back because the process running it died."""
+        """Count a run of a delivery the broker sent again because the process that had it
+        died; returns the runs begun and not ended (by :meth:`end_run` or :meth:`settle`)."""
         with redis_errors(self.settings):
             return int(self.redis.hincrby(self._runs(worker_id), key, 1))
 
     def end_run(self, worker_id: str, key: str) -> None:
-        """The run ended with an error (the delivery's policy takes over): not a crash."""
+        """The run ended, with an error the delivery's policy handles: its process lived."""
         with redis_errors(self.settings):
             self.redis.hdel(self._runs(worker_id), key)
 

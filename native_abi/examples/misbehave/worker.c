@@ -9,6 +9,7 @@
  *   "huge"     returns OK with a 16-byte buffer but out_len 0x7fffffff
  *   "both"     answers a WorkerResponse with result_event and error_message both set
  *   "neither"  answers a WorkerResponse with neither set
+ *   "threads"  logs 50 messages from each of 6 threads of its own, then answers as below
  *   "slow"     sleeps 1.5 s, then answers as any other subject does:
  *   (other)    <type>.processed from /native/misbehave, as examples/c does: data upper-cased,
  *              extensions correlationid (copied), workerid, engine "misbehave".
@@ -33,6 +34,8 @@
 #define GARBAGE_BYTES 64
 #define HUGE_BYTES 16
 #define PROCESSED ".processed"
+#define CHATTY_THREADS 6
+#define CHATTY_LOGS 50
 
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *live[MAX_LIVE]; /* the results handed out, not yet released */
@@ -188,6 +191,31 @@ static int32_t slow(const vfb_event *in, uint8_t **out_buf, int32_t *out_len)
     return echo(in, out_buf, out_len);
 }
 
+static void *chat(void *arg)
+{
+    const VirtufinHost *host = arg;
+    int i;
+    for (i = 0; i < CHATTY_LOGS; i++)
+        host->log(VIRTUFIN_LOG_INFO, "chatter from a thread of the worker's own");
+    return NULL;
+}
+
+/* host->log from threads the worker started, all at once; then the usual answer. */
+static int32_t chatter(const VirtufinHost *host, const vfb_event *in, uint8_t **out_buf,
+                       int32_t *out_len)
+{
+    pthread_t threads[CHATTY_THREADS];
+    int i, started = 0;
+    for (i = 0; i < CHATTY_THREADS; i++)
+        if (pthread_create(&threads[i], NULL, chat, (void *)host) == 0)
+            started++;
+    for (i = 0; i < started; i++)
+        pthread_join(threads[i], NULL);
+    if (started < CHATTY_THREADS)
+        return VIRTUFIN_ERR_INTERNAL;
+    return echo(in, out_buf, out_len);
+}
+
 static const struct {
     const char *subject;
     int32_t (*run)(const vfb_event *in, uint8_t **out_buf, int32_t *out_len);
@@ -210,6 +238,8 @@ int32_t Process(const VirtufinHost *host, const uint8_t *in_buf, int32_t in_len,
         host->log(VIRTUFIN_LOG_WARN, in.error);
         return VIRTUFIN_ERR_INVALID_INPUT;
     }
+    if (vfb_string_is(in.subject, "threads"))
+        return chatter(host, &in, out_buf, out_len);
     for (i = 0; i < sizeof behaviours / sizeof behaviours[0]; i++)
         if (vfb_string_is(in.subject, behaviours[i].subject))
             return behaviours[i].run(&in, out_buf, out_len);
