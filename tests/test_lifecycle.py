@@ -112,6 +112,9 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
         manager.create_worker(code=b"not json", mime_type=STUB, topic="t")
     with pytest.raises(InvalidArgument, match="unknown worker setting"):
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
+    known = "known: max_retries, output_topics, retry_base_delay_ms, timeout_s$"
+    with pytest.raises(InvalidArgument, match=known):  # the stub engine reads none of its own
+        manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"memory_mb": 1})
     with pytest.raises(InvalidArgument, match="topic"):
         manager.create_worker(code=stub(), mime_type=STUB, topic=" ")
     assert manager.list_workers() == []
@@ -154,3 +157,22 @@ def test_failure_publishes_error_and_fails_worker(manager: WorkManager) -> None:
     assert events[3]["type"] == LIFECYCLE_TYPE_PREFIX + "failed"
     assert manager.get_worker(worker.id).status == "failed"
     assert manager.start_worker(worker.id).status == "running"
+
+
+def test_engines_declare_their_own_worker_settings(manager: WorkManager) -> None:
+    python = "text/x-python"
+    code = "def process(event):\n    return None\n"
+    with pytest.raises(InvalidArgument, match=r"unknown worker setting 'isolation'.*memory_mb"):
+        manager.create_worker(code=code, mime_type=python, topic="t", settings={"isolation": "x"})
+    native = "application/x-native-dll"
+    with pytest.raises(InvalidArgument, match="'isolation' must be one of in-process, subprocess"):
+        manager.create_worker(
+            code=b"zip", mime_type=native, topic="t", settings={"isolation": "vm"}
+        )
+    with pytest.raises(InvalidArgument, match="'api_port' must be a non-negative number"):
+        manager.create_worker(code=b"zip", mime_type=native, topic="t", settings={"api_port": "x"})
+    worker = manager.create_worker(
+        code=code, mime_type=python, topic="t", settings={"memory_mb": 256, "timeout_s": 2.5}
+    )
+    assert worker.settings == {"memory_mb": 256, "timeout_s": 2.5}
+    assert len(manager.list_workers()) == 1

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from wm.config import Settings
 from wm.errors import EngineNotFound, EngineUnavailable
 from wm.events import CloudEvent
+from wm.views import SettingRule
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class Engine:
 
     #: MIME type the engine is registered for (informational; the entry point decides).
     mime_type: ClassVar[str] = ""
+    #: Per-worker settings this engine reads, beyond the core's (``wm.views.WORKER_SETTINGS``).
+    worker_settings: ClassVar[Mapping[str, SettingRule]] = {}
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

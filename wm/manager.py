@@ -72,7 +72,9 @@ class WorkManager:
         check_name("topic", topic)
         if name is not None:
             check_name("worker name", name)
-        worker_settings = validate_worker_settings(settings or {})
+        worker_settings = validate_worker_settings(
+            settings or {}, engine_class(mime_type).worker_settings
+        )
         fetched = self._fetch(code, url, sha256)
         worker_id = uuid.uuid4()
         spec = WorkerSpec(str(worker_id), topic, group, 1, fetched.sha256, name, worker_settings)

@@ -12,51 +12,57 @@ from typing import Any
 from wm.errors import InvalidArgument
 from wm.names import check_name
 
-#: Per-worker numeric settings and their types; with the text settings and ``output_topics``,
-#: anything else is refused.
-WORKER_SETTINGS: dict[str, type | tuple[type, ...]] = {
-    "timeout_s": (int, float),
-    "max_retries": int,
-    "retry_base_delay_ms": int,
-    "memory_mb": int,
-    "cpu_limit_s": (int, float),
-    "api_port": int,
-}
-#: Per-worker text settings, and the values each may take (None: any non-empty text).
-TEXT_SETTINGS: dict[str, tuple[str, ...] | None] = {
-    "isolation": ("in-process", "subprocess"),
-    "api_host": None,
+
+@dataclass(frozen=True)
+class SettingRule:
+    """What one per-worker setting may hold: a non-negative number of ``types``, or with
+    ``text``, a non-empty string (one of ``choices`` when given)."""
+
+    types: tuple[type, ...] = (int,)
+    text: bool = False
+    choices: tuple[str, ...] | None = None
+
+    def check(self, key: str, value: Any) -> Any:
+        if self.text:
+            if not isinstance(value, str) or not value:
+                raise InvalidArgument(f"worker setting {key!r} must be a non-empty string")
+            if self.choices is not None and value not in self.choices:
+                choices = ", ".join(self.choices)
+                raise InvalidArgument(f"worker setting {key!r} must be one of {choices}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, self.types) or value < 0:  # type: ignore[operator]
+            raise InvalidArgument(f"worker setting {key!r} must be a non-negative number")
+        return value
+
+
+#: Per-worker settings every engine's workers take; an engine adds its own
+#: (``wm.engine.Engine.worker_settings``), and anything else is refused.
+WORKER_SETTINGS: dict[str, SettingRule] = {
+    "timeout_s": SettingRule((int, float)),
+    "max_retries": SettingRule(),
+    "retry_base_delay_ms": SettingRule(),
 }
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"
 
 
-def validate_worker_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Check per-worker settings: known keys, right types, non-negative numbers."""
+def validate_worker_settings(
+    settings: Mapping[str, Any], engine_settings: Mapping[str, SettingRule] | None = None
+) -> dict[str, Any]:
+    """Check per-worker settings against the core's rules and the engine's own: known keys,
+    right types, non-negative numbers."""
+    rules = {**WORKER_SETTINGS, **(engine_settings or {})}
     checked: dict[str, Any] = {}
     for key, value in settings.items():
         if key == OUTPUT_TOPICS:
             checked[key] = _topic_list(value)
             continue
-        if key in TEXT_SETTINGS:
-            checked[key] = _text_setting(key, value, TEXT_SETTINGS[key])
-            continue
-        expected = WORKER_SETTINGS.get(key)
-        if expected is None:
-            known = ", ".join(sorted([*WORKER_SETTINGS, *TEXT_SETTINGS, OUTPUT_TOPICS]))
+        rule = rules.get(key)
+        if rule is None:
+            known = ", ".join(sorted([*rules, OUTPUT_TOPICS]))
             raise InvalidArgument(f"unknown worker setting {key!r}; known: {known}")
-        if isinstance(value, bool) or not isinstance(value, expected) or value < 0:  # type: ignore[operator]
-            raise InvalidArgument(f"worker setting {key!r} must be a non-negative number")
-        checked[key] = value
+        checked[key] = rule.check(key, value)
     return checked
-
-
-def _text_setting(key: str, value: Any, choices: tuple[str, ...] | None) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"worker setting {key!r} must be a non-empty string")
-    if choices is not None and value not in choices:
-        raise InvalidArgument(f"worker setting {key!r} must be one of {', '.join(choices)}")
-    return value
 
 
 def _topic_list(value: Any) -> list[str]:

@@ -30,6 +30,7 @@ from wm.devkit.transport import GatewayError
 from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, make_event
+from wm.views import SettingRule
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("engines.native.worker")
@@ -161,6 +162,11 @@ class NativeEngine(Engine):
     """Runs a native worker zip (see the package docs)."""
 
     mime_type = "application/x-native-dll"
+    worker_settings = {
+        ISOLATION: SettingRule(text=True, choices=ISOLATION_MODES),
+        API_HOST: SettingRule(text=True),
+        API_PORT: SettingRule(),
+    }
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)

@@ -23,6 +23,7 @@ from wm.devkit.gateway import GatewayCaller
 from wm.engine import Engine, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, decode
+from wm.views import SettingRule
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class PythonEngine(Engine):
     """Runs Python worker code in a sandboxed subprocess (see the package docs)."""
 
     mime_type = "text/x-python"
+    worker_settings = {
+        "memory_mb": SettingRule(),
+        "cpu_limit_s": SettingRule((int, float)),
+    }
 
     @classmethod
     def check_host(cls, settings: Settings) -> None:
