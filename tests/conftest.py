@@ -33,7 +33,8 @@ from wm.local.embedded import find_redis_server, start_redis, stop_redis
 #: (used with kombu's in-memory broker by test_delivery_policy.py). Celery ships the plugin
 #: but no longer registers it; the pytest-celery distribution would, and would also replace
 #: ``celery_worker`` with its Docker-based one.
-pytest_plugins = ("celery.contrib.pytest",)
+#: ``tests.native.harness``: the native kit's fixtures (libraries, host, wire).
+pytest_plugins = ("celery.contrib.pytest", "tests.native.harness")
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
 REDIS_HOST = "redis://127.0.0.1:6379"

@@ -1,0 +1,1 @@
+"""Sources and harness of the native kit's tests."""
