@@ -27,6 +27,7 @@ from engines.native.package import ISOLATION_MODES, Package, library_file, read_
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
 from wm.devkit.transport import GatewayError
+from wm.devkit.worker import ERROR_TYPE_SUFFIX
 from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, make_event
@@ -39,8 +40,6 @@ worker_logger = logging.getLogger("engines.native.worker")
 IDENTITY = ("VIRTUFIN_WORKER_ID", "VIRTUFIN_WORKER_GROUP", "VIRTUFIN_WORKER_TOPIC")
 #: Worker settings read by this engine.
 ISOLATION, API_HOST, API_PORT = "isolation", "api_host", "api_port"
-#: Suffix of the error response's type: ``<input type>.error``.
-ERROR_TYPE_SUFFIX = ".error"
 
 
 class Runner(Protocol):

@@ -194,7 +194,8 @@ class Delivery:
                 f"event {self.event.get_id()} already passed through {self.hops} workers "
                 f"(WM_MAX_HOPS={self.rt.settings.max_hops}); a chain of workers may loop"
             )
-        counted = self.redelivered and self.count_run()
+        if self.redelivered:
+            self.count_run()
         try:
             engine, temporary = self.rt.engines.engine(self.meta, self.version)
             try:
@@ -204,11 +205,11 @@ class Delivery:
                 if temporary:
                     engine.close()
         except BaseException:
-            if counted:  # the run ended, if not well: it did not take the process down
+            if self.redelivered:  # the run ended, if not well: it did not take the process down
                 self.rt.ledger.end_run(self.meta.id, self.key)
             raise
 
-    def count_run(self) -> bool:
+    def count_run(self) -> None:
         """Count this run of a message the broker delivers again because the process that
         had it died. Runs end with the outcome's record or an error; when they keep ending
         with their process (a crash in code that shares it, such as in-process native code,
@@ -221,7 +222,6 @@ class Delivery:
                 "again (code that crashes its process, such as in-process native code, "
                 "is contained by isolation 'subprocess')"
             )
-        return True
 
     def run_locked(self, engine: Engine, group: str) -> list[CloudEvent]:
         """Process under the group lock, its lease renewed by a heartbeat meanwhile.
