@@ -1,6 +1,7 @@
 # The one application image of docker-compose.yml: workers, Flower and migrations differ only
 # in their command. Build: docker compose build (or docker build -t workmanager:local .).
-FROM python:3.11-slim
+# For C# and .NET DLL workers: docker build --target with-dotnet -t workmanager:dotnet .
+FROM python:3.11-slim AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -18,10 +19,21 @@ RUN groupadd --system --gid 10001 workmanager \
 
 # The source is only needed to build the wheel: installed into site-packages, then removed.
 COPY . /tmp/workmanager-src
-RUN pip install "/tmp/workmanager-src[postgres,flower,native]" \
+RUN pip install "/tmp/workmanager-src[postgres,flower,native,dotnet]" \
     && rm -rf /tmp/workmanager-src
 
 USER workmanager
 WORKDIR /home/workmanager
 
-CMD ["celery", "-A", "wm.celeryapp", "worker", "--loglevel=INFO", "-E"]
+CMD ["celery", "-A", "wm.celeryapp", "worker", "--loglevel=INFO"]
+
+# A supported .NET 8 SDK from Microsoft's image: its runtime runs the workers and its Roslyn
+# compiles C# (README ".NET workers"); found in /usr/share/dotnet.
+FROM base AS with-dotnet
+USER root
+COPY --from=mcr.microsoft.com/dotnet/sdk:8.0 /usr/share/dotnet /usr/share/dotnet
+RUN apt-get update && apt-get install -y --no-install-recommends libicu72 \
+    && rm -rf /var/lib/apt/lists/*
+USER workmanager
+
+FROM base

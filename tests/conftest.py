@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.helpers import echo_server
 from wm import Settings, WorkManager, store
 from wm.config import current_values
 from wm.errors import EmbeddedRedisError
@@ -34,7 +35,7 @@ from wm.local.embedded import find_redis_server, start_redis, stop_redis
 #: but no longer registers it; the pytest-celery distribution would, and would also replace
 #: ``celery_worker`` with its Docker-based one.
 #: ``tests.native.harness``: the native kit's fixtures (libraries, host, wire).
-pytest_plugins = ("celery.contrib.pytest", "tests.native.harness")
+pytest_plugins = ("celery.contrib.pytest", "tests.native.harness", "tests.dotnet.harness")
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
 REDIS_HOST = "redis://127.0.0.1:6379"
@@ -292,6 +293,13 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
 
     yield port, restart
     stop_redis(servers[-1])
+
+
+@pytest.fixture
+def gateway_port() -> Iterator[int]:
+    """A loopback gateway that echoes what it gets (``tests.helpers.echo_server``)."""
+    with echo_server() as port:
+        yield port
 
 
 @pytest.fixture(scope="session")

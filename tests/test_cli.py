@@ -319,7 +319,10 @@ def test_unknown_mime_type_lists_the_registered_ones(env: dict[str, str]) -> Non
     )
     error = one_error_line(result)
     assert "'text/x-cobol'" in error
-    assert "Registered: application/x-native-dll, application/x-wm-stub, text/x-python" in error
+    assert (
+        "Registered: application/x-dotnet-dll, application/x-native-dll, application/x-wm-stub, "
+        "text/x-csharp, text/x-python" in error
+    )
     assert wm_json(env, "worker", "list") == []
 
 

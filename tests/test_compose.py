@@ -115,7 +115,6 @@ def test_workers_wait_for_migrations_and_redis_and_scale(services: dict[str, Any
         "wm.celeryapp",
         "worker",
         "--loglevel=INFO",
-        "-E",
     ]
     depends = worker["depends_on"]
     assert depends["migrate"] == {"condition": "service_completed_successfully"}
@@ -135,12 +134,19 @@ def test_flower_is_published_on_5555(services: dict[str, Any]) -> None:
 def test_dockerfile_installs_the_package_as_a_non_root_user() -> None:
     lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
     instructions = [line for line in lines if line and not line.startswith("#")]
-    assert instructions[0] == "FROM python:3.11-slim"
+    assert instructions[0] == "FROM python:3.11-slim AS base"
     assert any(
-        "pip install" in line and "[postgres,flower,native]" in line for line in instructions
+        "pip install" in line and "[postgres,flower,native,dotnet]" in line for line in instructions
     )
     users = [line.split()[1] for line in instructions if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
+    # the default image is the last stage, the base; --target with-dotnet adds the SDK
+    assert instructions[-1] == "FROM base"
+    stage = instructions[instructions.index("FROM base AS with-dotnet") :]
+    assert any(
+        line.startswith("COPY --from=mcr.microsoft.com/dotnet/sdk:8.0 /usr/share/dotnet")
+        for line in stage
+    )
 
 
 def test_dockerignore_keeps_what_the_build_needs() -> None:

@@ -3,23 +3,16 @@ by real prefork Celery nodes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import drain, echo_server, eventually, wm_cli
+from tests.helpers import drain, eventually, wm_cli
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
 
 NATIVE = "application/x-native-dll"
-
-
-@pytest.fixture
-def gateway_port() -> Iterator[int]:
-    with echo_server() as port:
-        yield port
 
 
 @pytest.mark.slow

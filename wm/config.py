@@ -223,6 +223,21 @@ class Settings:
         _parse_float,
         "Time limit of one gateway call.",
     )
+    dotnet_cache_dir: str = _setting(
+        "WM_DOTNET_CACHE_DIR",
+        "",
+        _parse_str,
+        "Where the .NET engine keeps the DevKit and host assemblies it builds, by hash; "
+        "empty means $XDG_CACHE_HOME/workmanager/dotnet (~/.cache/workmanager/dotnet).",
+    )
+    task_events: bool = _setting(
+        "WM_TASK_EVENTS",
+        False,
+        _parse_bool,
+        "Celery task events from nodes (received, started, succeeded, failed) and publishers "
+        "(sent). Off by default: each costs a broker publish. Flower switches a node's on "
+        "while it watches (its enable_events).",
+    )
     node_concurrency: int = _setting(
         "WM_NODE_CONCURRENCY",
         0,

@@ -70,7 +70,15 @@ class InvalidCode(EngineLoadError):
 
 
 class WorkerExecutionError(EngineError):
-    """Raised when worker code fails while processing an event (retried, then parked)."""
+    """Raised when worker code fails while processing an event (retried, then parked).
+
+    ``error_type`` is what the ``worker.error`` lifecycle event reports: this class's name,
+    or, for an exception the worker's own code threw in another language, that exception's
+    type (a .NET worker's ``System.InvalidOperationException``)."""
+
+    def __init__(self, *args: object, error_type: str | None = None) -> None:
+        super().__init__(*args)
+        self.error_type = error_type or type(self).__name__
 
 
 class WorkerTimeout(WorkerExecutionError):

@@ -6,7 +6,8 @@ Modules: ``package`` (the zip and its manifest), ``codec`` (CloudEvent and Worke
 FlatBuffers, hand-written for speed; the flatc-generated code in ``native_abi/generated`` is
 the reference it is tested against), ``library`` (one loaded library: Process, FreeResult,
 the VirtufinHost callbacks), ``engine`` (the :class:`NativeEngine`), ``isolated`` and
-``helper`` (isolation mode, host and helper sides of the pipe), ``frames`` (their framing).
+``helper`` (isolation mode's native specifics, host and helper sides of the pipe; the
+process, the framing and the restarts are the engine-independent :mod:`engines.isolation`).
 
 Operator notes:
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from engines.native import codec
-from engines.native.isolated import HelperProcess
+from engines.native.isolated import start_helper
 from engines.native.library import (
     GATEWAY_BAD_REQUEST,
     GATEWAY_FAILED,
@@ -182,7 +182,7 @@ class NativeEngine(Engine):
         process: the library's initializers never run in the validating process."""
         package = read_package(code)
         _mode(package, worker)
-        helper = HelperProcess(package, identity(worker), Sinks(self.settings, worker))
+        helper = start_helper(package, identity(worker), Sinks(self.settings, worker))
         helper.close()
 
     def load(self, code: bytes, worker: WorkerSpec) -> None:
@@ -191,7 +191,7 @@ class NativeEngine(Engine):
         sinks = Sinks(self.settings, worker)
         runner: Runner
         if mode == "subprocess":
-            runner = HelperProcess(package, identity(worker), sinks)
+            runner = start_helper(package, identity(worker), sinks)
         else:
             self._set_identity(worker)
             runner = InProcess(_open(package, sinks), sinks)

@@ -34,6 +34,7 @@ from wm.errors import (
     EngineLoadError,
     EventDecodeError,
     LockContention,
+    WorkerExecutionError,
     WorkerNotFound,
     WorkManagerError,
 )
@@ -183,7 +184,8 @@ def _deliver(
 
 def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
     meta = delivery.meta
-    delivery.emit_error(type(exc).__name__, str(exc))
+    error_type = exc.error_type if isinstance(exc, WorkerExecutionError) else type(exc).__name__
+    delivery.emit_error(error_type, str(exc))
     max_retries = delivery.max_retries
     retryable = not isinstance(exc, WorkManagerError) or exc.retryable
     if not retryable or attempt.number > max_retries:

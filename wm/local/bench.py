@@ -2,7 +2,9 @@
 and concurrency. Prints events/s, p50/p99 publish→done latency and the ratio to bare Celery,
 then the Python engine's per-message round trip (host → sandboxed child → host). With
 ``--native-zip``, a native worker is one more scenario and the native engine's in-process
-round trip (encode, the C call, decode) is timed too.
+round trip (encode, the C call, decode) is timed too; likewise ``--dotnet-package`` and
+``--csharp-file`` for a .NET command worker (``engines/dotnet/examples/CommandWorker.cs``,
+or a nupkg of it), whose every event is ``{"command": "echo", ...}``.
 
 Both delivery sides are timed the same way, from Celery's own task events: ``task-sent``
 (stamped by the publisher) to ``task-succeeded`` (stamped by the node).
@@ -25,9 +27,9 @@ from celery import Celery
 from wm import store
 from wm.config import Settings
 from wm.dataplane.app import make_app
-from wm.dataplane.queues import subscription_queue
 from wm.engine import WorkerSpec, engine_class
 from wm.events import make_event
+from wm.local import drain
 from wm.local.up import celery_node, embedded_redis
 from wm.manager import WorkManager
 from wm.state.connection import redis_for
@@ -35,8 +37,14 @@ from wm.state.locks import GroupLocks
 
 BARE_QUEUE = "wm.bench.bare"
 #: Targets from the issues, as ratios of bare Celery throughput.
-TARGETS = {"no group": 0.7, "group": 0.5, "python worker": 0.5, "native worker": 0.7}
+TARGETS = {
+    "no group": 0.7,
+    "group": 0.5,
+    "python worker": 0.5,
+    "native worker": 0.7,
+}
 NATIVE = "application/x-native-dll"
+DOTNET_DLL, CSHARP = "application/x-dotnet-dll", "text/x-csharp"
 
 
 @dataclass
@@ -123,19 +131,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a native worker zip (make -C native_abi builds build/c-example.zip): adds a native "
         "worker scenario and the native engine's round trip",
     )
+    parser.add_argument(
+        "--dotnet-package",
+        type=Path,
+        help="a nupkg of engines/dotnet/examples/CommandWorker.cs (see the README): adds a .NET "
+        "DLL worker scenario and the .NET engine's round trip",
+    )
+    parser.add_argument(
+        "--csharp-file",
+        type=Path,
+        help="C# source of a command worker with an 'echo' command (such as "
+        "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip",
+    )
+    parser.add_argument(
+        "--drain-repeats",
+        type=int,
+        default=0,
+        help="also run the drain phase (queues filled first, then timed), this many "
+        "interleaved repetitions",
+    )
+    parser.add_argument(
+        "--drain-task-events",
+        action="store_true",
+        help="run the drain phase with Celery task events on (off by default, as on a node)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
         home = Path(tmp)
         with embedded_redis(home) as settings:
-            settings = settings.replace(database_url=f"sqlite:///{home / 'bench.db'}")
+            # both sides are timed from task events: on for the node and the publishers
+            settings = settings.replace(
+                database_url=f"sqlite:///{home / 'bench.db'}", task_events=True
+            )
             store.upgrade(settings)
             results = _run(settings, home, args)
-    _report(results, args)
+            _report(results, args)
+            if args.drain_repeats:
+                drain_settings = settings.replace(task_events=args.drain_task_events)
+                drain.run(drain_settings, home, args.events, args.drain_repeats, args.concurrency)
     if args.engine_messages:
         _engine_round_trip(args.engine_messages)
-        if args.native_zip:
-            _native_round_trip(args.native_zip.read_bytes(), args.engine_messages * 10)
+        messages = args.engine_messages * 10
+        if args.native_zip:  # encode, the C call, decode, FreeResult
+            payload = {"n": 1, "text": "a small payload"}
+            code = args.native_zip.read_bytes()
+            _in_process_round_trip(NATIVE, code, messages, payload, "30 µs", 1000)
+        for mime_type, path in _dotnet_workers(args):
+            # the event as strings, ProcessAsync (JSON parsed and written in .NET), the answer
+            # as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
+            # quickly compiled code before it optimizes them: the steady state is timed
+            payload = {"command": "upper", "text": "a small payload"}
+            _in_process_round_trip(mime_type, path.read_bytes(), messages, payload, "20 µs", 60000)
     return 0
+
+
+def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    return [
+        (mime_type, path)
+        for mime_type, path in ((DOTNET_DLL, args.dotnet_package), (CSHARP, args.csharp_file))
+        if path is not None
+    ]
 
 
 def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Result]:
@@ -158,7 +213,12 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
         workers["native worker"] = manager.create_worker(
             code=args.native_zip.read_bytes(), mime_type=NATIVE, topic="bench.native"
         )
-    subscription_queue(BARE_QUEUE).bind(app.connection().default_channel).declare()
+    for mime_type, path in _dotnet_workers(args):
+        name = ".NET dll worker" if mime_type == DOTNET_DLL else "C# worker"
+        workers[name] = manager.create_worker(
+            code=path.read_bytes(), mime_type=mime_type, topic=f"bench.{mime_type.split('-')[-1]}"
+        )
+    drain.declare_queue(app, BARE_QUEUE)
     clock = TaskClock(app)
     clock.start()
     results = []
@@ -167,11 +227,14 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
             _warm_up(manager, app, workers)
             results.append(
                 clock.measure(
-                    "bare celery", args.events, lambda: _send_bare(app, args.events), args.timeout_s
+                    "bare celery",
+                    args.events,
+                    lambda: drain.send_bare(app, BARE_QUEUE, args.events),
+                    args.timeout_s,
                 )
             )
             for name, worker in workers.items():
-                send = functools.partial(_publish, manager, worker.topic, args.events)
+                send = functools.partial(drain.publish, manager, worker.topic, args.events)
                 results.append(clock.measure(name, args.events, send, args.timeout_s))
     finally:
         clock.stop()
@@ -182,21 +245,9 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
 def _warm_up(manager: WorkManager, app: Celery, workers: dict[str, Any]) -> None:
     """Let the node consume every queue and load every engine before timing anything."""
     for worker in workers.values():
-        _publish(manager, worker.topic, 5)
-    _send_bare(app, 5)
+        drain.publish(manager, worker.topic, 5)
+    drain.send_bare(app, BARE_QUEUE, 5)
     time.sleep(5)
-
-
-def _send_bare(app: Celery, count: int) -> None:
-    queue = subscription_queue(BARE_QUEUE)
-    with app.producer_or_acquire() as producer:
-        for _ in range(count):
-            app.send_task("wm.noop", queue=queue, producer=producer)
-
-
-def _publish(manager: WorkManager, topic: str, count: int) -> None:
-    for n in range(count):
-        manager.publish(make_event(topic, "/bench", {"n": n}))
 
 
 def _lock_round_trips(settings: Settings) -> int:
@@ -234,16 +285,16 @@ def _engine_round_trip(messages: int) -> None:
         engine.close()
 
 
-def _native_round_trip(code: bytes, messages: int) -> None:
-    """Time ``NativeEngine.process`` in-process: encode, the C call, decode, FreeResult."""
-    engine = engine_class(NATIVE)(Settings.from_env())
-    event = make_event(
-        "bench.in", "/bench", {"n": 1, "text": "a small payload"}, extensions={"correlationid": "c"}
-    )
-    print(f"\nNative engine round trip, {messages} messages (target: median ≤ 30 µs)\n")
+def _in_process_round_trip(
+    mime_type: str, code: bytes, messages: int, data: dict[str, Any], target: str, warm_up: int
+) -> None:
+    """Time an in-process engine's ``process`` on one event carrying ``data``."""
+    engine = engine_class(mime_type)(Settings.from_env())
+    event = make_event("bench.in", "/bench", data, extensions={"correlationid": "c"})
+    print(f"\n{mime_type} engine round trip, {messages} messages (target: median ≤ {target})\n")
     try:
         engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
-        median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, 1000)
+        median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, warm_up)
     finally:
         engine.close()
     print(f"{'in-process':<18} median {median:.1f} µs  p99 {p99:.1f} µs")

@@ -107,6 +107,7 @@ def _child_env(settings: Settings) -> dict[str, str]:
         WM_DATABASE_URL=settings.database_url,
         WM_BROKER_URL=settings.broker_url,
         WM_REDIS_URL=settings.redis_url,
+        WM_TASK_EVENTS=str(settings.task_events).lower(),
     )
     return env
 
@@ -129,7 +130,6 @@ def celery_node(
         "-c",
         str(concurrency),
         "--loglevel=INFO",
-        "-E",
         "-Q",
         ",".join([DEFAULT_QUEUE, *extra_queues]),
     ]

@@ -1,5 +1,6 @@
-"""Frames between the host and an isolated native worker's helper process: one kind byte,
-a little-endian uint32 length, then the payload. Shared by both sides."""
+"""Frames between the host and an isolated worker's helper process: one kind byte, a
+little-endian uint32 length, then the payload. Shared by both sides; what a call's payload
+and an init blob hold is the engine's business, the frames only carry them."""
 
 from __future__ import annotations
 
@@ -8,23 +9,23 @@ from typing import BinaryIO
 
 HEADER = struct.Struct("<cI")
 CODE = struct.Struct("<i")
-#: Largest frame either side accepts (a library image, or an answer plus slack).
+#: Largest frame either side accepts (a worker's code, or an answer plus slack).
 MAX_FRAME_BYTES = 300 * 1024 * 1024
 
 # host -> helper
-INIT = b"I"  # JSON header, b"\n", the library image
-CALL = b"C"  # the CloudEvent FlatBuffer
+INIT = b"I"  # JSON header, b"\n", the blob the helper loads (the worker's code)
+CALL = b"C"  # the request, in the engine's encoding
 GATEWAY_REPLY = b"g"  # int32 code, the response JSON
 # helper -> host
 READY = b"R"  # empty
 LOG = b"L"  # int32 level (Python logging), UTF-8 message
 GATEWAY = b"G"  # JSON {"service", "method"}, b"\n", the request JSON
-ANSWER = b"A"  # the WorkerResponse FlatBuffer
+ANSWER = b"A"  # the answer, in the engine's encoding
 FAILED = b"F"  # JSON {"type", "message", "code"}: a refusal or a failed call
 
 
 class FrameError(Exception):
-    """The other side sent something that is not a frame, or closed the pipe."""
+    """Raised when the other side sends something that is not a frame, or closes the pipe."""
 
 
 def write_frame(stream: BinaryIO, kind: bytes, payload: bytes = b"") -> None:

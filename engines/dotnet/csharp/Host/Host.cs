@@ -1,0 +1,441 @@
+// WorkManager.DotNet.Host: the engine's side inside the runtime. Python drives it with
+// strings only: a worker object, its types, its exceptions or its tasks never reach Python,
+// because pythonnet caches what it touches and would keep an unloaded context alive.
+using System;
+using System.Collections.Generic;
+using System.IO;
+using System.Reflection;
+using System.Text;
+using System.Text.Json.Nodes;
+using System.Threading;
+using System.Threading.Tasks;
+using Virtufin.Worker.DevKit;
+
+namespace WorkManager.DotNet
+{
+    public static class Host
+    {
+        const char Sep = '\0';
+        const string DevKitName = "Virtufin.Worker.DevKit";
+        const string RuntimeBinderName = "Microsoft.CSharp";
+        static byte[] runtimeBinder;
+        static readonly object gate = new object();
+        static readonly Dictionary<int, Slot> slots = new Dictionary<int, Slot>();
+        static readonly Dictionary<long, Pending> pending = new Dictionary<long, Pending>();
+        static readonly List<WeakReference> unloaded = new List<WeakReference>();
+        static int nextSlot;
+        static long nextCall;
+        static Assembly devKit;
+
+        // -- start -------------------------------------------------------------------------
+
+        /// <summary>Once per process, after the DevKit and this assembly are loaded: worker
+        /// references to the DevKit resolve to the loaded copy, and pythonnet's assembly
+        /// hook no longer sees collectible assemblies (it keeps every assembly it sees).</summary>
+        public static string Init()
+        {
+            devKit = typeof(IWorker).Assembly;
+            AppDomain.CurrentDomain.AssemblyResolve += ResolveDevKit;
+            return FilterPythonnetHook();
+        }
+
+        static Assembly ResolveDevKit(object sender, ResolveEventArgs args)
+        {
+            return new AssemblyName(args.Name).Name == DevKitName ? devKit : null;
+        }
+
+        static string FilterPythonnetHook()
+        {
+            foreach (Assembly assembly in AppDomain.CurrentDomain.GetAssemblies())
+            {
+                if (assembly.GetName().Name != "Python.Runtime") continue;
+                Type manager = assembly.GetType("Python.Runtime.AssemblyManager");
+                FieldInfo field = manager == null ? null : manager.GetField(
+                    "lhandler", BindingFlags.Static | BindingFlags.NonPublic | BindingFlags.Public);
+                AssemblyLoadEventHandler original = field == null ? null
+                    : field.GetValue(null) as AssemblyLoadEventHandler;
+                if (original == null) return "pythonnet's AssemblyManager.lhandler was not found";
+                AppDomain.CurrentDomain.AssemblyLoad -= original;
+                AssemblyLoadEventHandler filtered = (sender, e) =>
+                {
+                    if (!IsCollectible(e.LoadedAssembly)) original(sender, e);
+                };
+                field.SetValue(null, filtered);
+                AppDomain.CurrentDomain.AssemblyLoad += filtered;
+                return "";
+            }
+            return "Python.Runtime is not loaded";
+        }
+
+        static readonly PropertyInfo isCollectible = typeof(Assembly).GetProperty("IsCollectible");
+
+        static bool IsCollectible(Assembly assembly)
+        {
+            return isCollectible != null && (bool)isCollectible.GetValue(assembly);
+        }
+
+        /// <summary>Installs the hooks the DevKit calls: Python callables wrapped as delegates.</summary>
+        public static void SetHooks(Action<string, string, string> log,
+                                    Func<string, string, int, string, string, string, long, string> gateway)
+        {
+            WorkerHost.LogHook = log;
+            WorkerHost.GatewayHook = gateway;
+        }
+
+        // -- contexts ----------------------------------------------------------------------
+
+        sealed class Slot
+        {
+            public string WorkerId;
+            public object Context;
+            public IWorker Worker;
+            public int Busy;
+            public bool Retired;
+        }
+
+        sealed class Pending
+        {
+            public Slot Slot;
+            public Task<CloudEvent> Task;
+        }
+
+        static readonly Type contextType = Type.GetType(
+            "System.Runtime.Loader.AssemblyLoadContext, System.Runtime.Loader", true);
+
+        /// <summary>Loads <paramref name="mainFile"/> (and, on demand, the other *.dll files of
+        /// <paramref name="directory"/>) into a new collectible AssemblyLoadContext, and
+        /// creates its one IWorker. "ok\0handle\0worker type" or "error\0message". The files
+        /// are read into memory: the directory may be deleted afterwards.</summary>
+        public static string Load(string workerId, string directory, string mainFile)
+        {
+            object context = Activator.CreateInstance(contextType, new object[] { "wm-worker-" + workerId, true });
+            var dependencies = new Dependencies(context, directory);
+            EventInfo resolving = contextType.GetEvent("Resolving");
+            resolving.AddEventHandler(context, Delegate.CreateDelegate(
+                resolving.EventHandlerType, dependencies, typeof(Dependencies).GetMethod("Resolve")));
+            IWorker worker = null;
+            string answer;
+            try
+            {
+                Assembly assembly = dependencies.Load(Path.GetFileNameWithoutExtension(mainFile));
+                foreach (AssemblyName reference in assembly.GetReferencedAssemblies())
+                    if (reference.Name == RuntimeBinderName) dependencies.LoadRuntimeBinder();
+                Type type = FindWorkerType(assembly);
+                worker = (IWorker)Activator.CreateInstance(type);
+                answer = type.FullName;
+            }
+            catch (Exception e)
+            {
+                Unload(context);
+                Exception cause = e is TargetInvocationException && e.InnerException != null ? e.InnerException : e;
+                return "error" + Sep + Describe(cause);
+            }
+            lock (gate)
+            {
+                int handle = ++nextSlot;
+                slots[handle] = new Slot { WorkerId = workerId, Context = context, Worker = worker };
+                return "ok" + Sep + handle + Sep + answer;
+            }
+        }
+
+        sealed class Dependencies
+        {
+            readonly object context;
+            readonly Dictionary<string, byte[]> files = new Dictionary<string, byte[]>(StringComparer.OrdinalIgnoreCase);
+            readonly MethodInfo loadFromStream;
+
+            public Dependencies(object context, string directory)
+            {
+                this.context = context;
+                foreach (string path in Directory.GetFiles(directory, "*.dll"))
+                    files[Path.GetFileNameWithoutExtension(path)] = File.ReadAllBytes(path);
+                loadFromStream = contextType.GetMethod("LoadFromStream", new[] { typeof(Stream) });
+            }
+
+            /// <summary>A private copy of the C# runtime binder (what <c>dynamic</c>, as in
+            /// <c>Api.Gateway</c>, runs on): the shared one caches every binder it makes, with
+            /// the worker's types in them, process-wide, so a context whose code used
+            /// <c>dynamic</c> could never be collected (dotnet/runtime#71629, fixed after
+            /// .NET 8). Bound first, the copy is what the worker's references resolve to,
+            /// and its caches go with the context.</summary>
+            public void LoadRuntimeBinder()
+            {
+                if (runtimeBinder == null)
+                    runtimeBinder = File.ReadAllBytes(typeof(Microsoft.CSharp.RuntimeBinder.Binder).Assembly.Location);
+                using (var stream = new MemoryStream(runtimeBinder, false))
+                    loadFromStream.Invoke(context, new object[] { stream });
+            }
+
+            public Assembly Load(string name)
+            {
+                using (var stream = new MemoryStream(files[name], false))
+                    return (Assembly)loadFromStream.Invoke(context, new object[] { stream });
+            }
+
+            // Resolving(AssemblyLoadContext, AssemblyName): a sibling dependency of the
+            // worker; the DevKit and the framework come from the default context first.
+            public Assembly Resolve(object sender, AssemblyName name)
+            {
+                if (name.Name == DevKitName) return devKit;
+                return files.ContainsKey(name.Name) ? Load(name.Name) : null;
+            }
+        }
+
+        static Type FindWorkerType(Assembly assembly)
+        {
+            Type[] types;
+            try { types = assembly.GetTypes(); }
+            catch (ReflectionTypeLoadException e)
+            {
+                var missing = new StringBuilder();
+                foreach (Exception inner in e.LoaderExceptions)
+                    if (inner != null) missing.Append(" ").Append(inner.Message);
+                throw new InvalidOperationException("the assembly's types cannot be loaded:" + missing);
+            }
+            var found = new List<Type>();
+            foreach (Type type in types)
+                if (typeof(IWorker).IsAssignableFrom(type) && type.IsClass && !type.IsAbstract && !type.ContainsGenericParameters)
+                    found.Add(type);
+            if (found.Count == 0)
+                throw new InvalidOperationException(
+                    "no class in " + assembly.GetName().Name + " implements " + typeof(IWorker).FullName
+                    + "; a worker assembly has exactly one");
+            if (found.Count > 1)
+            {
+                var names = new List<string>();
+                foreach (Type type in found) names.Add(type.FullName);
+                throw new InvalidOperationException(
+                    found.Count + " classes implement " + typeof(IWorker).FullName + " (" + string.Join(", ", names)
+                    + "); a worker assembly has exactly one");
+            }
+            if (found[0].GetConstructor(Type.EmptyTypes) == null)
+                throw new InvalidOperationException(found[0].FullName + " has no public parameterless constructor");
+            return found[0];
+        }
+
+        /// <summary>Unloads the context once no call is running in it (at once when idle).</summary>
+        public static void Unload(int handle)
+        {
+            Slot slot;
+            lock (gate)
+            {
+                if (!slots.TryGetValue(handle, out slot)) return;
+                slots.Remove(handle);
+                slot.Retired = true;
+                if (slot.Busy > 0) return;  // the last call to finish unloads it
+            }
+            Retire(slot);
+        }
+
+        static void Retire(Slot slot)
+        {
+            object context = slot.Context;
+            slot.Worker = null;
+            slot.Context = null;
+            Unload(context);
+        }
+
+        static void Unload(object context)
+        {
+            contextType.GetMethod("Unload").Invoke(context, null);
+            lock (gate) unloaded.Add(new WeakReference(context));
+        }
+
+        /// <summary>Collects garbage until the unloaded contexts are gone or
+        /// <paramref name="rounds"/> passed; the names of those still alive.</summary>
+        public static string[] CollectUnloaded(int rounds)
+        {
+            for (int i = 0; ; i++)
+            {
+                GC.Collect();
+                GC.WaitForPendingFinalizers();
+                lock (gate)
+                {
+                    unloaded.RemoveAll(reference => !reference.IsAlive);
+                    if (unloaded.Count == 0 || i + 1 >= rounds)
+                    {
+                        var names = new List<string>();
+                        foreach (WeakReference reference in unloaded)
+                        {
+                            object context = reference.Target;
+                            if (context != null) names.Add(context.ToString());
+                        }
+                        return names.ToArray();
+                    }
+                }
+            }
+        }
+
+        /// <summary>Contexts loaded and not unloaded.</summary>
+        public static int Loaded() { lock (gate) return slots.Count; }
+
+        // -- calls -------------------------------------------------------------------------
+
+        /// <summary>Starts ProcessAsync. The answer ("ok…", "none", "error…") when the task
+        /// completed synchronously, else "pending\0call" to <see cref="Wait"/> for.</summary>
+        public static string Process(int handle, string header, string data, long timeoutMs)
+        {
+            Slot slot;
+            lock (gate)
+            {
+                if (!slots.TryGetValue(handle, out slot))
+                    return "error" + Sep + "WorkManager.DotNet.NoWorker" + Sep + "no worker is loaded with handle " + handle;
+                slot.Busy++;
+            }
+            Task<CloudEvent> task;
+            try
+            {
+                CloudEvent input = Decode(header, data);
+                WorkerHost.WorkerId.Value = slot.WorkerId;
+                WorkerHost.DeadlineTicks.Value = DateTime.UtcNow.Ticks + timeoutMs * TimeSpan.TicksPerMillisecond;
+                task = slot.Worker.ProcessAsync(input);
+                if (task == null) throw new InvalidOperationException("ProcessAsync returned a null Task");
+            }
+            catch (Exception e)
+            {
+                Done(slot);
+                return Failure(e);
+            }
+            finally
+            {
+                WorkerHost.WorkerId.Value = null;
+                WorkerHost.DeadlineTicks.Value = 0;
+            }
+            if (task.IsCompleted) return Finish(slot, task);
+            lock (gate)
+            {
+                long call = ++nextCall;
+                pending[call] = new Pending { Slot = slot, Task = task };
+                return "pending" + Sep + call;
+            }
+        }
+
+        /// <summary>Waits up to <paramref name="timeoutMs"/> for a pending call: its answer,
+        /// or "timeout" (the call stays pending; <see cref="Abandon"/> it).</summary>
+        public static string Wait(long call, int timeoutMs)
+        {
+            Pending entry;
+            lock (gate)
+            {
+                if (!pending.TryGetValue(call, out entry))
+                    return "error" + Sep + "WorkManager.DotNet.NoCall" + Sep + "no pending call " + call;
+            }
+            try { if (!entry.Task.Wait(timeoutMs)) return "timeout"; }
+            catch (AggregateException) { }
+            lock (gate) pending.Remove(call);
+            return Finish(entry.Slot, entry.Task);
+        }
+
+        /// <summary>Gives up on a pending call: its answer is dropped when it completes, and
+        /// its context is unloaded then if it was retired meanwhile.</summary>
+        public static void Abandon(long call)
+        {
+            Pending entry;
+            lock (gate)
+            {
+                if (!pending.TryGetValue(call, out entry)) return;
+                pending.Remove(call);
+            }
+            entry.Task.ContinueWith(done => Done(entry.Slot), TaskContinuationOptions.ExecuteSynchronously);
+        }
+
+        static void Done(Slot slot)
+        {
+            bool retire;
+            lock (gate)
+            {
+                slot.Busy--;
+                retire = slot.Retired && slot.Busy == 0 && slot.Context != null;
+            }
+            if (retire) Retire(slot);
+        }
+
+        static string Finish(Slot slot, Task<CloudEvent> task)
+        {
+            try
+            {
+                if (task.IsFaulted)
+                {
+                    Exception e = task.Exception.InnerExceptions.Count == 1 ? task.Exception.InnerException : task.Exception;
+                    return Failure(e);
+                }
+                if (task.IsCanceled)
+                    return "error" + Sep + "System.Threading.Tasks.TaskCanceledException" + Sep + "ProcessAsync was canceled";
+                CloudEvent output = task.Result;
+                return output == null ? "none" : Encode(output);
+            }
+            catch (Exception e)
+            {
+                return Failure(e);
+            }
+            finally
+            {
+                Done(slot);
+            }
+        }
+
+        static string Failure(Exception e)
+        {
+            return "error" + Sep + e.GetType().FullName + Sep + Describe(e);
+        }
+
+        static string Describe(Exception e)
+        {
+            var text = new StringBuilder(e.Message);
+            for (Exception inner = e.InnerException; inner != null; inner = inner.InnerException)
+                text.Append(" (").Append(inner.GetType().FullName).Append(": ").Append(inner.Message).Append(")");
+            return text.ToString();
+        }
+
+        // -- the wire between Python and here -------------------------------------------
+        // header: id, source, type, subject, datacontenttype, time, data kind, then
+        // extension names and values; fields end with \0. Data kinds: j JSON text, t text,
+        // b base64, n none. Empty subject/datacontenttype/time mean absent.
+
+        static CloudEvent Decode(string header, string data)
+        {
+            string[] f = header.Split(Sep);
+            var input = new CloudEvent
+            {
+                Id = f[0],
+                Source = f[1],
+                Type = f[2],
+                Subject = f[3].Length == 0 ? null : f[3],
+                DataContentType = f[4].Length == 0 ? null : f[4],
+                Time = f[5].Length == 0 ? null : f[5],
+            };
+            switch (f[6])
+            {
+                case "j": input.Data = JsonNode.Parse(data); break;
+                case "t": input.Data = data; break;
+                case "b": input.Data = Convert.FromBase64String(data); break;
+                default: input.Data = null; break;
+            }
+            for (int i = 7; i + 1 < f.Length; i += 2) input[f[i]] = f[i + 1];
+            return input;
+        }
+
+        // "ok\0" + id, source, type, subject, datacontenttype, time, data kind, error flag,
+        // error message, extension count, names and values, then the data (last: it may
+        // hold \0).
+        static string Encode(CloudEvent output)
+        {
+            string kind, body;
+            object data = output.Data;
+            if (data == null) { kind = "n"; body = ""; }
+            else if (data is string) { kind = "t"; body = (string)data; }
+            else if (data is byte[]) { kind = "b"; body = Convert.ToBase64String((byte[])data); }
+            else { kind = "j"; body = Json.Serialize(data); }
+            var text = new StringBuilder("ok");
+            foreach (string field in new[] { output.Id, output.Source, output.Type, output.Subject,
+                                             output.DataContentType, output.Time, kind,
+                                             output.AnsweredError == null ? "" : "1",
+                                             output.AnsweredError ?? "",
+                                             output.Extensions.Count.ToString() })
+                text.Append(Sep).Append(field ?? "");
+            foreach (KeyValuePair<string, string> extension in output.Extensions)
+                text.Append(Sep).Append(extension.Key).Append(Sep).Append(extension.Value ?? "");
+            return text.Append(Sep).Append(body).ToString();
+        }
+    }
+}

@@ -1,0 +1,383 @@
+"""The .NET engines: ``application/x-dotnet-dll`` (a compiled worker, bare or in a nupkg) and
+``text/x-csharp`` (source compiled in-process). One collectible AssemblyLoadContext per
+loaded worker, driven through the host helper; in a helper process with ``isolation:
+subprocess``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from engines.dotnet import runtime as dotnet
+from engines.dotnet.package import Package, read_package
+from engines.dotnet.wire import SEP, WorkerFailed, decode_answer, encode_event
+from engines.isolation.host import Callbacks, HelperProcess
+from wm.config import Settings
+from wm.devkit.gateway import GatewayCaller
+from wm.devkit.transport import GatewayError
+from wm.engine import Engine, Outputs, WorkerSpec
+from wm.errors import EngineUnavailable, InvalidCode, WorkerExecutionError, WorkerTimeout
+from wm.events import CloudEvent
+from wm.views import SettingRule
+
+logger = logging.getLogger(__name__)
+
+ISOLATION = "isolation"
+ISOLATION_MODES = ("in-process", "subprocess")
+#: A CALL frame to an isolated worker: header length, time limit in ms, header, data.
+CALL = struct.Struct("<IQ")
+#: The host's answer for an unfinished task, and for a handle that was unloaded meanwhile.
+PENDING, NO_WORKER = "pending" + SEP, "error" + SEP + "WorkManager.DotNet.NoWorker"
+
+
+class Image:
+    """What a context is loaded from: compiled DLLs, or C# source compiled where it loads
+    (in this process, or in the isolation helper)."""
+
+    def __init__(self, package: Package | None = None, source: str | None = None) -> None:
+        self.package, self.source = package, source
+
+    def materialize(self, rt: dotnet.Runtime, folder: Path) -> str:
+        """Write the DLLs into ``folder`` (compiling the source first); the main file's name."""
+        if self.package is not None:
+            for name, content in self.package.files.items():
+                (folder / name).write_bytes(content)
+            return self.package.main
+        assert self.source is not None
+        compile_source(rt, self.source, folder / "Worker.dll")
+        return "Worker.dll"
+
+    def to_blob(self) -> tuple[dict[str, Any], bytes]:
+        if self.package is None:
+            assert self.source is not None
+            return {"source": True}, self.source.encode("utf-8")
+        names = list(self.package.files)
+        sizes = [len(self.package.files[name]) for name in names]
+        header = {"main": self.package.main, "names": names, "sizes": sizes}
+        return header, b"".join(self.package.files[name] for name in names)
+
+    @classmethod
+    def from_blob(cls, header: Mapping[str, Any], blob: bytes) -> Image:
+        if header.get("source"):
+            return cls(source=blob.decode("utf-8"))
+        files, offset = {}, 0
+        for name, size in zip(header["names"], header["sizes"], strict=True):
+            files[name] = blob[offset : offset + size]
+            offset += size
+        return cls(Package(header["main"], files, ""))
+
+
+def compile_source(rt: dotnet.Runtime, source: str, output: Path) -> None:
+    """Compile a worker's C# source; :class:`InvalidCode` with each error's line, column,
+    code and message."""
+    folder = output.parent
+    path = folder / "worker.cs"
+    path.write_text(source, encoding="utf-8")
+    try:
+        diagnostics = rt.compile([path], output, [])
+    except InvalidCode as exc:
+        text = str(exc).replace(str(path), "worker.cs")
+        errors = [
+            line for line in text.splitlines() if ": error " in line or "error CS" in line
+        ] or [text]
+        listed = "\n".join(errors)
+        raise InvalidCode(
+            f"the C# worker does not compile:\n{listed}\n(compiler: {rt.compiler.name})"
+        ) from None
+    finally:
+        path.unlink(missing_ok=True)
+    warnings = diagnostics.replace(str(path), "worker.cs").strip()
+    if warnings:
+        logger.info("C# worker compiled with warnings:\n%s", warnings)
+
+
+class Sinks:
+    """The host side of one loaded worker: its log and its gateway calls. A gateway request
+    is JSON ``{"host", "port", "data", "remaining_ms"}``: the DevKit's ApiClient names the
+    backend, the host checks it against WM_GATEWAY_ALLOWED_HOSTS and performs the call."""
+
+    def __init__(self, settings: Settings, worker: WorkerSpec) -> None:
+        self.worker = worker
+        self.gateway_caller = GatewayCaller(settings)
+        self.deadline = threading.local()
+
+    def log(self, level: int, message: str) -> None:
+        dotnet.worker_logger.log(level, ".NET worker %s: %s", self.worker.worker_id, message)
+
+    def gateway(self, service: str, method: str, request: bytes) -> tuple[int, bytes]:
+        try:
+            body = json.loads(request)
+            remaining_s = min(
+                float(body.get("remaining_ms", float("inf"))) / 1000,
+                getattr(self.deadline, "value", float("inf")) - time.monotonic(),
+            )
+            call = {
+                "host": body.get("host"),
+                "port": body.get("port"),
+                "service": service,
+                "method": method,
+                "data": json.loads(body.get("data", "null")),
+            }
+            answer = self.gateway_caller.call(call, remaining_s)
+        except (GatewayError, ValueError, TypeError, AttributeError) as exc:
+            logger.info(".NET worker %s: gateway call failed: %s", self.worker.worker_id, exc)
+            return dotnet.GATEWAY_FAILED, str(exc).encode()
+        return dotnet.GATEWAY_OK, json.dumps(answer).encode()
+
+
+class Runner(Protocol):
+    def call(self, header: str, data: str, timeout_s: float) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class Context:
+    """A worker loaded into a collectible context of this process's runtime. A call past
+    its time limit cannot be stopped (CoreCLR cannot abort a thread): the context is marked
+    poisoned, unloaded once that call returns, and a fresh one takes the next message."""
+
+    def __init__(
+        self, settings: Settings, worker: WorkerSpec, image: Image, sinks: Callbacks
+    ) -> None:
+        self.worker, self.image, self.sinks = worker, image, sinks
+        self.rt = dotnet.runtime(settings)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.rt.register(worker.worker_id, sinks)
+        try:
+            self.handle = self._load()
+        except BaseException:
+            self.rt.unregister(worker.worker_id, sinks)
+            raise
+
+    def _load(self) -> int:
+        folder = Path(tempfile.mkdtemp(prefix="wm-dotnet-worker-"))
+        try:
+            main = self.image.materialize(self.rt, folder)
+            status, _, rest = str(
+                self.rt.host.Load(self.worker.worker_id, str(folder), main)
+            ).partition(SEP)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if status != "ok":
+            raise InvalidCode(f"the .NET worker cannot be loaded: {rest}")
+        handle, _, type_name = rest.partition(SEP)
+        logger.info(".NET worker %s: %s loaded", self.worker.worker_id, type_name)
+        return int(handle)
+
+    def call(self, header: str, data: str, timeout_s: float) -> str:
+        handle = self.handle
+        if handle < 0:
+            handle = self._reload()
+        host = self.rt.host
+        started = time.monotonic()
+        answer = host.Process(handle, header, data, int(timeout_s * 1000))
+        if answer.startswith(PENDING):
+            call = int(answer[len(PENDING) :])
+            remaining_ms = max(0, int((started + timeout_s - time.monotonic()) * 1000))
+            answer = host.Wait(call, remaining_ms)
+            if answer == "timeout":
+                host.Abandon(call)
+                self._poison(handle)
+                raise WorkerTimeout(
+                    f".NET worker {self.worker.worker_id} did not finish within {timeout_s:g} s; "
+                    "its context is replaced for the next message and unloaded once the call "
+                    "returns (use isolation 'subprocess' to kill such a call instead)"
+                )
+        elapsed_s = time.monotonic() - started
+        if elapsed_s > timeout_s:  # ProcessAsync blocked before returning its task
+            self._poison(handle)
+            raise WorkerTimeout(
+                f".NET worker {self.worker.worker_id} blocked for {elapsed_s:.3g} s in "
+                f"ProcessAsync, over its {timeout_s:g} s limit; its answer is dropped and its "
+                "context replaced"
+            )
+        if answer.startswith(NO_WORKER):
+            raise Stale()
+        return str(answer)
+
+    def _reload(self) -> int:
+        """A fresh context after a timeout poisoned the last one; Stale once closed."""
+        with self._lock:
+            if self._closed:
+                raise Stale()
+            if self.handle < 0:
+                self.handle = self._load()
+            return self.handle
+
+    def _poison(self, handle: int) -> None:
+        with self._lock:
+            if self.handle == handle:
+                self.handle = -1
+        self.rt.host.Unload(handle)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handle, self.handle = self.handle, -1
+        if handle >= 0:
+            self.rt.host.Unload(handle)
+        self.rt.unregister(self.worker.worker_id, self.sinks)
+
+
+class Stale(Exception):
+    """The runner was replaced (reloaded or closed) between being picked and being called."""
+
+
+class Isolated:
+    """A worker hosted by a helper process with a runtime of its own."""
+
+    def __init__(self, settings: Settings, worker: WorkerSpec, image: Image, sinks: Sinks) -> None:
+        header, blob = image.to_blob()
+        header = {**header, "worker_id": worker.worker_id}
+        self._lock = threading.Lock()  # a closed helper is never started again by a call
+        self._closed = False
+        self.process = HelperProcess(
+            "engines.dotnet.helper",
+            header,
+            blob,
+            {},
+            sinks,
+            description=".NET",
+            refusals={"InvalidCode": InvalidCode, "WorkerTimeout": WorkerTimeout},
+            loads=f"worker {worker.worker_id}",
+        )
+
+    def call(self, header: str, data: str, timeout_s: float) -> str:
+        head, body = header.encode(), data.encode()
+        payload = CALL.pack(len(head), int(timeout_s * 1000)) + head + body
+        with self._lock:  # the helper answers one call at a time anyway
+            if self._closed:
+                raise Stale()
+            return self.process.call(payload, timeout_s).decode()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.process.close()
+
+
+class DotNetEngine(Engine):
+    """Shared by both MIME types: they differ in how code becomes an :class:`Image`."""
+
+    worker_settings = {ISOLATION: SettingRule(text=True, choices=ISOLATION_MODES)}
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._runner: Runner | None = None
+        self._worker: WorkerSpec | None = None
+
+    @classmethod
+    def check_host(cls, settings: Settings) -> None:
+        """Say which runtime this node's processes will start (without starting it: the
+        node's main process forks its pool after this)."""
+        try:
+            root = dotnet.discover()
+        except EngineUnavailable as exc:
+            logger.warning("%s workers cannot run on this node: %s", cls.mime_type, exc)
+            return
+        logger.info("%s workers will run on %s", cls.mime_type, root.label)
+
+    def image(self, code: bytes) -> Image:
+        raise NotImplementedError
+
+    def validate(self, code: bytes, worker: WorkerSpec) -> None:
+        """Compile or unpack, then load into a throwaway context (in a throwaway helper for
+        an isolated worker): a missing or ambiguous IWorker, a constructor that throws or a
+        compile error is refused here, before anything is stored."""
+        self._runner_for(code, worker).close()
+
+    def _runner_for(self, code: bytes, worker: WorkerSpec) -> Runner:
+        mode = _mode(worker)
+        image = self.image(code)
+        sinks = Sinks(self.settings, worker)
+        if mode == "subprocess":
+            return Isolated(self.settings, worker, image, sinks)
+        return Context(self.settings, worker, image, sinks)
+
+    def load(self, code: bytes, worker: WorkerSpec) -> None:
+        runner = self._runner_for(code, worker)
+        previous, self._runner, self._worker = self._runner, runner, worker
+        if previous is not None:  # calls in flight finish on the old context first
+            previous.close()
+        logger.info(
+            ".NET worker %s v%s loaded (%s)", worker.worker_id, worker.version, _mode(worker)
+        )
+
+    def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
+        header, data = encode_event(event)
+        while True:
+            runner, worker = self._runner, self._worker
+            if runner is None or worker is None:
+                raise WorkerExecutionError(f"{type(self).__name__}.process() called before load()")
+            try:
+                answer = runner.call(header, data, timeout_s)
+                break
+            except Stale:
+                if self._runner is runner:  # closed, not replaced
+                    raise WorkerExecutionError("the .NET worker was closed") from None
+        try:
+            decoded = decode_answer(answer)
+        except WorkerFailed as exc:
+            raise WorkerExecutionError(
+                f".NET worker {worker.worker_id} threw {exc.error_type}: {exc}",
+                error_type=exc.error_type,
+            ) from None
+        except (ValueError, KeyError) as exc:
+            raise WorkerExecutionError(
+                f".NET worker {worker.worker_id}: unreadable answer from its host: {exc}"
+            ) from exc
+        if decoded.event is None:
+            return []
+        if decoded.answered_error is not None:
+            return Outputs([decoded.event], decoded.answered_error)
+        return [decoded.event]
+
+    def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.close()
+
+
+class DotNetDllEngine(DotNetEngine):
+    """``application/x-dotnet-dll``: a compiled worker (see :mod:`engines.dotnet.package`)."""
+
+    mime_type = "application/x-dotnet-dll"
+
+    def image(self, code: bytes) -> Image:
+        return Image(package=read_package(code, dotnet.discover().version[0]))
+
+
+class CSharpEngine(DotNetEngine):
+    """``text/x-csharp``: C# source, UTF-8."""
+
+    mime_type = "text/x-csharp"
+
+    def image(self, code: bytes) -> Image:
+        try:
+            source = code.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidCode(f"C# source must be UTF-8 text: {exc}") from exc
+        if not source.strip():
+            raise InvalidCode("the C# source is empty")
+        return Image(source=source)
+
+
+def _mode(worker: WorkerSpec) -> str:
+    mode: Any = worker.settings.get(ISOLATION) or "in-process"
+    if mode not in ISOLATION_MODES:
+        raise InvalidCode(
+            f"worker setting {ISOLATION!r} is {mode!r}; use one of {', '.join(ISOLATION_MODES)}"
+        )
+    return str(mode)

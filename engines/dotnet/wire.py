@@ -1,0 +1,191 @@
+"""Events between Python and the host helper (``csharp/Host/Host.cs``), as plain strings:
+pythonnet converts a ``str`` argument or result in well under a microsecond, while handing
+it .NET objects would pin the worker's context.
+
+Request: a header of the fields ``id, source, type, subject, datacontenttype,
+time, data kind`` then extension names and values, all joined by NUL; the data as a second
+string. Data kinds: ``j`` JSON text, ``t`` text, ``b`` base64 bytes, ``n`` none.
+
+Answer: ``none`` (no output), ``error\\0<.NET exception type>\\0<message>``,
+``pending\\0<call>`` (an unfinished task), or ``ok`` then ``id, source, type, subject,
+datacontenttype, time, data kind, answered-error flag, answered-error message, extension
+count``, the extension names and values, and the data last (it may hold NUL).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from wm.errors import EventDecodeError
+from wm.events import CloudEvent
+
+SEP = "\0"
+_CORE = frozenset(("id", "source", "type", "specversion", "subject", "datacontenttype", "time"))
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+_HEAD_FIELDS = 10
+
+
+def encode_event(event: CloudEvent) -> tuple[str, str]:
+    """The header and data strings of ``event``; EventDecodeError when an attribute holds
+    a NUL (it could not be told apart from the separator)."""
+    attributes = event.get_attributes()
+    data = event.get_data()
+    content_type = attributes.get("datacontenttype") or ""
+    if data is None:
+        kind, text = "n", ""
+    elif isinstance(data, bytes | bytearray):
+        kind, text = "b", base64.b64encode(data).decode("ascii")
+    elif isinstance(data, str):
+        kind, text = ("j" if _is_json(content_type) else "t"), data
+    else:
+        kind, text = "j", _dumps(data)
+    time = attributes.get("time")
+    fields = [
+        attributes["id"],
+        attributes["source"],
+        attributes["type"],
+        attributes.get("subject") or "",
+        content_type,
+        "" if time is None else _text(time),
+        kind,
+    ]
+    if not _CORE.issuperset(attributes):
+        for name, value in attributes.items():
+            if name not in _CORE and value is not None:
+                fields += (name, _text(value))
+    header = SEP.join(fields)
+    if header.count(SEP) != len(fields) - 1:
+        raise EventDecodeError(
+            f"event {attributes['id']} has an attribute holding a NUL character, which a .NET "
+            "worker cannot receive"
+        )
+    return header, text
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A decoded answer: the output (or None), the error the worker answered with through
+    ``WorkerBase.Error`` (or None)."""
+
+    event: CloudEvent | None
+    answered_error: str | None = None
+
+
+class WorkerFailed(Exception):
+    """The worker's code threw: ``error_type`` is the .NET exception's full type name."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class _CheckedCloudEvent(CloudEvent):
+    """An output whose attributes :func:`decode_answer` checked itself: the SDK's check
+    would cost a third of the decode, and the delivery validates every output again when
+    it stamps it."""
+
+    @staticmethod
+    def _validate_attribute(attributes: dict[str, Any]) -> None:
+        pass
+
+
+def decode_answer(answer: str) -> Answer:
+    """The output of an ``ok`` or ``none`` answer; :class:`WorkerFailed` for ``error``;
+    EventDecodeError for an output that is no valid CloudEvent."""
+    if answer == "none":
+        return Answer(None)
+    status, _, rest = answer.partition(SEP)
+    if status == "error":
+        error_type, _, message = rest.partition(SEP)
+        raise WorkerFailed(error_type, message)
+    if status != "ok":
+        raise ValueError(f"unexpected answer from the .NET host: {status[:40]!r}")
+    head = rest.split(SEP, _HEAD_FIELDS)
+    event_id, source, event_type, subject, content_type, time, kind, flag, error, count = head[
+        :_HEAD_FIELDS
+    ]
+    if not (event_id and source and event_type):
+        missing = [
+            n for n, v in (("Id", event_id), ("Source", source), ("Type", event_type)) if not v
+        ]
+        raise EventDecodeError(f"the .NET worker's output has no {' or '.join(missing)}")
+    attributes: dict[str, Any] = {
+        "id": event_id,
+        "source": source,
+        "type": event_type,
+        "specversion": "1.0",
+        "time": _time(time) if time else datetime.now(UTC),
+    }
+    if subject:
+        attributes["subject"] = subject
+    if content_type:
+        attributes["datacontenttype"] = content_type
+    elif kind == "j":
+        attributes["datacontenttype"] = "application/json"
+    pairs = int(count)
+    tail = head[_HEAD_FIELDS].split(SEP, 2 * pairs)
+    extensions = dict(zip(tail[0 : 2 * pairs : 2], tail[1 : 2 * pairs : 2], strict=True))
+    data = _data(kind, tail[2 * pairs])
+    if not _PLAIN_EXTENSION.issuperset(extensions) and not all(map(_plain_extension, extensions)):
+        try:
+            event: CloudEvent = CloudEvent({**attributes, **extensions}, data)
+        except Exception as exc:  # the SDK raises several types for bad attributes
+            raise EventDecodeError(
+                f"the .NET worker's output is not a valid CloudEvent: {exc}"
+            ) from exc
+    else:
+        attributes.update(extensions)
+        event = _CheckedCloudEvent(attributes, data)
+    return Answer(event, error if flag else None)
+
+
+#: Extension names already seen to be plain: lower-case letters and digits, no attribute
+#: the CloudEvents spec defines (those the SDK checks in full).
+_PLAIN_EXTENSION: set[str] = set()
+_NAME = re.compile(r"[a-z0-9]+")
+_DEFINED = frozenset({*_CORE, "data", "dataschema", "data_base64"})
+
+
+def _plain_extension(name: str) -> bool:
+    if name in _DEFINED or not _NAME.fullmatch(name):
+        return False
+    if len(_PLAIN_EXTENSION) < 1024:
+        _PLAIN_EXTENSION.add(name)
+    return True
+
+
+def _time(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise EventDecodeError(f"the .NET worker's output has an invalid Time: {exc}") from None
+    if value.tzinfo is None:
+        raise EventDecodeError(f"the .NET worker's output Time {text!r} has no time zone")
+    return value
+
+
+def _data(kind: str, text: str) -> Any:
+    if kind == "j":
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise EventDecodeError(f"the .NET worker's output data is not JSON: {exc}") from exc
+    if kind == "b":
+        return base64.b64decode(text)
+    return text if kind == "t" else None
