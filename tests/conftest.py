@@ -38,7 +38,8 @@ from wm.local.embedded import find_redis_server, start_redis, stop_redis
 pytest_plugins = ("celery.contrib.pytest", "tests.native.harness", "tests.dotnet.harness")
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
-REDIS_HOST = "redis://127.0.0.1:6379"
+#: The Redis server of the tests (``TEST_REDIS_HOST``): a second server lets runs go on at once.
+REDIS_HOST = os.environ.get("TEST_REDIS_HOST", "redis://127.0.0.1:6379").rstrip("/")
 AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 #: First of the four Redis databases a test run uses (``TEST_REDIS_DB_BASE``, default 10):
 #: two test runs at once on one Redis server need different bases (0-12, not 0-1 overlapping

@@ -12,7 +12,14 @@ from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Route
 from wm.dataplane.node import LEADER_KEY
 from wm.dataplane.outputs import OutputPublisher
-from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, event_key
+from wm.events import (
+    LIFECYCLE_TOPIC,
+    LIFECYCLE_TYPE_PREFIX,
+    derive_id,
+    encode,
+    event_key,
+    key_of,
+)
 from wm.state.ledger import Ledger
 
 FAST = {"retry_base_delay_ms": 20, "max_retries": 2}
@@ -213,6 +220,28 @@ def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: A
     }
     eventually(lambda: ledger.pending(str(worker.id)) == 0)
     assert queue_empty(settings, sink, 2.0)  # sent again once, not over and over
+
+
+@pytest.mark.slow
+def test_legacy_ledger_entries_are_sent_again_and_settled(fast: Settings, start_node: Any) -> None:
+    """Entries of earlier releases (a bare key, the payload in a hash beside it) whose
+    broker message was lost are still sent again, then replaced, and leave no hash behind."""
+    settings = fast.replace(redeliver_after_s=1.0)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done"), mime_type=STUB, topic="in", start=False
+    )
+    wid, event = str(worker.id), make_event("in", "/tests", {"n": 7})
+    state = redis.Redis.from_url(settings.redis_url)
+    state.zadd(f"wm:pending:{{{wid}}}", {key_of(event): 1.0})
+    state.hset(f"wm:pending:{{{wid}}}:body", key_of(event), encode(event))
+    start_node(settings)
+    manager.start_worker(worker.id)
+    [output] = drain(settings, sink, 1)
+    assert output["data"]["input"]["n"] == 7
+    eventually(lambda: Ledger(settings).pending(wid) == 0)
+    assert not state.exists(f"wm:pending:{{{wid}}}:body")
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import os
 import random
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from datetime import datetime
 from itertools import pairwise
@@ -432,6 +433,35 @@ def test_a_delivery_costs_two_redis_round_trips(
     eventually(lambda: manager.bus.dropped("nobody.listens") == 11, timeout_s=10)
     eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=5)
     assert len(sends) == 20, sends
+
+
+def test_a_delivery_without_a_group_runs_four_redis_commands(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    """MGET (the worker's facts, their generation, the recorded outcome) before the engine
+    call; after it one script: SET NX of the outcome and ZREM of the pending entry.
+    Counted on the server (``INFO commandstats``, which counts a script's commands too)."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
+    _consuming(node, worker)
+    manager.publish(make_event("in", "/tests", {"n": 0}))  # warm: engine loaded, cache filled
+    ledger = Ledger(node_settings)
+    eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=5)
+    server = redis.Redis.from_url(node_settings.redis_url)
+
+    def calls() -> Counter[str]:
+        stats = server.info("commandstats")
+        return Counter({name[len("cmdstat_") :]: int(v["calls"]) for name, v in stats.items()})
+
+    before = calls()
+    for n in range(1, 11):
+        manager.publish(make_event("in", "/tests", {"n": n}))
+    eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=5)
+    spent = calls() - before
+    # the publisher's share: the routes script (EXISTS, HGETALL) and the ledger's ZADD
+    publisher = Counter({"eval": 10, "exists": 10, "hgetall": 10, "zadd": 10})
+    polls = {"zcard", "info"}
+    node_side = Counter({k: v for k, v in (spent - publisher).items() if k not in polls})
+    assert node_side == Counter({"mget": 10, "eval": 10, "set": 10, "zrem": 10}), spent
 
 
 #: What redis-py sends when it opens a connection.

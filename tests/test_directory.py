@@ -24,7 +24,7 @@ def test_a_read_that_raced_a_change_is_not_cached(settings: Settings) -> None:
 
     directory.load = load_while_the_worker_stops  # type: ignore[method-assign]
     assert directory.get(wid).status == "running"  # type: ignore[union-attr]
-    assert state.get(f"wm:worker:{wid}") is None  # the stale read was not cached
+    assert state.get(f"wm:worker:{{{wid}}}") is None  # the stale read was not cached
     directory.load = read_from_database  # type: ignore[method-assign]
     assert directory.get(wid).status == "stopped"  # type: ignore[union-attr]
-    assert state.get(f"wm:worker:{wid}") is not None
+    assert state.get(f"wm:worker:{{{wid}}}") is not None

@@ -102,7 +102,7 @@ class DeadLetters:
         A letter the database refuses (an envelope too large, say) is stored as a bounded
         copy rather than failing again on every redelivery: parking always ends.
         """
-        letter_id = failure.letter_id
+        letter_id, sent = failure.letter_id, failure.envelope
         try:
             failure = self._store(letter_id, failure.storable())
         except DatabaseError as exc:
@@ -114,7 +114,7 @@ class DeadLetters:
             )
         self.bus.publish(self._event(failure, letter_id), failure.topic + DEAD_SUFFIX)
         if failure.worker_id and failure.key:
-            Ledger(self.settings).settle(failure.worker_id, failure.key)
+            Ledger(self.settings).settle(failure.worker_id, failure.key, sent, ran_again=True)
         logger.warning(
             "dead-lettered %s for worker %s: %s: %s",
             failure.event_id,

@@ -12,7 +12,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from celery import Celery
-from redis.client import Pipeline
 
 from wm.config import Settings
 from wm.dataplane.bus import Bus, Route
@@ -30,7 +29,7 @@ from wm.events import (
 )
 from wm.names import check_name, reserved_topic
 from wm.state.directory import Directory, WorkerMeta
-from wm.state.ledger import Ledger
+from wm.state.ledger import Ledger, Settlement
 from wm.state.locks import GroupLocks, Lease
 from wm.state.outcomes import Outcomes
 from wm.views import OUTPUT_TOPICS
@@ -121,6 +120,8 @@ class Delivery:
     rt: Runtime
     meta: WorkerMeta
     event: CloudEvent
+    #: The event as the broker delivered it (the pending ledger's entry holds it too).
+    payload: str
     delivery_id: str
     pin_version: int | None = None
     attempt: int = 1
@@ -249,14 +250,9 @@ class Delivery:
         outputs = self.stamp(produced)
         if self.lease is not None:
             self.rt.locks.mark_write(self.lease)
-        lookups = self.rt.outputs.lookups(outputs)
-        settling = self.rt.ledger.settling(self.meta.id, self.key)
-
-        def also(pipe: Pipeline) -> None:
-            lookups(pipe)
-            settling(pipe)
-
-        recorded, found = self.rt.outcomes.record(self.meta.id, self.key, outputs, also)
+        recorded, found = self.rt.outcomes.record(
+            self.meta.id, self.key, outputs, self.settlement(), self.rt.outputs.lookups(outputs)
+        )
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
             self.publish(outputs, routes, settled=True)
@@ -334,4 +330,10 @@ class Delivery:
                 self.rt.locks.mark_write(self.lease)
             self.rt.outputs.publish(output, routes[index] if routes else None)
         if not settled:
-            self.rt.ledger.settle(self.meta.id, self.key)
+            self.rt.ledger.settle(self.meta.id, self.key, self.payload, ran_again=self.redelivered)
+
+    def settlement(self) -> Settlement:
+        """The pending ledger's entry of this delivery (and its count of runs, if kept)."""
+        return self.rt.ledger.settlement(
+            self.meta.id, self.key, self.payload, ran_again=self.redelivered
+        )

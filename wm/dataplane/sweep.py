@@ -58,13 +58,13 @@ def sweep(settings: Settings, bus: Bus, running: Mapping[str, str]) -> int:
 def _resend(
     settings: Settings, bus: Bus, ledger: Ledger, queue: str, worker_id: str, present: set[str]
 ) -> int:
-    overdue = ledger.overdue_keys(worker_id, settings.redeliver_after_s)
-    lost = [key for key in overdue if key not in present]
-    payloads = ledger.payloads(worker_id, lost)
-    for key, payload in payloads.items():
-        bus.send(payload, [Route(queue, worker_id)], key=key)
-    ledger.restart_clock(worker_id, list(payloads))
-    return len(payloads)
+    lost = [
+        p for p in ledger.overdue(worker_id, settings.redeliver_after_s) if p.key not in present
+    ]
+    for pending in lost:
+        bus.send(pending.payload, [Route(queue, worker_id)], key=pending.key)
+    ledger.restart_clock(worker_id, lost)
+    return len(lost)
 
 
 def _queued(client: Any, channel: Any, queue: str) -> int:

@@ -152,9 +152,7 @@ def _deliver(
         rt.dead_letters.park(attempt.failure(exc, key=payload_key(payload)))
         return
     # the worker's facts and the event's recorded outcome, in one round trip
-    meta, (outcome,) = rt.directory.get_with(
-        worker_id, rt.outcomes.lookup(worker_id, key_of(event))
-    )
+    meta, (outcome,) = rt.directory.get_with(worker_id, rt.outcomes.key(worker_id, key_of(event)))
     attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
@@ -164,7 +162,9 @@ def _deliver(
         time.sleep(_REQUEUE_PAUSE_S)
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
     redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
-    delivery = Delivery(rt, meta, event, str(task.request.id), pin_version, number, redelivered)
+    delivery = Delivery(
+        rt, meta, event, payload, str(task.request.id), pin_version, number, redelivered
+    )
     delivery.prefetched, delivery.prefetched_outcome = True, outcome
     try:
         delivery.run()

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.client import Pipeline
 from sqlalchemy import select
 
 from wm import store
@@ -68,18 +66,12 @@ class Directory:
         """
         return self.get_with(worker_id)[0]
 
-    def get_with(
-        self, worker_id: str, also: Callable[[Pipeline], None] | None = None
-    ) -> tuple[WorkerMeta | None, list[Any]]:
-        """:meth:`get`, with the commands ``also`` queues sent in the same round trip;
-        their results come second."""
-        cache, generation = _KEY + worker_id, _GENERATION + worker_id
+    def get_with(self, worker_id: str, *keys: str) -> tuple[WorkerMeta | None, list[Any]]:
+        """:meth:`get`, with the values of ``keys`` read in the same command; they come
+        second (each None when missing)."""
+        cache, generation = _keys(worker_id)
         with redis_errors(self.settings):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.mget([cache, generation])
-            if also is not None:
-                also(pipe)
-            (raw, seen), *more = pipe.execute()
+            raw, seen, *more = self.redis.mget([cache, generation, *keys])
             if raw is not None:
                 return WorkerMeta(**json.loads(raw)), more
             meta = self.load(worker_id)
@@ -138,7 +130,14 @@ class Directory:
                 for key in self.redis.scan_iter(match=_KEY + "*", count=500):
                     self.redis.delete(key)
             else:
+                cache, generation = _keys(worker_id)
                 pipe = self.redis.pipeline(transaction=True)
-                pipe.incr(_GENERATION + worker_id)
-                pipe.delete(_KEY + worker_id)
+                pipe.incr(generation)
+                pipe.delete(cache)
                 pipe.execute()
+
+
+def _keys(worker_id: str) -> tuple[str, str]:
+    """The worker's cache entry and generation; hash-tagged with its id, as its outcomes and
+    pending ledger are, so one command reads them together on a Redis Cluster too."""
+    return f"{_KEY}{{{worker_id}}}", f"{_GENERATION}{{{worker_id}}}"

@@ -6,16 +6,24 @@ while Redis's reply is in flight. So every delivery to a worker is also written 
 it is sent, and settled once its outcome is recorded or it is dead-lettered. The nodes'
 reconcile loop sends again what stayed pending longer than WM_REDELIVER_AFTER_S. A second
 copy is harmless: a delivery whose outcome is recorded republishes instead of re-running.
+
+A worker's pending deliveries are one sorted set, ``wm:pending:{<worker id>}``, scored by
+the time they were sent; each member is the event key and the payload sent
+(:func:`member`), so adding one is one command and settling one is one more, by the
+consumer that holds the payload. Members that are a bare key are *legacy* entries, written
+by earlier releases that kept payloads in a hash ``wm:pending:{<worker id>}:body``; they
+are still found, sent again and settled.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import redis
-from redis.client import Pipeline
 
 from wm.config import Settings
 from wm.state.connection import redis_errors, redis_for
@@ -37,6 +45,35 @@ return #members
 """
 
 
+#: Separates the event key from the payload in a member (keys are UUIDs).
+_SEP = "\n"
+
+
+def member(key: str, payload: str) -> str:
+    """The ledger member of a delivery of ``payload`` (event key ``key``)."""
+    return f"{key}{_SEP}{payload}"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A delivery waiting for its outcome: its event key and the payload sent."""
+
+    key: str
+    payload: str
+    member: str
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What settling one delivery removes: its member of the worker's index and, for a
+    delivery its broker sent again, its count of runs (see :meth:`Ledger.begin_run`)."""
+
+    index: str
+    member: str
+    runs: str | None
+    key: str
+
+
 class Ledger:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -46,8 +83,12 @@ class Ledger:
         return redis_for(self.settings)
 
     @staticmethod
-    def _keys(worker_id: str) -> tuple[str, str]:
-        return f"{_PENDING}{{{worker_id}}}", f"{_PENDING}{{{worker_id}}}:body"
+    def _index(worker_id: str) -> str:
+        return f"{_PENDING}{{{worker_id}}}"
+
+    @staticmethod
+    def _legacy_bodies(worker_id: str) -> str:
+        return f"{_PENDING}{{{worker_id}}}:body"
 
     @staticmethod
     def _runs(worker_id: str) -> str:
@@ -55,33 +96,30 @@ class Ledger:
 
     def add(self, deliveries: Iterable[tuple[str, str]], key: str, payload: str) -> None:
         """Record the event ``key`` as pending for each (worker id, queue) before it is sent."""
-        now = time.time()
+        now, entry = time.time(), member(key, payload)
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             for worker_id, _ in deliveries:
-                index, bodies = self._keys(worker_id)
-                pipe.zadd(index, {key: now}, nx=True)
-                pipe.hset(bodies, key, payload)
+                pipe.zadd(self._index(worker_id), {entry: now}, nx=True)
             pipe.execute()
 
-    def settle(self, worker_id: str, key: str) -> None:
+    def settlement(
+        self, worker_id: str, key: str, payload: str, *, ran_again: bool = False
+    ) -> Settlement:
+        """What :meth:`settle` removes, for a script that settles with another write (the
+        outcome's record); ``ran_again``: runs were counted (:meth:`begin_run`)."""
+        runs = self._runs(worker_id) if ran_again else None
+        return Settlement(self._index(worker_id), member(key, payload), runs, key)
+
+    def settle(self, worker_id: str, key: str, payload: str, *, ran_again: bool = False) -> None:
         """The delivery is done (outcome recorded, or dead-lettered): forget it."""
+        done = self.settlement(worker_id, key, payload, ran_again=ran_again)
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
-            self.settling(worker_id, key)(pipe)
+            pipe.zrem(done.index, done.member, key)  # a bare key: a legacy entry
+            if done.runs is not None:
+                pipe.hdel(done.runs, key)
             pipe.execute()
-
-    def settling(self, worker_id: str, key: str) -> Callable[[Pipeline], None]:
-        """Queues :meth:`settle` in a pipeline (the outcome record's, for one)."""
-        index, bodies = self._keys(worker_id)
-        runs = self._runs(worker_id)
-
-        def queue(pipe: Pipeline) -> None:
-            pipe.zrem(index, key)
-            pipe.hdel(bodies, key)
-            pipe.hdel(runs, key)
-
-        return queue
 
     def begin_run(self, worker_id: str, key: str) -> int:
         """Count a run of a delivery the broker sent again because the process that had it
@@ -97,12 +135,14 @@ class Ledger:
     def restart_clocks(self, worker_id: str) -> None:
         """A worker starts again: time spent stopped is not time a broker lost a message."""
         with redis_errors(self.settings):
-            self.redis.eval(_RESTART_CLOCKS, 1, self._keys(worker_id)[0], time.time())
+            self.redis.eval(_RESTART_CLOCKS, 1, self._index(worker_id), time.time())
 
     def forget_worker(self, worker_id: str) -> None:
         """A deleted worker's queue is gone, and so are its pending deliveries."""
         with redis_errors(self.settings):
-            self.redis.delete(*self._keys(worker_id), self._runs(worker_id))
+            self.redis.delete(
+                self._index(worker_id), self._legacy_bodies(worker_id), self._runs(worker_id)
+            )
 
     def pending(self, worker_id: str) -> int:
         return self.pending_of([worker_id])[worker_id]
@@ -112,34 +152,62 @@ class Ledger:
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in worker_ids:
-                pipe.zcard(self._keys(worker_id)[0])
+                pipe.zcard(self._index(worker_id))
             counts = pipe.execute()
         return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
 
-    def overdue_keys(self, worker_id: str, older_than_s: float) -> list[str]:
-        """Event keys of deliveries pending longer than ``older_than_s``, oldest first."""
+    def overdue(self, worker_id: str, older_than_s: float) -> list[Pending]:
+        """Deliveries pending longer than ``older_than_s``, oldest first (legacy entries with
+        their payload from its hash; one whose payload is gone is forgotten)."""
         with redis_errors(self.settings):
-            found = self.redis.zrangebyscore(
-                self._keys(worker_id)[0], 0, time.time() - older_than_s
-            )
-        return [key.decode() for key in found]  # type: ignore[union-attr]
+            found = [
+                _text(raw)
+                for raw in self.redis.zrangebyscore(
+                    self._index(worker_id), 0, time.time() - older_than_s
+                )
+            ]
+            legacy = [entry for entry in found if _SEP not in entry]
+            bodies = self.redis.hmget(self._legacy_bodies(worker_id), legacy) if legacy else []
+        old = dict(zip(legacy, bodies, strict=True))
+        pending = []
+        for entry in found:
+            key, sep, payload = entry.partition(_SEP)
+            if sep:
+                pending.append(Pending(key, payload, entry))
+            elif old[entry] is not None:
+                pending.append(Pending(key, _text(old[entry]), entry))
+            else:
+                self.forget(worker_id, [entry])
+        return pending
 
-    def payloads(self, worker_id: str, keys: list[str]) -> dict[str, str]:
-        """The payloads of the pending deliveries ``keys`` (settled ones are left out)."""
-        if not keys:
-            return {}
+    def restart_clock(self, worker_id: str, sent: list[Pending]) -> None:
+        """Deliveries sent again: each is sent again at most once per period. A legacy entry was
+        replaced by a current one when it was sent."""
+        if not sent:
+            return
+        legacy = [p.member for p in sent if _SEP not in p.member]
+        current = [p.member for p in sent if _SEP in p.member]
         with redis_errors(self.settings):
-            found = self.redis.hmget(self._keys(worker_id)[1], keys)
-        return {k: p.decode() for k, p in zip(keys, found, strict=True) if p is not None}  # type: ignore[union-attr]
+            if current:
+                self.redis.zadd(
+                    self._index(worker_id), dict.fromkeys(current, time.time()), xx=True
+                )
+            if legacy:
+                self.forget(worker_id, legacy)
 
-    def restart_clock(self, worker_id: str, keys: list[str]) -> None:
-        """Deliveries sent again: each is sent again at most once per period."""
-        if keys:
-            with redis_errors(self.settings):
-                self.redis.zadd(self._keys(worker_id)[0], dict.fromkeys(keys, time.time()), xx=True)
+    def forget(self, worker_id: str, members: list[str]) -> None:
+        with redis_errors(self.settings):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(self._index(worker_id), *members)
+            pipe.hdel(self._legacy_bodies(worker_id), *members)
+            pipe.execute()
 
     def claim_sweep(self, period_s: float) -> bool:
         """One node sweeps at a time, at most once per period."""
         with redis_errors(self.settings):
             claimed = self.redis.set(_SWEEP_LOCK, 1, nx=True, px=max(1, int(period_s * 900)))
         return bool(claimed)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -18,8 +18,20 @@ from redis.client import Pipeline
 from wm.config import Settings
 from wm.events import CloudEvent, decode, encode
 from wm.state.connection import redis_errors, redis_for
+from wm.state.ledger import Settlement
 
 _OUTCOME = "wm:outcome:"
+# KEYS: outcome, the worker's pending index[, its runs]. ARGV: outputs, ttl s, index member,
+# event key. Returns nil when recorded, else the outcome recorded before.
+_RECORD = """
+local stored = false
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  stored = redis.call('GET', KEYS[1])
+end
+redis.call('ZREM', KEYS[2], ARGV[3])
+if KEYS[3] then redis.call('HDEL', KEYS[3], ARGV[4]) end
+return stored
+"""
 
 
 class Outcomes:
@@ -42,15 +54,6 @@ class Outcomes:
         with redis_errors(self.settings):
             return self.parse(self.redis.get(self.key(worker_id, event_key)))
 
-    def lookup(self, worker_id: str, event_key: str) -> Callable[[Pipeline], None]:
-        """Queues :meth:`get` in a pipeline; :meth:`parse` reads its result."""
-        key = self.key(worker_id, event_key)
-
-        def queue(pipe: Pipeline) -> None:
-            pipe.get(key)
-
-        return queue
-
     @staticmethod
     def parse(raw: bytes | str | None) -> list[CloudEvent] | None:
         return None if raw is None else [decode(item) for item in json.loads(raw)]
@@ -60,17 +63,22 @@ class Outcomes:
         worker_id: str,
         event_key: str,
         outputs: list[CloudEvent],
+        settlement: Settlement,
         also: Callable[[Pipeline], None] | None = None,
     ) -> tuple[list[CloudEvent], list[Any]]:
-        """Record the outcome and return the one that counts: when two copies of a delivery
-        ran at once, the first record wins and both publish it. ``also`` may queue more
-        commands in the same round trip; their results come second."""
+        """Record the outcome and settle the delivery in the pending ledger, in one script;
+        return the outcome that counts: when two copies of a delivery ran at once, the
+        first record wins and both publish it. ``also`` may queue more commands in the same
+        round trip; their results come second."""
         key = self.key(worker_id, event_key)
+        keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
+        value = json.dumps([encode(e) for e in outputs])
         with redis_errors(self.settings):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.set(key, json.dumps([encode(e) for e in outputs]), ex=self.ttl_s, nx=True)
-            pipe.get(key)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.eval(
+                _RECORD, len(keys), *keys, value, self.ttl_s, settlement.member, settlement.key
+            )
             if also is not None:
                 also(pipe)
-            created, stored, *more = pipe.execute()
-        return (outputs if created else self.parse(stored) or []), more
+            stored, *more = pipe.execute()
+        return (outputs if stored is None else self.parse(stored) or []), more
