@@ -238,6 +238,14 @@ class Settings:
         "(sent). Off by default: each costs a broker publish. Flower switches a node's on "
         "while it watches (its enable_events).",
     )
+    engine_cache_mb: int = _setting(
+        "WM_ENGINE_CACHE_MB",
+        0,
+        _parse_int,
+        "Memory each node process may spend on loaded workers (what loading one added to the "
+        "process plus the sandbox or helper processes it keeps); beyond it the least recently "
+        "used are unloaded. 0 means half the machine's memory divided by the node's processes.",
+    )
     node_concurrency: int = _setting(
         "WM_NODE_CONCURRENCY",
         0,

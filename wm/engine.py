@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -84,6 +85,20 @@ class Engine:
 
     def close(self) -> None:
         """Release what ``load`` acquired. Safe to call more than once."""
+
+    def processes(self) -> list[int]:
+        """Pids of the processes this engine keeps for its worker (a sandbox, a helper): their
+        memory counts against the engine cache's budget (``WM_ENGINE_CACHE_MB``)."""
+        return []
+
+
+def resident_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process (default: this one) from ``/proc``; 0 when unknown."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 # -- registry --------------------------------------------------------------------------------

@@ -349,6 +349,11 @@ class DotNetEngine(Engine):
         if runner is not None:
             runner.close()
 
+    def processes(self) -> list[int]:
+        runner = self._runner
+        pid = runner.process.pid if isinstance(runner, Isolated) else None
+        return [pid] if pid is not None else []
+
 
 class DotNetDllEngine(DotNetEngine):
     """``application/x-dotnet-dll``: a compiled worker (see :mod:`engines.dotnet.package`)."""

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from engines.isolation.host import HelperProcess
 from engines.native import codec
 from engines.native.isolated import start_helper
 from engines.native.library import (
@@ -246,6 +247,11 @@ class NativeEngine(Engine):
         if runner is not None:
             runner.close()
         self._restore_identity()
+
+    def processes(self) -> list[int]:
+        runner = self._runner
+        pid = runner.pid if isinstance(runner, HelperProcess) else None
+        return [pid] if pid is not None else []
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:

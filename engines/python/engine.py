@@ -153,6 +153,10 @@ class PythonEngine(Engine):
         if process is not None:
             process.kill()
 
+    def processes(self) -> list[int]:
+        process = self._process
+        return [process.pid] if process is not None and not process.exited else []
+
     def _start(
         self, source: str, worker: WorkerSpec, gateway: GatewayHandler | None = None
     ) -> SandboxProcess:

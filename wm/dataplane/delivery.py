@@ -17,7 +17,7 @@ from wm.config import Settings
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.outputs import OutputPublisher
-from wm.engine import Engine, Outputs, WorkerSpec, engine_class
+from wm.engine import Engine, Outputs, WorkerSpec, engine_class, resident_bytes
 from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused, WorkerCrashed
 from wm.events import (
     LIFECYCLE_TOPIC,
@@ -35,8 +35,6 @@ from wm.state.outcomes import Outcomes
 from wm.views import OUTPUT_TOPICS
 
 logger = logging.getLogger(__name__)
-#: Engines kept loaded per process; the least recently used beyond this is closed.
-_ENGINE_CACHE_SIZE = 64
 #: Extension attributes copied from an input event to every output that lacks them.
 PROPAGATED = ("correlationid", "traceparent", "tracestate")
 FENCE_EXTENSION = "wmfence"
@@ -45,13 +43,28 @@ HOPS_EXTENSION = "wmhops"
 
 
 class EngineCache:
-    """Loaded engines by worker id, reloaded when the worker's version moves."""
+    """Loaded engines by worker id, reloaded when the worker's version moves.
+
+    Sized by memory, not by a count: a process keeps every worker it serves while they fit.
+    Each engine is charged what loading it added to this process's resident memory plus the
+    resident memory of the processes it keeps (:meth:`Engine.processes`); beyond
+    ``WM_ENGINE_CACHE_MB`` the least recently used are closed, never the one just used.
+    """
 
     def __init__(self, settings: Settings, directory: Directory) -> None:
         self.settings = settings
         self.directory = directory
-        self._engines: OrderedDict[str, tuple[int, Engine]] = OrderedDict()
+        self.budget_bytes = cache_budget_bytes(settings)
+        self._engines: OrderedDict[str, tuple[int, Engine, int]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    @property
+    def charged_bytes(self) -> int:
+        """What the loaded engines are charged, together."""
+        return sum(charge for _, _, charge in list(self._engines.values()))
 
     def engine(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
         """(engine, temporary): a pinned old version gets a temporary engine to close after."""
@@ -65,9 +78,12 @@ class EngineCache:
         engine = cached[1] if cached is not None else None
         if engine is None:
             engine = engine_class(meta.mime_type)(self.settings)
+        before = resident_bytes()
         engine.load(self.directory.code(meta.id, version), _spec(meta, version))
+        charge = max(0, resident_bytes() - before) + sum(map(resident_bytes, engine.processes()))
         with self._lock:
-            self._engines[meta.id] = (version, engine)
+            self._engines[meta.id] = (version, engine, charge)
+            self._engines.move_to_end(meta.id)
             evicted = self._evict()
         for old in evicted:  # outside the lock: closing may wait for calls in flight
             old.close()
@@ -79,18 +95,30 @@ class EngineCache:
         return engine
 
     def _evict(self) -> list[Engine]:
-        """The least recently used engines beyond the cache's size, taken out of it."""
+        """The least recently used engines beyond the budget, taken out of the cache."""
         evicted = []
-        while len(self._engines) > _ENGINE_CACHE_SIZE:
-            _, (_, engine) = self._engines.popitem(last=False)
+        total = self.charged_bytes
+        while total > self.budget_bytes and len(self._engines) > 1:
+            worker_id, (_, engine, charge) = self._engines.popitem(last=False)
+            logger.info("unloading worker %s: engines over WM_ENGINE_CACHE_MB", worker_id)
             evicted.append(engine)
+            total -= charge
         return evicted
 
     def close(self) -> None:
         with self._lock:
-            for _, engine in self._engines.values():
+            for _, engine, _ in self._engines.values():
                 engine.close()
             self._engines.clear()
+
+
+def cache_budget_bytes(settings: Settings) -> int:
+    """``WM_ENGINE_CACHE_MB``, or half the machine's memory shared by the node's processes."""
+    if settings.engine_cache_mb > 0:
+        return settings.engine_cache_mb << 20
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    processes = settings.node_concurrency or os.cpu_count() or 1
+    return physical // 2 // processes
 
 
 def _spec(meta: WorkerMeta, version: int) -> WorkerSpec:
