@@ -17,7 +17,8 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
   lease expired, so a holder never writes after a takeover. What it wrote before (a recorded
   outcome) is what the next attempt of its delivery republishes (``wm.dataplane.delivery``).
 * A release leaves a wake-up token, so a contender waiting in :meth:`GroupLocks.take`'s
-  short hand-off window (or in the blocking :meth:`GroupLocks.acquire`) retries at once.
+  short hand-off window (or in the blocking :meth:`GroupLocks.acquire`) retries at once;
+  only a lock someone found held (its record's *waiting* flag) leaves one.
 * The written flag only tells operators that a holder is in its publishing phase.
 
 Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter) and
@@ -78,6 +79,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'acquired_at_ms', 'written')
 if cur[1] then
   if cur[1] ~= ARGV[1] then
+    redis.call('HSET', KEYS[1], 'waiting', '1')
     return {'held', cur[1], cur[2], cur[3], cur[4], now, redis.call('PTTL', KEYS[1])}
   end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -104,14 +106,17 @@ return {0, cur[1] or '', cur[2] or ''}
 """
 
 # KEYS: record, wake list. ARGV: owner, fence, wake ttl ms. Reply: 1 when deleted, else 0.
-# A release leaves one wake-up token, so one contender waiting for it retries at once.
+# A release of a lock someone found held leaves one wake-up token, so one contender waiting
+# for it retries at once; an uncontended release is one DEL.
 _RELEASE_LUA = """
-local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence')
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'waiting')
 if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
   redis.call('DEL', KEYS[1])
-  redis.call('RPUSH', KEYS[2], 1)
-  redis.call('LTRIM', KEYS[2], -1, -1)
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  if cur[3] then
+    redis.call('RPUSH', KEYS[2], 1)
+    redis.call('LTRIM', KEYS[2], -1, -1)
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  end
   return 1
 end
 return 0
