@@ -55,12 +55,25 @@ def _parse_str(raw: str) -> str:
     return raw.strip()
 
 
+#: Message priorities kombu's Redis transport knows (it clamps a message's priority to them).
+MAX_PRIORITY = 9
+
+
+def _parse_priority_steps(raw: str) -> tuple[int, ...]:
+    steps = tuple(int(item) for item in _parse_csv(raw))
+    if not steps or steps[0] != 0 or steps[-1] > MAX_PRIORITY or list(steps) != sorted(set(steps)):
+        raise ValueError("expected ascending priority levels")
+    return steps
+
+
 _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_bool: "true or false",
     _parse_int: "a non-negative integer",
     _parse_float: "a non-negative number",
     _parse_csv: "a comma-separated list",
     _parse_str: "a string",
+    _parse_priority_steps: f"ascending levels from 0 to {MAX_PRIORITY}, starting with 0 "
+    "(0, or 0,3,6,9)",
 }
 
 
@@ -264,6 +277,13 @@ class Settings:
         _parse_float,
         "How often a node re-checks that it consumes every running worker's queue.",
     )
+    priority_steps: tuple[int, ...] = _setting(
+        "WM_PRIORITY_STEPS",
+        (0,),
+        _parse_priority_steps,
+        "Redis broker: priority levels, one list per queue each, all named in every BRPOP. "
+        "0 is one level (WorkManager sends no priorities); 0,3,6,9 is kombu's default.",
+    )
     visibility_timeout_s: int = _setting(
         "WM_VISIBILITY_TIMEOUT_S",
         3600,
@@ -338,4 +358,4 @@ def current_values(settings: Settings) -> dict[str, str]:
 
 
 def _shown(value: Any) -> str:
-    return ",".join(value) if isinstance(value, tuple) else str(value)
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)

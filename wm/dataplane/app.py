@@ -34,6 +34,7 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
             "unacked_restore_throttle": 1,
             "unacked_mutex_expire": 30,
             "confirm_publish": True,
+            **_redis_options(settings),
         },
         "result_backend": None,
         "task_ignore_result": True,
@@ -61,6 +62,15 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
 def redis_broker(broker_url: str) -> bool:
     """True when the broker is Redis (kombu's Redis transport)."""
     return broker_url.startswith(("redis://", "rediss://"))
+
+
+def _redis_options(settings: Settings) -> dict[str, Any]:
+    """Transport options only kombu's Redis transport reads. Its priority levels are lists
+    per queue that every BRPOP names (WM_PRIORITY_STEPS); RabbitMQ keeps priorities inside
+    one queue (``x-max-priority``, which WorkManager does not declare) and is unaffected."""
+    if redis_broker(settings.broker_url):
+        return {"priority_steps": list(settings.priority_steps)}
+    return {}
 
 
 def _redis_transport(broker_url: str) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """What a Celery node does besides running tasks: recovery at start (one leader per cluster,
 lease ``workmanager/recovery/leader``), and a reconcile loop that makes the node consume
 exactly the queues of running workers — also after a broker reconnect, when consumers added
-at runtime are known to vanish."""
+at runtime are known to vanish. On a Redis broker, messages queued under priority levels the
+node does not read (WM_PRIORITY_STEPS) are moved to levels it reads: at start for the
+queues it consumes, then every reconcile period by the one node that maintains."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from sqlalchemy import select
 from wm import store
 from wm.config import Settings
 from wm.dataplane import outbox, sweep
+from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
-from wm.dataplane.queues import EXCHANGE
+from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
 from wm.dataplane.tasks import reset_runtime
 from wm.engine import check_engines
 from wm.lifecycle import Status
@@ -53,7 +56,26 @@ def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
         return
     bus.rebuild_routes()
     outbox.flush(settings, bus)
+    # Before the sweep: a message in a list no node reads would count as lost.
+    merge_levels(settings, bus.app, [*running, DEFAULT_QUEUE])
     sweep.sweep(settings, bus, running)
+
+
+def merge_levels(settings: Settings, app: Celery, queues: Iterable[str]) -> int:
+    """Move the messages of ``queues`` that wait in priority levels outside WM_PRIORITY_STEPS
+    (queued under another setting, e.g. kombu's default four) into the levels read now."""
+    if not redis_broker(settings.broker_url):
+        return 0
+    with broker_errors(settings), app.connection_for_write() as conn:
+        moved = int(conn.default_channel.merge_unread_levels(queues))
+    if moved:
+        steps = ",".join(map(str, settings.priority_steps))
+        logger.warning(
+            "moved %d message(s) queued under other priority levels into WM_PRIORITY_STEPS=%s",
+            moved,
+            steps,
+        )
+    return moved
 
 
 def recover(settings: Settings, app: Celery) -> bool:
@@ -116,7 +138,7 @@ class Reconciler(bootsteps.StartStopStep):
             check_engines(self.settings)  # a host that cannot run an engine safely stops here
             recover_with_retries(self.settings, parent.app)
             self.recovered = True
-        self._tick(parent)
+        self._tick(parent, starting=True)
         self.tref = parent.timer.call_repeatedly(
             self.settings.reconcile_interval_s, self._tick, (parent,), priority=10
         )
@@ -126,10 +148,13 @@ class Reconciler(bootsteps.StartStopStep):
             self.tref.cancel()
             self.tref = None
 
-    def _tick(self, parent: Any) -> None:
+    def _tick(self, parent: Any, starting: bool = False) -> None:
         try:
             running = running_queues(self.settings)
             reconcile(parent, running)
+            if starting:
+                consumed = [queue.name for queue in parent.task_consumer.queues]
+                merge_levels(self.settings, parent.app, consumed)
             maintain(self.settings, Bus(self.settings, parent.app), running)
         except Exception:
             logger.exception(
