@@ -131,6 +131,7 @@ class Reconciler(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.settings = Settings.from_env()
         self.tref: Any = None
+        self.first: Any = None
         self.recovered = False
 
     def start(self, parent: Any) -> None:
@@ -138,15 +139,23 @@ class Reconciler(bootsteps.StartStopStep):
             check_engines(self.settings)  # a host that cannot run an engine safely stops here
             recover_with_retries(self.settings, parent.app)
             self.recovered = True
-        self._tick(parent, starting=True)
+        if parent.hub is not None:
+            # The first reconcile starts consuming: from the event loop, once the task
+            # consumer has its callback. Run here, a RabbitMQ backlog would be delivered
+            # while a later bootstep waits for the broker (opening its channel), to a consumer
+            # without callbacks, and kombu's NotImplementedError would end the node.
+            self.first = parent.timer.call_after(0.0, self._tick, (parent, True), priority=10)
+        else:
+            self._tick(parent, starting=True)
         self.tref = parent.timer.call_repeatedly(
             self.settings.reconcile_interval_s, self._tick, (parent,), priority=10
         )
 
     def stop(self, parent: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
+        for entry in (self.first, self.tref):
+            if entry is not None:
+                entry.cancel()
+        self.first = self.tref = None
 
     def _tick(self, parent: Any, starting: bool = False) -> None:
         try:

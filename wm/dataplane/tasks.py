@@ -27,7 +27,12 @@ from wm.config import Settings
 from wm.dataplane import outbox
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import Delivery, Runtime
-from wm.dataplane.queues import DELIVER_TASK
+from wm.dataplane.queues import (
+    CLOUDEVENT_CONTENT_TYPE,
+    DELIVER_TASK,
+    EXCHANGE,
+    subscription_queue,
+)
 from wm.errors import (
     BrokerUnavailable,
     DatabaseError,
@@ -260,3 +265,22 @@ def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:
 @shared_task(name="wm.noop", acks_late=True, reject_on_worker_lost=True)
 def noop() -> None:
     """Does nothing: the bare-Celery baseline that ``wm bench`` measures WorkManager against."""
+
+
+@shared_task(bind=True, name="wm.echo", acks_late=True, reject_on_worker_lost=True)
+def echo(self: Task, queue: str, payload: str) -> None:
+    """Publishes ``payload`` to the plain queue ``queue`` on a pooled producer: the bare-Celery
+    reference of ``wm bench``'s round trip, a task that answers each message with one, as a
+    worker with one output to a plain subscription does."""
+    with self.app.producer_or_acquire() as producer:
+        producer.publish(
+            payload,
+            exchange=EXCHANGE,
+            routing_key=queue,
+            declare=[subscription_queue(queue)],
+            content_type=CLOUDEVENT_CONTENT_TYPE,
+            content_encoding="utf-8",
+            serializer=None,
+            delivery_mode=2,
+            retry=True,
+        )

@@ -7,7 +7,11 @@ round trip (encode, the C call, decode) is timed too; likewise ``--dotnet-packag
 or a nupkg of it), whose every event is ``{"command": "echo", ...}``.
 
 Both delivery sides are timed the same way, from Celery's own task events: ``task-sent``
-(stamped by the publisher) to ``task-succeeded`` (stamped by the node).
+(stamped by the publisher) to ``task-succeeded`` (stamped by the node). This first phase runs
+on the embedded Redis; the drain phase (``--drain-repeats``, ``wm.local.drain``) and the
+round-trip phase (``--round-trips``, ``wm.local.roundtrip``) run on the broker ``--broker``
+names, with task events off as on a node. Every phase has names, a node and exchanges of its
+own (``wm.local.rig``) and deletes them when it ends.
 """
 
 from __future__ import annotations
@@ -23,19 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from kombu.connection import Connection
+from kombu.utils.url import maybe_sanitize_url
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane.app import make_app
+from wm.dataplane.app import BROKER_ERRORS
 from wm.engine import WorkerSpec, engine_class
 from wm.events import make_event
-from wm.local import drain
-from wm.local.up import celery_node, embedded_redis
-from wm.manager import WorkManager
+from wm.local import drain, roundtrip
+from wm.local.rig import BROKERS, DEFAULT_AMQP_URL, Rig
+from wm.local.up import embedded_redis
 from wm.state.connection import redis_for
 from wm.state.locks import GroupLocks
+from wm.views import WorkerInfo
 
-BARE_QUEUE = "wm.bench.bare"
 #: Targets from the issues, as ratios of bare Celery throughput.
 TARGETS = {
     "no group": 0.7,
@@ -115,6 +121,28 @@ class TaskClock:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.broker == "amqp":
+        args.broker_url = args.broker_url or DEFAULT_AMQP_URL
+        _check_rabbitmq(args.broker_url)
+    elif args.broker_url is not None:
+        parser.error("--broker-url names RabbitMQ for --broker amqp")
+    with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
+        home = Path(tmp)
+        with embedded_redis(home) as settings:
+            settings = settings.replace(database_url=f"sqlite:///{home / 'bench.db'}")
+            store.upgrade(settings)
+            # both sides are timed from task events: on for the node and the publishers
+            results = _run(settings.replace(task_events=True), home, args)
+            _report(results, args)
+            _broker_phases(settings, home, args)
+    if args.engine_messages:
+        _engine_round_trips(args)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wm bench", description=__doc__)
     parser.add_argument("--events", type=int, default=2000, help="events per scenario")
     parser.add_argument("--concurrency", type=int, default=2, help="Celery processes")
@@ -143,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="C# source of a command worker with an 'echo' command (such as "
         "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip",
     )
+    _add_broker_phases(parser)
+    return parser
+
+
+def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-repeats",
         type=int,
@@ -151,38 +184,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         "interleaved repetitions",
     )
     parser.add_argument(
+        "--round-trips",
+        type=int,
+        default=0,
+        help="also run the round-trip phase (one event at a time, publish → answer): this "
+        "many round trips per side in each block (0 skips it)",
+    )
+    parser.add_argument(
+        "--round-trip-repeats",
+        type=int,
+        default=3,
+        help="interleaved blocks per side of the round-trip phase",
+    )
+    parser.add_argument(
         "--drain-task-events",
         action="store_true",
-        help="run the drain phase with Celery task events on (off by default, as on a node)",
+        help="run the drain and round-trip phases with Celery task events on (off by "
+        "default, as on a node)",
     )
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
-        home = Path(tmp)
-        with embedded_redis(home) as settings:
-            # both sides are timed from task events: on for the node and the publishers
-            settings = settings.replace(
-                database_url=f"sqlite:///{home / 'bench.db'}", task_events=True
-            )
-            store.upgrade(settings)
-            results = _run(settings, home, args)
-            _report(results, args)
-            if args.drain_repeats:
-                drain_settings = settings.replace(task_events=args.drain_task_events)
-                drain.run(drain_settings, home, args.events, args.drain_repeats, args.concurrency)
-    if args.engine_messages:
-        _engine_round_trip(args.engine_messages)
-        messages = args.engine_messages * 10
-        if args.native_zip:  # encode, the C call, decode, FreeResult
-            payload = {"n": 1, "text": "a small payload"}
-            code = args.native_zip.read_bytes()
-            _in_process_round_trip(NATIVE, code, messages, payload, "30 µs", 1000)
-        for mime_type, path in _dotnet_workers(args):
-            # the event as strings, ProcessAsync (JSON parsed and written in .NET), the answer
-            # as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
-            # quickly compiled code before it optimizes them: the steady state is timed
-            payload = {"command": "upper", "text": "a small payload"}
-            _in_process_round_trip(mime_type, path.read_bytes(), messages, payload, "20 µs", 60000)
-    return 0
+    parser.add_argument(
+        "--broker",
+        choices=BROKERS,
+        default="redis",
+        help="the broker of the drain and round-trip phases: the embedded Redis, or RabbitMQ "
+        "(the state store stays on the embedded Redis)",
+    )
+    parser.add_argument(
+        "--broker-url",
+        help=f"RabbitMQ for --broker amqp (default {DEFAULT_AMQP_URL}); the bench's queues "
+        "and exchanges there are its own and deleted when it ends",
+    )
+
+
+def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace) -> None:
+    """The drain and round-trip phases, on the broker ``--broker`` names."""
+    if not (args.drain_repeats or args.round_trips):
+        return
+    settings = settings.replace(task_events=args.drain_task_events)
+    if args.broker == "amqp":
+        settings = settings.replace(broker_url=args.broker_url)
+    if args.drain_repeats:
+        drain.run(settings, home, args.events, args.drain_repeats, args.concurrency)
+    if args.round_trips:
+        roundtrip.run(settings, home, args.round_trips, args.round_trip_repeats, args.concurrency)
+
+
+def _check_rabbitmq(url: str) -> None:
+    """Refuse to start unless RabbitMQ answers at ``url``."""
+    if not url.startswith(("amqp://", "amqps://")):
+        raise SystemExit(f"wm bench: --broker-url {url!r} is no amqp:// URL")
+    try:
+        with Connection(url, connect_timeout=5) as connection:
+            connection.ensure_connection(max_retries=1)
+    except BROKER_ERRORS as exc:
+        raise SystemExit(
+            f"wm bench: RabbitMQ at {maybe_sanitize_url(url)} is unreachable ({exc}); start "
+            "it or pass --broker-url"
+        ) from exc
+
+
+def _engine_round_trips(args: argparse.Namespace) -> None:
+    _engine_round_trip(args.engine_messages)
+    messages = args.engine_messages * 10
+    if args.native_zip:  # encode, the C call, decode, FreeResult
+        payload = {"n": 1, "text": "a small payload"}
+        code = args.native_zip.read_bytes()
+        _in_process_round_trip(NATIVE, code, messages, payload, "30 µs", 1000)
+    for mime_type, path in _dotnet_workers(args):
+        # the event as strings, ProcessAsync (JSON parsed and written in .NET), the answer
+        # as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
+        # quickly compiled code before it optimizes them: the steady state is timed
+        payload = {"command": "upper", "text": "a small payload"}
+        _in_process_round_trip(mime_type, path.read_bytes(), messages, payload, "20 µs", 60000)
 
 
 def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
@@ -194,60 +267,52 @@ def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
 
 def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Result]:
-    app = make_app(settings)
-    manager = WorkManager(settings)
-    workers = {
-        "no group": manager.create_worker(
-            code=b"{}", mime_type="application/x-wm-stub", topic="bench.nogroup"
-        ),
-        "group": manager.create_worker(
-            code=b"{}", mime_type="application/x-wm-stub", topic="bench.group", group="bench"
-        ),
-        "python worker": manager.create_worker(
-            code=b"def process(event):\n    return None\n",
-            mime_type="text/x-python",
-            topic="bench.python",
-        ),
-    }
-    if args.native_zip:
-        workers["native worker"] = manager.create_worker(
-            code=args.native_zip.read_bytes(), mime_type=NATIVE, topic="bench.native"
-        )
-    for mime_type, path in _dotnet_workers(args):
-        name = ".NET dll worker" if mime_type == DOTNET_DLL else "C# worker"
-        workers[name] = manager.create_worker(
-            code=path.read_bytes(), mime_type=mime_type, topic=f"bench.{mime_type.split('-')[-1]}"
-        )
-    drain.declare_queue(app, BARE_QUEUE)
-    clock = TaskClock(app)
-    clock.start()
-    results = []
-    try:
-        with celery_node(home, settings, args.concurrency, extra_queues=[BARE_QUEUE]):
-            _warm_up(manager, app, workers)
-            results.append(
-                clock.measure(
-                    "bare celery",
-                    args.events,
-                    lambda: drain.send_bare(app, BARE_QUEUE, args.events),
-                    args.timeout_s,
-                )
-            )
-            for name, worker in workers.items():
-                send = functools.partial(drain.publish, manager, worker.topic, args.events)
-                results.append(clock.measure(name, args.events, send, args.timeout_s))
-    finally:
-        clock.stop()
+    with Rig(settings) as rig:
+        workers = _workers(rig, args)
+        bare = rig.queue("bare")
+        clock = TaskClock(rig.app)
+        clock.start()
+        results = []
+        try:
+            with rig.node(home, args.concurrency, [bare]):
+                print(rig.describe_node())
+                _warm_up(rig, bare, workers)
+                send_bare = functools.partial(drain.send_bare, rig, bare, args.events)
+                results.append(clock.measure("bare celery", args.events, send_bare, args.timeout_s))
+                for name, worker in workers.items():
+                    send = functools.partial(drain.publish, rig.manager, worker.topic, args.events)
+                    results.append(clock.measure(name, args.events, send, args.timeout_s))
+        finally:
+            clock.stop()
     print(f"lock acquire+release: {_lock_round_trips(settings)} Redis round trips")
     return results
 
 
-def _warm_up(manager: WorkManager, app: Celery, workers: dict[str, Any]) -> None:
+def _workers(rig: Rig, args: argparse.Namespace) -> dict[str, WorkerInfo]:
+    workers = {
+        "no group": rig.worker("nogroup", b"{}"),
+        "group": rig.worker("group", b"{}", group="bench"),
+        "python worker": rig.worker(
+            "python", b"def process(event):\n    return None\n", mime_type="text/x-python"
+        ),
+    }
+    if args.native_zip:
+        workers["native worker"] = rig.worker(
+            "native", args.native_zip.read_bytes(), mime_type=NATIVE
+        )
+    for mime_type, path in _dotnet_workers(args):
+        name = ".NET dll worker" if mime_type == DOTNET_DLL else "C# worker"
+        suffix = mime_type.split("-")[-1]
+        workers[name] = rig.worker(suffix, path.read_bytes(), mime_type=mime_type)
+    return workers
+
+
+def _warm_up(rig: Rig, bare: str, workers: dict[str, WorkerInfo]) -> None:
     """Let the node consume every queue and load every engine before timing anything."""
     for worker in workers.values():
-        drain.publish(manager, worker.topic, 5)
-    drain.send_bare(app, BARE_QUEUE, 5)
-    time.sleep(5)
+        drain.publish(rig.manager, worker.topic, 5)
+    drain.send_bare(rig, bare, 5)
+    time.sleep(drain.WARM_UP_S)
 
 
 def _lock_round_trips(settings: Settings) -> int:
@@ -315,7 +380,10 @@ def _time_calls(call: Callable[[], object], count: int, warm_up: int) -> tuple[f
 
 def _report(results: list[Result], args: argparse.Namespace) -> None:
     bare = results[0].rate
-    print(f"\n{args.events} events per scenario, concurrency {args.concurrency}\n")
+    print(
+        f"\n{args.events} events per scenario, concurrency {args.concurrency}, on Redis, timed "
+        "from task events (on for this phase)\n"
+    )
     print(f"{'scenario':<15}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}  target")
     for result in results:
         ratio = result.rate / bare if bare else 0.0

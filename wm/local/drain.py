@@ -2,11 +2,27 @@
 nothing consumes it, then consuming starts and the clock runs until every message is done:
 throughput without the publisher competing, and Redis commands per event, for a bare Celery
 task and WorkManager on the same node, with the same pool, prefetch, acks and task-events
-setting. Scenarios run interleaved (bare, no group, group, one output, bare, …) so a slow
-stretch of the machine hits them all; the spread of the repetitions is printed.
+setting (the node is asked, and the report says so). Scenarios run interleaved (bare, no
+group, group, one output, bare, …) so a slow stretch of the machine hits them all; the
+spread of the repetitions is printed.
 
-Done means the queue is empty and no message is unacknowledged (acks are late, so a message
-is acknowledged once its task finished). Redis only: the check reads kombu's Redis keys.
+Done means no message of the queue is ready and none is unacknowledged (acks are late, so a
+message is acknowledged once its task finished). How that is known depends on the broker:
+
+- Redis: kombu's keys say it all. The queue is one list per priority step (the app's
+  ``priority_steps`` transport option, kombu's four by default) and every unacknowledged
+  message is in the ``unacked`` hash: one LLEN per list and an HLEN, in one pipeline.
+- RabbitMQ: a passive ``queue.declare`` counts the ready messages, but AMQP has no count of
+  unacknowledged ones, and the management API's are samples taken every few seconds (where
+  it is enabled at all). So the node counts: it answers how many tasks it finished with
+  success, one per task id (``wm.local.benchnode``), recorded in the same step that sends
+  the message's ack. Once the queue has no ready message, the node is asked until the count
+  has grown by the number of events queued. A retry (a group member waiting for its lock)
+  keeps its task id and succeeds once, so the count is exact with retries too.
+
+Redis commands are counted on the servers of broker and state store (``INFO
+commandstats`` around the drain, minus the bench's own polling); on RabbitMQ, on the state
+store's alone.
 """
 
 from __future__ import annotations
@@ -17,24 +33,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from wm.config import Settings
-from wm.dataplane.app import make_app, redis_broker
 from wm.dataplane.queues import subscription_queue, worker_queue_name
 from wm.events import make_event
-from wm.local.up import celery_node
+from wm.local.rig import Rig
 from wm.manager import WorkManager
 from wm.state.connection import pooled_client
 
-BARE_QUEUE = "wm.bench.drain.bare"
-STUB = "application/x-wm-stub"
 #: Seconds between two checks for the end of a drain.
 POLL_S = 0.02
-#: Redis commands each check costs (a length per priority step, the unacked count).
-POLL_COMMANDS = len(PRIORITY_STEPS) + 1
+#: Seconds a drain may take before the bench gives up on it.
+DRAIN_TIMEOUT_S = 600.0
+#: Seconds for a prefetched message of the last run to be acknowledged after a pause.
+SETTLE_S = 0.5
+#: Seconds the node has to consume every queue and load every engine before timing.
+WARM_UP_S = 5.0
+#: Targets from issue 12, as ratios of bare Celery's drain rate.
+TARGETS = {"no group": 1.0, "group": 0.7, "one output": 0.8}
 
 
 @dataclass
@@ -65,52 +82,120 @@ class Scenario:
         self.pause, self.resume = pause, resume
 
 
+class RedisProbe:
+    """The end of a drain on a Redis broker: the queue's lists and kombu's unacked hash are
+    empty."""
+
+    def __init__(self, rig: Rig) -> None:
+        options = rig.app.conf.broker_transport_options
+        self.steps = list(options.get("priority_steps", PRIORITY_STEPS))
+        self.unacked = str(options.get("unacked_key", "unacked"))
+        self.client = pooled_client(rig.settings.broker_url)
+        #: Redis commands one :meth:`done` costs.
+        self.poll_commands = len(self.steps) + 1
+
+    def mark(self) -> None:
+        """Nothing to remember: the broker's keys tell the end."""
+
+    def keys(self, queue: str) -> list[str]:
+        """The queue's lists, one per priority step: name, name<sep>3, …"""
+        return [queue if not step else f"{queue}{Channel.sep}{step}" for step in self.steps]
+
+    def done(self, queue: str, events: int) -> bool:
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys(queue):
+            pipe.llen(key)
+        pipe.hlen(self.unacked)
+        return not any(pipe.execute())
+
+
+class AmqpProbe:
+    """The end of a drain on RabbitMQ: no message ready, and the node has finished as many
+    tasks with success since :meth:`mark` as events were queued."""
+
+    poll_commands = 0
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.base = 0
+
+    def mark(self) -> None:
+        self.base = self.rig.succeeded()
+
+    def ready(self, queue: str) -> int:
+        with self.rig.app.connection_or_acquire() as connection:
+            bound = subscription_queue(queue).bind(connection.default_channel)
+            return int(bound.queue_declare(passive=True).message_count)
+
+    def done(self, queue: str, events: int) -> bool:
+        return not self.ready(queue) and self.rig.succeeded() - self.base >= events
+
+
+Probe = RedisProbe | AmqpProbe
+
+
+def probe_for(rig: Rig) -> Probe:
+    return RedisProbe(rig) if rig.redis_broker else AmqpProbe(rig)
+
+
 def run(settings: Settings, home: Path, events: int, repeats: int, concurrency: int) -> None:
     """Time the drain of ``events`` messages per scenario, ``repeats`` times, and print it."""
-    if not redis_broker(settings.broker_url):
-        raise SystemExit("wm bench: the drain phase reads Redis queues; use a Redis broker")
-    app = make_app(settings)
-    manager = WorkManager(settings)
-    scenarios = _scenarios(app, manager)
-    client = pooled_client(settings.broker_url)  # the server of broker and state
-    declare_queue(app, BARE_QUEUE)
+    with Rig(settings) as rig:
+        header, results = measure(rig, home, events, repeats, concurrency)
+    report(results, header, events, repeats, concurrency, rig)
+
+
+def measure(
+    rig: Rig, home: Path, events: int, repeats: int, concurrency: int
+) -> tuple[str, list[Drain]]:
+    """The node's description and each scenario's repetitions."""
+    scenarios = _scenarios(rig)
+    probe = probe_for(rig)
     results = {scenario.name: Drain(scenario.name) for scenario in scenarios}
-    with celery_node(home, settings, concurrency, extra_queues=[BARE_QUEUE]):
+    with rig.node(home, concurrency, [scenarios[0].queue]):
+        header = rig.describe_node()
         for scenario in scenarios:  # warm: consumers up, engines loaded
             scenario.fill(5)
-        time.sleep(5)
+        time.sleep(WARM_UP_S)
         for _ in range(repeats):
             for scenario in scenarios:
-                rate, commands = _drain(scenario, events, client)
+                rate, commands = time_drain(rig, probe, scenario, events)
                 results[scenario.name].rates.append(rate)
                 results[scenario.name].commands.append(commands)
-    _report(list(results.values()), events, repeats, concurrency, settings.task_events)
+    return header, list(results.values())
 
 
-def _scenarios(app: Celery, manager: WorkManager) -> list[Scenario]:
-    def worker(name: str, topic: str, code: bytes, group: str | None = None) -> Scenario:
-        info = manager.create_worker(code=code, mime_type=STUB, topic=topic, group=group)
-        return Scenario(
-            name,
-            worker_queue_name(topic, str(info.id)),
-            lambda count: publish(manager, topic, count),
-            lambda: manager.stop_worker(info.id),
-            lambda: manager.start_worker(info.id),
-        )
-
-    manager.subscribe("drain.out", "sink")
+def _scenarios(rig: Rig) -> list[Scenario]:
+    bare = rig.queue("drain.bare")
+    out = rig.name("drain.out")
+    rig.subscribe("drain.out", "sink")
     return [
         Scenario(
             "bare celery",
-            BARE_QUEUE,
-            lambda count: send_bare(app, BARE_QUEUE, count),
-            lambda: app.control.cancel_consumer(BARE_QUEUE, reply=True),
-            lambda: app.control.add_consumer(BARE_QUEUE, reply=True),
+            bare,
+            lambda count: send_bare(rig, bare, count),
+            lambda: rig.pause(bare),
+            lambda: rig.resume(bare),
         ),
-        worker("no group", "drain.nogroup", b"{}"),
-        worker("group", "drain.group", b"{}", group="drain"),
-        worker("one output", "drain.output", b'{"output_type": "drain.out"}'),
+        worker_scenario(rig, "no group", "drain.nogroup", b"{}"),
+        worker_scenario(rig, "group", "drain.group", b"{}", group="drain"),
+        worker_scenario(rig, "one output", "drain.output", f'{{"output_type": "{out}"}}'.encode()),
     ]
+
+
+def worker_scenario(
+    rig: Rig, name: str, suffix: str, code: bytes, group: str | None = None
+) -> Scenario:
+    """A stub worker's queue, paused by stopping the worker."""
+    info = rig.worker(suffix, code, group)
+    manager = rig.manager
+    return Scenario(
+        name,
+        worker_queue_name(info.topic, str(info.id)),
+        lambda count: publish(manager, info.topic, count),
+        lambda: manager.stop_worker(info.id),
+        lambda: manager.start_worker(info.id),
+    )
 
 
 def publish(manager: WorkManager, topic: str, count: int) -> None:
@@ -119,60 +204,45 @@ def publish(manager: WorkManager, topic: str, count: int) -> None:
         manager.publish(make_event(topic, "/bench", {"n": n, "command": "echo"}))
 
 
-def declare_queue(app: Celery, queue_name: str) -> None:
-    """Declare the bare Celery reference's queue, which no worker owns."""
-    with app.connection_for_write() as connection:
-        subscription_queue(queue_name).bind(connection.default_channel).declare()
-
-
-def send_bare(app: Celery, queue_name: str, count: int) -> None:
+def send_bare(rig: Rig, queue_name: str, count: int) -> None:
     """``count`` bare Celery tasks that do nothing, to ``queue_name``."""
     queue = subscription_queue(queue_name)
-    with app.producer_or_acquire() as producer:
+    with rig.app.producer_or_acquire() as producer:
         for _ in range(count):
-            app.send_task("wm.noop", queue=queue, producer=producer)
+            rig.app.send_task("wm.noop", queue=queue, producer=producer)
 
 
-def _drain(scenario: Scenario, events: int, client: redis.Redis) -> tuple[float, float]:
+def time_drain(rig: Rig, probe: Probe, scenario: Scenario, events: int) -> tuple[float, float]:
     """Fill while paused, resume, wait until done: (events/s, Redis commands per event)."""
     scenario.pause()
-    time.sleep(0.5)  # a prefetched message of the last run is acknowledged
+    time.sleep(SETTLE_S)
     scenario.fill(events)
-    # kombu's Redis transport keeps one list per priority step: name, name<sep>3, …
-    keys = [scenario.queue] + [
-        f"{scenario.queue}{Channel.sep}{step}" for step in PRIORITY_STEPS[1:]
-    ]
-    before = _commands(client)
+    probe.mark()
+    before = rig.redis_commands()
     started = time.monotonic()
     scenario.resume()
     polls = 0
-    while True:
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.llen(key)
-        pipe.hlen("unacked")
+    while not probe.done(scenario.queue, events):
         polls += 1
-        if not any(pipe.execute()):
-            break
+        if time.monotonic() - started > DRAIN_TIMEOUT_S:
+            raise RuntimeError(f"{scenario.name}: not drained after {DRAIN_TIMEOUT_S:.0f} s")
         time.sleep(POLL_S)
     elapsed = time.monotonic() - started
-    spent = _commands(client) - before - polls * POLL_COMMANDS - 1  # the INFO itself
+    spent = rig.redis_commands() - before - (polls + 1) * probe.poll_commands - rig.info_calls
     return events / elapsed, spent / events
 
 
-def _commands(server: redis.Redis) -> int:
-    return sum(int(stat["calls"]) for stat in server.info("commandstats").values())
-
-
-def _report(
-    results: list[Drain], events: int, repeats: int, concurrency: int, task_events: bool
+def report(
+    results: list[Drain], header: str, events: int, repeats: int, concurrency: int, rig: Rig
 ) -> None:
     bare = results[0]
+    broker = "Redis" if rig.redis_broker else "RabbitMQ"
+    events_on = "on" if rig.settings.task_events else "off"
     print(
-        f"\nDrain: {events} queued events per scenario, {repeats} repetitions interleaved, "
-        f"concurrency {concurrency}, task events {'on' if task_events else 'off'}\n"
+        f"\nDrain on {broker}: {events} queued events per scenario, {repeats} repetitions "
+        f"interleaved, concurrency {concurrency}, task events {events_on}\n{header}\n"
     )
-    print(f"{'scenario':<14}{'events/s (median, runs)':<34}{'ratio':>7}  Redis commands/event")
+    print(f"{'scenario':<14}{'events/s (median, runs)':<34}{'ratio':>7}  {rig.counted}/event")
     for result in results:
         runs = " ".join(f"{rate:.0f}" for rate in result.rates)
         ratio = result.rate / bare.rate if bare.rate else 0.0
@@ -182,7 +252,14 @@ def _report(
         commands = statistics.median(result.commands)
         added = commands - statistics.median(bare.commands)
         extra = "" if result is bare else f" (+{added:.1f} over bare)"
+        target = TARGETS.get(result.name)
+        verdict = "" if target is None else _verdict(ratio >= target, f"≥ {target}×")
         print(
             f"{result.name:<14}{result.rate:>6.0f} ({runs}){'':<{max(0, 26 - len(runs))}}"
             f"{ratio:>6.2f}× [{min(spread):.2f}–{max(spread):.2f}]  {commands:.1f}{extra}"
+            f"{verdict}"
         )
+
+
+def _verdict(met: bool, target: str) -> str:
+    return f"  target {target} " + ("met" if met else "MISSED")

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from celery import Celery
 from kombu.connection import Connection
 
 from wm import store
@@ -114,24 +115,35 @@ def _child_env(settings: Settings) -> dict[str, str]:
 
 @contextlib.contextmanager
 def celery_node(
-    home: Path, settings: Settings, concurrency: int, extra_queues: Sequence[str] = ()
+    home: Path,
+    settings: Settings,
+    concurrency: int,
+    queues: Sequence[str] = (DEFAULT_QUEUE,),
+    *,
+    app_module: str = "wm.celeryapp",
+    name: str = "wm-up@%h",
+    control: Celery | None = None,
 ) -> Iterator[None]:
-    """A Celery node as a child process in its own session; stopped with a warm shutdown."""
+    """A Celery node as a child process in its own session; stopped with a warm shutdown.
+
+    ``control`` is the app whose pings tell that the node is up (default: one built from
+    ``settings``); a node of ``app_module`` with its own control exchange needs its own.
+    """
     log_path = home / "node.log"
     command = [
         sys.executable,
         "-m",
         "celery",
         "-A",
-        "wm.celeryapp",
+        app_module,
         "worker",
         "-n",
-        "wm-up@%h",
+        name,
         "-c",
         str(concurrency),
         "--loglevel=INFO",
         "-Q",
-        ",".join([DEFAULT_QUEUE, *extra_queues]),
+        ",".join(queues),
     ]
     with log_path.open("ab") as log:
         node = subprocess.Popen(
@@ -142,15 +154,14 @@ def celery_node(
             start_new_session=True,
         )
     try:
-        _wait_for_node(settings, node, log_path)
+        _wait_for_node(control or make_app(settings), node, log_path)
         _say(f"node       celery pid {node.pid}, {concurrency} processes, log {log_path}")
         yield
     finally:
         _stop_node(node)
 
 
-def _wait_for_node(settings: Settings, node: subprocess.Popen[bytes], log_path: Path) -> None:
-    app = make_app(settings)
+def _wait_for_node(app: Celery, node: subprocess.Popen[bytes], log_path: Path) -> None:
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if node.poll() is not None:

@@ -1,0 +1,38 @@
+"""The ``celery -A wm.local.benchnode worker -n wmbench-…@host`` entry point: the node
+``wm bench`` runs (``wm.local.rig``).
+
+It is WorkManager's node (``wm.celeryapp``: the same app, pool hooks and tasks) with two
+additions. Its control and event exchanges are named after the node (``wm.local.rig.node_conf``),
+so on a shared RabbitMQ vhost it hears only the bench's broadcasts. And it answers
+``wm_bench_succeeded``: how many tasks it finished with success, one per task id. Celery
+records a success in the same step that acknowledges the message (``task_ready``, then the
+ack), so the count is the drain phase's exact end on RabbitMQ, which tells AMQP clients how
+many messages are ready but not how many are unacknowledged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import signals
+from celery.worker import state as worker_state
+from celery.worker.control import inspect_command
+
+from wm.celeryapp import app
+from wm.local.rig import SUCCEEDED_COMMAND, node_conf
+
+__all__ = ["app"]
+
+# Celery keeps the ids of the last 1,000 successes only; the bench counts them all.
+worker_state.successful_requests.maxlen = 0
+
+
+@signals.celeryd_init.connect
+def _own_exchanges(sender: str, conf: Any, **_: Any) -> None:
+    """Before the node builds its mailbox and event dispatcher."""
+    conf.update(node_conf(sender.partition("@")[0]))
+
+
+@inspect_command(name=SUCCEEDED_COMMAND)
+def _succeeded(state: Any, **_: Any) -> dict[str, int]:
+    return {"succeeded": len(worker_state.successful_requests)}
