@@ -117,6 +117,7 @@ class Ledger:
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             pipe.zrem(done.index, done.member, key)  # a bare key: a legacy entry
+            pipe.hdel(self._legacy_bodies(worker_id), key)
             if done.runs is not None:
                 pipe.hdel(done.runs, key)
             pipe.execute()
