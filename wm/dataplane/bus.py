@@ -29,7 +29,7 @@ from wm.dataplane.queues import (
 )
 from wm.events import CloudEvent, encode, key_of, payload_key
 from wm.names import check_name
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import redis_errors, redis_for, text
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription
 
@@ -52,16 +52,28 @@ return routes
 """
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 @dataclass(frozen=True)
 class Route:
     """One subscription of a topic: its queue and, for a worker, the worker id."""
 
     queue: str
     worker_id: str | None
+
+
+def send_plain(producer: Any, queue: str, payload: str) -> None:
+    """Publish an encoded event to the plain queue ``queue`` as structured-mode CloudEvent
+    JSON, the format any kombu client of a plain subscription reads."""
+    producer.publish(
+        payload,
+        exchange=EXCHANGE,
+        routing_key=queue,
+        declare=[subscription_queue(queue)],
+        content_type=CLOUDEVENT_CONTENT_TYPE,
+        content_encoding="utf-8",
+        serializer=None,
+        delivery_mode=2,
+        retry=True,
+    )
 
 
 class Bus:
@@ -100,7 +112,7 @@ class Bus:
         if flat is None:
             return None
         pairs = zip(flat[::2], flat[1::2], strict=True)
-        return [Route(_text(q), _text(w) or None) for q, w in sorted(pairs)]
+        return [Route(text(q), text(w) or None) for q, w in sorted(pairs)]
 
     def rebuild_routes(self) -> int:
         """Make the routing table match the ``subscriptions`` table; returns the fixes made.
@@ -137,9 +149,9 @@ class Bus:
     def _routed(self) -> dict[tuple[str, str], str]:
         routed: dict[tuple[str, str], str] = {}
         for key in self.redis.scan_iter(match=_ROUTES + "*", count=500):
-            topic = _text(key)[len(_ROUTES) :]
+            topic = text(key)[len(_ROUTES) :]
             for queue, worker in self.redis.hgetall(key).items():
-                routed[(topic, _text(queue))] = _text(worker)
+                routed[(topic, text(queue))] = text(worker)
         return routed
 
     def add_route(self, topic: str, queue: str, worker_id: str | None) -> None:
@@ -223,20 +235,10 @@ class Bus:
     def _send_one(
         self, producer: Any, route: Route, payload: str, task_options: dict[str, Any]
     ) -> None:
-        queue = subscription_queue(route.queue)
         if route.worker_id is None:
-            producer.publish(
-                payload,
-                exchange=EXCHANGE,
-                routing_key=route.queue,
-                declare=[queue],
-                content_type=CLOUDEVENT_CONTENT_TYPE,
-                content_encoding="utf-8",
-                serializer=None,
-                delivery_mode=2,
-                retry=True,
-            )
+            send_plain(producer, route.queue, payload)
             return
+        queue = subscription_queue(route.queue)
         self.app.send_task(
             DELIVER_TASK,
             args=[route.worker_id, payload],

@@ -25,14 +25,10 @@ from celery.exceptions import Reject, Retry
 
 from wm.config import Settings
 from wm.dataplane import outbox
+from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import Delivery, Runtime
-from wm.dataplane.queues import (
-    CLOUDEVENT_CONTENT_TYPE,
-    DELIVER_TASK,
-    EXCHANGE,
-    subscription_queue,
-)
+from wm.dataplane.queues import DELIVER_TASK
 from wm.errors import (
     BrokerUnavailable,
     DatabaseError,
@@ -273,14 +269,4 @@ def echo(self: Task, queue: str, payload: str) -> None:
     reference of ``wm bench``'s round trip, a task that answers each message with one, as a
     worker with one output to a plain subscription does."""
     with self.app.producer_or_acquire() as producer:
-        producer.publish(
-            payload,
-            exchange=EXCHANGE,
-            routing_key=queue,
-            declare=[subscription_queue(queue)],
-            content_type=CLOUDEVENT_CONTENT_TYPE,
-            content_encoding="utf-8",
-            serializer=None,
-            delivery_mode=2,
-            retry=True,
-        )
+        send_plain(producer, queue, payload)

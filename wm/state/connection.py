@@ -6,6 +6,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 from kombu.utils.url import maybe_sanitize_url
@@ -52,3 +53,8 @@ def redis_errors(settings: Settings) -> Iterator[None]:
             f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)} is unreachable "
             f"({exc}); start it or fix the setting"
         ) from exc
+
+
+def text(value: Any) -> str:
+    """A Redis reply as text (redis-py returns bytes unless told to decode)."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -21,12 +21,11 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from wm.config import Settings
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import redis_errors, redis_for, text
 
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
@@ -162,7 +161,7 @@ class Ledger:
         their payload from its hash; one whose payload is gone is forgotten)."""
         with redis_errors(self.settings):
             found = [
-                _text(raw)
+                text(raw)
                 for raw in self.redis.zrangebyscore(
                     self._index(worker_id), 0, time.time() - older_than_s
                 )
@@ -176,7 +175,7 @@ class Ledger:
             if sep:
                 pending.append(Pending(key, payload, entry))
             elif old[entry] is not None:
-                pending.append(Pending(key, _text(old[entry]), entry))
+                pending.append(Pending(key, text(old[entry]), entry))
             else:
                 self.forget(worker_id, [entry])
         return pending
@@ -208,7 +207,3 @@ class Ledger:
         with redis_errors(self.settings):
             claimed = self.redis.set(_SWEEP_LOCK, 1, nx=True, px=max(1, int(period_s * 900)))
         return bool(claimed)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

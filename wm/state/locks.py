@@ -43,7 +43,7 @@ import redis
 
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import redis_errors, redis_for, text
 
 __all__ = [
     "MIN_LEASE_MS",
@@ -157,11 +157,11 @@ class _AcquireReply:
     def parse(cls, raw: list[Any]) -> _AcquireReply:
         status, owner, fence, acquired_at_ms, written, server_ms, lease_left_ms = raw
         return cls(
-            status=_text(status),
-            owner=_text(owner),
+            status=text(status),
+            owner=text(owner),
             fence=int(fence),
             acquired_at_ms=int(acquired_at_ms),
-            written=_text(written) == "1",
+            written=text(written) == "1",
             server_ms=int(server_ms),
             lease_left_ms=int(lease_left_ms),
         )
@@ -323,7 +323,7 @@ class GroupLocks:
             raw, left_ms = pipe.execute()
         if not raw:
             return None
-        fields = {_text(key): _text(value) for key, value in raw.items()}
+        fields = {text(key): text(value) for key, value in raw.items()}
         return Holder(
             owner=fields["owner"],
             fence=int(fields["fence"]),
@@ -351,7 +351,7 @@ class GroupLocks:
             )
         if int(raw[0]) == 1:
             return None
-        return _text(raw[1]), _text(raw[2])
+        return text(raw[1]), text(raw[2])
 
     def _record_key(self, group: str) -> str:
         return f"{self._prefix}{{{group}}}"
@@ -489,7 +489,3 @@ def _sleep_ms(delay_ms: int) -> None:
     while remaining > 0:
         time.sleep(remaining)
         remaining = deadline - time.monotonic()
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
