@@ -189,7 +189,7 @@ def test_node_start_recovers_state_redis_lost(fast: Settings, start_node: Any) -
     state.flushdb()
     node = start_node(fast)
     node.wait_for("recovery done: 2 queue(s) declared")
-    assert state.hlen("wm:routes:in") == 1 and state.exists("wm:routes-ready")
+    assert state.hlen("wm:topic:{in}:routes") == 1 and state.exists("wm:topic:{in}:ready")
     assert not state.exists(LEADER_KEY)
     node.consuming(f"in::{worker.id}")
     _publish(manager, "in", 2)
@@ -288,8 +288,8 @@ def test_a_route_lost_behind_workmanagers_back_is_repaired(fast: Settings, start
     node = start_node(fast)
     node.consuming(f"in::{worker.id}")
     state = redis.Redis.from_url(fast.redis_url)
-    state.hdel("wm:routes:in", f"in::{worker.id}")
-    state.hset("wm:routes:in", "in::gone", "")  # a route whose subscription does not exist
+    state.hdel("wm:topic:{in}:routes", f"in::{worker.id}")
+    state.hset("wm:topic:{in}:routes", "in::gone", "")  # a route whose subscription does not exist
     assert manager.bus.routes("in") == [Route("in::gone", None)]
     eventually(lambda: manager.bus.routes("in") == [Route(f"in::{worker.id}", str(worker.id))])
     _publish(manager, "in", 1)

@@ -38,30 +38,38 @@ def _publish(manager: WorkManager, topic: str, count: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_group_members_never_overlap_and_fences_increase(
-    pg_settings: Settings, start_node: Any
-) -> None:
-    settings = pg_settings.replace(
+def test_group_members_never_overlap_and_fences_increase(broker: Settings, start_node: Any) -> None:
+    settings = broker.replace(
         group_lock_retry_base_delay_ms=2,
         group_lock_max_retries=12,
         max_retries=50,
         retry_base_delay_ms=10,
         reconcile_interval_s=1.0,
     )
+    topic, done = f"in.{uuid.uuid4().hex[:8]}", f"done.{uuid.uuid4().hex[:8]}"
     manager = WorkManager(settings)
-    sink = manager.subscribe("done", "sink")
+    sink = manager.subscribe(done, "sink")
     workers = [
         manager.create_worker(
-            code=stub(output_type="done", sleep_ms=1), mime_type=STUB, topic="in", group="g"
+            code=stub(output_type=done, sleep_ms=1), mime_type=STUB, topic=topic, group="g"
         )
         for _ in range(2)
     ]
     nodes = [start_node(settings, name=f"n{i}") for i in range(2)]
     for node in nodes:
         for worker in workers:
-            node.consuming(f"in::{worker.id}")
-    _publish(manager, "in", 250)
+            node.consuming(f"{topic}::{worker.id}")
+    _publish(manager, topic, 250)
     outputs = drain(settings, sink, 500, timeout_s=240)
+    try:
+        _check_fenced_runs(settings, outputs)
+    finally:
+        for worker in workers:
+            manager.delete_worker(worker.id)
+        manager.unsubscribe(done, "sink")
+
+
+def _check_fenced_runs(settings: Settings, outputs: list[dict[str, Any]]) -> None:
     assert len(outputs) == 500
     runs = sorted(outputs, key=lambda e: e["data"]["started_at"])
     for before, after in itertools.pairwise(runs):
@@ -427,14 +435,15 @@ def _longest_gap_s(runs: list[dict[str, Any]], until: float) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("handoff_ms", [50, 0], ids=["hand-off", "broker-waits-only"])
 def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
-    pg_settings: Settings, start_node: Any, rng: random.Random, tmp_path: Path, handoff_ms: int
+    broker: Settings, start_node: Any, rng: random.Random, tmp_path: Path, handoff_ms: int
 ) -> None:
     """Two workers in one group on two nodes; three times, at a point the seed picks, the node
     whose process holds the group lock (else a seeded one) is killed with kill -9 and replaced.
     Every event gets its one output, no two runs overlap, the group never stands still longer
     than two leases while work is queued, and hardly anything runs twice. Without a hand-off
-    window every contended delivery waits in the broker: thousands of waits, same results."""
-    settings = pg_settings.replace(
+    window every contended delivery waits in the broker: thousands of waits, same results.
+    On RabbitMQ a kill may repeat one output to the plain subscription (README)."""
+    settings = broker.replace(
         group_lock_lease_s=TEST_LEASE_S,
         group_lock_handoff_ms=handoff_ms,
         group_lock_retry_base_delay_ms=20,
@@ -443,23 +452,24 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         reconcile_interval_s=1.0,
         redeliver_after_s=20.0,
     )
+    run = uuid.uuid4().hex[:8]
+    done, topics = f"done.{run}", (f"in-a.{run}", f"in-b.{run}")
     manager = WorkManager(settings)
-    sink = manager.subscribe("done", "sink")
+    sink = manager.subscribe(done, "sink")
     trace = tmp_path / "runs.jsonl"
     workers = [
         manager.create_worker(
-            code=stub(output_type="done", sleep_ms=2, trace=str(trace)),
+            code=stub(output_type=done, sleep_ms=2, trace=str(trace)),
             mime_type=STUB,
             topic=topic,
             group="g",
         )
-        for topic in ("in-a", "in-b")
+        for topic in topics
     ]
     queues = [f"{w.topic}::{w.id}" for w in workers]
     half = GROUP_CHAOS_EVENTS // 2
-    ids = [*_publish(manager, "in-a", half), *_publish(manager, "in-b", half)]
+    ids = [*_publish(manager, topics[0], half), *_publish(manager, topics[1], half)]
     ledger, locks = Ledger(settings), GroupLocks(settings)
-    broker = redis.Redis.from_url(settings.broker_url)
 
     def pending() -> int:
         return sum(ledger.pending_of([str(w.id) for w in workers]).values())
@@ -476,7 +486,7 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         target = max(pending() - rng.randint(60, 180), 0)
         eventually(progressed_to(target), timeout_s=60, interval_s=0.01)
         victim = _victim(locks, nodes, rng)
-        in_flight += int(broker.hlen("unacked"))
+        in_flight += _unacked(settings)
         victim.kill(signal.SIGKILL)
         nodes.remove(victim)
         nodes.append(start_node(settings, name=f"r{round_}"))
@@ -485,18 +495,25 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         timeout_s=120,
         interval_s=0.05,
     )
-    outputs = drain(settings, sink, GROUP_CHAOS_EVENTS, timeout_s=120)
-    outputs += drain(settings, sink, 1, timeout_s=3)  # anything duplicated arrives too
-    took_s = time.monotonic() - started
-
     expected = {
         derive_id(event_key("/tests", i), str(w.id), 0)
         for w, group_ids in zip(workers, (ids[:half], ids[half:]), strict=True)
         for i in group_ids
     }
+    # Until every event's output came (a repeated output on RabbitMQ counts once), then
+    # anything repeated late arrives too.
+    outputs: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 120
+    while (missing := expected - {e["id"] for e in outputs}) and time.monotonic() < deadline:
+        outputs += drain(settings, sink, len(missing), timeout_s=deadline - time.monotonic())
+    outputs += drain(settings, sink, 1, timeout_s=3)
+    took_s = time.monotonic() - started
     counts = Counter(e["id"] for e in outputs)
-    runs = sorted(
-        (e["data"] | {"fence": int(e[FENCE_EXTENSION])} for e in outputs),
+    runs = sorted(  # a repeated output is one run published twice
+        (
+            e["data"] | {"fence": int(e[FENCE_EXTENSION])}
+            for e in {e["id"]: e for e in outputs}.values()
+        ),
         key=lambda r: r["started_at"],
     )
     overlaps = [(a, b) for a, b in itertools.pairwise(runs) if b["started_at"] < a["finished_at"]]
@@ -510,9 +527,17 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         f"longest stall {stall_s:.2f} s (lease {TEST_LEASE_S} s)"
     )
     assert sorted(set(expected) - set(counts)) == []  # nothing lost
-    assert [i for i, n in counts.items() if n > 1 or i not in expected] == []  # no duplicate
+    assert [i for i in counts if i not in expected] == []
+    repeated = [i for i, n in counts.items() if n > 1]
+    if settings.broker_url.startswith("redis"):
+        assert repeated == []  # no duplicate
+    else:
+        assert len(repeated) <= 3 and all(counts[i] == 2 for i in repeated), repeated
     assert overlaps == [] and fences_back == []
     assert stall_s <= 2 * TEST_LEASE_S, stall_s
     assert executions <= 1.1 * GROUP_CHAOS_EVENTS + in_flight, (executions, in_flight)
     assert DeadLetters(settings).list() == []
-    eventually(lambda: pending() == 0 and broker.hlen("unacked") == 0, timeout_s=30)
+    eventually(lambda: pending() == 0 and _unacked(settings) == 0, timeout_s=30)
+    for worker in workers:
+        manager.delete_worker(worker.id)
+    manager.unsubscribe(done, "sink")

@@ -28,7 +28,7 @@ from wm.dataplane import transport
 from wm.dataplane.app import celery_settings, make_app
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.outputs import OutputPublisher, _kombu_message
-from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, subscription_queue
+from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, READY_LIST, subscription_queue
 from wm.errors import ConfigurationError
 from wm.events import encode, key_of
 
@@ -271,10 +271,13 @@ def brpop_keys(db: int, timeout_s: float = 30) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("steps", [(0,), KOMBU_STEPS], ids=["one-level", "kombu-four"])
+@pytest.mark.parametrize("ready_list", [False, True], ids=["per-queue", "ready-list"])
 def test_a_nodes_brpop_names_each_queue_once_per_level(
-    pg_settings: Settings, start_node: Any, steps: tuple[int, ...]
+    pg_settings: Settings, start_node: Any, steps: tuple[int, ...], ready_list: bool
 ) -> None:
-    settings = pg_settings.replace(priority_steps=steps)
+    """Without the ready list a node's BRPOP names every queue it consumes; with it, the
+    ready list stands for every worker queue."""
+    settings = pg_settings.replace(priority_steps=steps, ready_list=ready_list)
     manager = WorkManager(settings)
     workers = [manager.create_worker(code=stub(), mime_type=STUB, topic=f"t{i}") for i in range(12)]
     queues = [DEFAULT_QUEUE, *(f"{w.topic}::{w.id}" for w in workers)]
@@ -283,5 +286,6 @@ def test_a_nodes_brpop_names_each_queue_once_per_level(
         node.consuming(queue)
 
     keys = brpop_keys(BROKER_DB)
-    shown = [queue if not s else f"{queue}\\x06\\x16{s}" for s in steps for queue in queues]
-    assert Counter(keys) == Counter(shown)
+    named = [DEFAULT_QUEUE] if ready_list else queues
+    shown = [queue if not s else f"{queue}\\x06\\x16{s}" for s in steps for queue in named]
+    assert Counter(keys) == Counter(shown + [READY_LIST] * ready_list)

@@ -284,6 +284,13 @@ class Settings:
         "Redis broker: priority levels, one list per queue each, all named in every BRPOP. "
         "0 is one level (WorkManager sends no priorities); 0,3,6,9 is kombu's default.",
     )
+    ready_list: bool = _setting(
+        "WM_READY_LIST",
+        True,
+        _parse_bool,
+        "Redis broker: nodes wait on one list of worker queues that hold messages instead "
+        "of naming every queue in BRPOP; set the same on nodes and publishers.",
+    )
     visibility_timeout_s: int = _setting(
         "WM_VISIBILITY_TIMEOUT_S",
         3600,

@@ -13,7 +13,7 @@ from kombu.exceptions import KombuError
 from kombu.utils.url import maybe_sanitize_url
 
 from wm.config import Settings
-from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, subscription_queue
+from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, READY_LIST, subscription_queue
 from wm.errors import BrokerUnavailable
 
 #: Errors of kombu, py-amqp, redis (a Redis broker) and the sockets under them: the broker
@@ -69,7 +69,10 @@ def _redis_options(settings: Settings) -> dict[str, Any]:
     per queue that every BRPOP names (WM_PRIORITY_STEPS); RabbitMQ keeps priorities inside
     one queue (``x-max-priority``, which WorkManager does not declare) and is unaffected."""
     if redis_broker(settings.broker_url):
-        return {"priority_steps": list(settings.priority_steps)}
+        return {
+            "priority_steps": list(settings.priority_steps),
+            "ready_key": READY_LIST if settings.ready_list else None,
+        }
     return {}
 
 

@@ -1,7 +1,7 @@
 """Topic routing and publishing (DESIGN.md §5.1).
 
 ``publish(event, topic)`` looks the topic up in the routing table (a Redis hash per topic,
-rebuilt from the ``subscriptions`` table whenever it is missing) and sends one message per
+loaded from the ``subscriptions`` table whenever it is missing) and sends one message per
 subscription to that subscription's own durable queue: a Celery task message for a worker,
 a plain structured-mode CloudEvent for a plain subscription (sinks, observers, ``wm tail``).
 """
@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from celery import Celery
 from sqlalchemy import select
 
@@ -29,27 +28,44 @@ from wm.dataplane.queues import (
 )
 from wm.events import CloudEvent, encode, key_of, payload_key
 from wm.names import check_name
-from wm.state.connection import redis_errors, redis_for, text
+from wm.state.connection import StateRedis, redis_errors, redis_for, text
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription
 
 logger = logging.getLogger(__name__)
 
-_ROUTES = "wm:routes:"
-_ROUTES_READY = "wm:routes-ready"  # outside the wm:routes:* pattern
-_DROPPED = "wm:stats:dropped"
-# KEYS: ready flag, the topic's routes, drop counters. ARGV: topic, "1" to count a drop.
-# Returns false when the table must be rebuilt first, else the routes (HGETALL's list);
-# an empty one is counted as a drop in the same round trip.
+#: The routing table, one set of keys per topic, each tagged with the topic: on a Redis
+#: Cluster every topic lives on one shard (topics spread over the shards), and a lookup's
+#: script touches one slot.
+#:
+#: - ``wm:topic:{<topic>}:routes``: hash, queue → worker id ('' for a plain subscription);
+#: - ``wm:topic:{<topic>}:ready``: the topic's routes were loaded from the database. It is
+#:   lost with its shard's data, and a lookup that misses it loads the topic first;
+#: - ``wm:topic:{<topic>}:dropped``: events published to the topic while nobody subscribed.
+_TOPIC = "wm:topic:"
+_ROUTES, _READY, _DROPPED = "routes", "ready", "dropped"
+#: The layout of earlier releases, across several slots: a hash per topic and one flag for
+#: the whole table, and one hash of drop counts (field ``*``: all topics). Processes of an
+#: earlier release still read it during an upgrade: :meth:`Bus.add_route` writes it too
+#: while its flag exists, and a full rebuild deletes the flag, so they rebuild theirs from
+#: the database. Drops counted there are still reported by :meth:`Bus.dropped`.
+_LEGACY_ROUTES = "wm:routes:"
+_LEGACY_READY = "wm:routes-ready"
+_LEGACY_DROPPED = "wm:stats:dropped"
+# KEYS: the topic's ready flag, routes, drop counter. ARGV: "1" to count a drop.
+# Returns false when the topic's routes must be loaded first, else the routes (HGETALL's
+# list); an empty one is counted as a drop in the same round trip.
 _ROUTES_OR_DROP = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local routes = redis.call('HGETALL', KEYS[2])
-if #routes == 0 and ARGV[2] == '1' then
-  redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
-  redis.call('HINCRBY', KEYS[3], '*', 1)
-end
+if #routes == 0 and ARGV[1] == '1' then redis.call('INCR', KEYS[3]) end
 return routes
 """
+
+
+def topic_key(topic: str, kind: str) -> str:
+    """The key of ``topic``'s routes, ready flag or drop counter (``kind``)."""
+    return f"{_TOPIC}{{{topic}}}:{kind}"
 
 
 @dataclass(frozen=True)
@@ -84,18 +100,18 @@ class Bus:
         self.app = app if app is not None else make_app(settings)
 
     @property
-    def redis(self) -> redis.Redis:
+    def redis(self) -> StateRedis:
         return redis_for(self.settings)
 
     # -- routing table ---------------------------------------------------------------------
 
     def routes(self, topic: str, *, count_drop: bool = False) -> list[Route]:
-        """Subscriptions of ``topic``; rebuilds the table first if Redis lost it. With
+        """Subscriptions of ``topic``; loads them first if Redis lost them. With
         ``count_drop``, no subscription counts the event as dropped (same round trip)."""
         with redis_errors(self.settings):
             found = self.parse_routes(self.redis.eval(*self.routes_command(topic, count_drop)))
             if found is None:
-                self.rebuild_routes()
+                self.rebuild_routes(topic)
                 found = self.parse_routes(self.redis.eval(*self.routes_command(topic, count_drop)))
         assert found is not None
         return found
@@ -103,8 +119,8 @@ class Bus:
     @staticmethod
     def routes_command(topic: str, count_drop: bool) -> tuple[Any, ...]:
         """The EVAL arguments of a routes lookup (for a pipeline; see :meth:`parse_routes`)."""
-        keys = (_ROUTES_READY, _ROUTES + topic, _DROPPED)
-        return (_ROUTES_OR_DROP, len(keys), *keys, topic, "1" if count_drop else "0")
+        keys = (topic_key(topic, _READY), topic_key(topic, _ROUTES), topic_key(topic, _DROPPED))
+        return (_ROUTES_OR_DROP, len(keys), *keys, "1" if count_drop else "0")
 
     @staticmethod
     def parse_routes(flat: list[Any] | None) -> list[Route] | None:
@@ -114,26 +130,31 @@ class Bus:
         pairs = zip(flat[::2], flat[1::2], strict=True)
         return [Route(text(q), text(w) or None) for q, w in sorted(pairs)]
 
-    def rebuild_routes(self) -> int:
-        """Make the routing table match the ``subscriptions`` table; returns the fixes made.
+    def rebuild_routes(self, topic: str | None = None) -> int:
+        """Make the routing table (or ``topic``'s routes) match the ``subscriptions`` table
+        and mark it loaded; returns the fixes made.
 
         Differences are repaired one by one rather than by rewriting the table, so a route
         added concurrently is never wiped; a route is removed only if a second look at the
         database confirms its subscription is gone.
         """
         with redis_errors(self.settings):
-            wanted = self._subscribed()
-            actual = self._routed()
+            wanted = self._subscribed(topic)
+            actual = self._routed(topic)
             missing = {k: w for k, w in wanted.items() if actual.get(k) != w}
             extra = set(actual) - set(wanted)
             if extra:
-                extra -= set(self._subscribed())
+                extra -= set(self._subscribed(topic))
+            loaded = {t for t, _ in [*wanted, *actual]} | ({topic} if topic else set())
             pipe = self.redis.pipeline(transaction=False)
-            for (topic, queue), worker in missing.items():
-                pipe.hset(_ROUTES + topic, queue, worker)
-            for topic, queue in extra:
-                pipe.hdel(_ROUTES + topic, queue)
-            pipe.set(_ROUTES_READY, "1")
+            for (name, queue), worker in missing.items():
+                pipe.hset(topic_key(name, _ROUTES), queue, worker)
+            for name, queue in extra:
+                pipe.hdel(topic_key(name, _ROUTES), queue)
+            for name in loaded:  # after its routes: a topic's keys share one node
+                pipe.set(topic_key(name, _READY), "1")
+            if topic is None:
+                pipe.delete(_LEGACY_READY)
             pipe.execute()
         if missing or extra:
             logger.warning(
@@ -141,36 +162,50 @@ class Bus:
             )
         return len(missing) + len(extra)
 
-    def _subscribed(self) -> dict[tuple[str, str], str]:
+    def _subscribed(self, topic: str | None) -> dict[tuple[str, str], str]:
+        query = select(Subscription)
+        if topic is not None:
+            query = query.where(Subscription.topic == topic)
         with store.session_scope(self.settings) as session:
-            subs = session.scalars(select(Subscription)).all()
+            subs = session.scalars(query).all()
             return {(s.topic, s.queue): str(s.worker_id or "") for s in subs}
 
-    def _routed(self) -> dict[tuple[str, str], str]:
+    def _routed(self, topic: str | None) -> dict[tuple[str, str], str]:
+        if topic is not None:
+            found = self.redis.hgetall(topic_key(topic, _ROUTES))
+            return {(topic, text(queue)): text(worker) for queue, worker in found.items()}
         routed: dict[tuple[str, str], str] = {}
-        for key in self.redis.scan_iter(match=_ROUTES + "*", count=500):
-            topic = text(key)[len(_ROUTES) :]
+        head, tail = len(_TOPIC) + 1, len(_ROUTES) + 2  # "{" and "}:"
+        for key in self.redis.scan_iter(match=f"{_TOPIC}*:{_ROUTES}", count=500):
+            name = text(key)[head:-tail]
             for queue, worker in self.redis.hgetall(key).items():
-                routed[(topic, text(queue))] = text(worker)
+                routed[(name, text(queue))] = text(worker)
         return routed
 
     def add_route(self, topic: str, queue: str, worker_id: str | None) -> None:
         """Declare the queue, then route ``topic`` to it."""
         self.declare_queue(queue)
         with redis_errors(self.settings):
-            self.redis.hset(_ROUTES + topic, queue, worker_id or "")
+            self.redis.hset(topic_key(topic, _ROUTES), queue, worker_id or "")
+            if self.redis.exists(_LEGACY_READY):  # an earlier release still reads it
+                self.redis.hset(_LEGACY_ROUTES + topic, queue, worker_id or "")
 
     def remove_route(self, topic: str, queue: str, *, delete_queue: bool = True) -> None:
         with redis_errors(self.settings):
-            self.redis.hdel(_ROUTES + topic, queue)
+            self.redis.hdel(topic_key(topic, _ROUTES), queue)
+            self.redis.hdel(_LEGACY_ROUTES + topic, queue)
         if delete_queue:
             self.delete_queue(queue)
 
     def dropped(self, topic: str | None = None) -> int:
-        """Events dropped because nobody subscribed (per topic, or in total)."""
+        """Events dropped because nobody subscribed (per topic, or in total), counted by
+        this release and by earlier ones (:data:`_LEGACY_DROPPED`)."""
         with redis_errors(self.settings):
-            raw = self.redis.hget(_DROPPED, topic or "*")
-        return int(raw or 0)
+            legacy = int(self.redis.hget(_LEGACY_DROPPED, topic or "*") or 0)
+            if topic is not None:
+                return legacy + int(self.redis.get(topic_key(topic, _DROPPED)) or 0)
+            counters = self.redis.scan_iter(match=f"{_TOPIC}*:{_DROPPED}", count=500)
+            return legacy + sum(int(self.redis.get(key) or 0) for key in counters)
 
     # -- queues ----------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     outbox.flush(settings, bus)
     # Before the sweep: a message in a list no node reads would count as lost.
     merge_levels(settings, bus.app, [*running, DEFAULT_QUEUE])
+    repair_ready(settings, bus.app, running)
     sweep.sweep(settings, bus, running)
 
 
@@ -76,6 +77,19 @@ def merge_levels(settings: Settings, app: Celery, queues: Iterable[str]) -> int:
             steps,
         )
     return moved
+
+
+def repair_ready(settings: Settings, app: Celery, queues: Iterable[str]) -> int:
+    """List again in the Redis ready list (WM_READY_LIST) the queues of ``queues`` that hold
+    messages no node will look for: a node died holding their name, or a client pushed to
+    the queue without WorkManager's transport."""
+    if not (redis_broker(settings.broker_url) and settings.ready_list):
+        return 0
+    with broker_errors(settings), app.connection_for_write() as conn:
+        fixed = int(conn.default_channel.repair_ready(queues))
+    if fixed:
+        logger.warning("listed %d queue(s) holding messages in the ready list again", fixed)
+    return fixed
 
 
 def recover(settings: Settings, app: Celery) -> bool:

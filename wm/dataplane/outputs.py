@@ -7,6 +7,10 @@ event id). A plain subscription is a queue any kombu client reads, so it gets ea
   every plain queue, atomically: a crash leaves either both or neither.
 - Other brokers (RabbitMQ): the marker is checked before and set right after the publish; a
   crash between the two can repeat that one output, with the same id.
+
+The marker is one key, ``wm:published:<topic>:<event key>``: in the broker's Redis (always a
+single server) for a Redis broker, else in the state store, where no command reads it with
+another key, so it needs no hash tag on a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -15,13 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kombu.utils.json import dumps
-from redis.client import Pipeline
 
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
 from wm.events import CloudEvent, encode, key_of
-from wm.state.connection import pooled_client, redis_errors
+from wm.state.connection import StatePipeline, pooled_client, queue_eval, redis_errors
 
 _MARKER = "wm:published:"
 #: Seconds an output's push may wait for the broker's Redis before it fails (and is retried).
@@ -42,13 +45,14 @@ class OutputPublisher:
         self._connection: Any = None
         self._channel: Any = None
 
-    def lookups(self, outputs: list[CloudEvent]) -> Callable[[Pipeline], None]:
+    def lookups(self, outputs: list[CloudEvent]) -> Callable[[StatePipeline], None]:
         """Queues the routes lookups of ``outputs`` in a pipeline (drops counted), so
         :meth:`publish` can be given their results instead of asking Redis again."""
 
-        def queue(pipe: Pipeline) -> None:
+        def queue(pipe: StatePipeline) -> None:
             for output in outputs:
-                pipe.eval(*Bus.routes_command(output.get_type(), True))
+                script, count, *rest = Bus.routes_command(output.get_type(), True)
+                queue_eval(pipe, script, rest[:count], *rest[count:])
 
         return queue
 
@@ -97,12 +101,11 @@ class OutputPublisher:
         return self._channel
 
     def _send_marked(self, payload: str, routes: list[Route], marker: str) -> None:
-        state = self.bus.redis
         with redis_errors(self.bus.settings):
-            if state.exists(marker):
+            if self.bus.redis.exists(marker):
                 return
             self.bus.send(payload, routes)
-            state.set(marker, 1, ex=self.ttl_s)
+            self.bus.redis.set(marker, 1, ex=self.ttl_s)
 
 
 def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:

@@ -9,6 +9,9 @@ EXCHANGE = Exchange("wm", type="direct", durable=True)
 #: Queue of WorkManager's own tasks (dead-letter replay, maintenance).
 DEFAULT_QUEUE = "wm.default"
 DELIVER_TASK = "wm.deliver"
+#: Redis broker: the list of worker queues holding messages that nodes wait on
+#: (``wm.dataplane.transport``, WM_READY_LIST); its hash of queues listed is ``<key>.armed``.
+READY_LIST = "wm.ready"
 #: Content type of plain-subscription messages.
 CLOUDEVENT_CONTENT_TYPE = "application/cloudevents+json"
 
@@ -20,6 +23,13 @@ def subscription_queue(name: str) -> Queue:
 
 def worker_queue_name(topic: str, worker_id: str) -> str:
     return f"{topic}::{worker_id}"
+
+
+def is_worker_queue(name: str) -> bool:
+    """True for ``<topic>::<worker id>`` (a topic never holds ``::``; a plain subscription's
+    queue has two)."""
+    _, sep, tail = name.partition("::")
+    return bool(sep) and len(tail) == 36 and "::" not in tail
 
 
 def plain_queue_name(topic: str, name: str) -> str:

@@ -21,18 +21,39 @@ kombu keeps one list per queue and priority level (``WM_PRIORITY_STEPS``; kombu'
 lists of other levels, filled under an earlier setting or by a publisher that still has
 one, are moved into the lists it reads (:meth:`Channel.merge_unread_levels`), and deleting
 or purging a queue takes every level's list.
+
+kombu's BRPOP names every list of every queue a node consumes, so a node serving 1,000
+workers sends, and Redis scans, 1,000 keys per message. With a ready key (``WM_READY_LIST``)
+a node instead waits on one list, the *ready list*, naming the worker queues that hold
+messages, each once, in the order they became ready. A publish that makes a queue non-empty
+lists it (one script: the push and, if the push made the list's length 1, the name). An
+idle node waits in BRPOP on the ready list and takes the named queue's oldest message; while
+there is a backlog it sends one script per message instead, which pops a name and takes that
+queue's message together. A queue that still holds messages goes back to the end of the
+ready list (round robin over busy queues); an empty one is not listed. A node's cost per
+message does not depend on how many queues it consumes. A queue whose name a node popped and
+did not take from (the node died in between; or it does not consume the queue, a stopped
+worker's, and put the message back) stays unlisted until a node starts consuming it or
+:meth:`Channel.repair_ready` lists it, which the maintaining node runs every reconcile
+period; that also finds messages pushed by a client without this transport. A name listed
+twice costs one take that finds nothing. Other queues (``wm.default``, plain subscriptions)
+are consumed as kombu does.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from time import monotonic
 from typing import Any
 
 import redis
 from kombu.transport import redis as kombu_redis
+from kombu.transport.virtual import Empty
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
 
-from wm.dataplane.queues import EXCHANGE
+from wm.dataplane.queues import EXCHANGE, is_worker_queue
 
 #: Content type of an item that was not a kombu message: its bytes, undecoded.
 RAW_CONTENT_TYPE = "application/octet-stream"
@@ -57,24 +78,288 @@ end
 return moved
 """
 
+# The ready list. KEYS: the list the message goes to, the ready list. ARGV: the message,
+# its queue.
+_PUT = """
+if redis.call('LPUSH', KEYS[1], ARGV[1]) == 1 then redis.call('LPUSH', KEYS[2], ARGV[2]) end
+"""
+# The message of a popped name. KEYS: the ready list, the lists of the queue's levels read,
+# highest priority first. ARGV: the queue. Returns {oldest message, names still listed}, or
+# nil when the queue is empty.
+_TAKE = """
+for i = 2, #KEYS do
+  local message = redis.call('RPOP', KEYS[i])
+  if message then
+    for j = i, #KEYS do
+      if redis.call('LLEN', KEYS[j]) > 0 then
+        redis.call('LPUSH', KEYS[1], ARGV[1])
+        break
+      end
+    end
+    return {message, redis.call('LLEN', KEYS[1])}
+  end
+end
+return false
+"""
+# Without blocking: the next message of the ready list's queues, or of the other queues
+# consumed. KEYS: the ready list, then the other queues' lists. ARGV: 1 to try the other
+# queues first, the number L of levels, the L suffixes of a level's list. Returns
+# {queue, message, the list it came from} or nil. A name whose queue is empty is dropped.
+_TAKE_NEXT = """
+local levels = tonumber(ARGV[2])
+local function listed()
+  local queue = redis.call('RPOP', KEYS[1])
+  while queue do
+    for l = 3, levels + 2 do
+      local key = queue .. ARGV[l]
+      local message = redis.call('RPOP', key)
+      if message then
+        for m = l, levels + 2 do
+          if redis.call('LLEN', queue .. ARGV[m]) > 0 then
+            redis.call('LPUSH', KEYS[1], queue)
+            break
+          end
+        end
+        return {queue, message, key}
+      end
+    end
+    queue = redis.call('RPOP', KEYS[1])
+  end
+  return false
+end
+local function others()
+  for i = 2, #KEYS do
+    local message = redis.call('RPOP', KEYS[i])
+    if message then return {KEYS[i], message, KEYS[i]} end
+  end
+  return false
+end
+if ARGV[1] == '1' then return others() or listed() end
+return listed() or others()
+"""
+# KEYS: the ready list, the lists of the queue's levels read. ARGV: the queue. Lists it if it
+# holds messages and is not listed.
+_ARM = """
+if redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
+for i = 2, #KEYS do
+  if redis.call('LLEN', KEYS[i]) > 0 then
+    redis.call('LPUSH', KEYS[1], ARGV[1])
+    return 1
+  end
+end
+return 0
+"""
+# KEYS: the ready list. ARGV: the number L of levels, the L suffixes of a level's list, then
+# queues. Lists each queue that holds messages and is not listed (a node may have died
+# holding its name). A name a node holds at this moment is listed twice.
+_REPAIR = """
+local listed = {}
+for _, queue in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do listed[queue] = true end
+local levels, fixed = tonumber(ARGV[1]), 0
+for i = levels + 2, #ARGV do
+  local queue = ARGV[i]
+  if not listed[queue] then
+    for l = 2, levels + 1 do
+      if redis.call('LLEN', queue .. ARGV[l]) > 0 then
+        redis.call('LPUSH', KEYS[1], queue)
+        listed[queue] = true
+        fixed = fixed + 1
+        break
+      end
+    end
+  end
+end
+return fixed
+"""
+#: Queues one repair script looks at.
+REPAIR_QUEUES_PER_CALL = 500
+
 
 class Channel(kombu_redis.Channel):
+    from_transport_options = (  # type: ignore[assignment]  # kombu types it by its length
+        *kombu_redis.Channel.from_transport_options,
+        "ready_key",
+    )
+    #: The ready list (empty: kombu's BRPOP over every queue); see the module's docstring.
+    ready_key = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._others: list[str] = []  # queues consumed that are not worker queues
+        self._workers_consumed = 0
+        self._others_first = False
+        self._backlog = False  # the last take saw more listed: take without blocking
+        self._sent = "BRPOP"  # the command in flight on the polling connection
+        self._scripts: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def _ready_for(self, queue: str) -> bool:
+        """Whether messages of ``queue`` go through the ready list."""
+        return bool(self.ready_key) and not self.global_keyprefix and is_worker_queue(queue)
+
+    def _script(self, source: str) -> Any:
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self._create_client().register_script(source)
+        return script
+
+    def _levels(self, queue: str) -> list[str]:
+        """The lists of ``queue``'s levels read, highest priority first."""
+        return [self._q_for_pri(queue, pri) for pri in self.priority_steps]
+
+    def _update_queue_cycle(self) -> None:
+        super()._update_queue_cycle()
+        self._others = [queue for queue in self.active_queues if not self._ready_for(queue)]
+        self._workers_consumed = len(self.active_queues) - len(self._others)
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        consumer_tag = super().basic_consume(queue, *args, **kwargs)
+        self.arm([queue])  # messages that waited while nobody consumed the queue
+        return consumer_tag
+
+    def arm(self, queues: Iterable[str]) -> None:
+        """List each of ``queues`` that holds messages and is not listed."""
+        queues = [queue for queue in queues if self._ready_for(queue)]
+        if not queues:
+            return
+        script = self._script(_ARM)
+        with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                script(keys=[self.ready_key, *self._levels(queue)], args=[queue], client=pipe)
+            pipe.execute()
+
+    def repair_ready(self, queues: Iterable[str]) -> int:
+        """List every one of ``queues`` that holds messages but is not in the ready list;
+        returns how many. Costs Redis one LLEN per queue and one read of the ready list."""
+        queues = sorted(queue for queue in set(queues) if self._ready_for(queue))
+        suffixes = self._levels("")
+        script = self._script(_REPAIR)
+        fixed = 0
+        with self.conn_or_acquire() as client:
+            for start in range(0, len(queues), REPAIR_QUEUES_PER_CALL):
+                chunk = queues[start : start + REPAIR_QUEUES_PER_CALL]
+                args = [len(suffixes), *suffixes, *chunk]
+                fixed += int(script(keys=[self.ready_key], args=args, client=client))
+        return fixed
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        if not self._ready_for(queue):
+            super()._put(queue, message, **kwargs)
+            return
+        pri = self._get_message_priority(message, reverse=False)
+        keys = [self._q_for_pri(queue, pri), self.ready_key]
+        batch = kwargs.pop("_publish_batch", None)
+        if batch is not None:  # a pipeline: no EVALSHA, which a restarted Redis would refuse
+            batch.add("eval", _PUT, len(keys), *keys, dumps(message), queue)
+            return
+        with self.conn_or_acquire() as client:
+            self._script(_PUT)(keys=keys, args=[dumps(message), queue], client=client)
+
+    def _do_restore_message(
+        self, payload: Any, exchange: str, routing_key: str, pipe: Any, leftmost: bool = False
+    ) -> None:
+        super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        try:
+            queues = [q for q in self._lookup(exchange, routing_key) if self._ready_for(q)]
+        except Exception:  # kombu logged it: the message was not restored either
+            return
+        for queue in queues:  # in the restore's transaction, after the push
+            keys = [self.ready_key, *self._levels(queue)]
+            pipe.eval(_ARM, len(keys), *keys, queue)
+
+    def _brpop_start(self, timeout: int | None = None) -> None:
+        if not self._workers_consumed:
+            super()._brpop_start(timeout)
+            return
+        others = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in self._others]
+        # Each pops from the first source holding messages: alternate, so neither starves.
+        self._others_first = not self._others_first
+        if self._backlog:
+            self._sent = "EVAL"
+            suffixes = self._levels("")
+            command = ["EVAL", _TAKE_NEXT, 1 + len(others), self.ready_key, *others]
+            command += [int(self._others_first), len(suffixes), *suffixes]
+        else:
+            self._sent = "BRPOP"
+            keys = [*others, self.ready_key] if self._others_first else [self.ready_key, *others]
+            timeout = self.brpop_timeout if timeout is None else timeout
+            command = ["BRPOP", *keys, timeout or 0]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu: None or a time
+        self.client.connection.send_command(*command)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        sent, self._sent = self._sent, "BRPOP"
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, sent, **options)
+            except self.connection_errors:
+                # kombu's own read does the same: the next iteration reconnects.
+                self.client.connection.disconnect()
+                raise
+            if sent == "EVAL":
+                return self._took_next(reply)
+            if not reply:
+                raise Empty()
+            dest, item = bytes_to_str(reply[0]), reply[1]
+            if dest == self.ready_key:
+                return self._take(bytes_to_str(item))
+            queue = dest.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+            self._deliver_item(item, queue)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]  # kombu: a connection or None
+            flush = getattr(self, "_flush_brpop_reauth", None)  # kombu >= 5.7
+            if flush is not None:
+                flush()
+
+    def _take(self, queue: str) -> bool:
+        """Take the oldest message of ``queue``, whose name BRPOP popped off the ready list."""
+        if queue not in self.active_queues:
+            # A stopped worker's queue, or one this node does not consume yet: it stays
+            # unlisted until a node consumes it (or the repair lists it).
+            raise Empty()
+        keys = [self.ready_key, *self._levels(queue)]
+        with self.conn_or_acquire() as client:
+            reply = self._script(_TAKE)(keys=keys, args=[queue], client=client)
+        if not reply:
+            raise Empty()
+        item, listed = reply
+        self._backlog = int(listed) > 0
+        self._deliver_item(item, queue)
+        return True
+
+    def _took_next(self, reply: Any) -> bool:
+        """Deliver what a take without blocking returned; None: wait in BRPOP again."""
+        if not reply:
+            self._backlog = False
+            raise Empty()
+        queue, item, key = (bytes_to_str(reply[0]), reply[1], bytes_to_str(reply[2]))
+        if not self._ready_for(queue):  # one of the other queues
+            queue = queue.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+        elif queue not in self.active_queues:
+            # Not this node's to take (a stopped worker's): back where it was, unlisted.
+            with self.conn_or_acquire() as client, client.pipeline() as pipe:
+                pipe.rpush(key, item).lrem(self.ready_key, 0, queue).execute()
+            raise Empty()
+        self._deliver_item(item, queue)
+        return True
+
+    def _deliver_item(self, item: bytes, queue: str) -> None:
+        """Deliver a popped list item; one that is no kombu message as raw bytes."""
+        try:
+            message = loads(bytes_to_str(item))
+        except json.JSONDecodeError as exc:
+            message = raw_message(self, exc.doc.encode(), queue)
+        self.connection._deliver(message, queue)
+
     def _connparams(self, asynchronous: bool = False) -> Any:
         if self.connection.client is None:
             raise redis.exceptions.ConnectionError(
                 "the broker connection is closed; unacknowledged messages stay in Redis"
             )
         return super()._connparams(asynchronous=asynchronous)
-
-    def _brpop_read(self, **options: Any) -> bool:
-        try:
-            return bool(super()._brpop_read(**options))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            # kombu rotated the popped queue to the end of its cycle before decoding.
-            queue = self._queue_cycle.items[-1]
-            raw = exc.doc.encode() if isinstance(exc, json.JSONDecodeError) else exc.object
-            self.connection._deliver(raw_message(self, bytes(raw), queue), queue)
-            return True
 
     def unread_levels(self, queue: str) -> list[tuple[str, str]]:
         """(list of a level this channel does not read, list of the level it reads that a
@@ -85,7 +370,7 @@ class Channel(kombu_redis.Channel):
             if level not in self.priority_steps
         ]
 
-    def merge_unread_levels(self, queues: Iterable[str]) -> int:
+    def merge_unread_levels(self, queues: Collection[str]) -> int:
         """Move the messages of levels this channel does not read into the lists it reads;
         returns how many. Each message moves in one atomic RPOPLPUSH: a node that dies
         midway loses or repeats none."""
@@ -100,6 +385,8 @@ class Channel(kombu_redis.Channel):
                 while count == MERGE_BATCH:
                     count = int(script(keys=keys, args=[MERGE_BATCH]))
                     moved += count
+        if moved:
+            self.arm(queues)
         return moved
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:

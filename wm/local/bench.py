@@ -35,7 +35,7 @@ from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS
 from wm.engine import WorkerSpec, engine_class
 from wm.events import make_event
-from wm.local import drain, roundtrip
+from wm.local import drain, roundtrip, scale
 from wm.local.rig import BROKERS, DEFAULT_AMQP_URL, Rig
 from wm.local.up import embedded_redis
 from wm.state.connection import redis_for
@@ -128,15 +128,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_rabbitmq(args.broker_url)
     elif args.broker_url is not None:
         parser.error("--broker-url names RabbitMQ for --broker amqp")
+    if args.drain_repeats and not args.events:
+        parser.error("the drain phase needs --events above 0")
+    if args.scale_workers and not 1 <= args.scale_topics <= args.scale_workers:
+        parser.error("--scale-topics must be between 1 and --scale-workers")
+    if args.scale_workers and min(args.scale_nodes, args.scale_deliveries, args.scale_repeats) < 1:
+        parser.error("--scale-nodes, --scale-deliveries and --scale-repeats must be 1 or more")
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
         home = Path(tmp)
         with embedded_redis(home) as settings:
             settings = settings.replace(database_url=f"sqlite:///{home / 'bench.db'}")
             store.upgrade(settings)
             # both sides are timed from task events: on for the node and the publishers
-            results = _run(settings.replace(task_events=True), home, args)
-            _report(results, args)
+            if args.events:
+                results = _run(settings.replace(task_events=True), home, args)
+                _report(results, args)
             _broker_phases(settings, home, args)
+            _scale_phase(settings, home, args)
     if args.engine_messages:
         _engine_round_trips(args)
     return 0
@@ -144,7 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wm bench", description=__doc__)
-    parser.add_argument("--events", type=int, default=2000, help="events per scenario")
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=2000,
+        help="events per scenario (0 skips the task-event phase)",
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="Celery processes")
     parser.add_argument("--timeout-s", type=float, default=600, help="per scenario")
     parser.add_argument(
@@ -172,7 +185,29 @@ def _parser() -> argparse.ArgumentParser:
         "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip",
     )
     _add_broker_phases(parser)
+    _add_scale_phase(parser)
     return parser
+
+
+def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scale-workers",
+        type=int,
+        default=0,
+        help="also run the scale phase (wm.local.scale): this many stub workers against one, "
+        "on the broker --broker names (0 skips it)",
+    )
+    parser.add_argument("--scale-topics", type=int, default=100, help="topics of the workers")
+    parser.add_argument("--scale-nodes", type=int, default=3, help="nodes of the scale phase")
+    parser.add_argument(
+        "--scale-deliveries",
+        type=int,
+        default=5,
+        help="deliveries per worker in each throughput run of the scale phase",
+    )
+    parser.add_argument(
+        "--scale-repeats", type=int, default=2, help="interleaved throughput runs per side"
+    )
 
 
 def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +262,24 @@ def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace) -> 
         drain.run(settings, home, args.events, args.drain_repeats, args.concurrency)
     if args.round_trips:
         roundtrip.run(settings, home, args.round_trips, args.round_trip_repeats, args.concurrency)
+
+
+def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace) -> None:
+    """The scale phase, on the broker ``--broker`` names."""
+    if not args.scale_workers:
+        return
+    if args.broker == "amqp":
+        settings = settings.replace(broker_url=args.broker_url)
+    scale.run(
+        settings.replace(task_events=args.drain_task_events),
+        home,
+        args.scale_workers,
+        args.scale_topics,
+        args.scale_nodes,
+        args.scale_deliveries,
+        args.scale_repeats,
+        args.concurrency,
+    )
 
 
 def _check_rabbitmq(url: str) -> None:

@@ -2,8 +2,9 @@
 ``wm bench`` runs (``wm.local.rig``).
 
 It is WorkManager's node (``wm.celeryapp``: the same app, pool hooks and tasks) with two
-additions. Its control and event exchanges are named after the node (``wm.local.rig.node_conf``),
-so on a shared RabbitMQ vhost it hears only the bench's broadcasts. And it answers
+additions. Its control and event exchanges, and on Redis its ready list, are named after the
+node (``wm.local.rig.node_conf``), so on a shared RabbitMQ vhost it hears only the bench's
+broadcasts, and on a shared Redis it neither takes nor hides other nodes' messages. It answers
 ``wm_bench_succeeded``: how many tasks it finished with success, one per task id. Celery
 records a success in the same step that acknowledges the message (``task_ready``, then the
 ack), so the count is the drain phase's exact end on RabbitMQ, which tells AMQP clients how
@@ -30,7 +31,7 @@ worker_state.successful_requests.maxlen = 0
 @signals.celeryd_init.connect
 def _own_exchanges(sender: str, conf: Any, **_: Any) -> None:
     """Before the node builds its mailbox and event dispatcher."""
-    conf.update(node_conf(sender.partition("@")[0]))
+    conf.update(node_conf(sender.partition("@")[0], conf))
 
 
 @inspect_command(name=SUCCEEDED_COMMAND)

@@ -59,9 +59,14 @@ TASK_OPTIONS = (
 STUB = "application/x-wm-stub"
 
 
-def node_conf(prefix: str) -> dict[str, str]:
-    """Celery settings a bench node and the bench's own app share: their own exchanges."""
-    return {"control_exchange": prefix, "event_exchange": f"{prefix}.events"}
+def node_conf(prefix: str, conf: Any = None) -> dict[str, Any]:
+    """Celery settings a bench node and the bench's own app share: their own exchanges and,
+    on a Redis broker, their own ready list (``conf`` is the app's configuration)."""
+    own: dict[str, Any] = {"control_exchange": prefix, "event_exchange": f"{prefix}.events"}
+    options = dict(conf.broker_transport_options or {}) if conf is not None else {}
+    if options.get("ready_key"):
+        own["broker_transport_options"] = {**options, "ready_key": f"{prefix}.ready"}
+    return own
 
 
 class Rig:
@@ -72,7 +77,7 @@ class Rig:
         self.prefix = f"wmbench-{uuid.uuid4().hex[:8]}"
         self.node_name = f"{self.prefix}@{socket.gethostname()}"
         self.app = make_app(settings)
-        self.app.conf.update(node_conf(self.prefix))
+        self.app.conf.update(node_conf(self.prefix, self.app.conf))
         self.manager = WorkManager(settings, bus=Bus(settings, self.app))
         self.redis_broker = redis_broker(settings.broker_url)
         self.queues: list[str] = []
@@ -121,15 +126,21 @@ class Rig:
         return queue
 
     @contextlib.contextmanager
-    def node(self, home: Path, concurrency: int, queues: Sequence[str]) -> Iterator[None]:
-        """The bench's node, consuming ``queues`` and every running worker's queue."""
+    def node(
+        self, home: Path, concurrency: int, queues: Sequence[str], *, name_suffix: str = ""
+    ) -> Iterator[None]:
+        """The bench's node, consuming ``queues`` and every running worker's queue.
+
+        A phase with several nodes tells them apart with ``name_suffix``, appended to the
+        node's name (``<prefix>@<host><suffix>``; the part before ``@``, which names the
+        node's exchanges, stays the prefix). Entered once any node of the phase answers."""
         with celery_node(
             home,
             self.settings,
             concurrency,
             queues,
             app_module="wm.local.benchnode",
-            name=self.node_name,
+            name=self.node_name + name_suffix,
             control=self.app,
         ):
             yield
@@ -217,20 +228,31 @@ class Rig:
         return list(servers.values())
 
     def close(self) -> None:
-        """Delete the workers, subscriptions and queues made, and on RabbitMQ the exchanges
-        the node and the reference queues created; every step is tried even if one fails."""
+        """Delete the workers, subscriptions and queues made, on RabbitMQ the exchanges the
+        node and the reference queues created, on Redis the ready list; every step is tried
+        even if one fails."""
         workers, subscriptions = self._workers, self._subscriptions
         self._workers, self._subscriptions = [], []
         with contextlib.ExitStack() as steps:  # its callbacks run last-in, first-out
             steps.callback(self.app.close)  # its connections stay in kombu's shared pools
             if not self.redis_broker:
                 steps.callback(self._delete_exchanges)
+            ready = (self.app.conf.broker_transport_options or {}).get("ready_key")
+            if ready:  # names left of queues deleted: nobody would take them off
+                steps.callback(self._delete_key, ready)
             for queue in (q for q in self.queues if "::" not in q):
                 steps.callback(self.manager.bus.delete_queue, queue)
             for topic, name in subscriptions:
                 steps.callback(self.manager.unsubscribe, topic, name)
             for worker_id in workers:
                 steps.callback(self.manager.delete_worker, worker_id)
+
+    def _delete_key(self, key: str) -> None:
+        with (
+            self.app.connection_for_write() as connection,
+            connection.default_channel.conn_or_acquire() as client,
+        ):
+            client.delete(key)
 
     def _delete_exchanges(self) -> None:
         with self.app.connection_for_write() as connection:

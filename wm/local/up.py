@@ -109,6 +109,7 @@ def _child_env(settings: Settings) -> dict[str, str]:
         WM_BROKER_URL=settings.broker_url,
         WM_REDIS_URL=settings.redis_url,
         WM_TASK_EVENTS=str(settings.task_events).lower(),
+        WM_READY_LIST=str(settings.ready_list).lower(),
     )
     return env
 

@@ -1,4 +1,10 @@
-"""The Redis connection for derived state, and the one translation of Redis errors."""
+"""The Redis connection for derived state, and the one translation of Redis errors.
+
+WM_REDIS_URL may name a single Redis or any node of a Redis Cluster: :func:`redis_for` asks
+the server once per process (``INFO cluster``) and returns a :class:`redis.cluster.RedisCluster`
+for a cluster. Every key the state store writes carries a hash tag, so each script, MGET and
+transaction touches one slot; the README's "Redis Cluster" section lists which tag each key has.
+"""
 
 from __future__ import annotations
 
@@ -6,53 +12,128 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeAlias
 
 import redis
 from kombu.utils.url import maybe_sanitize_url
+from redis.client import Pipeline
+from redis.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import MovedError, RedisClusterException
 
 from wm.config import Settings
-from wm.errors import BrokerUnavailable
+from wm.errors import BrokerUnavailable, ConfigurationError
+
+#: A client of the state store: one server, or a cluster.
+StateRedis: TypeAlias = redis.Redis | RedisCluster
+#: A pipeline of either (queue scripts with :func:`queue_eval`: cluster pipelines lack EVAL).
+StatePipeline: TypeAlias = Pipeline | ClusterPipeline
+
+#: Seconds a new connection may take before the server counts as unreachable.
+_CONNECT_TIMEOUT_S = 5
+#: Seconds between checks that an idle pooled connection is still alive.
+_HEALTH_CHECK_INTERVAL_S = 30
 
 _clients: dict[tuple[int, str, float | None], redis.Redis] = {}
+_state_clients: dict[tuple[int, str], StateRedis] = {}
 _lock = threading.Lock()
 
 
-def redis_for(settings: Settings) -> redis.Redis:
-    """A pooled client for WM_REDIS_URL, one pool per process (pools do not survive fork).
-    No socket timeout: the group locks block in BLPOP for as long as they may wait."""
-    return pooled_client(settings.redis_url)
+def redis_for(settings: Settings) -> StateRedis:
+    """A pooled client for WM_REDIS_URL, one per process (pools do not survive fork): a
+    cluster client when the URL names a node of a Redis Cluster. No socket timeout: the
+    group locks block in BLPOP for as long as they may wait.
+
+    The first call in a process asks the server whether it is a cluster node (one
+    ``INFO cluster``); an unreachable server raises :class:`BrokerUnavailable` and the next
+    call asks again."""
+    key = (os.getpid(), settings.redis_url)
+    with _lock:
+        client = _state_clients.get(key)
+        if client is None:
+            with redis_errors(settings):
+                client = _connect_state(settings.redis_url)
+            _state_clients[key] = client
+        return client
 
 
 def pooled_client(url: str, socket_timeout_s: float | None = None) -> redis.Redis:
-    """A pooled client for the Redis server at ``url``, one pool per process, URL and
-    timeout. A dead connection is dropped and the next command reconnects; with
+    """A pooled client for the (single) Redis server at ``url``, one pool per process, URL
+    and timeout. A dead connection is dropped and the next command reconnects; with
     ``socket_timeout_s`` a silent server fails a command after that long instead of hanging
     it."""
     key = (os.getpid(), url, socket_timeout_s)
     with _lock:
         client = _clients.get(key)
         if client is None:
-            client = redis.Redis.from_url(
-                url,
-                socket_connect_timeout=5,
-                socket_timeout=socket_timeout_s,
-                health_check_interval=30,
-            )
+            client = _single(url, socket_timeout_s)
             _clients[key] = client
         return client
 
 
+def _single(url: str, socket_timeout_s: float | None) -> redis.Redis:
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=_CONNECT_TIMEOUT_S,
+        socket_timeout=socket_timeout_s,
+        health_check_interval=_HEALTH_CHECK_INTERVAL_S,
+    )
+
+
+def _connect_state(url: str) -> StateRedis:
+    """A client of the right kind for ``url``, found by asking the server."""
+    single = _single(url, None)
+    try:
+        enabled = int(single.info("cluster").get("cluster_enabled", 0))
+    except redis.ResponseError as exc:
+        if "SELECT" in str(exc) and "cluster" in str(exc):
+            single.close()
+            raise ConfigurationError(
+                f"WM_REDIS_URL={maybe_sanitize_url(url)} names a database other than 0, but "
+                "it points at a Redis Cluster node and a cluster has only database 0; "
+                "drop the database number from the URL"
+            ) from exc
+        enabled = 0  # INFO refused (an ACL): a single server answers every key anyway
+    if not enabled:
+        return single
+    single.close()
+    return RedisCluster.from_url(
+        url,
+        socket_connect_timeout=_CONNECT_TIMEOUT_S,
+        socket_timeout=None,
+        health_check_interval=_HEALTH_CHECK_INTERVAL_S,
+    )
+
+
+def queue_eval(pipe: StatePipeline, script: str, keys: list[str], *args: Any) -> None:
+    """Queue a Lua script in ``pipe``; a cluster pipeline sends it to the node of its keys'
+    slot (redis-py's cluster pipeline has no ``eval`` method, so the command is spelt out)."""
+    pipe.execute_command("EVAL", script, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+
+
 @contextmanager
 def redis_errors(settings: Settings) -> Iterator[None]:
-    """Turn a Redis error raised inside the block into :class:`BrokerUnavailable`."""
+    """Turn a Redis error raised inside the block into :class:`BrokerUnavailable`. Keys of
+    one command in different cluster slots are a bug in this package, not an outage: that
+    error passes untranslated."""
     try:
         yield
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:
+        if _cross_slot(exc):
+            raise
+        where = f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)}"
+        if isinstance(exc, MovedError):
+            raise BrokerUnavailable(
+                f"{where} is a Redis Cluster node, but it refused INFO, which tells WorkManager "
+                f"so ({exc}); allow INFO to the URL's user"
+            ) from exc
         raise BrokerUnavailable(
-            f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)} is unreachable "
-            f"({exc}); start it or fix the setting"
+            f"{where} is unreachable ({exc}); start it or fix the setting"
         ) from exc
+
+
+def _cross_slot(exc: Exception) -> bool:
+    message = str(exc)
+    return "CROSSSLOT" in message or "same slot" in message or "same key slot" in message
 
 
 def text(value: Any) -> str:

@@ -11,13 +11,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
 from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
 from wm.errors import VersionNotFound
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import StateRedis, redis_errors, redis_for
 from wm.store.models import Worker, WorkerVersion
 
 _KEY = "wm:worker:"
@@ -55,7 +54,7 @@ class Directory:
         self.settings = settings
 
     @property
-    def redis(self) -> redis.Redis:
+    def redis(self) -> StateRedis:
         return redis_for(self.settings)
 
     def get(self, worker_id: str) -> WorkerMeta | None:
@@ -68,7 +67,10 @@ class Directory:
 
     def get_with(self, worker_id: str, *keys: str) -> tuple[WorkerMeta | None, list[Any]]:
         """:meth:`get`, with the values of ``keys`` read in the same command; they come
-        second (each None when missing)."""
+        second (each None when missing). Each of ``keys`` must carry the worker's hash tag
+        (``{<worker id>}``, as its outcomes do): on a Redis Cluster an MGET reads one slot."""
+        if not worker_id:  # no worker, and ``{}`` would tag no key
+            return None, [None] * len(keys)
         cache, generation = _keys(worker_id)
         with redis_errors(self.settings):
             raw, seen, *more = self.redis.mget([cache, generation, *keys])
@@ -138,6 +140,7 @@ class Directory:
 
 
 def _keys(worker_id: str) -> tuple[str, str]:
-    """The worker's cache entry and generation; hash-tagged with its id, as its outcomes and
-    pending ledger are, so one command reads them together on a Redis Cluster too."""
+    """The worker's cache entry ``wm:worker:{<id>}`` and generation
+    ``wm:worker-generation:{<id>}``: hash-tagged with its id, as its outcomes and pending
+    ledger are, so one MGET reads them with an outcome on a Redis Cluster too."""
     return f"{_KEY}{{{worker_id}}}", f"{_GENERATION}{{{worker_id}}}"

@@ -13,6 +13,10 @@ the time they were sent; each member is the event key and the payload sent
 consumer that holds the payload. Members that are a bare key are *legacy* entries, written
 by earlier releases that kept payloads in a hash ``wm:pending:{<worker id>}:body``; they
 are still found, sent again and settled.
+
+All keys of a worker carry its id as a hash tag (``{<worker id>}``), as its outcomes do: on a
+Redis Cluster the outcome's record script settles the delivery in the same slot. The sweep's
+claim ``wm:pending:sweeper`` is one key.
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import redis
-
 from wm.config import Settings
-from wm.state.connection import redis_errors, redis_for, text
+from wm.state.connection import StateRedis, redis_errors, redis_for, text
 
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
@@ -78,7 +80,7 @@ class Ledger:
         self.settings = settings
 
     @property
-    def redis(self) -> redis.Redis:
+    def redis(self) -> StateRedis:
         return redis_for(self.settings)
 
     @staticmethod

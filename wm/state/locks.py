@@ -23,11 +23,14 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
 
 Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter) and
 ``<prefix>{<group>}:wake`` (the wake-up token); the hash tag keeps them on one cluster slot,
-as a Lua script touching several requires.
+as a Lua script touching several requires (the prefix is ``wm:lock:``; an empty group, which
+would tag nothing, is refused). On a Redis Cluster the BLPOP on the wake-up token goes to the
+node of the group's slot.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -39,11 +42,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypedDict
 
-import redis
+from redis.commands.core import Script
 
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
-from wm.state.connection import redis_errors, redis_for, text
+from wm.state.connection import StateRedis, redis_errors, redis_for, text
 
 __all__ = [
     "MIN_LEASE_MS",
@@ -194,17 +197,32 @@ class GroupLocks:
         self,
         settings: Settings,
         *,
-        client: redis.Redis | None = None,
+        client: StateRedis | None = None,
         prefix: str = "wm:lock:",
     ) -> None:
-        self._redis = client = client if client is not None else redis_for(settings)
+        self._client = client
         self._settings = settings
         self._prefix = prefix
         self.lease_ms = lease_ms(settings)
         self.handoff_ms = min(settings.group_lock_handoff_ms, self.lease_ms // 4)
-        self._acquire_script = client.register_script(_ACQUIRE_LUA)
-        self._renew_script = client.register_script(_RENEW_LUA)
-        self._release_script = client.register_script(_RELEASE_LUA)
+
+    @functools.cached_property
+    def _redis(self) -> StateRedis:
+        """The client, found at first use: finding out whether WM_REDIS_URL is a cluster
+        takes a round trip, which constructing a lock object does not make."""
+        return self._client if self._client is not None else redis_for(self._settings)
+
+    @functools.cached_property
+    def _acquire_script(self) -> Script:
+        return self._redis.register_script(_ACQUIRE_LUA)
+
+    @functools.cached_property
+    def _renew_script(self) -> Script:
+        return self._redis.register_script(_RENEW_LUA)
+
+    @functools.cached_property
+    def _release_script(self) -> Script:
+        return self._redis.register_script(_RELEASE_LUA)
 
     def try_acquire(self, group: str, owner: str) -> Lease | None:
         """Take the lock if free, in one round trip; ``None`` if someone holds it.

@@ -12,17 +12,17 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import redis
-from redis.client import Pipeline
-
 from wm.config import Settings
 from wm.events import CloudEvent, decode, encode
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import StatePipeline, StateRedis, queue_eval, redis_errors, redis_for
 from wm.state.ledger import Settlement
 
+#: ``wm:outcome:{<worker id>}:<event key>``: tagged with the worker's id, like its pending
+#: ledger and directory entry, so the record script and the directory's MGET touch one slot.
 _OUTCOME = "wm:outcome:"
-# KEYS: outcome, the worker's pending index[, its runs]. ARGV: outputs, ttl s, index member,
-# event key. Returns nil when recorded, else the outcome recorded before.
+# KEYS: outcome, the worker's pending index[, its runs], all tagged {<worker id>}.
+# ARGV: outputs, ttl s, index member, event key. Returns nil when recorded, else the outcome
+# recorded before.
 _RECORD = """
 local stored = false
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -42,7 +42,7 @@ class Outcomes:
         self.ttl_s = settings.outcome_ttl_s
 
     @property
-    def redis(self) -> redis.Redis:
+    def redis(self) -> StateRedis:
         return redis_for(self.settings)
 
     @staticmethod
@@ -64,20 +64,19 @@ class Outcomes:
         event_key: str,
         outputs: list[CloudEvent],
         settlement: Settlement,
-        also: Callable[[Pipeline], None] | None = None,
+        also: Callable[[StatePipeline], None] | None = None,
     ) -> tuple[list[CloudEvent], list[Any]]:
         """Record the outcome and settle the delivery in the pending ledger, in one script;
         return the outcome that counts: when two copies of a delivery ran at once, the
         first record wins and both publish it. ``also`` may queue more commands in the same
-        round trip; their results come second."""
+        round trip; their results come second (on a Redis Cluster, a round trip to each
+        node their keys live on, sent together)."""
         key = self.key(worker_id, event_key)
         keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
         value = json.dumps([encode(e) for e in outputs])
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.eval(
-                _RECORD, len(keys), *keys, value, self.ttl_s, settlement.member, settlement.key
-            )
+            queue_eval(pipe, _RECORD, keys, value, self.ttl_s, settlement.member, settlement.key)
             if also is not None:
                 also(pipe)
             stored, *more = pipe.execute()

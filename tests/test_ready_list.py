@@ -1,0 +1,271 @@
+"""The Redis ready list (``WM_READY_LIST``): a node waits on one list naming the worker
+queues that hold messages, so its cost per message does not grow with its queues.
+
+The channel-level tests drive kombu's consumer loop (BRPOP, then the take script) against
+the real broker database; the node-level tests run real Celery nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu import Consumer, Producer
+
+from tests.conftest import AMQP_URL, BROKER_DB, STATE_DB, flush_redis, make_settings
+from tests.helpers import STUB, drain, stub
+from wm import Settings, WorkManager, make_event
+from wm.dataplane.app import celery_settings, make_app
+from wm.dataplane.queues import EXCHANGE, READY_LIST, is_worker_queue, subscription_queue
+
+
+@pytest.fixture
+def broker_settings(tmp_path: Path, redis_ok: None) -> Iterator[Settings]:
+    flush_redis(BROKER_DB, STATE_DB)
+    yield make_settings(f"sqlite:///{tmp_path / 'wm.db'}")
+    flush_redis(BROKER_DB, STATE_DB)
+
+
+@pytest.fixture
+def broker(broker_settings: Settings) -> redis.Redis:
+    return redis.Redis.from_url(broker_settings.broker_url)
+
+
+def worker_queue(topic: str = "t") -> str:
+    return f"{topic}::{uuid.uuid4()}"
+
+
+def publish(settings: Settings, queue: str, count: int, start: int = 0) -> None:
+    with make_app(settings).connection_for_write() as conn:
+        producer = Producer(conn.default_channel)
+        for n in range(start, start + count):
+            producer.publish(
+                {"queue": queue, "n": n},
+                exchange=EXCHANGE,
+                routing_key=queue,
+                declare=[subscription_queue(queue)],
+            )
+
+
+def body_of(item: bytes) -> Any:
+    return json.loads(base64.b64decode(json.loads(item)["body"]))
+
+
+class Reader:
+    """A kombu consumer of ``queues`` on the settings' transport: kombu's BRPOP loop."""
+
+    def __init__(self, settings: Settings, queues: list[str]) -> None:
+        self.conn = make_app(settings).connection_for_read()
+        self.channel = self.conn.default_channel
+        self.received: list[dict[str, Any]] = []
+        self.messages: list[Any] = []
+        self.consumer = Consumer(
+            self.channel,
+            queues=[subscription_queue(q) for q in queues],
+            callbacks=[self._on_message],
+            accept=["json"],
+        )
+        self.consumer.consume()
+
+    def _on_message(self, body: Any, message: Any) -> None:
+        self.received.append(body)
+        self.messages.append(message)
+
+    def read(self, count: int, timeout_s: float = 10) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.received) < count and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                self.conn.drain_events(timeout=0.2)
+        return self.received
+
+    def close(self) -> None:
+        self.consumer.cancel()
+        self.conn.release()
+
+
+def test_worker_queues_only_go_through_the_ready_list() -> None:
+    assert is_worker_queue(f"topic::{uuid.uuid4()}")
+    assert not is_worker_queue(f"topic::sub::{uuid.uuid4()}")  # a plain subscription
+    assert not is_worker_queue("wm.default") and not is_worker_queue("topic::not-a-uuid")
+
+
+def test_a_publish_lists_its_queue_once(broker_settings: Settings, broker: redis.Redis) -> None:
+    queue = worker_queue()
+    publish(broker_settings, queue, 3)
+    assert broker.llen(queue) == 3
+    assert broker.lrange(READY_LIST, 0, -1) == [queue.encode()]
+
+
+def test_busy_queues_are_served_in_turn_and_the_list_empties(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    first, second = worker_queue("a"), worker_queue("b")
+    publish(broker_settings, first, 4)
+    publish(broker_settings, second, 4)
+    reader = Reader(broker_settings, [first, second])
+    try:
+        got = reader.read(8)
+        for message in reader.messages:
+            message.ack()
+    finally:
+        reader.close()
+    order = [body["queue"] for body in got]
+    assert order == [first, second] * 4, "round robin over busy queues"
+    assert [body["n"] for body in got if body["queue"] == first] == [0, 1, 2, 3]
+    assert broker.llen(READY_LIST) == 0
+
+
+def test_a_name_lost_with_its_node_is_listed_again_by_the_repair(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A node that popped a queue's name and died before taking: the queue waits unseen
+    until the maintaining node's repair lists it again."""
+    queue = worker_queue()
+    reader = Reader(broker_settings, [queue])
+    publish(broker_settings, queue, 2)
+    assert broker.rpop(READY_LIST) == queue.encode()  # the node that died
+    try:
+        assert reader.read(1, timeout_s=1.5) == []
+        with make_app(broker_settings).connection_for_write() as conn:
+            channel = conn.default_channel
+            assert channel.repair_ready([queue, worker_queue()]) == 1
+        assert [body["n"] for body in reader.read(2)] == [0, 1]
+    finally:
+        reader.close()
+
+
+def test_a_queue_nobody_reads_waits_and_is_listed_when_consumed(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A node pops the name of a queue it does not consume (a stopped worker's): it leaves
+    the messages unlisted; the node that starts consuming the queue lists it."""
+    other, stopped = worker_queue("other"), worker_queue("stopped")
+    publish(broker_settings, stopped, 2)
+    reader = Reader(broker_settings, [other])
+    try:
+        assert reader.read(1, timeout_s=1.5) == []
+    finally:
+        reader.close()
+    assert broker.llen(stopped) == 2 and broker.llen(READY_LIST) == 0
+
+    later = Reader(broker_settings, [stopped])
+    try:
+        assert [body["n"] for body in later.read(2)] == [0, 1]
+    finally:
+        later.close()
+
+
+def test_a_backlog_is_taken_without_blocking_and_leaves_queues_it_does_not_consume(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """While names wait, a node takes name and message in one script per message; a
+    message of a queue it does not consume goes back, in order, and its name off the list."""
+    busy, stopped = worker_queue("busy"), worker_queue("stopped")
+    publish(broker_settings, busy, 3)
+    publish(broker_settings, stopped, 3)
+    publish(broker_settings, busy, 3, start=3)
+    reader = Reader(broker_settings, [busy])
+    try:
+        assert [body["n"] for body in reader.read(6)] == [0, 1, 2, 3, 4, 5]
+        assert reader.read(7, timeout_s=1) == reader.received[:6]
+        for message in reader.messages:
+            message.ack()
+    finally:
+        reader.close()
+    assert broker.lrange(READY_LIST, 0, -1) == [], (busy, stopped)
+    left = [body_of(item)["n"] for item in broker.lrange(stopped, 0, -1)]
+    assert left == [2, 1, 0]  # kombu pops from the right: 0 is still next
+
+
+def test_an_unacknowledged_message_restored_is_listed_again(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    queue = worker_queue()
+    publish(broker_settings, queue, 1)
+    reader = Reader(broker_settings, [queue])
+    try:
+        assert len(reader.read(1)) == 1
+        assert broker.llen(READY_LIST) == 0
+        reader.messages[0].requeue()  # kombu's restore: back in the queue, in one transaction
+        assert broker.lrange(READY_LIST, 0, -1) == [queue.encode()]
+        assert len(reader.read(2)) == 2
+        assert reader.received[0] == reader.received[1]
+        reader.messages[1].ack()
+    finally:
+        reader.close()
+
+
+def test_raw_bytes_pushed_past_the_transport_reach_the_reader_after_a_repair(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A client writing to the list directly lists nothing; the repair does."""
+    queue = worker_queue()
+    broker.lpush(queue, b"\xff not a kombu message")
+    assert broker.llen(READY_LIST) == 0
+    with make_app(broker_settings).connection_for_write() as conn:
+        assert conn.default_channel.repair_ready([queue]) == 1
+    reader = Reader(broker_settings, [queue])
+    try:
+        reader.consumer.accept = None  # the node's consumer parks what it cannot decode
+        reader.read(1)
+    finally:
+        reader.close()
+    assert reader.messages and reader.messages[0].content_type == "application/octet-stream"
+
+
+def test_without_the_ready_list_nothing_is_listed(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    plain = broker_settings.replace(ready_list=False)
+    queue = worker_queue()
+    publish(plain, queue, 2)
+    assert broker.llen(queue) == 2 and not broker.exists(READY_LIST)
+    reader = Reader(plain, [queue])
+    try:
+        assert [body["n"] for body in reader.read(2)] == [0, 1]
+    finally:
+        reader.close()
+
+
+@pytest.mark.slow
+def test_a_rolling_switch_in_either_direction_loses_nothing(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """A publisher without the ready list feeds a node that waits on it (the maintaining
+    node's repair, every reconcile period, lists the queue), and a publisher with it feeds a
+    node without it (kombu's BRPOP names the queue itself)."""
+    settings = pg_settings.replace(reconcile_interval_s=1.0)
+    old = settings.replace(ready_list=False)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    queue = f"in::{worker.id}"
+
+    node = start_node(settings)
+    node.consuming(queue)
+    WorkManager(old).publish(make_event("in", "/old-publisher", {"n": 1}))
+    assert len(drain(settings, sink, 1)) == 1
+    node.wait_for("in the ready list again")
+    node.stop()
+
+    old_node = start_node(old, name="old")
+    old_node.consuming(queue)
+    manager.publish(make_event("in", "/new-publisher", {"n": 2}))
+    assert len(drain(settings, sink, 1)) == 1
+
+
+def test_the_ready_list_is_on_by_default_and_reaches_redis_brokers_only() -> None:
+    options = celery_settings(Settings.from_env({}))["broker_transport_options"]
+    assert options["ready_key"] == READY_LIST
+    off = Settings.from_env({"WM_READY_LIST": "false"})
+    assert celery_settings(off)["broker_transport_options"]["ready_key"] is None
+    amqp = Settings.from_env({"WM_BROKER_URL": AMQP_URL})
+    assert "ready_key" not in celery_settings(amqp)["broker_transport_options"]

@@ -1,0 +1,533 @@
+"""``wm bench --scale-workers W``: W stub workers over T topics on N nodes, against one worker
+on the same N nodes, in one run (issue 12's case is 1,000 workers, 100 topics, 3 nodes).
+
+The N nodes are bench nodes (``wm.local.rig``, ``celery -A wm.local.benchnode``), launched
+at once and told apart by their names (``<prefix>@<host>.0``, ``.1``, …); they share the
+phase's exchanges and, on Redis, its ready list. A delivery is *served* once its outcome is
+recorded: the pending ledger (``wm.state.ledger``) holds every delivery from its publish
+until then, one sorted set per worker, so the bench counts what is left of each worker's
+deliveries (one ZCARD per worker not done, one pipeline per look) and knows exactly when
+each worker had its first delivery served and when all were. In order:
+
+1. **Memory, no worker.** The nodes are launched with none of the phase's workers running
+   and, once each consumes its queues, the resident memory of each node (its main process
+   and its pool's processes, ``/proc``) is read.
+2. **Memory, W idle workers; served after publish.** The W workers are created (running)
+   and the nodes launched again; once every node consumes all W queues their memory is read
+   again: the growth per worker shows whether an idle worker costs a node memory. Then one
+   event per worker is published (one per topic) and the clock runs until every worker has
+   been served; memory is read a third time (each worker's engine now loaded).
+3. **Served after start.** One event per worker is queued while no node runs, the nodes are
+   launched and the clock runs from the launch until every worker has been served (Celery's
+   boot and the nodes' start-up work included); when every node answered a ping is shown
+   too.
+4. **Throughput, many against one.** The same number of deliveries (``--scale-deliveries``
+   per worker) go to the W workers (spread evenly: the same count of events to every topic)
+   or to one worker while the W are stopped (so the nodes consume one worker queue). The
+   queues are filled while no node runs, the nodes are launched, and deliveries/s are
+   counted between 20 % and 80 % of the deliveries (boot and tail left out). Sides alternate
+   (one, many, one, many, …) and each repetition's ratio is printed. In the same window the
+   bench counts Redis commands (``INFO commandstats``, minus its own polling) and Redis CPU
+   (``INFO cpu``, user + system, minus what its polling was measured to cost) per delivery;
+   on RabbitMQ, those of the state store's Redis.
+
+Everything the phase made (workers, queues, on RabbitMQ the exchanges) is deleted at its end.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+from wm.config import Settings
+from wm.engine import resident_bytes
+from wm.events import make_event
+from wm.local.rig import Rig
+from wm.state.connection import pooled_client
+from wm.state.ledger import Ledger
+
+#: Seconds between two looks at the workers' pending deliveries.
+POLL_S = 0.1
+#: Seconds one run (nodes launched until every delivery served) may take.
+RUN_TIMEOUT_S = 900.0
+#: Seconds the nodes have to answer a ping and to consume every queue.
+UP_TIMEOUT_S = 300.0
+#: Seconds a control command's replies are collected.
+CONTROL_TIMEOUT_S = 5.0
+#: Looks at the ledger that measure what the bench's own polling costs Redis.
+CALIBRATION_POLLS = 30
+#: The share of the deliveries left at which the throughput window opens and closes.
+WINDOW = (0.8, 0.2)
+#: Targets from issue 12: every worker served this soon after start; many ≥ this × one;
+#: idle memory of a node with W workers at most this much above the one with none.
+SERVED_TARGET_S = 10.0
+RATIO_TARGET = 0.9
+FLAT_TARGET = 0.10
+
+
+@dataclass
+class Mark:
+    """What the bench saw at one look: seconds since launch, deliveries left, and the Redis
+    counters then (commands, CPU seconds, commands the bench's polling had sent so far)."""
+
+    at: float
+    left: int
+    commands: int
+    cpu_s: float
+    polled: int
+
+
+@dataclass
+class Follow:
+    """One run followed to its end: when the first and the last worker had their first
+    delivery served, and the marks the throughput window is cut from."""
+
+    first_served_s: float
+    all_served_s: float
+    marks: dict[float, Mark] = field(default_factory=dict)
+
+
+@dataclass
+class Drain:
+    """One throughput run: deliveries/s, Redis commands and Redis CPU seconds per delivery."""
+
+    rate: float
+    commands: float
+    cpu_s: float
+
+
+@dataclass
+class Side:
+    name: str
+    runs: list[Drain] = field(default_factory=list)
+
+    def median(self, attribute: str) -> float:
+        return float(statistics.median(getattr(run, attribute) for run in self.runs))
+
+
+@dataclass
+class Report:
+    """Every figure of the phase."""
+
+    workers: int
+    empty_rss: list[int] = field(default_factory=list)
+    idle_rss: list[int] = field(default_factory=list)
+    loaded_rss: list[int] = field(default_factory=list)
+    served_after_publish_s: float = 0.0
+    served_after_start_s: float = 0.0
+    first_served_after_start_s: float = 0.0
+    empty_up_s: float = 0.0
+    nodes_up_s: float = 0.0
+    sides: list[Side] = field(default_factory=list)
+
+
+class Nodes:
+    """``count`` bench nodes launched at once, one thread each holding :meth:`Rig.node`;
+    leaving stops them all (a warm shutdown each, in parallel)."""
+
+    def __init__(self, rig: Rig, home: Path, count: int, concurrency: int, queue: str) -> None:
+        self.rig, self.home, self.count = rig, home, count
+        self.concurrency, self.queue = concurrency, queue
+        self.names = [f"{rig.node_name}.{n}" for n in range(count)]
+        self.launched = 0.0
+        self.up_s: float | None = None
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._hold, args=(n,), name=f"scale-node-{n}")
+            for n in range(count)
+        ]
+        self._pinger = threading.Thread(target=self._ping, name="scale-ping", daemon=True)
+
+    def __enter__(self) -> Nodes:
+        self.launched = time.monotonic()
+        for thread in self._threads:
+            thread.start()
+        self._pinger.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        self.check()
+
+    def _hold(self, n: int) -> None:
+        home = self.home / f"scale-node{n}"
+        home.mkdir(exist_ok=True)
+        try:
+            with self.rig.node(home, self.concurrency, [self.queue], name_suffix=f".{n}"):
+                self._stop.wait()
+        except BaseException as exc:  # reported by the thread that waits for the nodes
+            self.errors.append(exc)
+            self._stop.set()
+
+    def _ping(self) -> None:
+        """Record when every node has answered a ping (seconds since the launch)."""
+        answered: set[str] = set()
+        deadline = self.launched + UP_TIMEOUT_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            waiting = [name for name in self.names if name not in answered]
+            replies = self.rig.app.control.ping(
+                destination=waiting, timeout=0.5, limit=len(waiting)
+            )
+            for reply in replies or []:
+                answered.update(reply)
+            if answered >= set(self.names):
+                self.up_s = time.monotonic() - self.launched
+                return
+
+    def check(self) -> None:
+        """Raise if a node failed (exited, or did not answer in time)."""
+        if self.errors:
+            raise SystemExit(f"wm bench: a scale node failed: {self.errors[0]}")
+
+    def wait_up(self) -> float:
+        """Seconds from the launch until every node answered a ping."""
+        self._pinger.join(UP_TIMEOUT_S)
+        self.check()
+        if self.up_s is None:
+            raise SystemExit(f"wm bench: {self.count} scale nodes did not come up in time")
+        return self.up_s
+
+    def wait_consuming(self, queues: int) -> None:
+        """Until every node consumes at least ``queues`` queues (its own and the workers')."""
+        self.wait_up()
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while True:
+            replies = self._inspect("active_queues")
+            if all(len(replies.get(name) or []) >= queues for name in self.names):
+                return
+            self.check()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"wm bench: the scale nodes did not consume {queues} queues")
+            time.sleep(0.5)
+
+    def describe(self) -> str:
+        """How the nodes run (the first one's ``stats``; they are launched alike)."""
+        stats = self._inspect("stats").get(self.names[0]) or {}
+        pool = stats.get("pool", {})
+        events = "on" if self.rig.settings.task_events else "off"
+        return (
+            f"nodes {', '.join(self.names)}: {pool.get('implementation')}, "
+            f"{pool.get('max-concurrency')} processes, prefetch {stats.get('prefetch_count')}, "
+            f"task events {events}"
+        )
+
+    def rss(self) -> list[int]:
+        """Resident bytes of each node: its main process and its pool's processes."""
+        stats = self._inspect("stats")
+        sizes = []
+        for name in self.names:
+            node = stats.get(name)
+            if node is None:
+                raise SystemExit(f"wm bench: scale node {name} did not answer stats")
+            pids = [int(node["pid"]), *map(int, node["pool"].get("processes", []))]
+            sizes.append(sum(resident_bytes(pid) for pid in pids))
+        return sizes
+
+    def _inspect(self, method: str) -> dict[str, Any]:
+        inspect = self.rig.app.control.inspect(
+            destination=self.names, timeout=CONTROL_TIMEOUT_S, limit=self.count
+        )
+        return dict(getattr(inspect, method)() or {})
+
+
+class Counters:
+    """The Redis servers the phase counts (broker and state store on Redis, the state store
+    on RabbitMQ): commands, CPU, and what the bench's own ledger polling costs."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        urls = [rig.settings.redis_url] + ([rig.settings.broker_url] if rig.redis_broker else [])
+        servers = {urlsplit(url)._replace(path="").geturl(): url for url in urls}
+        self.urls = list(servers.values())
+        #: CPU seconds one ZCARD of the bench's polling costs Redis (:meth:`calibrate`).
+        self.cpu_per_poll = 0.0
+
+    def mark(self, at: float, left: int, polled: int) -> Mark:
+        commands = self.rig.redis_commands()
+        return Mark(at, left, commands, self.cpu_s(), polled)
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for url in self.urls:
+            info = pooled_client(url).info("cpu")
+            total += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        return total
+
+    @property
+    def per_mark(self) -> int:
+        """Commands one :meth:`mark` sends (INFO commandstats and INFO cpu per server)."""
+        return 2 * len(self.urls)
+
+    def calibrate(self, ledger: Ledger, ids: list[str]) -> None:
+        """Measure the Redis CPU of the bench's own polling (``ids`` ZCARDs a look)."""
+        before = self.cpu_s()
+        for _ in range(CALIBRATION_POLLS):
+            ledger.pending_of(ids)
+        spent = self.cpu_s() - before
+        self.cpu_per_poll = max(spent, 0.0) / (CALIBRATION_POLLS * len(ids))
+
+
+def run(
+    settings: Settings,
+    home: Path,
+    workers: int,
+    topics: int,
+    nodes: int,
+    per_worker: int,
+    repeats: int,
+    concurrency: int,
+) -> None:
+    """The scale phase, printed."""
+    broker = "Redis" if settings.broker_url.startswith("redis") else "RabbitMQ"
+    print(
+        f"\nScale on {broker}: {workers} stub workers over {topics} topics against one, "
+        f"{nodes} nodes of {concurrency} processes, {per_worker * workers} deliveries per "
+        f"throughput run, {repeats} interleaved repetitions",
+        flush=True,
+    )
+    with Rig(settings) as rig:
+        report = measure(rig, home, workers, topics, nodes, per_worker, repeats, concurrency)
+        started = time.monotonic()
+    print(f"  cleaned up in {time.monotonic() - started:.0f} s", flush=True)
+    print_report(report, rig.counted, broker)
+
+
+def measure(
+    rig: Rig,
+    home: Path,
+    workers: int,
+    topics: int,
+    nodes: int,
+    per_worker: int,
+    repeats: int,
+    concurrency: int,
+) -> Report:
+    """Every figure of the phase (``rig`` is closed by the caller)."""
+    report = Report(workers)
+    ledger = Ledger(rig.settings)
+    counters = Counters(rig)
+    own = rig.queue("scale.nodes")  # the nodes' -Q queue: the phase's own, not the default
+
+    def launch() -> Nodes:
+        return Nodes(rig, home, nodes, concurrency, own)
+
+    with launch() as group:
+        report.empty_up_s = group.wait_up()
+        group.wait_consuming(1)
+        report.empty_rss = group.rss()
+        _say(group.describe())
+    _say(
+        f"memory with no worker: {_mib(report.empty_rss)} per node (all answered a ping "
+        f"{report.empty_up_s:.1f} s after their launch)"
+    )
+
+    clock = time.monotonic()
+    many = [str(rig.worker(f"t{n % topics}", b"{}").id) for n in range(workers)]
+    one = str(rig.worker("one", b"{}").id)
+    rig.manager.stop_worker(one)
+    _say(f"{workers} workers created in {time.monotonic() - clock:.0f} s")
+    counters.calibrate(ledger, many)
+
+    def spread(count: int) -> None:
+        for n in range(count):
+            for t in range(topics):
+                rig.manager.publish(make_event(rig.name(f"t{t}"), "/bench", {"n": n}))
+
+    with launch() as group:
+        group.wait_consuming(workers + 1)
+        report.idle_rss = group.rss()
+        published = time.monotonic()
+        spread(1)
+        served = _follow(ledger, counters, dict.fromkeys(many, 1), group, published)
+        report.served_after_publish_s = served.all_served_s
+        report.loaded_rss = group.rss()
+    _say(
+        f"memory with {workers} idle workers: {_mib(report.idle_rss)}, after serving each "
+        f"once: {_mib(report.loaded_rss)}; every worker served "
+        f"{report.served_after_publish_s:.1f} s after the publish"
+    )
+
+    spread(1)
+    with launch() as group:
+        cold = _follow(ledger, counters, dict.fromkeys(many, 1), group, group.launched)
+        report.nodes_up_s = group.wait_up()
+    report.served_after_start_s = cold.all_served_s
+    report.first_served_after_start_s = cold.first_served_s
+    _say(
+        f"every worker served {cold.all_served_s:.1f} s after the nodes' launch, the first "
+        f"{cold.first_served_s:.1f} s after it (all nodes answered a ping after "
+        f"{report.nodes_up_s:.1f} s)"
+    )
+
+    total = per_worker * workers
+    sides = [
+        (Side("one worker"), {one: total}, lambda: _publish(rig, "one", total)),
+        (Side(f"{workers} workers"), dict.fromkeys(many, per_worker), lambda: spread(per_worker)),
+    ]
+    report.sides = [side for side, _, _ in sides]
+    running: list[str] = many
+    for _ in range(repeats):
+        for side, sent, fill in sides:
+            running = _switch(rig, running, list(sent))
+            fill()
+            with launch() as group:
+                followed = _follow(ledger, counters, sent, group, group.launched)
+            drain = _drain(followed, counters)
+            side.runs.append(drain)
+            _say(
+                f"{side.name}: {drain.rate:.0f} deliveries/s, {drain.commands:.1f} commands "
+                f"and {drain.cpu_s * 1e3:.2f} ms Redis CPU per delivery"
+            )
+    return report
+
+
+def _publish(rig: Rig, suffix: str, count: int) -> None:
+    topic = rig.name(suffix)
+    for n in range(count):
+        rig.manager.publish(make_event(topic, "/bench", {"n": n}))
+
+
+def _switch(rig: Rig, running: list[str], wanted: list[str]) -> list[str]:
+    """Stop the workers of ``running`` not in ``wanted``, start the others of ``wanted``."""
+    keep, was = set(wanted), set(running)
+    for worker_id in running:
+        if worker_id not in keep:
+            rig.manager.stop_worker(worker_id)
+    for worker_id in wanted:
+        if worker_id not in was:
+            rig.manager.start_worker(worker_id)
+    return wanted
+
+
+def _follow(
+    ledger: Ledger, counters: Counters, initial: dict[str, int], group: Nodes, started: float
+) -> Follow:
+    """Look at the workers' pending deliveries (``initial``: worker id → deliveries sent,
+    nothing else pending) until none is left; marks are taken at the first progress, at each
+    share of :data:`WINDOW` and at the end; seconds count from ``started``. Stops if a node
+    of ``group`` fails."""
+    total = sum(initial.values())
+    remaining = [w for w, n in initial.items() if n]
+    unserved, polled = set(remaining), 0
+    follow = Follow(0.0, 0.0)
+    shares = [1.0, *WINDOW, 0.0]
+    while remaining:
+        if time.monotonic() - started > RUN_TIMEOUT_S:
+            raise SystemExit(f"wm bench: a scale run did not finish in {RUN_TIMEOUT_S:.0f} s")
+        time.sleep(POLL_S)
+        group.check()
+        counts = ledger.pending_of(remaining)
+        polled += len(remaining)
+        now = time.monotonic() - started
+        for worker_id, count in counts.items():
+            if worker_id in unserved and count < initial[worker_id]:
+                follow.first_served_s = follow.first_served_s or now
+                unserved.discard(worker_id)
+                follow.all_served_s = now
+        remaining = [w for w, n in counts.items() if n]
+        left = sum(counts.values())
+        reached = []
+        while shares and (left < total if shares[0] == 1.0 else left <= shares[0] * total):
+            reached.append(shares.pop(0))
+        if reached:
+            mark = counters.mark(now, left, polled)
+            follow.marks.update(dict.fromkeys(reached, mark))
+    return follow
+
+
+def _drain(follow: Follow, counters: Counters) -> Drain:
+    """Deliveries/s and Redis cost per delivery between the marks of :data:`WINDOW` (from
+    the first progress to the end when a run is too short to tell those apart)."""
+    first, last = (follow.marks[share] for share in WINDOW)
+    if last.at <= first.at:
+        first, last = follow.marks[1.0], follow.marks[0.0]
+    delivered = first.left - last.left
+    if delivered <= 0 or last.at <= first.at:
+        return Drain(0.0, 0.0, 0.0)
+    polled = last.polled - first.polled
+    commands = last.commands - first.commands - polled - counters.per_mark
+    cpu = last.cpu_s - first.cpu_s - polled * counters.cpu_per_poll
+    return Drain(delivered / (last.at - first.at), commands / delivered, cpu / delivered)
+
+
+def print_report(report: Report, counted: str, broker: str) -> None:
+    workers = report.workers
+    print(f"\nScale on {broker}, {workers} workers against one:")
+    served = [
+        ("after the nodes' launch", report.served_after_start_s),
+        ("after the publish", report.served_after_publish_s),
+    ]
+    for what, seconds in served:
+        print(
+            f"  every worker served {what}: {seconds:.1f} s"
+            f"{_verdict(seconds < SERVED_TARGET_S, f'< {SERVED_TARGET_S:.0f} s')}"
+        )
+    print(
+        f"  (after their launch, the first worker was served after "
+        f"{report.first_served_after_start_s:.1f} s; the nodes answered a ping after "
+        f"{report.nodes_up_s:.1f} s, {report.empty_up_s:.1f} s when launched with no worker)"
+    )
+    print(f"\n  {'side':<16}{'deliveries/s (median, runs)':<32}{counted}/delivery  Redis CPU")
+    for side in report.sides:
+        runs = " ".join(f"{run.rate:.0f}" for run in side.runs)
+        print(
+            f"  {side.name:<16}{side.median('rate'):>6.0f} ({runs}){'':<{max(0, 23 - len(runs))}}"
+            f"{side.median('commands'):>8.1f}{'':<{max(0, len(counted) + 3)}}"
+            f"{side.median('cpu_s') * 1e3:.3f} ms"
+        )
+    if len(report.sides) == 2:
+        one, many = report.sides
+        ratios = [m.rate / o.rate for o, m in zip(one.runs, many.runs, strict=True) if o.rate]
+        median = statistics.median(ratios) if ratios else 0.0
+        print(
+            f"  many/one: {median:.2f}× (per repetition {' '.join(f'{r:.2f}×' for r in ratios)})"
+            f"{_verdict(median >= RATIO_TARGET, f'≥ {RATIO_TARGET}×')}"
+        )
+    empty, idle, loaded = (
+        _mean(report.empty_rss),
+        _mean(report.idle_rss),
+        _mean(report.loaded_rss),
+    )
+    growth = (idle - empty) / empty if empty else 0.0
+    print(
+        f"\n  memory per node (main process + pool, mean of the nodes): {empty / 2**20:.1f} MiB "
+        f"with no worker, {idle / 2**20:.1f} MiB with {workers} idle workers "
+        f"({growth * 100:+.1f} %, {(idle - empty) / workers / 1024:+.1f} KiB per worker)"
+        f"{_verdict(growth <= FLAT_TARGET, f'flat (≤ +{FLAT_TARGET * 100:.0f} %)')}"
+    )
+    print(
+        f"  after serving each worker once: {loaded / 2**20:.1f} MiB "
+        f"({(loaded - idle) / 2**20:+.1f} MiB, {(loaded - idle) / workers / 1024:+.1f} KiB per "
+        "worker served, the first delivery's imports included)"
+    )
+
+
+def _mean(values: Sequence[int]) -> float:
+    return float(statistics.mean(values)) if values else 0.0
+
+
+def _mib(sizes: Sequence[int]) -> str:
+    return " ".join(f"{size / 2**20:.1f}" for size in sizes) + " MiB"
+
+
+def _say(text: str) -> None:
+    print(f"  {text}", flush=True)
+
+
+def _verdict(met: bool, target: str) -> str:
+    return f"  target {target} " + ("met" if met else "MISSED")
