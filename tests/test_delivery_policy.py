@@ -435,6 +435,40 @@ def test_a_delivery_costs_two_redis_round_trips(
     assert len(sends) == 20, sends
 
 
+def test_a_delivery_in_a_group_costs_four_redis_round_trips(
+    node: WorkController,
+    manager: WorkManager,
+    node_settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's facts; the lock taken with the recorded outcome read in its script; the
+    outcome recorded in a script that checks the fence first; the release. Counted as in
+    the test above, for deliveries without outputs, and each group's lock is free again."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in", group="g")
+    _consuming(node, worker)
+    ledger = Ledger(node_settings)
+    manager.publish(make_event("in", "/tests", {"n": 0}))  # warm: engine loaded, cache filled
+    eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=5)
+    sends: list[list[str]] = []
+    real_send = redis.connection.AbstractConnection.send_packed_command
+    main = threading.main_thread()
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread() is not main:
+            names = [part.split(b"\r\n")[2].decode() for part in command if part[:1] == b"*"]
+            if not set(names) <= HANDSHAKE:
+                sends.append(names)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    for n in range(1, 11):
+        manager.publish(make_event("in", "/tests", {"n": n}))
+    eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=10)
+    eventually(lambda: GroupLocks(node_settings).holder("g") is None, timeout_s=5)
+    assert len(sends) == 40, sends
+    assert [names[0] for names in sends[:4]] == ["MGET", "EVALSHA", "EVAL", "EVALSHA"], sends
+
+
 def test_a_delivery_without_a_group_runs_four_redis_commands(
     node: WorkController, manager: WorkManager, node_settings: Settings
 ) -> None:

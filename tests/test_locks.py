@@ -24,7 +24,9 @@ from redis.retry import Retry
 from tests.conftest import REDIS_HOST, STATE_DB
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
+from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks, Lease, make_owner, retry_delay_ms
+from wm.state.outcomes import Outcomes
 
 SPAWN = multiprocessing.get_context("spawn")
 GROUP = "group-a"
@@ -390,6 +392,39 @@ def test_non_owner_and_stale_fence_cannot_release_or_write(
     assert holder["written"] is False
     assert locks.release(lease) is True
     assert locks.holder(GROUP) is None
+
+
+def test_an_outcome_record_checks_the_fence_in_its_script_and_a_taker_reads_it(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A record carrying a lost lease's fence writes nothing (no outcome, the pending entry
+    kept); one under the live lease is written and marks the lock written; the next taker
+    reads it as it takes the lock."""
+    settings = _settings()
+    locks = GroupLocks(client=client, settings=settings, prefix=prefix)
+    outcomes, ledger = Outcomes(settings), Ledger(settings)
+    worker, key = f"{prefix}worker", uuid.uuid4().hex
+    ledger.add([(worker, "q")], key, "payload")
+    lease = locks.acquire(GROUP, "owner")
+    stale = Lease(GROUP, "owner", lease.fence - 1, lease.acquired_at_ms)
+    for lost in (stale, Lease(GROUP, "intruder", lease.fence, lease.acquired_at_ms)):
+        fence = locks.write_fence(lost)
+        assert fence is not None
+        with pytest.raises(FenceRejected, match=f"held by 'owner' \\(fence {lease.fence}\\)"):
+            outcomes.record(worker, key, [], ledger.settlement(worker, key, "payload"), None, fence)
+        assert client.exists(Outcomes.key(worker, key)) == 0
+        assert ledger.pending(worker) == 1
+    outcomes.record(
+        worker, key, [], ledger.settlement(worker, key, "payload"), None, locks.write_fence(lease)
+    )
+    assert ledger.pending(worker) == 0
+    holder = locks.holder(GROUP)
+    assert holder is not None and holder["written"] is True
+    locks.release(lease)
+    taken, recorded = locks.take_reading(GROUP, "next", Outcomes.key(worker, key))
+    assert taken.fence == lease.fence + 1 and outcomes.parse(recorded) == []
+    locks.release(taken)
+    client.delete(Outcomes.key(worker, key))
 
 
 def test_held_lock_is_not_taken_and_retaking_own_lock_is_idempotent(

@@ -257,13 +257,15 @@ class Delivery:
 
         The lock may come from a holder that died after recording its outcome, or this event
         may have been processed by another copy while this one waited: a recorded outcome is
-        republished, never run again.
+        republished, never run again (it is read as the lock is taken, in the same round trip
+        on one Redis server).
         """
         owner = f"{self.rt.node}:{self.delivery_id}"
-        self.lease = self.rt.locks.take(group, owner)
+        outcome = self.rt.outcomes.key(self.meta.id, self.key)
+        self.lease, raw = self.rt.locks.take_reading(group, owner, outcome)
         try:
             with self.rt.locks.keep_alive(self.lease, self.hold_limit_s):
-                recorded = self.rt.outcomes.get(self.meta.id, self.key)
+                recorded = self.rt.outcomes.parse(raw)
                 if recorded is not None:
                     self.publish(recorded)
                     return recorded
@@ -272,14 +274,19 @@ class Delivery:
             self.rt.locks.release(self.lease)
 
     def process(self, engine: Engine) -> list[CloudEvent]:
-        """Run the code, record its outcome (fence-checked first), publish what was recorded.
+        """Run the code, record its outcome (fence-checked in the record's script, or just
+        before it on a Redis Cluster), publish what was recorded.
         An error the worker answered with is reported as ``worker.error`` once published."""
         produced = self.execute(engine)
         outputs = self.stamp(produced)
-        if self.lease is not None:
-            self.rt.locks.mark_write(self.lease)
+        fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
         recorded, found = self.rt.outcomes.record(
-            self.meta.id, self.key, outputs, self.settlement(), self.rt.outputs.lookups(outputs)
+            self.meta.id,
+            self.key,
+            outputs,
+            self.settlement(),
+            self.rt.outputs.lookups(outputs),
+            fence,
         )
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]

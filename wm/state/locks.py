@@ -16,6 +16,10 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
   check: it renews the lease of a holder that still holds the lock, and refuses one whose
   lease expired, so a holder never writes after a takeover. What it wrote before (a recorded
   outcome) is what the next attempt of its delivery republishes (``wm.dataplane.delivery``).
+  A write that is itself a script on the lock's server runs the check as its first step
+  (:meth:`GroupLocks.write_fence`): check and write in one round trip, with no gap between.
+* :meth:`GroupLocks.take_reading` reads one more key in the acquire script, so a taker sees
+  what the previous holder wrote without another round trip.
 * A release leaves a wake-up token, so a contender waiting in :meth:`GroupLocks.take`'s
   short hand-off window (or in the blocking :meth:`GroupLocks.acquire`) retries at once;
   only a lock someone found held (its record's *waiting* flag) leaves one.
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypedDict
 
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from wm.config import Settings
@@ -49,12 +54,14 @@ from wm.errors import BrokerUnavailable, FenceRejected, LockContention
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
 
 __all__ = [
+    "FENCE_CHECK_LUA",
     "MIN_LEASE_MS",
     "RENEWALS_PER_LEASE",
     "GroupLocks",
     "Heartbeat",
     "Holder",
     "Lease",
+    "WriteFence",
     "lease_ms",
     "make_owner",
     "retry_delay_ms",
@@ -74,9 +81,11 @@ _MIN_BLOCK_S = 0.001
 _MIN_WAKE_TTL_MS = 1000
 _HELD = "held"
 
-# KEYS: record, fence counter. ARGV: owner, lease ms.
-# Reply: status, owner, fence, acquired_at_ms, written, server_ms, lease left ms.
+# KEYS: record, fence counter[, a key to read once acquired]. ARGV: owner, lease ms.
+# Reply: status, owner, fence, acquired_at_ms, written, server_ms, lease left ms[, the value
+# read when acquired].
 _ACQUIRE_LUA = """
+local function read() return KEYS[3] and redis.call('GET', KEYS[3]) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'acquired_at_ms', 'written')
@@ -86,27 +95,33 @@ if cur[1] then
     return {'held', cur[1], cur[2], cur[3], cur[4], now, redis.call('PTTL', KEYS[1])}
   end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {'acquired', cur[1], cur[2], cur[3], cur[4], now, ARGV[2]}
+  return {'acquired', cur[1], cur[2], cur[3], cur[4], now, ARGV[2], read()}
 end
 local fence = redis.call('INCR', KEYS[2])
 local at = string.format('%d', now)
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'acquired_at_ms', at,
            'written', '0')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'acquired', ARGV[1], fence, at, '0', now, ARGV[2]}
+return {'acquired', ARGV[1], fence, at, '0', now, ARGV[2], read()}
+"""
+
+#: The fence check: with the lock's record as ``FENCE_KEY`` and ``FENCE_ARGS`` (owner,
+#: fence, lease ms, '1' to mark a write), it ends the script with ``{0, current owner,
+#: current fence}`` when the lease was lost, and otherwise renews it and goes on. Alone it is
+#: :meth:`GroupLocks.renew` and :meth:`GroupLocks.mark_write`; as the start of a write's own
+#: script on the lock's server (:class:`WriteFence`), it checks in the write's round trip.
+FENCE_CHECK_LUA = """
+local held = redis.call('HMGET', FENCE_KEY, 'owner', 'fence')
+if held[1] ~= FENCE_ARGS[1] or held[2] ~= FENCE_ARGS[2] then
+  return {0, held[1] or '', held[2] or ''}
+end
+if FENCE_ARGS[4] == '1' then redis.call('HSET', FENCE_KEY, 'written', '1') end
+redis.call('PEXPIRE', FENCE_KEY, FENCE_ARGS[3])
 """
 
 # KEYS: record. ARGV: owner, fence, lease ms, '1' to mark a write.
 # Reply: {1} when renewed, else {0, current owner, current fence}.
-_RENEW_LUA = """
-local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence')
-if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
-  if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'written', '1') end
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {1}
-end
-return {0, cur[1] or '', cur[2] or ''}
-"""
+_RENEW_LUA = "local FENCE_KEY, FENCE_ARGS = KEYS[1], ARGV" + FENCE_CHECK_LUA + "return {1}\n"
 
 # KEYS: record, wake list. ARGV: owner, fence, wake ttl ms. Reply: 1 when deleted, else 0.
 # A release of a lock someone found held leaves one wake-up token, so one contender waiting
@@ -147,6 +162,20 @@ class Holder(TypedDict):
 
 
 @dataclass(frozen=True)
+class WriteFence:
+    """:meth:`GroupLocks.mark_write` for a script that writes on the lock's own server: run
+    :data:`FENCE_CHECK_LUA` first with the lock's record among its keys and :attr:`args` as
+    ``FENCE_ARGS``, and pass a ``{0, owner, fence}`` reply to :meth:`refused`."""
+
+    key: str
+    args: tuple[str, str, str, str]
+    lease: Lease
+
+    def refused(self, current_owner: Any, current_fence: Any) -> FenceRejected:
+        return _refused(self.lease, text(current_owner), text(current_fence))
+
+
+@dataclass(frozen=True)
 class _AcquireReply:
     status: str
     owner: str
@@ -155,10 +184,11 @@ class _AcquireReply:
     written: bool
     server_ms: int
     lease_left_ms: int
+    value: Any = None
 
     @classmethod
     def parse(cls, raw: list[Any]) -> _AcquireReply:
-        status, owner, fence, acquired_at_ms, written, server_ms, lease_left_ms = raw
+        status, owner, fence, acquired_at_ms, written, server_ms, lease_left_ms = raw[:7]
         return cls(
             status=text(status),
             owner=text(owner),
@@ -167,6 +197,7 @@ class _AcquireReply:
             written=text(written) == "1",
             server_ms=int(server_ms),
             lease_left_ms=int(lease_left_ms),
+            value=raw[7] if len(raw) > 7 else None,
         )
 
 
@@ -269,13 +300,25 @@ class GroupLocks:
         without idle time or a trip through the broker, while a waiter for a long delivery
         gives its process back after the window.
         """
+        return self.take_reading(group, owner, None)[0]
+
+    def take_reading(self, group: str, owner: str, key: str | None) -> tuple[Lease, Any]:
+        """:meth:`take`, and the value of ``key`` (None when missing) as it was once the
+        lock was taken: what a previous holder wrote is seen. On one server the acquire
+        script reads it, in the same round trip; on a cluster, where ``key`` may live in
+        another slot, a GET follows."""
         started = time.monotonic()
-        reply = self._attempt(group, owner)
+        inline = key if self._one_server else None
+        reply = self._attempt(group, owner, inline)
         if reply.status == _HELD and self.handoff_ms:
-            reply = self._wait_for_release(group, owner, self.handoff_ms)
-        if reply.status != _HELD:
-            return _lease(group, reply)
-        raise _contention(group, reply, 1, time.monotonic() - started)
+            reply = self._wait_for_release(group, owner, self.handoff_ms, inline)
+        if reply.status == _HELD:
+            raise _contention(group, reply, 1, time.monotonic() - started)
+        lease = _lease(group, reply)
+        if key is None or inline is not None:
+            return lease, reply.value
+        with redis_errors(self._settings):
+            return lease, self._redis.get(key)
 
     def renew(self, lease: Lease) -> bool:
         """Extend the lease by a full lease; ``False`` when it expired and the lock is lost."""
@@ -285,18 +328,18 @@ class GroupLocks:
         """Fence check before a side effect: renew the lease and mark the write, or refuse a
         holder whose lease expired (its group may already run under a higher fence)."""
         refused = self._renew(lease, mark_write=True)
-        if refused is None:
-            return
-        current_owner, current_fence = refused
-        logger.warning(
-            "group lock %r: write under fence %d by %s refused; holder now %s (fence %s)",
-            lease.group,
-            lease.fence,
-            lease.owner,
-            current_owner or "nobody",
-            current_fence or "-",
-        )
-        raise FenceRejected(_fence_message(lease, current_owner, current_fence))
+        if refused is not None:
+            raise _refused(lease, *refused)
+
+    def write_fence(self, lease: Lease) -> WriteFence | None:
+        """The fence check for a write's own script, when the write goes to the lock's
+        server; on a cluster (the write's keys in another slot) the check runs now
+        (:meth:`mark_write`) and None is returned."""
+        if self._one_server:
+            args = (lease.owner, str(lease.fence), str(self.lease_ms), "1")
+            return WriteFence(self._record_key(lease.group), args, lease)
+        self.mark_write(lease)
+        return None
 
     def release(self, lease: Lease) -> bool:
         """Delete the lock if this lease still holds it; ``False`` leaves someone else's lock."""
@@ -350,14 +393,16 @@ class GroupLocks:
             lease_left_ms=int(left_ms),
         )
 
-    def _attempt(self, group: str, owner: str) -> _AcquireReply:
+    @functools.cached_property
+    def _one_server(self) -> bool:
+        return not isinstance(self._redis, RedisCluster)
+
+    def _attempt(self, group: str, owner: str, read: str | None = None) -> _AcquireReply:
         if not group or not owner:
             raise ValueError("group and owner must be non-empty")
+        keys = [self._record_key(group), self._fence_key(group)] + ([read] if read else [])
         with redis_errors(self._settings):
-            raw = self._acquire_script(
-                keys=[self._record_key(group), self._fence_key(group)],
-                args=[owner, self.lease_ms],
-            )
+            raw = self._acquire_script(keys=keys, args=[owner, self.lease_ms])
         return _AcquireReply.parse(raw)
 
     def _renew(self, lease: Lease, *, mark_write: bool) -> tuple[str, str] | None:
@@ -383,20 +428,22 @@ class GroupLocks:
     def _wake_ttl_ms(self) -> int:
         return max(_MIN_WAKE_TTL_MS, self._settings.group_lock_retry_base_delay_ms * 4)
 
-    def _wait_for_release(self, group: str, owner: str, delay_ms: int) -> _AcquireReply:
+    def _wait_for_release(
+        self, group: str, owner: str, delay_ms: int, read: str | None = None
+    ) -> _AcquireReply:
         """Wait up to ``delay_ms`` for the lock, trying again whenever a release leaves a
         wake-up token (BLPOP): the lock is handed on without idle time."""
         deadline = time.monotonic() + delay_ms / 1000
         while True:
             remaining = deadline - time.monotonic()
             if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever
-                return self._attempt(group, owner)
+                return self._attempt(group, owner, read)
             with redis_errors(self._settings):
                 woken = self._redis.blpop([self._wake_key(group)], timeout=remaining)
             if woken is None:
                 _sleep_ms(int(max(0.0, deadline - time.monotonic()) * 1000))
-                return self._attempt(group, owner)
-            reply = self._attempt(group, owner)
+                return self._attempt(group, owner, read)
+            reply = self._attempt(group, owner, read)
             if reply.status != _HELD:
                 return reply
 
@@ -489,12 +536,21 @@ def _contention(
     )
 
 
-def _fence_message(lease: Lease, current_owner: str, current_fence: str) -> str:
+def _refused(lease: Lease, current_owner: str, current_fence: str) -> FenceRejected:
+    """The error of a write refused by the fence check, logged."""
+    logger.warning(
+        "group lock %r: write under fence %d by %s refused; holder now %s (fence %s)",
+        lease.group,
+        lease.fence,
+        lease.owner,
+        current_owner or "nobody",
+        current_fence or "-",
+    )
     if current_owner:
         now = f"the lock is now held by {current_owner!r} (fence {current_fence})"
     else:
         now = "the lock is free (released, or its lease expired)"
-    return (
+    return FenceRejected(
         f"group {lease.group!r}: write under fence {lease.fence} by {lease.owner!r} refused "
         f"because its lease expired; {now}; the delivery must be retried"
     )

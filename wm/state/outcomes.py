@@ -16,22 +16,33 @@ from wm.config import Settings
 from wm.events import CloudEvent, decode, encode
 from wm.state.connection import StatePipeline, StateRedis, queue_eval, redis_errors, redis_for
 from wm.state.ledger import Settlement
+from wm.state.locks import FENCE_CHECK_LUA, WriteFence
 
 #: ``wm:outcome:{<worker id>}:<event key>``: tagged with the worker's id, like its pending
 #: ledger and directory entry, so the record script and the directory's MGET touch one slot.
 _OUTCOME = "wm:outcome:"
-# KEYS: outcome, the worker's pending index[, its runs], all tagged {<worker id>}.
-# ARGV: outputs, ttl s, index member, event key. Returns nil when recorded, else the outcome
-# recorded before.
-_RECORD = """
+# K: outcome, the worker's pending index[, its runs], all tagged {<worker id>}.
+# ARGV: outputs, ttl s, index member, event key. Ends with ``stored``: false when recorded,
+# else the outcome recorded before.
+_RECORD_BODY = """
 local stored = false
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
-  stored = redis.call('GET', KEYS[1])
+if not redis.call('SET', K[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  stored = redis.call('GET', K[1])
 end
-redis.call('ZREM', KEYS[2], ARGV[3])
-if KEYS[3] then redis.call('HDEL', KEYS[3], ARGV[4]) end
-return stored
+redis.call('ZREM', K[2], ARGV[3])
+if K[3] then redis.call('HDEL', K[3], ARGV[4]) end
 """
+# KEYS: K. Returns nil when recorded, else the outcome recorded before.
+_RECORD = "local K = KEYS" + _RECORD_BODY + "return stored\n"
+# KEYS: the group lock's record, then K; ARGV[5..8]: the fence's (owner, fence, lease ms,
+# '1'). Returns {1, stored}, or the fence check's {0, owner, fence} with nothing written.
+_RECORD_FENCED = (
+    "local FENCE_KEY, FENCE_ARGS = KEYS[1], {ARGV[5], ARGV[6], ARGV[7], ARGV[8]}"
+    + FENCE_CHECK_LUA
+    + "local K = {KEYS[2], KEYS[3], KEYS[4]}"
+    + _RECORD_BODY
+    + "return {1, stored}\n"
+)
 
 
 class Outcomes:
@@ -65,19 +76,30 @@ class Outcomes:
         outputs: list[CloudEvent],
         settlement: Settlement,
         also: Callable[[StatePipeline], None] | None = None,
+        fence: WriteFence | None = None,
     ) -> tuple[list[CloudEvent], list[Any]]:
         """Record the outcome and settle the delivery in the pending ledger, in one script;
         return the outcome that counts: when two copies of a delivery ran at once, the
         first record wins and both publish it. ``also`` may queue more commands in the same
         round trip; their results come second (on a Redis Cluster, a round trip to each
-        node their keys live on, sent together)."""
+        node their keys live on, sent together). With ``fence``, the same script checks the
+        group lock first and writes nothing, raising :class:`~wm.errors.FenceRejected`, when
+        the lease was lost."""
         key = self.key(worker_id, event_key)
         keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
-        value = json.dumps([encode(e) for e in outputs])
+        args = [json.dumps([encode(e) for e in outputs]), self.ttl_s, settlement.member]
+        args.append(settlement.key)
+        script = _RECORD
+        if fence is not None:
+            script, keys, args = _RECORD_FENCED, [fence.key, *keys], [*args, *fence.args]
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
-            queue_eval(pipe, _RECORD, keys, value, self.ttl_s, settlement.member, settlement.key)
+            queue_eval(pipe, script, keys, *args)
             if also is not None:
                 also(pipe)
-            stored, *more = pipe.execute()
-        return (outputs if stored is None else self.parse(stored) or []), more
+            reply, *more = pipe.execute()
+        if fence is not None:
+            if int(reply[0]) == 0:
+                raise fence.refused(reply[1], reply[2])
+            reply = reply[1]
+        return (outputs if reply is None else self.parse(reply) or []), more
