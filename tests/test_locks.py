@@ -330,6 +330,27 @@ def test_a_heartbeat_keeps_a_live_holder_until_its_limit(client: redis.Redis, pr
     assert locks.release(lease) is False
 
 
+def test_heartbeats_of_one_process_are_renewed_together_and_stop_at_exit(
+    client: redis.Redis, prefix: str
+) -> None:
+    """The process's one renewer keeps several leases (a threads pool holds several at
+    once), one entered later than the other, and renews none after its heartbeat ended."""
+    lease_s = 0.3
+    locks = GroupLocks(client=client, settings=_settings(group_lock_lease_s=lease_s), prefix=prefix)
+    first, second = locks.acquire("a", "holder"), locks.acquire("b", "holder")
+    with locks.keep_alive(first, limit_s=10) as beat_a:
+        time.sleep(lease_s / 2)
+        with locks.keep_alive(second, limit_s=10) as beat_b:
+            time.sleep(3 * lease_s)
+            assert locks.holder("a") is not None and locks.holder("b") is not None
+        renewals_b = beat_b.renewals
+        time.sleep(2 * lease_s)
+        assert locks.holder("b") is None  # not renewed after its heartbeat ended
+        assert locks.holder("a") is not None
+    assert beat_a.renewals >= 6 and renewals_b >= 3 and beat_b.renewals == renewals_b
+    assert not beat_a.lost and not beat_b.lost
+
+
 def test_renewing_a_lost_lease_fails_and_leaves_the_new_holder_alone(
     client: redis.Redis, prefix: str
 ) -> None:
