@@ -18,7 +18,7 @@ from wm import Settings
 from wm.dataplane.app import make_app
 from wm.dataplane.queues import plain_queue_name
 from wm.local import drain, roundtrip
-from wm.local.rig import Rig, mismatches, task_options
+from wm.local.rig import PYTHON_ANSWER, EngineWorker, Rig, mismatches, task_options
 
 #: Busy time of each event of the slow stub worker (ms), and how many it is sent.
 SLOW_MS, SLOW_EVENTS = 200, 8
@@ -63,11 +63,25 @@ def _assert_gone(rig: Rig) -> None:
                 connection.channel().exchange_declare(exchange, "direct", passive=True)
 
 
+@pytest.fixture
+def engines(native_zips: dict[str, Path]) -> list[EngineWorker]:
+    """A sandboxed Python worker and the native C example, both answering every event."""
+    return [
+        EngineWorker("python worker", "python", "text/x-python", PYTHON_ANSWER),
+        EngineWorker(
+            "native worker",
+            "native",
+            "application/x-native-dll",
+            native_zips["c-example"].read_bytes(),
+        ),
+    ]
+
+
 @pytest.mark.slow
 def test_the_drain_phase_times_every_scenario_and_counts_redis_commands(
-    rig: Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    rig: Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str], engines: list[EngineWorker]
 ) -> None:
-    header, results = drain.measure(rig, tmp_path, events=30, repeats=2, concurrency=2)
+    header, results = drain.measure(rig, tmp_path, 30, 2, 2, engines)
     drain.report(results, header, 30, 2, 2, rig)
     out = capsys.readouterr().out
     broker = "Redis" if rig.redis_broker else "RabbitMQ"
@@ -84,12 +98,13 @@ def test_the_drain_phase_times_every_scenario_and_counts_redis_commands(
             flags=re.MULTILINE,
         )
     }
-    assert set(rows) == {"bare celery", "no group", "group", "one output"}, out
+    workers = {"no group", "group", "one output", "python worker", "native worker"}
+    assert set(rows) == {"bare celery", *workers}, out
     assert all(rate > 0 for rate, _ in rows.values())
     # WorkManager adds its own Redis work to what Celery does for a bare task; on RabbitMQ
     # the state store sees nothing of a bare task
     bare_commands = rows["bare celery"][1]
-    assert all(rows[name][1] > bare_commands for name in ("no group", "group", "one output"))
+    assert all(rows[name][1] > bare_commands for name in workers)
     if not rig.redis_broker:
         assert bare_commands < 1, out
 
@@ -121,21 +136,32 @@ def _ready(probe: drain.Probe, queue: str) -> int:
 
 
 @pytest.mark.slow
-def test_the_round_trip_phase_times_both_sides_one_event_at_a_time(
-    rig: Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_the_round_trip_phase_times_every_side_one_event_at_a_time(
+    rig: Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str], engines: list[EngineWorker]
 ) -> None:
-    header, sides = roundtrip.measure(rig, tmp_path, round_trips=15, repeats=2, concurrency=2)
+    header, sides = roundtrip.measure(rig, tmp_path, 15, 2, 2, engines)
     roundtrip.report(sides, header, 15, 2, 2, rig)
     out = capsys.readouterr().out
     assert "15 per side in each of 2 interleaved blocks" in out
     assert "configured like wm.deliver" in out
-    bare, ours = sides
-    assert [len(block) for side in sides for block in side.blocks] == [15, 15, 15, 15]
-    assert 0 < bare.p50 <= bare.p99 and 0 < ours.p50 <= ours.p99
-    assert re.search(r"^workmanager\s+[\d.]+ \([\d.]+ [\d.]+\)\s+[\d.]+\s+[\d.]+× \[", out, re.M)
-    # every answer was read: nothing is left on either reply queue
+    assert [side.name for side in sides] == [
+        "bare celery",
+        "workmanager",
+        "python worker",
+        "native worker",
+    ]
+    assert [len(block) for side in sides for block in side.blocks] == [15] * 8
+    assert all(0 < side.p50 <= side.p99 for side in sides)
+    for name in ("workmanager", "python worker", "native worker"):
+        assert re.search(rf"^{name}\s+[\d.]+ \([\d.]+ [\d.]+\)\s+[\d.]+\s+[\d.]+× \[", out, re.M)
+    assert out.count("target ≤ 2×") == 1  # the target is the stub worker's
+    # every answer was read: nothing is left on any reply queue
     probe = drain.probe_for(rig)
-    for queue in (rig.name("rt.bare.reply"), plain_queue_name(rig.name("rt.out"), "answers")):
+    replies = [rig.name("rt.bare.reply"), plain_queue_name(rig.name("rt.out"), "answers")]
+    replies += [
+        plain_queue_name(rig.name(f"rt.{e}.processed"), "answers") for e in ("python", "native")
+    ]
+    for queue in replies:
         assert _ready(probe, queue) == 0
 
 

@@ -36,7 +36,7 @@ from wm.dataplane.app import BROKER_ERRORS
 from wm.engine import WorkerSpec, engine_class
 from wm.events import make_event
 from wm.local import drain, roundtrip, scale
-from wm.local.rig import BROKERS, DEFAULT_AMQP_URL, Rig
+from wm.local.rig import BROKERS, DEFAULT_AMQP_URL, PYTHON_ANSWER, EngineWorker, Rig
 from wm.local.up import embedded_redis
 from wm.state.connection import redis_for
 from wm.state.locks import GroupLocks
@@ -49,7 +49,7 @@ TARGETS = {
     "python worker": 0.5,
     "native worker": 0.7,
 }
-NATIVE = "application/x-native-dll"
+NATIVE, PYTHON = "application/x-native-dll", "text/x-python"
 DOTNET_DLL, CSHARP = "application/x-dotnet-dll", "text/x-csharp"
 
 
@@ -258,10 +258,14 @@ def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace) -> 
     settings = settings.replace(task_events=args.drain_task_events)
     if args.broker == "amqp":
         settings = settings.replace(broker_url=args.broker_url)
+    # the .NET example answers to its fixed type ``orders.done``, not a topic of the bench's
+    engines = [e for e in _engine_workers(args, answering=True) if e.processed]
     if args.drain_repeats:
-        drain.run(settings, home, args.events, args.drain_repeats, args.concurrency)
+        drain.run(settings, home, args.events, args.drain_repeats, args.concurrency, engines)
     if args.round_trips:
-        roundtrip.run(settings, home, args.round_trips, args.round_trip_repeats, args.concurrency)
+        roundtrip.run(
+            settings, home, args.round_trips, args.round_trip_repeats, args.concurrency, engines
+        )
 
 
 def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace) -> None:
@@ -345,18 +349,27 @@ def _workers(rig: Rig, args: argparse.Namespace) -> dict[str, WorkerInfo]:
     workers = {
         "no group": rig.worker("nogroup", b"{}"),
         "group": rig.worker("group", b"{}", group="bench"),
-        "python worker": rig.worker(
-            "python", b"def process(event):\n    return None\n", mime_type="text/x-python"
-        ),
     }
+    for engine in _engine_workers(args, answering=False):
+        workers[engine.name] = rig.worker(engine.suffix, engine.code, mime_type=engine.mime_type)
+    return workers
+
+
+def _engine_workers(args: argparse.Namespace, *, answering: bool) -> list[EngineWorker]:
+    """The workers on real engines: a sandboxed Python worker (in the task-event phase one
+    that returns nothing, as measured there since the start; in the drain and round-trip
+    phases one answering each event, like the others), and the native and .NET workers the
+    options name."""
+    python = PYTHON_ANSWER if answering else b"def process(event):\n    return None\n"
+    workers = [EngineWorker("python worker", "python", PYTHON, python)]
     if args.native_zip:
-        workers["native worker"] = rig.worker(
-            "native", args.native_zip.read_bytes(), mime_type=NATIVE
+        workers.append(
+            EngineWorker("native worker", "native", NATIVE, args.native_zip.read_bytes())
         )
     for mime_type, path in _dotnet_workers(args):
         name = ".NET dll worker" if mime_type == DOTNET_DLL else "C# worker"
         suffix = mime_type.split("-")[-1]
-        workers[name] = rig.worker(suffix, path.read_bytes(), mime_type=mime_type)
+        workers.append(EngineWorker(name, suffix, mime_type, path.read_bytes(), processed=False))
     return workers
 
 
@@ -391,7 +404,7 @@ ENGINE_WORKERS = {
 
 def _engine_round_trip(messages: int) -> None:
     """Time ``PythonEngine.process`` on the host: framing, two pipe hops, the worker call."""
-    engine = engine_class("text/x-python")(Settings.from_env())
+    engine = engine_class(PYTHON)(Settings.from_env())
     event = make_event("bench.in", "/bench", {"n": 1, "text": "a small payload"})
     print(f"\nPython engine round trip, {messages} messages (target: median ≤ 0.5 ms)\n")
     try:

@@ -2,9 +2,11 @@
 nothing consumes it, then consuming starts and the clock runs until every message is done:
 throughput without the publisher competing, and Redis commands per event, for a bare Celery
 task and WorkManager on the same node, with the same pool, prefetch, acks and task-events
-setting (the node is asked, and the report says so). Scenarios run interleaved (bare, no
-group, group, one output, bare, …) so a slow stretch of the machine hits them all; the
-spread of the repetitions is printed.
+setting (the node is asked, and the report says so). The scenarios: stub workers (no group,
+group, one output) and workers on real engines (a sandboxed Python worker, and the native
+and .NET workers ``wm bench`` is given), each answering every event with one output. They
+run interleaved (bare, no group, group, one output, Python worker, …, bare, …) so a slow
+stretch of the machine hits them all; the spread of the repetitions is printed.
 
 Done means no message of the queue is ready and none is unacknowledged (acks are late, so a
 message is acknowledged once its task finished). How that is known depends on the broker:
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from wm.config import Settings
 from wm.dataplane.queues import subscription_queue, worker_queue_name
 from wm.events import make_event
-from wm.local.rig import Rig
+from wm.local.rig import STUB, EngineWorker, Rig
 from wm.manager import WorkManager
 from wm.state.connection import pooled_client
 
@@ -138,18 +140,34 @@ def probe_for(rig: Rig) -> Probe:
     return RedisProbe(rig) if rig.redis_broker else AmqpProbe(rig)
 
 
-def run(settings: Settings, home: Path, events: int, repeats: int, concurrency: int) -> None:
+def run(
+    settings: Settings,
+    home: Path,
+    events: int,
+    repeats: int,
+    concurrency: int,
+    engines: Sequence[EngineWorker] = (),
+) -> None:
     """Time the drain of ``events`` messages per scenario, ``repeats`` times, and print it."""
     with Rig(settings) as rig:
-        header, results = measure(rig, home, events, repeats, concurrency)
+        header, results = measure(rig, home, events, repeats, concurrency, engines)
     report(results, header, events, repeats, concurrency, rig)
 
 
 def measure(
-    rig: Rig, home: Path, events: int, repeats: int, concurrency: int
+    rig: Rig,
+    home: Path,
+    events: int,
+    repeats: int,
+    concurrency: int,
+    engines: Sequence[EngineWorker] = (),
 ) -> tuple[str, list[Drain]]:
-    """The node's description and each scenario's repetitions."""
-    scenarios = _scenarios(rig)
+    """The node's description and each scenario's repetitions: the stub workers', then one
+    per engine worker of ``engines``."""
+    scenarios = _scenarios(rig) + [
+        worker_scenario(rig, e.name, f"drain.{e.suffix}", e.code, mime_type=e.mime_type)
+        for e in engines
+    ]
     probe = probe_for(rig)
     results = {scenario.name: Drain(scenario.name) for scenario in scenarios}
     with rig.node(home, concurrency, [scenarios[0].queue]):
@@ -184,10 +202,15 @@ def _scenarios(rig: Rig) -> list[Scenario]:
 
 
 def worker_scenario(
-    rig: Rig, name: str, suffix: str, code: bytes, group: str | None = None
+    rig: Rig,
+    name: str,
+    suffix: str,
+    code: bytes,
+    group: str | None = None,
+    mime_type: str = STUB,
 ) -> Scenario:
-    """A stub worker's queue, paused by stopping the worker."""
-    info = rig.worker(suffix, code, group)
+    """A worker's queue (a stub's by default), paused by stopping the worker."""
+    info = rig.worker(suffix, code, group, mime_type)
     manager = rig.manager
     return Scenario(
         name,
@@ -242,7 +265,7 @@ def report(
         f"\nDrain on {broker}: {events} queued events per scenario, {repeats} repetitions "
         f"interleaved, concurrency {concurrency}, task events {events_on}\n{header}\n"
     )
-    print(f"{'scenario':<14}{'events/s (median, runs)':<34}{'ratio':>7}  {rig.counted}/event")
+    print(f"{'scenario':<16}{'events/s (median, runs)':<34}{'ratio':>7}  {rig.counted}/event")
     for result in results:
         runs = " ".join(f"{rate:.0f}" for rate in result.rates)
         ratio = result.rate / bare.rate if bare.rate else 0.0
@@ -255,7 +278,7 @@ def report(
         target = TARGETS.get(result.name)
         verdict = "" if target is None else _verdict(ratio >= target, f"≥ {target}×")
         print(
-            f"{result.name:<14}{result.rate:>6.0f} ({runs}){'':<{max(0, 26 - len(runs))}}"
+            f"{result.name:<16}{result.rate:>6.0f} ({runs}){'':<{max(0, 26 - len(runs))}}"
             f"{ratio:>6.2f}× [{min(spread):.2f}–{max(spread):.2f}]  {commands:.1f}{extra}"
             f"{verdict}"
         )

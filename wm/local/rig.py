@@ -18,6 +18,7 @@ import re
 import socket
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -57,6 +58,29 @@ TASK_OPTIONS = (
     "priority",
 )
 STUB = "application/x-wm-stub"
+#: A Python worker that answers each event with one output of type ``<its type>.processed``,
+#: as the native C example does.
+PYTHON_ANSWER = b"""from wm.devkit import make_event
+
+
+def process(event):
+    return make_event(event.get_type() + ".processed", "/bench", event.get_data())
+"""
+
+
+@dataclass(frozen=True)
+class EngineWorker:
+    """A worker on a real engine, for the drain and round-trip phases: its name in the
+    report, the suffix of its topic, its MIME type and code. ``processed``: it answers each
+    event with one output of type ``<topic>.processed``, a topic of the bench's own; a
+    worker answering to a fixed type, such as the .NET example's ``orders.done``, would
+    publish to a topic a running system may use, so it is left out of these phases."""
+
+    name: str
+    suffix: str
+    mime_type: str
+    code: bytes
+    processed: bool = True
 
 
 def node_conf(prefix: str, conf: Any = None) -> dict[str, Any]:
