@@ -29,11 +29,13 @@ def _run_up(cwd: Path, *args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path) -> None:
-    proc = _run_up(tmp_path, "--demo", "--events", "3")
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path, pool: str) -> None:
+    proc = _run_up(tmp_path, "--demo", "--events", "3", "--pool", pool)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     assert "(embedded, pid" in out
+    assert f", 2 {'processes' if pool == 'prefork' else 'threads'}, log" in out
     for n in (1, 2, 3):
         assert f"HELLO NUMBER {n}!" in out and f"correlationid=demo-{n}" in out
     assert out.rstrip().endswith("stopped")

@@ -52,7 +52,14 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="Celery processes of the node (default 2)",
+        help="Celery processes (or threads) of the node (default 2)",
+    )
+    up.add_argument(
+        "--pool",
+        choices=("prefork", "threads"),
+        default="prefork",
+        help="the node's Celery pool (default prefork; threads suit I/O-bound stub, native "
+        "and .NET workers: README, Benchmarks, pool phase)",
     )
     # Everything after ``bench`` is the benchmark's own command line, options included.
     bench = commands.add_parser(
@@ -122,7 +129,7 @@ def _current_values(settings: Settings) -> dict[str, str]:
 def run_up(ctx: Context, args: argparse.Namespace) -> int:
     return int(
         _component("wm.local.up").run(
-            demo=args.demo, events=args.events, concurrency=args.concurrency
+            demo=args.demo, events=args.events, concurrency=args.concurrency, pool=args.pool
         )
     )
 

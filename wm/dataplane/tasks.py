@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,21 +49,26 @@ logger = logging.getLogger(__name__)
 #: Pause before requeueing when the platform is down, so a node does not spin.
 _REQUEUE_PAUSE_S = 1.0
 _runtime: Runtime | None = None
+#: Threads of a ``-P threads`` pool share the process's runtime: one of them builds it.
+_runtime_lock = threading.Lock()
 
 
 def runtime(task: Task) -> Runtime:
     """The per-process runtime (reset after fork by ``wm.dataplane.node``)."""
     global _runtime
     if _runtime is None:
-        _runtime = Runtime(Settings.from_env(), task.app)
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = Runtime(Settings.from_env(), task.app)
     return _runtime
 
 
 def reset_runtime() -> None:
     global _runtime
-    if _runtime is not None:
-        _runtime.engines.close()
-    _runtime = None
+    with _runtime_lock:
+        if _runtime is not None:
+            _runtime.engines.close()
+        _runtime = None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS
 from wm.engine import WorkerSpec, engine_class
 from wm.events import make_event
-from wm.local import drain, roundtrip, scale
+from wm.local import drain, pools, roundtrip, scale
 from wm.local.rig import BROKERS, DEFAULT_AMQP_URL, PYTHON_ANSWER, EngineWorker, Rig
 from wm.local.up import embedded_redis
 from wm.state.connection import redis_for
@@ -132,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the drain phase needs --events above 0")
     if args.scale_workers and not 1 <= args.scale_topics <= args.scale_workers:
         parser.error("--scale-topics must be between 1 and --scale-workers")
+    if args.pools and args.pool_repeats < 1:
+        parser.error("--pool-repeats must be 1 or more")
     if args.scale_workers and min(args.scale_nodes, args.scale_deliveries, args.scale_repeats) < 1:
         parser.error("--scale-nodes, --scale-deliveries and --scale-repeats must be 1 or more")
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
@@ -145,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _report(results, args)
             _broker_phases(settings, home, args)
             _scale_phase(settings, home, args)
+            _pools_phase(settings, home, args)
     if args.engine_messages:
         _engine_round_trips(args)
     return 0
@@ -186,6 +189,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_broker_phases(parser)
     _add_scale_phase(parser)
+    parser.add_argument(
+        "--pools",
+        type=int,
+        default=0,
+        metavar="EVENTS",
+        help="also run the pool phase: EVENTS queued events per workload drained under "
+        "prefork, threads and several nodes (wm.local.pools)",
+    )
+    parser.add_argument(
+        "--pool-repeats", type=int, default=2, help="interleaved rounds of the pool phase"
+    )
     return parser
 
 
@@ -266,6 +280,17 @@ def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace) -> 
         roundtrip.run(
             settings, home, args.round_trips, args.round_trip_repeats, args.concurrency, engines
         )
+
+
+def _pools_phase(settings: Settings, home: Path, args: argparse.Namespace) -> None:
+    """The pool phase, on the broker ``--broker`` names."""
+    if not args.pools:
+        return
+    if args.broker == "amqp":
+        settings = settings.replace(broker_url=args.broker_url)
+    pools.run(
+        settings.replace(task_events=args.drain_task_events), home, args.pools, args.pool_repeats
+    )
 
 
 def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace) -> None:

@@ -151,7 +151,13 @@ class Rig:
 
     @contextlib.contextmanager
     def node(
-        self, home: Path, concurrency: int, queues: Sequence[str], *, name_suffix: str = ""
+        self,
+        home: Path,
+        concurrency: int,
+        queues: Sequence[str],
+        *,
+        name_suffix: str = "",
+        pool: str = "prefork",
     ) -> Iterator[None]:
         """The bench's node, consuming ``queues`` and every running worker's queue.
 
@@ -166,6 +172,7 @@ class Rig:
             app_module="wm.local.benchnode",
             name=self.node_name + name_suffix,
             control=self.app,
+            pool=pool,
         ):
             yield
 

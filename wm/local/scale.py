@@ -129,12 +129,21 @@ class Report:
 
 
 class Nodes:
-    """``count`` bench nodes launched at once, one thread each holding :meth:`Rig.node`;
-    leaving stops them all (a warm shutdown each, in parallel)."""
+    """``count`` bench nodes launched at once, one thread each holding :meth:`Rig.node`
+    (Celery's ``pool`` of ``concurrency``); leaving stops them all (a warm shutdown each, in
+    parallel)."""
 
-    def __init__(self, rig: Rig, home: Path, count: int, concurrency: int, queue: str) -> None:
+    def __init__(
+        self,
+        rig: Rig,
+        home: Path,
+        count: int,
+        concurrency: int,
+        queue: str,
+        pool: str = "prefork",
+    ) -> None:
         self.rig, self.home, self.count = rig, home, count
-        self.concurrency, self.queue = concurrency, queue
+        self.concurrency, self.queue, self.pool = concurrency, queue, pool
         self.names = [f"{rig.node_name}.{n}" for n in range(count)]
         self.launched = 0.0
         self.up_s: float | None = None
@@ -168,7 +177,9 @@ class Nodes:
         home = self.home / f"scale-node{n}"
         home.mkdir(exist_ok=True)
         try:
-            with self.rig.node(home, self.concurrency, [self.queue], name_suffix=f".{n}"):
+            with self.rig.node(
+                home, self.concurrency, [self.queue], name_suffix=f".{n}", pool=self.pool
+            ):
                 self._stop.wait()
         except BaseException as exc:  # reported by the thread that waits for the nodes
             self.errors.append(exc)

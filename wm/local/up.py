@@ -53,7 +53,7 @@ class Shout(WorkerBase):
 '''
 
 
-def run(demo: bool = False, events: int = 0, concurrency: int = 2) -> int:
+def run(demo: bool = False, events: int = 0, concurrency: int = 2, pool: str = "prefork") -> int:
     """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code."""
     home = HOME.resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,7 @@ def run(demo: bool = False, events: int = 0, concurrency: int = 2) -> int:
         _say(f"database   {settings.database_url} (migrated)")
         env_file = _write_env(home, settings)
         _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
-        with celery_node(home, settings, concurrency):
+        with celery_node(home, settings, concurrency, pool=pool):
             try:
                 if demo:
                     _demo(settings, events)
@@ -124,11 +124,13 @@ def celery_node(
     app_module: str = "wm.celeryapp",
     name: str = "wm-up@%h",
     control: Celery | None = None,
+    pool: str = "prefork",
 ) -> Iterator[None]:
     """A Celery node as a child process in its own session; stopped with a warm shutdown.
 
     ``control`` is the app whose pings tell that the node is up (default: one built from
     ``settings``); a node of ``app_module`` with its own control exchange needs its own.
+    ``pool`` is Celery's execution pool (``-P``) and ``concurrency`` its size.
     """
     log_path = home / "node.log"
     command = [
@@ -140,6 +142,8 @@ def celery_node(
         "worker",
         "-n",
         name,
+        "-P",
+        pool,
         "-c",
         str(concurrency),
         "--loglevel=INFO",
@@ -156,7 +160,8 @@ def celery_node(
         )
     try:
         _wait_for_node(control or make_app(settings), node, log_path)
-        _say(f"node       celery pid {node.pid}, {concurrency} processes, log {log_path}")
+        workers = "processes" if pool == "prefork" else pool
+        _say(f"node       celery pid {node.pid}, {concurrency} {workers}, log {log_path}")
         yield
     finally:
         _stop_node(node)
