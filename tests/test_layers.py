@@ -27,7 +27,8 @@ FLOORS = {
     "wm.state": 4,
     "wm.dataplane": 5,
     "wm.manager": 6,
-    "wm.celeryapp": 6,
+    "wm.ops": 6,  # health: loaded by name (wm.celeryapp registers it, wm health loads it)
+    "wm.celeryapp": 7,
     "celeryconfig": 6,
     "wm.cli": 7,
     "wm.local": 7,

@@ -9,6 +9,7 @@ from celery import signals
 
 from wm.dataplane.app import make_app
 from wm.dataplane.node import on_process_init, on_process_shutdown
+from wm.ops.health import HealthServer
 
 # Connected here, in the module ``celery -A`` imports first: the worker imports the
 # ``include`` modules only later, after the pool has forked.
@@ -25,3 +26,4 @@ def _on_process_shutdown(**_: Any) -> None:
 
 
 app = make_app()
+app.steps["worker"].add(HealthServer)

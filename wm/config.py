@@ -47,6 +47,13 @@ def _parse_float(raw: str) -> float:
     return value
 
 
+def _parse_port(raw: str) -> int:
+    value = int(raw.strip())
+    if not 0 <= value <= 65535:
+        raise ValueError("expected a TCP port, 0 to 65535")
+    return value
+
+
 def _parse_csv(raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
@@ -70,6 +77,7 @@ _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_bool: "true or false",
     _parse_int: "a non-negative integer",
     _parse_float: "a non-negative number",
+    _parse_port: "a TCP port (0 to 65535; 0 is off)",
     _parse_csv: "a comma-separated list",
     _parse_str: "a string",
     _parse_priority_steps: f"ascending levels from 0 to {MAX_PRIORITY}, starting with 0 "
@@ -308,6 +316,19 @@ class Settings:
         7 * 24 * 3600,
         _parse_int,
         "How long recorded outcomes (idempotency records) are kept in Redis.",
+    )
+    health_port: int = _setting(
+        "WM_HEALTH_PORT",
+        0,
+        _parse_port,
+        "Port of a node's health endpoints (`/health`, `/health/live`, `/health/ready`), "
+        "served by its main process; 0 is off.",
+    )
+    health_bind: str = _setting(
+        "WM_HEALTH_BIND",
+        "127.0.0.1",
+        _parse_str,
+        "Address the health endpoints listen on (`0.0.0.0` for a probe from another host).",
     )
     log_level: str = _setting(
         "WM_LOG_LEVEL",

@@ -61,6 +61,18 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
         help="the node's Celery pool (default prefork; threads suit I/O-bound stub, native "
         "and .NET workers: README, Benchmarks, pool phase)",
     )
+    health = add_command(
+        commands,
+        "health",
+        show_health,
+        common,
+        "a node's health (exit 0 healthy, 1 degraded, 2 unhealthy)",
+    )
+    health.add_argument(
+        "--node",
+        metavar="URL",
+        help="the node's health endpoint (default: http://127.0.0.1:$WM_HEALTH_PORT/health)",
+    )
     # Everything after ``bench`` is the benchmark's own command line, options included.
     bench = commands.add_parser(
         "bench",
@@ -124,6 +136,41 @@ def _current_values(settings: Settings) -> dict[str, str]:
         env: maybe_sanitize_url(shown) if "://" in shown else shown
         for env, shown in current_values(settings).items()
     }
+
+
+#: ``wm health``'s exit code by status.
+HEALTH_EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+
+
+def show_health(ctx: Context, args: argparse.Namespace) -> int:
+    url = args.node
+    if url is None:
+        if not ctx.settings.health_port:
+            raise WorkManagerError(
+                "no node to ask: pass --node URL, or set WM_HEALTH_PORT to a local node's port"
+            )
+        url = f"http://127.0.0.1:{ctx.settings.health_port}/health"
+    _, found = _component("wm.ops.health").fetch(url)
+    status = str(found.get("status", "unhealthy"))
+    if ctx.as_json:
+        ctx.json(found)
+    else:
+        checks = found.get("checks", {})
+        ctx.fields(
+            [
+                ("node", found.get("node")),
+                ("status", status),
+                *[
+                    (name, "ok" if check["ok"] else f"FAILED: {check.get('error')}")
+                    for name, check in checks.items()
+                ],
+                ("recovery", found.get("recovery", {}).get("state")),
+                ("consuming", "yes" if found.get("consuming") else "no"),
+            ]
+        )
+        for reason in found.get("reasons", []):
+            ctx.line(f"- {reason}")
+    return HEALTH_EXIT.get(status, 2)
 
 
 def run_up(ctx: Context, args: argparse.Namespace) -> int:

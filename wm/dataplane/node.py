@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -32,6 +33,25 @@ from wm.store.models import Subscription, Worker
 
 logger = logging.getLogger(__name__)
 LEADER_KEY = "workmanager/recovery/leader"
+
+
+@dataclass
+class NodeState:
+    """What a node's main process knows of its own start, for its health (``wm.ops.health``).
+
+    ``recovery``: ``pending`` (not started), ``running``, ``retrying`` (an attempt failed,
+    ``error`` says why), ``done`` (this node led it), ``elsewhere`` (another node leads),
+    ``disabled`` (WORKER_RECOVERY_ON_START=false) or ``failed`` (gave up: the node stops).
+    ``consuming``: the first reconcile ran, so the node consumes every running worker's queue.
+    """
+
+    recovery: str = "pending"
+    error: str | None = None
+    consuming: bool = False
+
+
+#: This process's state (a node's main process; pool processes never change it).
+STATE = NodeState()
 #: Release the lease only if this node still holds it (it may have expired and moved on).
 _RELEASE_IF_OURS = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -175,6 +195,7 @@ class Reconciler(bootsteps.StartStopStep):
         try:
             running = running_queues(self.settings)
             reconcile(parent, running)
+            STATE.consuming = True
             if starting:
                 consumed = [queue.name for queue in parent.task_consumer.queues]
                 merge_levels(self.settings, parent.app, consumed)
@@ -188,14 +209,24 @@ class Reconciler(bootsteps.StartStopStep):
 def recover_with_retries(settings: Settings, app: Celery) -> None:
     """Recovery at node start, retried until WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS."""
     deadline = time.monotonic() + settings.worker_recovery_acquire_timeout_seconds
+    STATE.recovery = "running"
     while True:
         try:
-            recover(settings, app)
-            return
-        except Exception:
+            led = recover(settings, app)
+        except Exception as exc:
+            STATE.error = f"{type(exc).__name__}: {exc}"
             if time.monotonic() > deadline:
+                STATE.recovery = "failed"
                 raise
+            STATE.recovery = "retrying"
             time.sleep(1.0)
+            continue
+        if led:
+            STATE.recovery = "done"
+        else:
+            STATE.recovery = "elsewhere" if settings.worker_recovery_on_start else "disabled"
+        STATE.error = None
+        return
 
 
 def on_process_init() -> None:

@@ -13,6 +13,7 @@ they never use up the worker's retries and never dead-letter it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -44,6 +45,7 @@ from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
 from wm.state.locks import retry_delay_ms
+from wm.state.nodehealth import EngineFailures
 
 logger = logging.getLogger(__name__)
 #: Pause before requeueing when the platform is down, so a node does not spin.
@@ -181,6 +183,9 @@ def _deliver(
         _wait_for_lock(task, rt, delivery, waits, exc)
     except EngineLoadError as exc:
         logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
+        node = task.request.hostname or rt.node
+        with contextlib.suppress(BrokerUnavailable):  # a health detail: the failure goes on
+            EngineFailures(rt.settings).record(node, meta.id, f"{type(exc).__name__}: {exc}")
         outbox.record_failure(
             rt.settings, rt.bus, uuid.UUID(meta.id), type(exc).__name__, str(exc), fail=True
         )
