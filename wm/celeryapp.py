@@ -1,5 +1,6 @@
-"""The ``celery -A wm.celeryapp`` entry point: the app and the hooks of a node's pool
-processes. Nothing imports this module; definitions live in :mod:`wm.dataplane`."""
+"""The ``celery -A wm.celeryapp`` entry point: the app, the hooks of a node's pool
+processes, and the node's health and metrics endpoints (``wm.ops``). Nothing imports this
+module; definitions live in :mod:`wm.dataplane` and :mod:`wm.ops`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 from celery import signals
 
+from wm.config import Settings
 from wm.dataplane.app import make_app
 from wm.dataplane.node import on_process_init, on_process_shutdown
+from wm.ops import metrics
 from wm.ops.health import HealthServer
 
 # Connected here, in the module ``celery -A`` imports first: the worker imports the
@@ -23,7 +26,9 @@ def _on_process_init(**_: Any) -> None:
 @signals.worker_process_shutdown.connect
 def _on_process_shutdown(**_: Any) -> None:
     on_process_shutdown()
+    metrics.on_process_exit()
 
 
 app = make_app()
 app.steps["worker"].add(HealthServer)
+metrics.prepare(Settings.from_env())  # before the pool forks (multiprocess metrics)

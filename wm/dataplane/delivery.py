@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from celery import Celery
 from wm.config import Settings
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.deadletters import DeadLetters
+from wm.dataplane.observe import notify
 from wm.dataplane.outputs import OutputPublisher
 from wm.engine import Engine, Outputs, WorkerSpec, engine_class, resident_bytes
 from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused, WorkerCrashed
@@ -61,6 +63,10 @@ class EngineCache:
     def __len__(self) -> int:
         return len(self._engines)
 
+    def processes(self) -> int:
+        """Processes the loaded engines keep (sandboxes, helpers)."""
+        return sum(len(engine.processes()) for _, engine, _ in list(self._engines.values()))
+
     @property
     def charged_bytes(self) -> int:
         """What the loaded engines are charged, together."""
@@ -87,6 +93,8 @@ class EngineCache:
             evicted = self._evict()
         for old in evicted:  # outside the lock: closing may wait for calls in flight
             old.close()
+        notify("engines", meta, len(self))
+        notify("sandboxes", meta, self.processes())
         return engine, False
 
     def _load(self, meta: WorkerMeta, version: int) -> Engine:
@@ -211,6 +219,7 @@ class Delivery:
         else:
             recorded = self.rt.outcomes.get(self.meta.id, self.key)
         if recorded is not None:
+            notify("duplicate", self.meta)
             logger.info(
                 "event %s already processed by worker %s; republishing its outcome",
                 self.event.get_id(),
@@ -262,11 +271,14 @@ class Delivery:
         """
         owner = f"{self.rt.node}:{self.delivery_id}"
         outcome = self.rt.outcomes.key(self.meta.id, self.key)
+        waited = time.monotonic()
         self.lease, raw = self.rt.locks.take_reading(group, owner, outcome)
+        notify("lock_wait", self.meta, time.monotonic() - waited)
         try:
             with self.rt.locks.keep_alive(self.lease, self.hold_limit_s):
                 recorded = self.rt.outcomes.parse(raw)
                 if recorded is not None:
+                    notify("duplicate", self.meta)
                     self.publish(recorded)
                     return recorded
                 return self.process(engine)
@@ -294,12 +306,19 @@ class Delivery:
         else:
             self.publish(recorded, settled=True)
         outputs = recorded
+        sent = self.event.get_time()
+        if outputs and sent is not None:  # publish → output, on the publisher's clock
+            notify("latency", self.meta, max(0.0, time.time() - sent.timestamp()))
         if isinstance(produced, Outputs) and produced.worker_error is not None:
             self.emit_error("WorkerAnswer", produced.worker_error)
         return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
-        return engine.process(self.event, self.timeout_s)
+        started = time.monotonic()
+        try:
+            return engine.process(self.event, self.timeout_s)
+        finally:
+            notify("engine", self.meta, time.monotonic() - started)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the

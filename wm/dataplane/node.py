@@ -48,6 +48,8 @@ class NodeState:
     recovery: str = "pending"
     error: str | None = None
     consuming: bool = False
+    #: Worker queues the node consumed at its last reconcile.
+    queues: int = 0
 
 
 #: This process's state (a node's main process; pool processes never change it).
@@ -195,7 +197,7 @@ class Reconciler(bootsteps.StartStopStep):
         try:
             running = running_queues(self.settings)
             reconcile(parent, running)
-            STATE.consuming = True
+            STATE.consuming, STATE.queues = True, len(set(running))
             if starting:
                 consumed = [queue.name for queue in parent.task_consumer.queues]
                 merge_levels(self.settings, parent.app, consumed)

@@ -30,12 +30,14 @@ from wm.dataplane import outbox
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import Delivery, Runtime
+from wm.dataplane.observe import notify
 from wm.dataplane.queues import DELIVER_TASK
 from wm.errors import (
     BrokerUnavailable,
     DatabaseError,
     EngineLoadError,
     EventDecodeError,
+    FenceRejected,
     LockContention,
     WorkerExecutionError,
     WorkerNotFound,
@@ -179,9 +181,11 @@ def _deliver(
         delivery.run()
     except (BrokerUnavailable, DatabaseError):
         raise
-    except LockContention as exc:
+    except LockContention as exc:  # it waits in the broker: no attempt yet
         _wait_for_lock(task, rt, delivery, waits, exc)
     except EngineLoadError as exc:
+        notify("delivered", meta)
+        notify("failed", meta)
         logger.error("worker %s cannot run here, marking it failed: %s", meta.id, exc)
         node = task.request.hostname or rt.node
         with contextlib.suppress(BrokerUnavailable):  # a health detail: the failure goes on
@@ -191,11 +195,18 @@ def _deliver(
         )
         raise Reject(f"worker {meta.id} failed: {exc}", requeue=True) from exc
     except Exception as exc:  # every failure goes through the policy
+        notify("delivered", meta)
         _failed(task, rt, attempt, delivery, exc)
+    else:
+        notify("delivered", meta)
+        notify("succeeded", meta)
 
 
 def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
     meta = delivery.meta
+    notify("failed", meta)
+    if isinstance(exc, FenceRejected):
+        notify("fence_refused", meta)
     error_type = exc.error_type if isinstance(exc, WorkerExecutionError) else type(exc).__name__
     delivery.emit_error(error_type, str(exc))
     max_retries = delivery.max_retries
@@ -206,7 +217,9 @@ def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: 
             exc, delivery.event, key=delivery.key, version=delivery.version, fence=fence
         )
         rt.dead_letters.park(failure)
+        notify("dead_lettered", meta)
         return
+    notify("retried", meta)
     delay_s = backoff_s(rt.settings, meta, attempt.number)
     logger.info(
         "retrying event %s for worker %s in %.2fs (attempt %d of %d): %s",

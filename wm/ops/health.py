@@ -8,6 +8,7 @@ With ``WM_HEALTH_PORT`` set, a node serves on ``WM_HEALTH_BIND`` (default loopba
   probe: restart the node only when this fails).
 - ``GET /health/ready``: 200 once the node consumes its workers' queues and reaches broker,
   Redis and database; else 503 with the reasons (a readiness probe).
+- ``GET /metrics``: Prometheus metrics (``wm.ops.metrics``).
 
 What makes a node *unhealthy*: the broker, the Redis state store or the database does not
 answer within :data:`CHECK_TIMEOUT_S`, or its start-up recovery failed. *Degraded*: recovery
@@ -42,6 +43,7 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.node import STATE
 from wm.errors import WorkManagerError
+from wm.ops import metrics
 from wm.state.connection import pooled_client
 from wm.state.nodehealth import EngineFailures
 
@@ -117,6 +119,13 @@ def application(settings: Settings, node: str) -> Callable[..., Iterable[bytes]]
         path = environ.get("PATH_INFO", "")
         if environ.get("REQUEST_METHOD") != "GET":
             return _answer(start_response, 405, {"error": "only GET"})
+        if path == "/metrics":
+            scraped = metrics.exposition()
+            if scraped is None:
+                return _answer(start_response, 404, {"error": "metrics are off"})
+            data, content_type = scraped
+            start_response("200 OK", [("Content-Type", content_type)])
+            return [data]
         if path == "/health/live":
             return _answer(start_response, 200, {"status": "alive", "node": node})
         if path in ("/health", "/health/ready"):
@@ -180,6 +189,7 @@ class HealthServer(bootsteps.StartStopStep):
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+        metrics.close()
 
 
 def fetch(url: str) -> tuple[int, dict[str, Any]]:

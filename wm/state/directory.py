@@ -44,6 +44,7 @@ class WorkerMeta:
     version: int
     sha256: str
     settings: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -116,6 +117,7 @@ class Directory:
                 worker.current_version,
                 sha256,
                 dict(worker.settings or {}),
+                worker.name,
             )
 
     def code(self, worker_id: str, version: int) -> bytes:

@@ -1,0 +1,122 @@
+"""A real prefork node's ``/metrics``, scraped as Prometheus would: the per-worker counters
+move by exactly the deliveries made (their pool processes' samples added up by the main
+process), the histograms count each run, and the node's own gauges are there."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ROOT
+from tests.helpers import STUB, drain, eventually, stub
+from wm import Settings, WorkManager, make_event
+from wm.ops import metrics
+
+GOOD_EVENTS, BAD_EVENTS = 7, 3
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _of(samples: dict[Any, float], name: str, worker: Any) -> float:
+    key = (name, (("worker", worker.name), ("worker_id", str(worker.id))))
+    return samples.get(key, 0.0)
+
+
+@pytest.mark.slow
+def test_counters_move_by_exactly_the_deliveries_made(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    port = _free_port()
+    settings = pg_settings.replace(health_port=port)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("metered.out", "sink")
+    good = manager.create_worker(
+        code=stub(output_type="metered.out"), mime_type=STUB, topic="metered.in", name="good"
+    )
+    bad = manager.create_worker(
+        code=stub(fail="boom"),
+        mime_type=STUB,
+        topic="metered.bad",
+        name="bad",
+        settings={"max_retries": 1, "retry_base_delay_ms": 10},
+    )
+    node = start_node(settings, name="metrics")
+    node.consuming(f"metered.in::{good.id}")
+    node.consuming(f"metered.bad::{bad.id}")
+    url = f"http://127.0.0.1:{port}/metrics"
+    before = _scrape(url)
+    assert _of(before, "wm_delivered_total", good) == 0
+
+    for n in range(GOOD_EVENTS):
+        manager.publish(make_event("metered.in", "/tests", {"n": n}))
+    for n in range(BAD_EVENTS):
+        manager.publish(make_event("metered.bad", "/tests", {"n": n}))
+    assert len(drain(settings, sink, GOOD_EVENTS, timeout_s=30)) == GOOD_EVENTS
+
+    def settled() -> dict[Any, float] | None:
+        samples = _scrape(url)
+        done = _of(samples, "wm_succeeded_total", good) >= GOOD_EVENTS
+        parked = _of(samples, "wm_dead_lettered_total", bad) >= BAD_EVENTS
+        return samples if done and parked else None
+
+    eventually(settled, timeout_s=30)
+    time.sleep(1.0)  # anything counted twice would show now
+    samples = _scrape(url)
+    expected = {
+        ("wm_delivered_total", "good"): GOOD_EVENTS,
+        ("wm_succeeded_total", "good"): GOOD_EVENTS,
+        ("wm_failed_total", "good"): 0,
+        ("wm_engine_seconds_count", "good"): GOOD_EVENTS,
+        ("wm_publish_to_output_seconds_count", "good"): GOOD_EVENTS,
+        ("wm_delivered_total", "bad"): 2 * BAD_EVENTS,  # each event: the attempt, one retry
+        ("wm_failed_total", "bad"): 2 * BAD_EVENTS,
+        ("wm_retried_total", "bad"): BAD_EVENTS,
+        ("wm_dead_lettered_total", "bad"): BAD_EVENTS,
+        ("wm_succeeded_total", "bad"): 0,
+        ("wm_publish_to_output_seconds_count", "bad"): 0,
+    }
+    workers = {"good": good, "bad": bad}
+    found = {(name, who): _of(samples, name, workers[who]) for name, who in expected}
+    assert found == expected
+    assert _of(samples, "wm_engine_seconds_sum", good) > 0
+    assert samples[("wm_node_consumers", ())] >= 2
+    recovery = {labels[0][1]: v for (n, labels), v in samples.items() if n == "wm_node_recovery"}
+    assert sum(recovery.values()) == 1 and (recovery["done"] or recovery["elsewhere"])
+    assert samples[("wm_node_engines", ())] >= 2  # both workers' engines, in either process
+
+
+def test_the_grafana_dashboard_uses_only_metrics_a_node_exposes() -> None:
+    dashboard = json.loads((ROOT / "ops" / "grafana" / "workmanager.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"])
+    used = {name for expr in exprs for name in re.findall(r"\bwm_[a-z_]+", expr)}
+    exposed = {f"wm_{metrics.NAMES.get(kind, kind)}_total" for kind in metrics.COUNTERS}
+    exposed |= {f"wm_{name}_bucket" for name, _ in metrics.HISTOGRAMS.values()}
+    exposed |= {f"wm_{name}" for name, _ in metrics.GAUGES.values()}
+    exposed |= {"wm_node_consumers", "wm_node_recovery"}
+    assert used and used <= exposed, used - exposed
+    counters = {f"wm_{metrics.NAMES.get(kind, kind)}_total" for kind in metrics.COUNTERS}
+    assert counters <= used  # every counter has a panel

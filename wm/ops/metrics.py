@@ -1,0 +1,152 @@
+"""A node's Prometheus metrics, ``GET /metrics`` on the health port (issue 13, point 2).
+
+Deliveries run in a prefork node's pool processes, which come and go, so the metrics use
+prometheus-client's multiprocess mode, as a Prometheus user running gunicorn would: each
+process writes its samples to files in ``PROMETHEUS_MULTIPROC_DIR``, and the main process
+adds them up at each scrape. :func:`prepare` runs in the main process before any metric
+exists and before the pool forks (``wm.celeryapp``, at import, when ``WM_HEALTH_PORT`` is
+set): it points that variable at a fresh directory (or empties the one an operator set),
+and registers the observer of deliveries (``wm.dataplane.observe``). A pool process that
+exits is marked dead (:func:`on_process_exit`), so its gauges drop out while its counters
+stay counted.
+
+Per WorkManager worker, labelled ``worker_id`` and ``worker`` (its name, or empty):
+``wm_delivered_total``, ``wm_succeeded_total``, ``wm_failed_total`` (failed attempts),
+``wm_retried_total``, ``wm_dead_lettered_total``, ``wm_fence_refusals_total``,
+``wm_duplicates_skipped_total`` (a recorded outcome republished instead of a second run), and
+the histograms ``wm_lock_wait_seconds``, ``wm_engine_seconds`` and
+``wm_publish_to_output_seconds``. Per node: ``wm_node_consumers`` (worker queues consumed),
+``wm_node_recovery`` (1 for the current state), ``wm_node_engines`` (engines loaded in its
+pool processes) and ``wm_node_sandbox_processes``. Cardinality: 7 counters and 3 histograms
+of 13 series each per worker the node served since it started, so about 46 series per worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from wm.config import Settings
+from wm.dataplane import observe
+from wm.dataplane.node import STATE
+from wm.state.directory import WorkerMeta
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+COUNTERS = {
+    "delivered": "Delivery attempts that reached the worker.",
+    "succeeded": "Deliveries whose outcome was recorded and published.",
+    "failed": "Failed delivery attempts (each retry counts).",
+    "retried": "Failed attempts sent again after a back-off.",
+    "dead_lettered": "Deliveries parked in the dead-letter queue.",
+    "fence_refused": "Writes refused because the group lock's lease was lost.",
+    "duplicate": "Deliveries whose recorded outcome was republished instead of run again.",
+}
+NAMES = {"fence_refused": "fence_refusals", "duplicate": "duplicates_skipped"}
+HISTOGRAMS = {
+    "lock_wait": ("lock_wait_seconds", "Time taking the group lock."),
+    "engine": ("engine_seconds", "Time the worker's code ran."),
+    "latency": ("publish_to_output_seconds", "From the input's publish to its outputs'."),
+}
+GAUGES = {
+    "engines": ("node_engines", "Engines loaded in the node's pool processes."),
+    "sandboxes": ("node_sandbox_processes", "Processes the loaded engines keep."),
+}
+RECOVERY_STATES = ("pending", "running", "retrying", "done", "elsewhere", "disabled", "failed")
+
+_metrics: dict[str, Any] = {}
+#: The samples' directory when this process made it (removed when the node stops).
+_made: list[str] = []
+
+
+def prepare(settings: Settings) -> None:
+    """In the node's main process, before the pool forks: the samples' directory and the
+    observer. Nothing when the health port is off."""
+    if not settings.health_port or _metrics:
+        return
+    chosen = os.environ.get(ENV)
+    if chosen:  # an operator's directory: emptied, it may hold a previous node's files
+        shutil.rmtree(chosen, ignore_errors=True)
+        Path(chosen).mkdir(parents=True, exist_ok=True)
+    else:
+        os.environ[ENV] = tempfile.mkdtemp(prefix="wm-metrics-")
+        _made.append(os.environ[ENV])
+    _define()
+    observe.register(_observe)
+
+
+def _define() -> None:
+    from prometheus_client import Counter, Gauge, Histogram, values
+
+    # The client picks its value class (in memory, or files for multiprocess mode) when
+    # first imported, and ``celery`` may have imported it before the variable was set (a
+    # command plugin's entry point, such as Flower's): pick again now.
+    values.ValueClass = values.get_value_class()
+
+    labels = ("worker_id", "worker")
+    for kind, text in COUNTERS.items():
+        _metrics[kind] = Counter(f"wm_{NAMES.get(kind, kind)}", text, labels)
+    for kind, (name, text) in HISTOGRAMS.items():
+        _metrics[kind] = Histogram(f"wm_{name}", text, labels)
+    for kind, (name, text) in GAUGES.items():
+        _metrics[kind] = Gauge(f"wm_{name}", text, multiprocess_mode="livesum")
+
+
+def _observe(kind: str, meta: WorkerMeta, value: float) -> None:
+    metric = _metrics.get(kind)
+    if metric is None:
+        return
+    if kind in GAUGES:
+        metric.set(value)
+    elif kind in HISTOGRAMS:
+        metric.labels(meta.id, meta.name or "").observe(value)
+    else:
+        metric.labels(meta.id, meta.name or "").inc(value)
+
+
+def close() -> None:
+    """When the node stops: the samples' directory it made goes."""
+    for directory in _made:
+        shutil.rmtree(directory, ignore_errors=True)
+    _made.clear()
+
+
+def on_process_exit() -> None:
+    """In a pool process that ends: its live gauges no longer count."""
+    if _metrics:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())
+
+
+class _NodeCollector:
+    """The main process's own facts, read at each scrape."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(
+            "wm_node_consumers", "Worker queues the node consumes.", value=STATE.queues
+        )
+        recovery = GaugeMetricFamily(
+            "wm_node_recovery", "The node's start-up recovery: 1 for its state.", labels=["state"]
+        )
+        for state in RECOVERY_STATES:
+            recovery.add_metric([state], 1.0 if STATE.recovery == state else 0.0)
+        yield recovery
+
+
+def exposition() -> tuple[bytes, str] | None:
+    """The scrape's body and content type, or None when metrics are off."""
+    if not _metrics:
+        return None
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=os.environ[ENV])
+    registry.register(_NodeCollector())
+    return generate_latest(registry), CONTENT_TYPE_LATEST
