@@ -272,6 +272,19 @@ def start_node(tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
+def amqp_settings(pg_settings: Settings) -> Settings:
+    """``pg_settings`` on the RabbitMQ of ``AMQP_URL``; a missing server fails in CI."""
+    from kombu import Connection
+
+    try:
+        with Connection(AMQP_URL, connect_timeout=3) as conn:
+            conn.connect()
+    except OSError as exc:
+        need("RabbitMQ", exc)
+    return pg_settings.replace(broker_url=AMQP_URL, reconcile_interval_s=1.0)
+
+
+@pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
     """A Redis server of this test's own, which the test may restart on the same port.
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import AMQP_URL, need
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.delivery import FENCE_EXTENSION
@@ -100,18 +99,6 @@ def test_delivery_resumes_after_a_redis_restart(
     _publish(manager, "in", 5)
     assert len(drain(settings, sink, 5, timeout_s=60)) == 5
     assert node.proc.poll() is None
-
-
-@pytest.fixture
-def amqp_settings(pg_settings: Settings) -> Settings:
-    from kombu import Connection
-
-    try:
-        with Connection(AMQP_URL, connect_timeout=3) as conn:
-            conn.connect()
-    except OSError as exc:
-        need("RabbitMQ", exc)
-    return pg_settings.replace(broker_url=AMQP_URL, reconcile_interval_s=1.0)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from celery import signals
 
 from wm.config import Settings
 from wm.dataplane.app import make_app
-from wm.dataplane.node import on_process_init, on_process_shutdown
+from wm.dataplane.node import on_process_init, on_process_shutdown, on_shutting_down
 from wm.ops import metrics
 from wm.ops.health import HealthServer
 
@@ -27,6 +27,11 @@ def _on_process_init(**_: Any) -> None:
 def _on_process_shutdown(**_: Any) -> None:
     on_process_shutdown()
     metrics.on_process_exit()
+
+
+@signals.worker_shutting_down.connect
+def _on_shutting_down(how: str = "", **_: Any) -> None:
+    on_shutting_down(how)
 
 
 app = make_app()

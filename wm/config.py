@@ -317,6 +317,13 @@ class Settings:
         _parse_int,
         "How long recorded outcomes (idempotency records) are kept in Redis.",
     )
+    shutdown_grace_s: float = _setting(
+        "WM_SHUTDOWN_GRACE_S",
+        25.0,
+        _parse_float,
+        "How long a node stopping (SIGTERM) lets deliveries in flight finish before it ends "
+        "them; they are delivered again. 0 waits for ever.",
+    )
     health_port: int = _setting(
         "WM_HEALTH_PORT",
         0,

@@ -8,6 +8,9 @@ queues it consumes, then every reconcile period by the one node that maintains."
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -229,6 +232,31 @@ def recover_with_retries(settings: Settings, app: Celery) -> None:
             STATE.recovery = "elsewhere" if settings.worker_recovery_on_start else "disabled"
         STATE.error = None
         return
+
+
+def on_shutting_down(how: str) -> None:
+    """A warm shutdown (SIGTERM, or Ctrl-C once) has begun: Celery stops consuming and waits
+    for the deliveries in flight, without a limit. Past WM_SHUTDOWN_GRACE_S this turns it
+    into a cold shutdown (SIGQUIT to the node itself), which ends the pool processes: their
+    deliveries were never acknowledged, so the broker delivers them again (RabbitMQ when the
+    connection closes; on Redis the consumer puts them back as it closes), their group locks
+    expire within a lease, and a sandbox ends with its pool process. Nothing is lost; an
+    interrupted run recorded nothing, so it runs again."""
+    grace_s = Settings.from_env().shutdown_grace_s
+    if how != "Warm" or not grace_s:
+        return
+
+    def cut() -> None:
+        logger.warning(
+            "deliveries still running %.1fs after the stop began (WM_SHUTDOWN_GRACE_S): "
+            "ending them; they will be delivered again",
+            grace_s,
+        )
+        os.kill(os.getpid(), signal.SIGQUIT)
+
+    timer = threading.Timer(grace_s, cut)
+    timer.daemon = True  # a node done before the grace exits without waiting for it
+    timer.start()
 
 
 def on_process_init() -> None:
