@@ -75,7 +75,7 @@ def test_resolved_config_has_the_stack(compose_binary: str) -> None:
     resolved = yaml.safe_load(result.stdout)["services"]
     assert set(resolved) == {"redis", "postgres", "migrate", "worker", "flower"}
     for name in APP_SERVICES:
-        assert resolved[name]["environment"] == APP_ENVIRONMENT, name
+        assert resolved[name]["environment"] == APP_ENVIRONMENT | _own(name), name
         assert resolved[name]["image"] == "workmanager:local", name
         assert "build" in resolved[name], name
 
@@ -97,7 +97,20 @@ def test_app_services_share_one_image_and_environment(services: dict[str, Any]) 
     images = {services[name]["image"] for name in APP_SERVICES}
     assert len(images) == 1
     for name in APP_SERVICES:
-        assert services[name]["environment"] == APP_ENVIRONMENT, name
+        assert services[name]["environment"] == APP_ENVIRONMENT | _own(name), name
+
+
+def _own(service: str) -> dict[str, str]:
+    """Settings a service adds to the shared ones: a node's health endpoints."""
+    if service == "worker":
+        return {"WM_HEALTH_PORT": "8001", "WM_HEALTH_BIND": "0.0.0.0"}
+    return {}
+
+
+def test_workers_are_checked_through_their_readiness_endpoint(services: dict[str, Any]) -> None:
+    check = services["worker"]["healthcheck"]
+    assert "http://127.0.0.1:8001/health/ready" in " ".join(check["test"])
+    assert check["interval"] and check["retries"] >= 1
 
 
 def test_migrate_runs_once_after_postgres_is_ready(services: dict[str, Any]) -> None:
