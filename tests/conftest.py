@@ -16,6 +16,11 @@ import signal
 import subprocess
 import sys
 import time
+
+# Imported before any test runs: pytest's hook for unraisable exceptions (an unclosed socket
+# collected by gc) imports it lazily, and a collection during that import made the hook fail
+# whichever test was running.
+import tracemalloc  # noqa: F401
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -29,6 +29,10 @@ from celery import Celery
 from celery.worker import WorkController
 from celery.worker import state as worker_state
 from kombu.transport import memory
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import update
 
 from tests.helpers import STUB, drain, eventually, stub
@@ -500,3 +504,67 @@ def test_a_delivery_without_a_group_runs_four_redis_commands(
 
 #: What redis-py sends when it opens a connection.
 HANDSHAKE = {"HELLO", "AUTH", "CLIENT", "SELECT", "PING"}
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    """OpenTelemetry's SDK, recording in memory (set once: the API allows one provider per
+    process; later in-process deliveries record spans too, which no other test reads)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+def test_one_trace_follows_an_event_through_two_workers_in_a_chain(
+    node: WorkController, manager: WorkManager, node_settings: Settings, spans: Any
+) -> None:
+    """caller → publish → deliver (first worker: engine call, output publish) → deliver
+    (second worker, in a group: lock wait, engine call, output publish), linked through the
+    events' traceparent; the last output carries the second delivery's context."""
+    sink = manager.subscribe("chain.out", "sink")
+    first = manager.create_worker(
+        code=stub(output_type="chain.mid"), mime_type=STUB, topic="chain.in", name="first"
+    )
+    second = manager.create_worker(
+        code=stub(output_type="chain.out"), mime_type=STUB, topic="chain.mid", group="g"
+    )
+    _consuming(node, first)
+    _consuming(node, second)
+    spans.clear()
+    with trace.get_tracer("tests").start_as_current_span("caller") as caller:
+        manager.publish(make_event("chain.in", "/tests", {"n": 1}))
+    [output] = drain(node_settings, sink, 1, timeout_s=10)
+    finished = eventually(
+        lambda: (found := spans.get_finished_spans()) and len(found) >= 9 and found
+    )
+    trace_id = caller.get_span_context().trace_id
+    assert {s.context.trace_id for s in finished} == {trace_id}
+    named = {}
+    for span in finished:
+        named.setdefault(span.name, []).append(span)
+    parent = {span.context.span_id: span for span in finished}
+
+    def parent_name(span: Any) -> str:
+        return parent[span.parent.span_id].name
+
+    [publish] = named["publish chain.in"]
+    [deliver_first] = named["deliver chain.in"]
+    [deliver_second] = named["deliver chain.mid"]
+    [lock_wait] = named["lock wait"]
+    assert parent_name(publish) == "caller"
+    assert parent_name(deliver_first) == "publish chain.in"
+    assert parent_name(deliver_second) == "deliver chain.in"
+    assert parent_name(lock_wait) == "deliver chain.mid"
+    assert sorted(parent_name(s) for s in named["engine call"]) == [
+        "deliver chain.in",
+        "deliver chain.mid",
+    ]
+    assert sorted(parent_name(s) for s in named["output publish"]) == [
+        "deliver chain.in",
+        "deliver chain.mid",
+    ]
+    assert deliver_first.attributes["workmanager.worker"] == "first"
+    _, trace_hex, span_hex, _ = output["traceparent"].split("-")
+    assert (int(trace_hex, 16), int(span_hex, 16)) == (trace_id, deliver_second.context.span_id)

@@ -11,7 +11,7 @@ from celery import signals
 from wm.config import Settings
 from wm.dataplane.app import make_app
 from wm.dataplane.node import on_process_init, on_process_shutdown, on_shutting_down
-from wm.ops import metrics
+from wm.ops import metrics, tracing
 from wm.ops.health import HealthServer
 
 # Connected here, in the module ``celery -A`` imports first: the worker imports the
@@ -27,6 +27,7 @@ def _on_process_init(**_: Any) -> None:
 def _on_process_shutdown(**_: Any) -> None:
     on_process_shutdown()
     metrics.on_process_exit()
+    tracing.flush()
 
 
 @signals.worker_shutting_down.connect
@@ -37,3 +38,4 @@ def _on_shutting_down(how: str = "", **_: Any) -> None:
 app = make_app()
 app.steps["worker"].add(HealthServer)
 metrics.prepare(Settings.from_env())  # before the pool forks (multiprocess metrics)
+tracing.configure()  # OTEL_TRACES_EXPORTER: spans of publishes and deliveries

@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
+from wm.dataplane import tracing
 from wm.dataplane.app import BROKER_ERRORS, broker_errors, make_app
 from wm.dataplane.queues import (
     CLOUDEVENT_CONTENT_TYPE,
@@ -243,7 +244,8 @@ class Bus:
         if not routes:
             logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
             return 0
-        self.send(encode(event), routes, key=key_of(event))
+        with tracing.publishing(event, topic) as traced:
+            self.send(encode(traced), routes, key=key_of(traced))
         return len(routes)
 
     def send(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from celery import Celery
 
 from wm.config import Settings
+from wm.dataplane import tracing
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.observe import notify
@@ -272,7 +273,8 @@ class Delivery:
         owner = f"{self.rt.node}:{self.delivery_id}"
         outcome = self.rt.outcomes.key(self.meta.id, self.key)
         waited = time.monotonic()
-        self.lease, raw = self.rt.locks.take_reading(group, owner, outcome)
+        with tracing.step("lock wait"):
+            self.lease, raw = self.rt.locks.take_reading(group, owner, outcome)
         notify("lock_wait", self.meta, time.monotonic() - waited)
         try:
             with self.rt.locks.keep_alive(self.lease, self.hold_limit_s):
@@ -316,7 +318,8 @@ class Delivery:
     def execute(self, engine: Engine) -> list[CloudEvent]:
         started = time.monotonic()
         try:
-            return engine.process(self.event, self.timeout_s)
+            with tracing.step("engine call"):
+                return engine.process(self.event, self.timeout_s)
         finally:
             notify("engine", self.meta, time.monotonic() - started)
 
@@ -324,6 +327,7 @@ class Delivery:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the
         fence; an output to a topic the worker may not publish to refuses them all."""
         stamped = []
+        traced = tracing.carrier()  # the delivery's span: the next worker's parent
         for index, output in enumerate(outputs):
             self.check_output_topic(output.get_type())
             extra: dict[str, object] = {
@@ -331,7 +335,10 @@ class Delivery:
                 HOPS_EXTENSION: self.hops + 1,
             }
             for name in PROPAGATED:
-                value = self.event.get_extension(name)
+                if traced and name in tracing.TRACE_ATTRIBUTES:
+                    value = traced.get(name)
+                else:
+                    value = self.event.get_extension(name)
                 if value is not None and output.get_extension(name) is None:
                     extra[name] = value
             if self.lease is not None:
@@ -380,9 +387,10 @@ class Delivery:
         the outcome's record ``settled`` it already. ``routes``: each output's, when looked
         up already (None: look it up)."""
         for index, output in enumerate(outputs):
-            if self.lease is not None:
-                self.rt.locks.mark_write(self.lease)
-            self.rt.outputs.publish(output, routes[index] if routes else None)
+            with tracing.step("output publish"):
+                if self.lease is not None:
+                    self.rt.locks.mark_write(self.lease)
+                self.rt.outputs.publish(output, routes[index] if routes else None)
         if not settled:
             self.rt.ledger.settle(self.meta.id, self.key, self.payload, ran_again=self.redelivered)
 

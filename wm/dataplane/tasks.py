@@ -26,7 +26,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
 from wm.config import Settings
-from wm.dataplane import outbox
+from wm.dataplane import outbox, tracing
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import Delivery, Runtime
@@ -177,8 +177,10 @@ def _deliver(
         rt, meta, event, payload, str(task.request.id), pin_version, number, redelivered
     )
     delivery.prefetched, delivery.prefetched_outcome = True, outcome
+    traced = {"workmanager.worker_id": meta.id, "workmanager.attempt": number}
     try:
-        delivery.run()
+        with tracing.delivering(event, traced | {"workmanager.worker": meta.name or ""}):
+            delivery.run()
     except (BrokerUnavailable, DatabaseError):
         raise
     except LockContention as exc:  # it waits in the broker: no attempt yet
