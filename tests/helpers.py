@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,13 @@ from kombu import Connection
 from wm import Settings
 
 STUB = "application/x-wm-stub"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (picked by the kernel)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def stub(**spec: Any) -> bytes:

@@ -404,6 +404,24 @@ def test_an_unknown_worker_id_is_dead_lettered_not_dropped(
     )
 
 
+def _count_sends(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """From now on, the command names of each send to Redis by the node's threads (not this
+    one's), a new connection's handshake left out: one list per round trip."""
+    sends: list[list[str]] = []
+    real_send = redis.connection.AbstractConnection.send_packed_command
+    main = threading.main_thread()
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread() is not main:
+            names = [part.split(b"\r\n")[2].decode() for part in command if part[:1] == b"*"]
+            if not set(names) <= HANDSHAKE:
+                sends.append(names)
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    return sends
+
+
 def test_a_delivery_costs_two_redis_round_trips(
     node: WorkController,
     manager: WorkManager,
@@ -420,18 +438,7 @@ def test_a_delivery_costs_two_redis_round_trips(
     _consuming(node, worker)
     manager.publish(make_event("in", "/tests", {"n": 0}))  # warm: engine loaded, cache filled
     eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=5)
-    sends: list[list[str]] = []
-    real_send = redis.connection.AbstractConnection.send_packed_command
-    main = threading.main_thread()
-
-    def counting(self: Any, command: Any, check_health: bool = True) -> None:
-        if threading.current_thread() is not main:
-            names = [part.split(b"\r\n")[2].decode() for part in command if part[:1] == b"*"]
-            if not set(names) <= HANDSHAKE:
-                sends.append(names)
-        real_send(self, command, check_health)
-
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    sends = _count_sends(monkeypatch)
     for n in range(1, 11):
         manager.publish(make_event("in", "/tests", {"n": n}))
     eventually(lambda: manager.bus.dropped("nobody.listens") == 11, timeout_s=10)
@@ -453,18 +460,7 @@ def test_a_delivery_in_a_group_costs_four_redis_round_trips(
     ledger = Ledger(node_settings)
     manager.publish(make_event("in", "/tests", {"n": 0}))  # warm: engine loaded, cache filled
     eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=5)
-    sends: list[list[str]] = []
-    real_send = redis.connection.AbstractConnection.send_packed_command
-    main = threading.main_thread()
-
-    def counting(self: Any, command: Any, check_health: bool = True) -> None:
-        if threading.current_thread() is not main:
-            names = [part.split(b"\r\n")[2].decode() for part in command if part[:1] == b"*"]
-            if not set(names) <= HANDSHAKE:
-                sends.append(names)
-        real_send(self, command, check_health)
-
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    sends = _count_sends(monkeypatch)
     for n in range(1, 11):
         manager.publish(make_event("in", "/tests", {"n": n}))
     eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=10)

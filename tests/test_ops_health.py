@@ -19,17 +19,11 @@ import pytest
 from sqlalchemy import update
 
 from tests.conftest import env_of
-from tests.helpers import STUB, eventually, stub
+from tests.helpers import STUB, eventually, free_port, stub
 from wm import Settings, WorkManager, make_event, store
 from wm.lifecycle import Status
 from wm.local.embedded import find_redis_server, start_redis, stop_redis
 from wm.store.models import WorkerVersion
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _get(url: str) -> tuple[int, dict[str, Any]]:
@@ -62,7 +56,7 @@ def state_redis(tmp_path: Path) -> Iterator[tuple[str, Any]]:
 def test_a_node_reports_healthy_then_degraded_by_code_it_cannot_load(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    port = _free_port()
+    port = free_port()
     settings = pg_settings.replace(health_port=port)
     node = start_node(settings, name="health")
     base = f"http://127.0.0.1:{port}"
@@ -112,7 +106,7 @@ def test_a_node_whose_redis_is_down_is_unhealthy_until_it_is_back(
     pg_settings: Settings, start_node: Any, state_redis: tuple[str, Any], tmp_path: Path
 ) -> None:
     url, server = state_redis
-    port = _free_port()
+    port = free_port()
     settings = pg_settings.replace(health_port=port, redis_url=url)
     start_node(settings, name="redisdown")
     health = f"http://127.0.0.1:{port}/health"
@@ -153,7 +147,7 @@ def test_wm_health_without_a_node_says_what_to_pass(pg_settings: Settings) -> No
     cli = _wm_health(pg_settings.replace(health_port=0))
     assert cli.returncode == 1
     assert "pass --node URL, or set WM_HEALTH_PORT" in cli.stderr
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     cli = _wm_health(pg_settings, "--node", f"http://127.0.0.1:{port}/health")
     assert (
         cli.returncode == 1

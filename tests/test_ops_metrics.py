@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import urllib.request
 from typing import Any
@@ -15,17 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT
-from tests.helpers import STUB, drain, eventually, stub
+from tests.helpers import STUB, drain, eventually, free_port, stub
 from wm import Settings, WorkManager, make_event
 from wm.ops import metrics
 
 GOOD_EVENTS, BAD_EVENTS = 7, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -49,7 +42,7 @@ def _of(samples: dict[Any, float], name: str, worker: Any) -> float:
 def test_counters_move_by_exactly_the_deliveries_made(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    port = _free_port()
+    port = free_port()
     settings = pg_settings.replace(health_port=port)
     manager = WorkManager(settings)
     sink = manager.subscribe("metered.out", "sink")
