@@ -19,7 +19,7 @@ RUN groupadd --system --gid 10001 workmanager \
 
 # The source is only needed to build the wheel: installed into site-packages, then removed.
 COPY . /tmp/workmanager-src
-RUN pip install "/tmp/workmanager-src[postgres,flower,native,dotnet]" \
+RUN pip install "/tmp/workmanager-src[postgres,flower,native,dotnet,otel]" \
     && rm -rf /tmp/workmanager-src
 
 USER workmanager

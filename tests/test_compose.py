@@ -149,7 +149,8 @@ def test_dockerfile_installs_the_package_as_a_non_root_user() -> None:
     instructions = [line for line in lines if line and not line.startswith("#")]
     assert instructions[0] == "FROM python:3.11-slim AS base"
     assert any(
-        "pip install" in line and "[postgres,flower,native,dotnet]" in line for line in instructions
+        "pip install" in line and "[postgres,flower,native,dotnet,otel]" in line
+        for line in instructions
     )
     users = [line.split()[1] for line in instructions if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
