@@ -40,7 +40,7 @@ def test_the_scale_phase_serves_every_worker_and_reports_every_figure(
     )
     out = _bench(
         *("--scale-workers", str(WORKERS), "--scale-topics", str(TOPICS)),
-        *("--scale-nodes", str(NODES), "--scale-deliveries", "2", "--scale-repeats", "2"),
+        *("--scale-nodes", str(NODES), "--scale-deliveries", "10", "--scale-repeats", "2"),
         env=env_of(settings),
         timeout=280,
     )
@@ -58,6 +58,7 @@ def test_the_scale_phase_serves_every_worker_and_reports_every_figure(
         rate, commands = float(match[1]), float(match[4])
         assert rate > 0 and commands > 0
     assert re.search(rf"many/one: {FIGURE}× \(per repetition {FIGURE}× {FIGURE}×\)", text), text
+    assert "too short to time" not in text
     memory = re.search(
         rf"{FIGURE} MiB with no worker, {FIGURE} MiB with {WORKERS} idle workers "
         rf"\(([+-]{FIGURE}) %, ([+-]{FIGURE}) KiB per worker\)  target flat",

@@ -503,12 +503,18 @@ def print_report(report: Report, counted: str, broker: str) -> None:
         )
     if len(report.sides) == 2:
         one, many = report.sides
-        ratios = [m.rate / o.rate for o, m in zip(one.runs, many.runs, strict=True) if o.rate]
+        pairs = list(zip(one.runs, many.runs, strict=True))
+        ratios = [m.rate / o.rate for o, m in pairs if o.rate and m.rate]
         median = statistics.median(ratios) if ratios else 0.0
         print(
             f"  many/one: {median:.2f}× (per repetition {' '.join(f'{r:.2f}×' for r in ratios)})"
             f"{_verdict(median >= RATIO_TARGET, f'≥ {RATIO_TARGET}×')}"
         )
+        if len(ratios) < len(pairs):  # served between two looks: no rate to tell (0 above)
+            print(
+                f"  ({len(pairs) - len(ratios)} repetition(s) too short to time: "
+                "raise --scale-deliveries)"
+            )
     empty, idle, loaded = (
         _mean(report.empty_rss),
         _mean(report.idle_rss),
