@@ -557,7 +557,12 @@ class _Renewer:
                     self._changed.wait(None if next_due is None else next_due - now)
                     continue
             for beat in due:  # outside the condition: a renewal is a round trip
-                if not beat.beat():
+                try:
+                    going = beat.beat()
+                except Exception:  # the thread serves every lease of the process: it goes on
+                    logger.exception("group lock renewal failed; trying again when next due")
+                    going = True
+                if not going:
                     self.remove(beat)
 
 
