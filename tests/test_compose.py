@@ -26,6 +26,14 @@ APP_ENVIRONMENT = {
 }
 
 
+#: Services started only with ``--profile``: name -> its profiles.
+PROFILES = {
+    "rabbitmq": ["rabbitmq"],
+    "prometheus": ["monitoring"],
+    "grafana": ["monitoring"],
+}
+
+
 @pytest.fixture(scope="module")
 def compose_binary() -> str:
     """docker-compose; its absence fails in CI and only skips on a developer machine."""
@@ -73,7 +81,9 @@ def test_resolved_config_has_the_stack(compose_binary: str) -> None:
     result = _config(compose_binary)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)["services"]
-    assert set(resolved) == {"redis", "postgres", "migrate", "worker", "flower"}
+    core = {"redis", "postgres", "migrate", "worker", "flower"}
+    assert set(resolved) == core | set(PROFILES)
+    assert {name: resolved[name].get("profiles") for name in PROFILES} == PROFILES
     for name in APP_SERVICES:
         assert resolved[name]["environment"] == APP_ENVIRONMENT | _own(name), name
         assert resolved[name]["image"] == "workmanager:local", name
@@ -172,3 +182,20 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
     assert {".git", "tests", ".wm"} <= ignored
     needed = {"pyproject.toml", "README.md", "wm", "engines", "migrations", "celeryconfig.py"}
     assert not needed & ignored
+
+
+def test_every_service_has_a_memory_limit(services: dict[str, Any]) -> None:
+    assert [name for name, service in services.items() if "mem_limit" not in service] == []
+
+
+def test_the_monitoring_profile_scrapes_every_worker_and_shows_the_dashboard(
+    services: dict[str, Any],
+) -> None:
+    scrape = yaml.safe_load((ROOT / "ops" / "prometheus" / "prometheus.yml").read_text())
+    [job] = scrape["scrape_configs"]
+    assert job["dns_sd_configs"] == [{"names": ["worker"], "type": "A", "port": 8001}]
+    assert services["worker"]["environment"]["WM_HEALTH_PORT"] == "8001"
+    mounts = services["grafana"]["volumes"]
+    assert any(m.startswith("./ops/grafana/workmanager.json:") for m in mounts)
+    for mount in [*mounts, *services["prometheus"]["volumes"]]:
+        assert (ROOT / mount.split(":")[0]).exists(), mount
