@@ -1,19 +1,26 @@
 """A real prefork node's ``/metrics``, scraped as Prometheus would: the per-worker counters
 move by exactly the deliveries made (their pool processes' samples added up by the main
-process), the histograms count each run, and the node's own gauges are there."""
+process), the histograms count each run, and the node's own gauges are there; the samples'
+directory an operator names is emptied when a node starts and by nothing else, and a pool
+process killed outright stops counting in the node's gauges while its counts stay."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, env_of
 from tests.helpers import STUB, drain, eventually, free_port, stub
 from wm import Settings, WorkManager, make_event
 from wm.ops import metrics
@@ -99,6 +106,59 @@ def test_counters_move_by_exactly_the_deliveries_made(
     recovery = {labels[0][1]: v for (n, labels), v in samples.items() if n == "wm_node_recovery"}
     assert sum(recovery.values()) == 1 and (recovery["done"] or recovery["elsewhere"])
     assert samples[("wm_node_engines", ())] >= 2  # both workers' engines, in either process
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a node's pool)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_pool_process_killed_outright_drops_out_of_the_node_gauges(
+    pg_settings: Settings, start_node: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    settings = pg_settings.replace(health_port=port)
+    samples_dir = tmp_path / "prometheus"
+    samples_dir.mkdir()
+    stale = samples_dir / "counter_1.db"  # a previous node's
+    stale.write_bytes(b"")
+    env = env_of(settings, PROMETHEUS_MULTIPROC_DIR=str(samples_dir))
+    # a command that loads the app without running a node leaves a running node's files be
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import wm.celeryapp"], env=env, capture_output=True, timeout=60
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert stale.exists()
+
+    manager = WorkManager(settings)
+    sink = manager.subscribe("reaped.out", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="reaped.out"), mime_type=STUB, topic="reaped.in", name="reaped"
+    )
+    node = start_node(
+        settings, name="reaped", concurrency=1, PROMETHEUS_MULTIPROC_DIR=str(samples_dir)
+    )
+    assert not stale.exists()  # emptied at start
+    node.consuming(f"reaped.in::{worker.id}")
+    manager.publish(make_event("reaped.in", "/tests", {"n": 1}))
+    assert len(drain(settings, sink, 1, timeout_s=30)) == 1
+    url = f"http://127.0.0.1:{port}/metrics"
+    eventually(lambda: _scrape(url)[("wm_node_engines", ())] == 1)
+
+    (child,) = _children(node.proc.pid)
+    os.kill(child, signal.SIGKILL)  # no worker_process_shutdown: the scrape must notice
+    samples = eventually(lambda: (s := _scrape(url))[("wm_node_engines", ())] == 0 and s)
+    assert samples[("wm_node_sandbox_processes", ())] == 0
+    assert _of(samples, "wm_delivered_total", worker) == 1  # its count stays counted
 
 
 def test_the_grafana_dashboard_uses_only_metrics_a_node_exposes() -> None:

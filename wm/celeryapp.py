@@ -35,7 +35,13 @@ def _on_shutting_down(how: str = "", **_: Any) -> None:
     on_shutting_down(how)
 
 
+@signals.celeryd_init.connect
+def _on_node_init(**_: Any) -> None:
+    # A node's main process, before its pool forks (multiprocess metrics); not every
+    # ``celery -A wm.celeryapp`` command (inspect, purge, flower) that shares its environment.
+    metrics.prepare(Settings.from_env())
+
+
 app = make_app()
 app.steps["worker"].add(HealthServer)
-metrics.prepare(Settings.from_env())  # before the pool forks (multiprocess metrics)
 tracing.configure()  # OTEL_TRACES_EXPORTER: spans of publishes and deliveries

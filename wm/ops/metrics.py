@@ -4,11 +4,12 @@ Deliveries run in a prefork node's pool processes, which come and go, so the met
 prometheus-client's multiprocess mode, as a Prometheus user running gunicorn would: each
 process writes its samples to files in ``PROMETHEUS_MULTIPROC_DIR``, and the main process
 adds them up at each scrape. :func:`prepare` runs in the main process before any metric
-exists and before the pool forks (``wm.celeryapp``, at import, when ``WM_HEALTH_PORT`` is
-set): it points that variable at a fresh directory (or empties the one an operator set),
-and registers the observer of deliveries (``wm.dataplane.observe``). A pool process that
-exits is marked dead (:func:`on_process_exit`), so its gauges drop out while its counters
-stay counted.
+exists and before the pool forks (``wm.celeryapp``, on ``celeryd_init``, which only a
+node's main process sends, when ``WM_HEALTH_PORT`` is set): it points that variable at a
+fresh directory (or empties the one an operator set), and registers the observer of
+deliveries (``wm.dataplane.observe``). A pool process that exits is marked dead
+(:func:`on_process_exit`), and one killed outright (a hard time limit, the OOM killer) at the
+next scrape, so its gauges drop out while its counters stay counted.
 
 Per WorkManager worker, labelled ``worker_id`` and ``worker`` (its name, or empty):
 ``wm_delivered_total``, ``wm_succeeded_total``, ``wm_failed_total`` (failed attempts),
@@ -122,6 +123,26 @@ def on_process_exit() -> None:
         multiprocess.mark_process_dead(os.getpid())
 
 
+def _reap(path: str) -> None:
+    """The live gauges of pool processes that died without :func:`on_process_exit`."""
+    from prometheus_client import multiprocess
+
+    for sample in Path(path).glob("gauge_live*_*.db"):
+        pid = sample.stem.rpartition("_")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            multiprocess.mark_process_dead(int(pid), path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 class _NodeCollector:
     """The main process's own facts, read at each scrape."""
 
@@ -146,7 +167,9 @@ def exposition() -> tuple[bytes, str] | None:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
+    path = os.environ[ENV]
+    _reap(path)
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=os.environ[ENV])
+    MultiProcessCollector(registry, path=path)
     registry.register(_NodeCollector())
     return generate_latest(registry), CONTENT_TYPE_LATEST
