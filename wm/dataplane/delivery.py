@@ -60,6 +60,8 @@ class EngineCache:
         self.budget_bytes = cache_budget_bytes(settings)
         self._engines: OrderedDict[str, tuple[int, Engine, int]] = OrderedDict()
         self._lock = threading.Lock()
+        #: Per worker: held while one thread (of a ``-P threads`` pool) loads it.
+        self._loading: dict[str, threading.Lock] = {}
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -80,6 +82,16 @@ class EngineCache:
         with self._lock:
             cached = self._engines.get(meta.id)
             if cached is not None and cached[0] == version:
+                self._engines.move_to_end(meta.id)
+                return cached[1], False
+            loading = self._loading.setdefault(meta.id, threading.Lock())
+        with loading:  # the threads that miss together wait for one load, not one each
+            return self._load_cached(meta, version)
+
+    def _load_cached(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
+        with self._lock:
+            cached = self._engines.get(meta.id)
+            if cached is not None and cached[0] == version:  # loaded while this one waited
                 self._engines.move_to_end(meta.id)
                 return cached[1], False
         engine = cached[1] if cached is not None else None

@@ -5,12 +5,13 @@ threads (``-P threads``), and a machine may run several nodes. For an engine tha
 I/O (a gateway call, a database), more consumers mean more deliveries at once; for one that
 computes, the cores bound it whatever the count. The phase drains ``EVENTS`` queued events
 of one worker per workload (a stub waiting 20 ms per event, a stub not waiting, a sandboxed
-Python worker waiting 20 ms) under each variant: the
-default (one node, prefork, 2 processes), prefork with 8 processes, threads with 8, and four
-nodes of 2 processes; eight consumers in each but the first. It reports deliveries/s from
-the first delivery served to the last (the nodes' start of consuming, a broadcast away, is
-left out), the ratio to the default, and the resident memory of the variant's nodes (main and pool
-processes), interleaved over ``--pool-repeats`` rounds.
+Python worker waiting 20 ms) under each variant: the default (one node, prefork, 2
+processes), prefork with 8 processes, threads with 8 and with 16, and four nodes of 2
+processes (eight consumers, as prefork 8; 16 threads is what prefork's memory would not
+afford). It reports deliveries/s from the first delivery served to the last (the nodes'
+start of consuming, a broadcast away, is left out), the ratio to the default, and the
+resident memory of the variant's nodes (main and pool processes), interleaved over
+``--pool-repeats`` rounds.
 
 A delivery counts once its outcome is recorded (the pending ledger holds it until then, as
 in the scale phase), so the end is read the same way on both brokers and with several
@@ -51,6 +52,7 @@ VARIANTS = (
     Variant("prefork 2 (default)", "prefork", 2),
     Variant("prefork 8", "prefork", 8),
     Variant("threads 8", "threads", 8),
+    Variant("threads 16", "threads", 16),
     Variant("4 nodes x prefork 2", "prefork", 2, nodes=4),
 )
 #: A sandboxed Python worker that waits 20 ms per event (as for a backend's answer).
