@@ -177,9 +177,13 @@ def _deliver(
         rt, meta, event, payload, str(task.request.id), pin_version, number, redelivered
     )
     delivery.prefetched, delivery.prefetched_outcome = True, outcome
-    traced = {"workmanager.worker_id": meta.id, "workmanager.attempt": number}
+    traced = {
+        "workmanager.worker_id": meta.id,
+        "workmanager.worker": meta.name or "",
+        "workmanager.attempt": number,
+    }
     try:
-        with tracing.delivering(event, traced | {"workmanager.worker": meta.name or ""}):
+        with tracing.delivering(event, traced):
             delivery.run()
     except (BrokerUnavailable, DatabaseError):
         raise
