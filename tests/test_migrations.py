@@ -20,7 +20,9 @@ def test_upgrade_is_idempotent_and_downgrade_works(settings: Settings) -> None:
     store.upgrade(settings)
     from alembic import command
 
+    command.downgrade(store.alembic_config(settings), "0001")
+    assert store.current_revision(settings) == "0001"
     command.downgrade(store.alembic_config(settings), "base")
     assert store.current_revision(settings) is None
     store.upgrade(settings)
-    assert store.current_revision(settings) == "0001"
+    assert store.current_revision(settings) == store.head_revision(settings) == "0002"

@@ -337,6 +337,31 @@ class Settings:
         _parse_str,
         "Address the health endpoints listen on (`0.0.0.0` for a probe from another host).",
     )
+    api_bind: str = _setting(
+        "WM_API_BIND",
+        "127.0.0.1",
+        _parse_str,
+        "Address `wm api` listens on. Any other than a loopback address needs TLS "
+        "(`WM_API_TLS_CERT`, `WM_API_TLS_KEY`) or `wm api --insecure`.",
+    )
+    api_port: int = _setting(
+        "WM_API_PORT",
+        8080,
+        _parse_port,
+        "Port of the admin HTTP API (`wm api`).",
+    )
+    api_tls_cert: str = _setting(
+        "WM_API_TLS_CERT",
+        "",
+        _parse_str,
+        "PEM certificate (chain) `wm api` serves HTTPS with; empty serves plain HTTP.",
+    )
+    api_tls_key: str = _setting(
+        "WM_API_TLS_KEY",
+        "",
+        _parse_str,
+        "PEM private key of `WM_API_TLS_CERT`.",
+    )
     log_level: str = _setting(
         "WM_LOG_LEVEL",
         "WARNING",

@@ -67,6 +67,12 @@ class Engine:
         cannot run as ``settings`` demand, and log what it can do here. Called once when a
         node starts, so a node that could not run the engine safely never takes work."""
 
+    @classmethod
+    def host_facts(cls, settings: Settings) -> dict[str, Any]:
+        """What an operator should see about this engine on this host (a node's ``/health``
+        shows it): for the Python engine, the sandbox layers in force and those missing."""
+        return {}
+
     def validate(self, code: bytes, worker: WorkerSpec) -> None:
         """Refuse bad code with :class:`wm.errors.InvalidCode`; default: load, then close."""
         try:
@@ -150,3 +156,16 @@ def check_engines(settings: Settings) -> None:
             logger.warning("engine for %s is not installed here: %s", mime_type, exc)
             continue
         cls.check_host(settings)
+
+
+def engine_facts(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Each installed engine's :meth:`Engine.host_facts` that says anything, by MIME type."""
+    facts: dict[str, dict[str, Any]] = {}
+    for mime_type in registered_mime_types():
+        try:
+            found = engine_class(mime_type).host_facts(settings)
+        except EngineUnavailable:
+            continue  # logged once by check_engines; its workers fail with the install hint
+        if found:
+            facts[mime_type] = found
+    return facts

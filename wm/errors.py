@@ -171,3 +171,7 @@ class FenceRejected(WorkManagerError):
 
 class DeadLetterNotFound(WorkManagerError):
     """Raised when no dead letter has the given id."""
+
+
+class TokenNotFound(WorkManagerError):
+    """Raised when no admin API token in force has the given id or name."""

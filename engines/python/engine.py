@@ -85,6 +85,14 @@ class PythonEngine(Engine):
         node refuses to start."""
         isolation.check_required(settings.sandbox_require)
 
+    @classmethod
+    def host_facts(cls, settings: Settings) -> dict[str, Any]:
+        layers = isolation.kernel_isolation().layers
+        return {
+            "sandbox_layers": list(layers),
+            "sandbox_missing": [name for name in isolation.WANTED_LAYERS if name not in layers],
+        }
+
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         isolation.check_required(settings.sandbox_require)

@@ -150,7 +150,7 @@ def show_health(ctx: Context, args: argparse.Namespace) -> int:
                 "no node to ask: pass --node URL, or set WM_HEALTH_PORT to a local node's port"
             )
         url = f"http://127.0.0.1:{ctx.settings.health_port}/health"
-    _, found = _component("wm.ops.health").fetch(url)
+    _, found = component("wm.ops.health").fetch(url)
     status = str(found.get("status", "unhealthy"))
     if ctx.as_json:
         ctx.json(found)
@@ -166,6 +166,10 @@ def show_health(ctx: Context, args: argparse.Namespace) -> int:
                 ],
                 ("recovery", found.get("recovery", {}).get("state")),
                 ("consuming", "yes" if found.get("consuming") else "no"),
+                *[
+                    (mime_type, _facts(facts))
+                    for mime_type, facts in found.get("engines", {}).items()
+                ],
             ]
         )
         for reason in found.get("reasons", []):
@@ -173,23 +177,40 @@ def show_health(ctx: Context, args: argparse.Namespace) -> int:
     return HEALTH_EXIT.get(status, 2)
 
 
+def _facts(facts: dict[str, Any]) -> str:
+    """``sandbox layers: user namespace, …; sandbox missing: none`` for one engine."""
+    shown = (
+        f"{key.replace('_', ' ')}: {', '.join(map(str, value)) or 'none'}"
+        if isinstance(value, list)
+        else f"{key.replace('_', ' ')}: {value}"
+        for key, value in facts.items()
+    )
+    return "; ".join(shown)
+
+
 def run_up(ctx: Context, args: argparse.Namespace) -> int:
     return int(
-        _component("wm.local.up").run(
+        component("wm.local.up").run(
             demo=args.demo, events=args.events, concurrency=args.concurrency, pool=args.pool
         )
     )
 
 
 def run_bench(ctx: Context, args: argparse.Namespace) -> int:
-    return int(_component("wm.local.bench").main(list(args.bench_args)))
+    return int(component("wm.local.bench").main(list(args.bench_args)))
 
 
-def _component(name: str) -> Any:
-    """Imported only when its command runs: it needs what no other command loads."""
+def component(name: str, *, extra: str | None = None) -> Any:
+    """Imported only when its command runs: it needs what no other command loads (and, with
+    ``extra``, what only that extra of the package installs)."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if exc.name != name:
+        if exc.name == name:
+            raise WorkManagerError(f"{name} is missing from this installation") from exc
+        if extra is None:
             raise
-        raise WorkManagerError(f"{name} is missing from this installation") from exc
+        raise WorkManagerError(
+            f"{name} needs the [{extra}] extra (module {exc.name!r} is missing): "
+            f"pip install 'workmanager[{extra}]'"
+        ) from exc

@@ -14,7 +14,9 @@ What makes a node *unhealthy*: the broker, the Redis state store or the database
 answer within :data:`CHECK_TIMEOUT_S`, or its start-up recovery failed. *Degraded*: recovery
 still running or being retried, the node not yet consuming, or a worker whose engine could
 not be loaded on this node within the last hour (its pool processes record those,
-``wm.state.nodehealth``); the answer is the main process's, whatever pool processes come and
+``wm.state.nodehealth``). ``engines`` shows what each engine can do on this host, such as the
+Python sandbox's layers in force and missing (``WM_SANDBOX_REQUIRE`` makes a missing one stop
+the node instead). The answer is the main process's, whatever pool processes come and
 go. The server is the standard library's WSGI server (``wsgiref``) in a daemon thread, one
 thread per request: the same server prometheus-client runs its own endpoint on, and no
 further dependency for a node.
@@ -42,6 +44,7 @@ from kombu.utils.url import maybe_sanitize_url
 from wm import store
 from wm.config import Settings
 from wm.dataplane.node import STATE
+from wm.engine import engine_facts
 from wm.errors import WorkManagerError
 from wm.ops import metrics
 from wm.state.connection import pooled_client
@@ -77,8 +80,8 @@ CHECKS: dict[str, tuple[str, Callable[[Settings], None]]] = {
 }
 
 
-def report(settings: Settings, node: str) -> dict[str, Any]:
-    """The node's health: status, the reasons for it, and every check."""
+def dependency_checks(settings: Settings) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Whether broker, Redis and database answer: each check, and a reason per failure."""
     checks: dict[str, dict[str, Any]] = {}
     reasons: list[str] = []
     for name, (variable, check) in CHECKS.items():
@@ -89,6 +92,12 @@ def report(settings: Settings, node: str) -> dict[str, Any]:
         except Exception as exc:  # any failure to answer is the finding
             checks[name] = {"ok": False, "url": url, "error": f"{type(exc).__name__}: {exc}"}
             reasons.append(f"{name} unreachable at {variable}={url}: {exc}")
+    return checks, reasons
+
+
+def report(settings: Settings, node: str) -> dict[str, Any]:
+    """The node's health: status, the reasons for it, and every check."""
+    checks, reasons = dependency_checks(settings)
     unhealthy = bool(reasons)
     if STATE.recovery == "failed":
         unhealthy = True
@@ -109,6 +118,7 @@ def report(settings: Settings, node: str) -> dict[str, Any]:
         "recovery": {"state": STATE.recovery, "error": STATE.error},
         "consuming": STATE.consuming,
         "engine_failures": failures,
+        "engines": engine_facts(settings),
     }
 
 

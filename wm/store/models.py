@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -138,3 +139,51 @@ class DeadLetter(Base):
     last_failure_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     replay_count: Mapped[int] = mapped_column(Integer, default=0)
     replayed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ApiToken(Base):
+    """A bearer token of the admin HTTP API; only the SHA-256 of its secret is kept."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(20))
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        # Names are unique among tokens in force; a revoked token's name may be reused.
+        Index(
+            "uq_api_tokens_live_name",
+            "name",
+            unique=True,
+            postgresql_where=text("revoked_at IS NULL"),
+            sqlite_where=text("revoked_at IS NULL"),
+        ),
+    )
+
+
+class AuditEntry(Base):
+    """One mutating call of the admin HTTP API: who, what, when, and how it ended.
+
+    Written before the call runs (``status_code`` null) and completed after it, so no change
+    is made through the API without its row."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    token_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    token_name: Mapped[str | None] = mapped_column(String(200))
+    role: Mapped[str | None] = mapped_column(String(20))
+    remote: Mapped[str | None] = mapped_column(String(100))
+    method: Mapped[str] = mapped_column(String(10))
+    path: Mapped[str] = mapped_column(Text)
+    action: Mapped[str | None] = mapped_column(Text)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    result: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[float | None] = mapped_column(Float)

@@ -1,0 +1,798 @@
+"""The admin HTTP API (``wm api``, the ``[api]`` extra): WorkManager for scripts in any language.
+
+FastAPI on uvicorn: the framework generates the OpenAPI description (``/openapi.json``, docs
+at ``/docs``) from the same models that validate requests, so an invalid body is refused with
+422 naming the field before any code of ours runs. Every call under ``/v1`` needs a bearer
+token (``wm token create``); the token's role decides what it may do (``wm.store.access``).
+Every mutating call is written to the audit log before it runs and completed after it
+(``wm audit``); if the log cannot be written, the call is refused with 503 and nothing runs.
+
+Only ``GET /health/live`` answers without a token: it says the server is up and nothing else.
+"""
+
+import base64
+import binascii
+import functools
+import ipaddress
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import datetime
+from http import HTTPStatus
+from importlib import metadata
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response, Security
+from fastapi.dependencies.models import Dependant
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from wm import store
+from wm.config import Settings
+from wm.dataplane.deadletters import DeadLetters
+from wm.engine import engine_class
+from wm.errors import (
+    BrokerUnavailable,
+    CodeSourceError,
+    ConcurrencyConflict,
+    ConfigurationError,
+    DatabaseError,
+    DeadLetterNotFound,
+    EngineLoadError,
+    EventDecodeError,
+    IllegalTransition,
+    InvalidArgument,
+    SubscriptionNotFound,
+    TokenNotFound,
+    VersionNotFound,
+    WorkerNotFound,
+    WorkManagerError,
+)
+from wm.events import decode
+from wm.lifecycle import Status
+from wm.manager import WorkManager
+from wm.names import check_name
+from wm.ops import health
+from wm.store.access import Audit, Role, TokenInfo, Tokens
+from wm.views import validate_worker_settings
+
+logger = logging.getLogger(__name__)
+VERSION = metadata.version("workmanager")
+
+#: Methods that change something: each call is written to the audit log.
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+#: The most dead letters one replay call sends, and the fastest rate it may ask for.
+MAX_REPLAY = 10_000
+MAX_REPLAY_RATE = 1000.0
+#: Status code of each kind of failure; 422 ones are shaped like FastAPI's validation errors.
+ERROR_STATUS: tuple[
+    tuple[type[WorkManagerError] | tuple[type[WorkManagerError], ...], int], ...
+] = (
+    (
+        (WorkerNotFound, VersionNotFound, DeadLetterNotFound, SubscriptionNotFound, TokenNotFound),
+        404,
+    ),
+    ((IllegalTransition, ConcurrencyConflict), 409),
+    ((InvalidArgument, CodeSourceError, EngineLoadError, EventDecodeError), 422),
+    ((DatabaseError, BrokerUnavailable), 503),
+)
+
+
+# -- what goes in and out ------------------------------------------------------------------
+
+
+class Problem(BaseModel):
+    detail: str = Field(description="what went wrong and, where it helps, what to do")
+    type: str = Field(description="the WorkManager error class, or the HTTP reason")
+
+
+def _no_nul(value: Any) -> Any:
+    texts = value if isinstance(value, list) else [value]
+    if any(isinstance(t, str) and "\x00" in t for t in texts):
+        raise ValueError("must not contain NUL (\\x00)")
+    return value
+
+
+class _Strict(BaseModel):
+    """Unknown fields are refused, and no text field holds NUL (PostgreSQL's text refuses it;
+    worker code with NUL goes as ``code_base64``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    _text = field_validator("*")(_no_nul)
+
+
+class _Code(_Strict):
+    code: str | None = Field(None, description="source text (Python, C#)")
+    code_base64: str | None = Field(None, description="binary code (a DLL, a zip), base64")
+    url: str | None = Field(None, description="fetch the code from here (SSRF-guarded)")
+    sha256: str | None = Field(None, description="pin: the code's SHA-256, hex")
+
+    @field_validator("code_base64")
+    @classmethod
+    def _base64(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(f"not valid base64 ({exc})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "_Code":
+        given = [n for n in ("code", "code_base64", "url") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of code, code_base64, url (got {given or 'none'})")
+        return self
+
+    def content(self) -> bytes | None:
+        if self.code is not None:
+            return self.code.encode()
+        return base64.b64decode(self.code_base64) if self.code_base64 is not None else None
+
+
+def _name(kind: str, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            check_name(kind, value)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+class WorkerCreate(_Code):
+    topic: str = Field(description="the topic it consumes")
+    mime_type: str = Field(description="its engine: text/x-python, text/x-csharp, …")
+    name: str | None = Field(None, description="unique among live workers")
+    group: str | None = Field(None, description="workers of one group take turns (fenced)")
+    settings: dict[str, Any] = Field(default_factory=dict, description="per-worker settings")
+    start: bool = Field(True, description="start consuming at once")
+
+    _topic = field_validator("topic")(lambda v: _name("topic", v))
+    _worker_name = field_validator("name")(lambda v: _name("worker name", v))
+    _group = field_validator("group")(lambda v: _name("group", v))
+
+    @field_validator("mime_type")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        try:
+            engine_class(value)
+        except EngineLoadError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _settings(self) -> "WorkerCreate":
+        try:
+            validate_worker_settings(self.settings, engine_class(self.mime_type).worker_settings)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class CodeUpdate(_Code):
+    note: str | None = Field(None, description="why, kept with the version")
+
+
+class Rollback(_Strict):
+    version: int = Field(ge=1, le=2**31 - 1, description="an earlier version to make current")
+
+
+class CloudEventIn(BaseModel):
+    """A CloudEvent in structured mode; further attributes are extensions."""
+
+    model_config = ConfigDict(extra="allow")
+    specversion: Literal["1.0"] = "1.0"
+    id: str | None = Field(None, min_length=1, description="default: a fresh UUID")
+    source: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+    subject: str | None = None
+    datacontenttype: str | None = None
+    data: Any = None
+
+
+class LetterSelection(_Strict):
+    ids: list[str] | None = Field(None, min_length=1, max_length=MAX_REPLAY)
+    topic: str | None = None
+    worker: str | None = Field(None, description="worker id, or a live worker's name")
+    error_type: str | None = None
+
+    @model_validator(mode="after")
+    def _ids_or_filters(self) -> "LetterSelection":
+        filters = self.topic is not None or self.worker is not None or self.error_type is not None
+        if (self.ids is not None) == filters:
+            raise ValueError("give ids, or select with topic, worker, error_type; not both")
+        return self
+
+
+class Replay(LetterSelection):
+    to_version: Literal["current", "same"] = "current"
+    rate_per_s: float = Field(50.0, gt=0, le=MAX_REPLAY_RATE, description="replays per second")
+    limit: int = Field(1000, ge=1, le=MAX_REPLAY, description="most letters a filter selects")
+
+
+class WorkerOut(BaseModel):
+    id: str
+    name: str | None
+    topic: str
+    group: str | None
+    mime_type: str
+    status: str
+    current_version: int
+    sha256: str
+    size: int
+    settings: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+
+
+class VersionOut(BaseModel):
+    worker_id: str
+    version: int
+    source_kind: str
+    url: str | None
+    sha256: str
+    size: int
+    created_at: datetime
+    note: str | None
+
+
+class TransitionOut(BaseModel):
+    worker_id: str
+    from_status: str | None
+    to_status: str
+    reason: str
+    version: int | None
+    at: datetime
+
+
+class DeadLetterOut(BaseModel):
+    id: str
+    topic: str
+    worker_id: str | None
+    event_id: str | None
+    error_type: str
+    error_message: str
+    attempts: int
+    version: int | None
+    sha256: str | None
+    fence: int | None
+    first_failure_at: datetime
+    last_failure_at: datetime
+    replay_count: int
+    replayed_at: datetime | None
+
+
+class DeadLetterDetail(DeadLetterOut):
+    envelope: Any = Field(description="the event as it failed: JSON, or the raw text")
+
+
+class Published(BaseModel):
+    reached: int = Field(description="subscriptions the event was routed to")
+
+
+class Replayed(BaseModel):
+    replayed: int
+    ids: list[str]
+
+
+class Purged(BaseModel):
+    purged: int
+
+
+class WhoAmI(BaseModel):
+    id: str
+    name: str
+    role: Role
+    expires_at: datetime | None
+
+
+class Health(BaseModel):
+    status: Literal["healthy", "unhealthy"]
+    reasons: list[str]
+    checks: dict[str, dict[str, Any]]
+    version: str
+
+
+class AuditOut(BaseModel):
+    id: int
+    at: datetime
+    token_id: str | None
+    token_name: str | None
+    role: str | None
+    remote: str | None
+    method: str
+    path: str
+    action: str | None
+    status_code: int | None
+    result: str | None
+    duration_ms: float | None
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": Problem} for code in codes}
+
+
+def _status_of(exc: WorkManagerError) -> int:
+    return next((code for kinds, code in ERROR_STATUS if isinstance(exc, kinds)), 400)
+
+
+# -- who is calling --------------------------------------------------------------------------
+
+
+class Services:
+    """What the routes work with, built once per application."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.manager = WorkManager(settings)
+        self.letters = DeadLetters(settings, self.manager.bus)
+        self.tokens = Tokens(settings)
+        self.audit = Audit(settings)
+
+
+def _services(request: Request) -> Services:
+    found: Services = request.app.state.services
+    return found
+
+
+Svc = Annotated[Services, Depends(_services)]
+BEARER = HTTPBearer(auto_error=False, description="a token from `wm token create`")
+
+
+def _authenticated(
+    request: Request,
+    svc: Svc,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
+) -> TokenInfo:
+    if credentials is None:
+        raise HTTPException(
+            401,
+            "no bearer token: send 'Authorization: Bearer wm_…' (wm token create)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    token = svc.tokens.authenticate(credentials.credentials)
+    if token is None:
+        raise HTTPException(
+            401,
+            "the bearer token is unknown, revoked or expired",
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+        )
+    request.state.token = token
+    return token
+
+
+def _role(needed: Role) -> Any:
+    def check(request: Request, token: Annotated[TokenInfo, Depends(_authenticated)]) -> TokenInfo:
+        if not token.role.allows(needed):
+            raise HTTPException(
+                403,
+                f"token {token.name!r} has role {token.role.value}; this call needs "
+                f"{needed.value} or higher",
+            )
+        _check_parameters(request)
+        return token
+
+    return Depends(check)
+
+
+def _check_parameters(request: Request) -> None:
+    """A query parameter the call does not take is refused, not ignored (``?staus=failed``
+    listing every worker would be worse than an error), and no parameter may hold NUL, which
+    no name, id or filter contains and PostgreSQL's text refuses."""
+    route = request.scope.get("route")
+    known = _query_names(route.dependant) if isinstance(route, APIRoute) else set()
+    takes = ", ".join(sorted(known)) or "none"
+    errors = [
+        {"loc": ("query", name), "msg": f"unknown parameter (this call takes: {takes})"}
+        for name in sorted(set(request.query_params) - known)
+    ]
+    for where, values in (("path", request.path_params), ("query", request.query_params)):
+        errors += [
+            {"loc": (where, name), "msg": "must not contain NUL (\\x00)"}
+            for name, value in values.items()
+            if "\x00" in str(value)
+        ]
+    if errors:
+        raise RequestValidationError([{**e, "type": "value_error"} for e in errors])
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+VIEWER, OPERATOR, ADMIN = _role(Role.VIEWER), _role(Role.OPERATOR), _role(Role.ADMIN)
+Ref = Annotated[str, Path(description="worker id, or a live worker's name", min_length=1)]
+
+
+# -- the application -----------------------------------------------------------------------
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The admin API on ``settings``' database, broker and Redis."""
+    app = FastAPI(
+        title="WorkManager admin API",
+        version=VERSION,
+        description=__doc__,
+        responses=_errors(400, 401, 403, 503),
+    )
+    app.state.services = Services(settings)
+    app.middleware("http")(_audited)
+    app.add_exception_handler(WorkManagerError, _failed)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _refused)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    for router in (WORKERS, EVENTS, LETTERS, OPERATIONS):
+        app.include_router(router)
+    return app
+
+
+async def _audited(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    """Write every mutating call to the audit log: begun before it runs, finished after."""
+    if request.method not in MUTATING:
+        return await call_next(request)
+    audit: Audit = request.app.state.services.audit
+    started = time.monotonic()
+    remote = request.client.host if request.client else None
+    try:
+        entry = await run_in_threadpool(audit.begin, request.method, request.url.path, remote)
+    except WorkManagerError as exc:
+        logger.error("audit log unavailable, call refused: %s", exc)
+        detail = f"the audit log cannot be written, nothing was done: {exc}"
+        return _problem(503, detail, type(exc).__name__)
+    response = await call_next(request)
+    route = getattr(request.scope.get("route"), "path", request.url.path)
+    action = f"{request.method} {route}"
+    params = request.scope.get("path_params") or {}
+    if params:
+        action = f"{action} " + " ".join(f"{k}={v}" for k, v in params.items())
+    code = response.status_code
+    result = getattr(request.state, "result", None) or ("ok" if code < 400 else str(code))
+    try:
+        await run_in_threadpool(
+            functools.partial(
+                audit.finish,
+                entry,
+                token=getattr(request.state, "token", None),
+                action=action,
+                status_code=code,
+                result=result,
+                duration_ms=(time.monotonic() - started) * 1000,
+            )
+        )
+    except WorkManagerError as exc:  # the entry stays begun: the call is on record
+        logger.error("audit entry %s could not be completed: %s", entry, exc)
+    return response
+
+
+async def _failed(request: Request, exc: WorkManagerError) -> JSONResponse:
+    request.state.result = f"{type(exc).__name__}: {exc}"
+    code = _status_of(exc)
+    if code != 422:
+        return _problem(code, str(exc), type(exc).__name__)
+    loc = ["body", "code"] if isinstance(exc, CodeSourceError | EngineLoadError) else ["body"]
+    body = {"detail": [{"loc": loc, "msg": str(exc), "type": type(exc).__name__}]}
+    return JSONResponse(body, status_code=422)
+
+
+async def _refused(request: Request, exc: HTTPException) -> JSONResponse:
+    request.state.result = str(exc.detail)
+    response = _problem(exc.status_code, str(exc.detail), HTTPStatus(exc.status_code).phrase)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    request.state.result = "; ".join(
+        f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()
+    )
+    return await request_validation_exception_handler(request, exc)
+
+
+def _problem(code: int, detail: str, kind: str) -> JSONResponse:
+    return JSONResponse({"detail": detail, "type": kind}, status_code=code)
+
+
+@contextmanager
+def _field(*loc: str) -> Iterator[None]:
+    """An :class:`InvalidArgument` inside is a 422 naming ``loc``, as FastAPI's own are."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        raise RequestValidationError(
+            [{"loc": loc, "msg": str(exc), "type": "value_error"}]
+        ) from exc
+
+
+# -- workers -------------------------------------------------------------------------------
+
+WORKERS = APIRouter(prefix="/v1/workers", tags=["workers"])
+
+
+@WORKERS.get("", dependencies=[VIEWER])
+def list_workers(
+    svc: Svc,
+    topic: str | None = None,
+    group: str | None = None,
+    status: Annotated[Status | None, Query(description="default: every live worker")] = None,
+) -> list[WorkerOut]:
+    found = svc.manager.list_workers(topic=topic, group=group, status=status)
+    return [WorkerOut(**w.to_json()) for w in found]
+
+
+@WORKERS.post("", status_code=201, dependencies=[OPERATOR], responses=_errors(409))
+def create_worker(svc: Svc, body: WorkerCreate) -> WorkerOut:
+    """Create a worker from inline code or a URL; started unless ``start`` is false."""
+    info = svc.manager.create_worker(
+        code=body.content(),
+        url=body.url,
+        mime_type=body.mime_type,
+        topic=body.topic,
+        group=body.group,
+        name=body.name,
+        start=body.start,
+        sha256=body.sha256,
+        settings=body.settings,
+    )
+    return WorkerOut(**info.to_json())
+
+
+@WORKERS.get("/{ref}", dependencies=[VIEWER], responses=_errors(404))
+def get_worker(svc: Svc, ref: Ref) -> WorkerOut:
+    return WorkerOut(**svc.manager.get_worker(ref).to_json())
+
+
+@WORKERS.post("/{ref}/start", dependencies=[OPERATOR], responses=_errors(404, 409))
+def start_worker(svc: Svc, ref: Ref) -> WorkerOut:
+    return WorkerOut(**svc.manager.start_worker(ref).to_json())
+
+
+@WORKERS.post("/{ref}/stop", dependencies=[OPERATOR], responses=_errors(404, 409))
+def stop_worker(svc: Svc, ref: Ref) -> WorkerOut:
+    return WorkerOut(**svc.manager.stop_worker(ref).to_json())
+
+
+@WORKERS.delete("/{ref}", dependencies=[ADMIN], responses=_errors(404, 409))
+def delete_worker(svc: Svc, ref: Ref) -> WorkerOut:
+    """Delete the worker and its queue; versions and transitions stay for audit."""
+    return WorkerOut(**svc.manager.delete_worker(ref).to_json())
+
+
+@WORKERS.put("/{ref}/code", dependencies=[OPERATOR], responses=_errors(404, 409))
+def update_code(svc: Svc, ref: Ref, body: CodeUpdate) -> WorkerOut:
+    """Add a code version and make it current (hot reload on every node)."""
+    content = body.content()
+    if content is None:
+        assert body.url is not None
+        info = svc.manager.load_code_from_url(ref, body.url, sha256=body.sha256, note=body.note)
+    else:
+        info = svc.manager.load_code_from_content(ref, content, sha256=body.sha256, note=body.note)
+    return WorkerOut(**info.to_json())
+
+
+@WORKERS.post("/{ref}/rollback", dependencies=[OPERATOR], responses=_errors(404, 409))
+def rollback(svc: Svc, ref: Ref, body: Rollback) -> WorkerOut:
+    return WorkerOut(**svc.manager.rollback_worker(ref, body.version).to_json())
+
+
+@WORKERS.get("/{ref}/versions", dependencies=[VIEWER], responses=_errors(404))
+def versions(svc: Svc, ref: Ref) -> list[VersionOut]:
+    """Every code version, oldest first."""
+    return [VersionOut(**v.to_json()) for v in svc.manager.get_worker_history(ref)]
+
+
+@WORKERS.get("/{ref}/transitions", dependencies=[VIEWER], responses=_errors(404))
+def transitions(svc: Svc, ref: Ref) -> list[TransitionOut]:
+    """Every state and code change, oldest first."""
+    return [TransitionOut(**t.to_json()) for t in svc.manager.get_worker_transitions(ref)]
+
+
+# -- events --------------------------------------------------------------------------------
+
+EVENTS = APIRouter(prefix="/v1/events", tags=["events"])
+
+
+@EVENTS.post("", status_code=202, dependencies=[OPERATOR])
+def publish(
+    svc: Svc,
+    event: CloudEventIn,
+    topic: Annotated[str | None, Query(description="default: the event's type")] = None,
+) -> Published:
+    """Publish one CloudEvent to a topic."""
+    if topic is not None:
+        with _field("query", "topic"):
+            check_name("topic", topic)
+    fields = event.model_dump(exclude_none=True)
+    fields.setdefault("id", str(uuid.uuid4()))
+    return Published(reached=svc.manager.publish(decode(fields), topic))
+
+
+# -- dead letters --------------------------------------------------------------------------
+
+LETTERS = APIRouter(prefix="/v1/deadletters", tags=["dead letters"])
+
+
+@LETTERS.get("", dependencies=[VIEWER])
+def list_letters(
+    svc: Svc,
+    topic: str | None = None,
+    worker: Annotated[str | None, Query(description="worker id or live name")] = None,
+    error_type: str | None = None,
+    include_replayed: bool = False,
+    limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
+) -> list[DeadLetterOut]:
+    """Dead letters, oldest failure first."""
+    found = svc.letters.list(
+        topic=topic,
+        worker_id=_worker_id(svc, worker, "query"),
+        error_type=error_type,
+        include_replayed=include_replayed,
+        limit=limit,
+    )
+    return [DeadLetterOut(**d.to_json(envelope=False)) for d in found]
+
+
+@LETTERS.get("/{letter_id}", dependencies=[VIEWER], responses=_errors(404))
+def get_letter(svc: Svc, letter_id: str) -> DeadLetterDetail:
+    """One dead letter with the event as it failed."""
+    found = svc.letters.get(letter_id).to_json()
+    with suppress(ValueError):  # a malformed message stays its text
+        found["envelope"] = json.loads(found["envelope"])
+    return DeadLetterDetail(**found)
+
+
+@LETTERS.post("/replay", dependencies=[OPERATOR], responses=_errors(404))
+def replay(svc: Svc, body: Replay) -> Replayed:
+    """Send dead letters back to their worker (by id, or every one a filter selects)."""
+    ids = body.ids or [
+        d.id
+        for d in svc.letters.list(
+            topic=body.topic,
+            worker_id=_worker_id(svc, body.worker, "body"),
+            error_type=body.error_type,
+            limit=body.limit,
+        )
+    ]
+    sent = svc.letters.replay(ids, to_version=body.to_version, rate_per_s=body.rate_per_s)
+    return Replayed(replayed=sent, ids=ids)
+
+
+@LETTERS.post("/purge", dependencies=[ADMIN])
+def purge(svc: Svc, body: LetterSelection) -> Purged:
+    """Delete dead letters (by id, or every one a filter selects)."""
+    count = svc.letters.purge(
+        body.ids,
+        topic=body.topic,
+        worker_id=_worker_id(svc, body.worker, "body"),
+        error_type=body.error_type,
+    )
+    return Purged(purged=count)
+
+
+def _worker_id(svc: Services, reference: str | None, where: str) -> str | None:
+    """A dead letter's worker filter: a live worker's id or name, or the id of a deleted one
+    (its letters stay reachable)."""
+    if reference is None:
+        return None
+    try:
+        return str(svc.manager.get_worker(reference).id)
+    except WorkerNotFound:
+        with _field(where, "worker"):
+            try:
+                return str(uuid.UUID(reference))
+            except ValueError:
+                raise InvalidArgument(
+                    f"worker {reference!r} is neither a worker id nor a live worker's name"
+                ) from None
+
+
+# -- health, identity, audit ---------------------------------------------------------------
+
+OPERATIONS = APIRouter()
+
+
+@OPERATIONS.get("/health/live", tags=["health"])
+def live() -> dict[str, str]:
+    """200 while the server answers (a liveness probe); needs no token."""
+    return {"status": "alive"}
+
+
+@OPERATIONS.get("/v1/health", tags=["health"], dependencies=[VIEWER])
+def api_health(svc: Svc, response: Response) -> Health:
+    """Whether this server reaches the broker, Redis and the database (503 if not)."""
+    checks, reasons = health.dependency_checks(svc.settings)
+    if reasons:
+        response.status_code = 503
+    status: Literal["healthy", "unhealthy"] = "unhealthy" if reasons else "healthy"
+    return Health(status=status, reasons=reasons, checks=checks, version=VERSION)
+
+
+@OPERATIONS.get("/v1/whoami", tags=["tokens"])
+def whoami(token: Annotated[TokenInfo, Depends(_authenticated)]) -> WhoAmI:
+    """The calling token: id, name, role, expiry."""
+    return WhoAmI(id=token.id, name=token.name, role=token.role, expires_at=token.expires_at)
+
+
+@OPERATIONS.get("/v1/audit", tags=["audit"], dependencies=[ADMIN])
+def audit_log(
+    svc: Svc,
+    token: Annotated[str | None, Query(description="token id or name")] = None,
+    since: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
+) -> list[AuditOut]:
+    """The newest audit entries, oldest first (admins only)."""
+    found = svc.audit.list(token=token, since=since, limit=limit)
+    return [AuditOut(**e.to_json()) for e in found]
+
+
+# -- serving -------------------------------------------------------------------------------
+
+
+def check_exposure(bind: str, *, tls: bool, insecure: bool) -> None:
+    """Refuse to serve tokens in clear text beyond this machine unless told ``--insecure``."""
+    if tls or insecure or _loopback(bind):
+        return
+    raise ConfigurationError(
+        f"refusing to serve the admin API on {bind} without TLS: bearer tokens would cross "
+        "the network in clear text. Set WM_API_TLS_CERT and WM_API_TLS_KEY (or --tls-cert, "
+        "--tls-key), bind to 127.0.0.1, or pass --insecure when a TLS proxy is in front"
+    )
+
+
+def _loopback(bind: str) -> bool:
+    if bind == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(settings: Settings, *, insecure: bool = False) -> None:
+    """Run the API with uvicorn until SIGINT or SIGTERM (``wm api``)."""
+    import uvicorn
+
+    cert, key = settings.api_tls_cert, settings.api_tls_key
+    if bool(cert) != bool(key):
+        raise ConfigurationError("TLS needs both WM_API_TLS_CERT and WM_API_TLS_KEY")
+    for variable, path in (("WM_API_TLS_CERT", cert), ("WM_API_TLS_KEY", key)):
+        if path and not os.path.isfile(path):
+            raise ConfigurationError(f"{variable}={path!r}: no such file")
+    check_exposure(settings.api_bind, tls=bool(cert), insecure=insecure)
+    store_revision = store.current_revision(settings)
+    if store_revision != store.head_revision(settings):
+        raise ConfigurationError(
+            f"the database is at revision {store_revision}, not the head: run wm db upgrade"
+        )
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.api_bind,
+        port=settings.api_port,
+        ssl_certfile=cert or None,
+        ssl_keyfile=key or None,
+        log_level=settings.log_level.lower(),
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"WM_API_PORT={settings.api_port} (WM_API_BIND={settings.api_bind}): cannot "
+            f"listen there ({exc})"
+        ) from exc
