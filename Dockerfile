@@ -1,6 +1,16 @@
-# The one application image of docker-compose.yml: workers, Flower and migrations differ only
-# in their command. Build: docker compose build (or docker build -t workmanager:local .).
-# For C# and .NET DLL workers: docker build --target with-dotnet -t workmanager:dotnet .
+# syntax=docker/dockerfile:1
+# The one application image of docker-compose.yml: workers, the admin API, Flower and
+# migrations differ only in their command. Build: docker compose build (or docker build -t
+# workmanager:local .). For C# and .NET DLL workers: docker build --target with-dotnet -t
+# workmanager:dotnet .
+
+# Stage 1 builds every wheel from the source; the image installs those and keeps neither the
+# source nor the wheels nor a compiler.
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY . /src
+RUN pip wheel --wheel-dir /wheels "/src[postgres,flower,native,dotnet,otel,api]"
+
 FROM python:3.11-slim AS base
 
 ENV PYTHONUNBUFFERED=1 \
@@ -8,7 +18,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# bubblewrap and libseccomp: the Python sandbox's kernel layers (README "The sandbox").
+# bubblewrap and libseccomp: the Python sandbox's kernel layers (README "The sandbox"); the
+# compose file gives the container what bubblewrap needs and requires every layer.
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 \
     && rm -rf /var/lib/apt/lists/*
 
@@ -17,10 +28,9 @@ RUN groupadd --system --gid 10001 workmanager \
     && useradd --system --uid 10001 --gid workmanager --create-home \
        --home-dir /home/workmanager workmanager
 
-# The source is only needed to build the wheel: installed into site-packages, then removed.
-COPY . /tmp/workmanager-src
-RUN pip install "/tmp/workmanager-src[postgres,flower,native,dotnet,otel]" \
-    && rm -rf /tmp/workmanager-src
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels \
+        "workmanager[postgres,flower,native,dotnet,otel,api]"
 
 USER workmanager
 WORKDIR /home/workmanager

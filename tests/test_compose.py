@@ -18,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-APP_SERVICES = ("migrate", "worker", "flower")
+APP_SERVICES = ("migrate", "worker", "api", "flower")
 APP_ENVIRONMENT = {
     "WM_DATABASE_URL": "postgresql+psycopg://workmanager:workmanager@postgres:5432/workmanager",
     "WM_BROKER_URL": "redis://redis:6379/0",
@@ -81,7 +81,7 @@ def test_resolved_config_has_the_stack(compose_binary: str) -> None:
     result = _config(compose_binary)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)["services"]
-    core = {"redis", "postgres", "migrate", "worker", "flower"}
+    core = {"redis", "postgres", "migrate", "worker", "api", "flower"}
     assert set(resolved) == core | set(PROFILES)
     assert {name: resolved[name].get("profiles") for name in PROFILES} == PROFILES
     for name in APP_SERVICES:
@@ -95,26 +95,66 @@ def test_backing_services(services: dict[str, Any]) -> None:
     assert "redis-cli" in services["redis"]["healthcheck"]["test"]
     postgres = services["postgres"]
     assert postgres["image"] == "postgres:16"
-    assert postgres["environment"] == {
-        "POSTGRES_DB": "workmanager",
-        "POSTGRES_USER": "workmanager",
-        "POSTGRES_PASSWORD": "workmanager",
-    }
+    assert postgres["env_file"] == "${WM_COMPOSE_ENV_DIR:-./ops/compose}/postgres.env"
     assert "pg_isready" in postgres["healthcheck"]["test"]
+
+
+def test_no_password_is_written_in_the_compose_file(compose_binary: str) -> None:
+    """Passwords come from env files (ops/compose, or WM_COMPOSE_ENV_DIR): none is a literal
+    of docker-compose.yml, and the resolved stack still has them."""
+    text = COMPOSE_FILE.read_text()
+    assert "PASSWORD" not in text and ":workmanager@" not in text
+    resolved = yaml.safe_load(_config(compose_binary).stdout)["services"]
+    assert resolved["postgres"]["environment"]["POSTGRES_PASSWORD"] == "workmanager"
+    assert resolved["worker"]["environment"]["WM_DATABASE_URL"].startswith(
+        "postgresql+psycopg://workmanager:workmanager@postgres:5432/"
+    )
 
 
 def test_app_services_share_one_image_and_environment(services: dict[str, Any]) -> None:
     images = {services[name]["image"] for name in APP_SERVICES}
     assert len(images) == 1
     for name in APP_SERVICES:
-        assert services[name]["environment"] == APP_ENVIRONMENT | _own(name), name
+        assert services[name]["env_file"] == "${WM_COMPOSE_ENV_DIR:-./ops/compose}/workmanager.env"
+        assert services[name].get("environment", {}) == _own(name), name
+        assert services[name]["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in services[name]["security_opt"], name
 
 
 def _own(service: str) -> dict[str, str]:
-    """Settings a service adds to the shared ones: a node's health endpoints."""
+    """Settings a service adds to the shared ones: a node's health endpoints, its sizing,
+    and the sandbox layers it requires."""
     if service == "worker":
-        return {"WM_HEALTH_PORT": "8001", "WM_HEALTH_BIND": "0.0.0.0"}
+        return {
+            "WM_HEALTH_PORT": "8001",
+            "WM_HEALTH_BIND": "0.0.0.0",
+            "WM_NODE_CONCURRENCY": "2",
+            "WM_ENGINE_CACHE_MB": "1024",
+            "WM_SANDBOX_REQUIRE": "user namespace,mount namespace,pid namespace,ipc namespace,"
+            "uts namespace,network namespace,no capabilities,seccomp",
+        }
     return {}
+
+
+def test_workers_keep_every_sandbox_layer(services: dict[str, Any]) -> None:
+    """bubblewrap, unprivileged, needs the namespaces and mounts Docker's default seccomp and
+    AppArmor profiles refuse; the node requires every layer the sandbox knows."""
+    from engines.python.isolation import WANTED_LAYERS
+
+    worker = services["worker"]
+    assert {"seccomp=unconfined", "apparmor=unconfined"} <= set(worker["security_opt"])
+    required = worker["environment"]["WM_SANDBOX_REQUIRE"].split(",")
+    assert sorted(required) == sorted(WANTED_LAYERS)
+
+
+def test_the_api_is_served_on_loopback_and_checked_through_its_liveness_probe(
+    services: dict[str, Any],
+) -> None:
+    api = services["api"]
+    assert api["command"][:2] == ["wm", "api"] and "--insecure" in api["command"]
+    assert api["ports"] == ["127.0.0.1:8080:8080"]
+    assert "http://127.0.0.1:8080/health/live" in " ".join(api["healthcheck"]["test"])
+    assert api["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
 
 
 def test_workers_are_checked_through_their_readiness_endpoint(services: dict[str, Any]) -> None:
@@ -154,14 +194,21 @@ def test_flower_is_published_on_5555(services: dict[str, Any]) -> None:
     assert flower["depends_on"]["redis"] == {"condition": "service_healthy"}
 
 
-def test_dockerfile_installs_the_package_as_a_non_root_user() -> None:
+def test_dockerfile_builds_wheels_in_one_stage_and_installs_them_as_a_non_root_user() -> None:
     lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
     instructions = [line for line in lines if line and not line.startswith("#")]
-    assert instructions[0] == "FROM python:3.11-slim AS base"
-    assert any(
-        "pip install" in line and "[postgres,flower,native,dotnet,otel]" in line
-        for line in instructions
-    )
+    stages = [i for i, line in enumerate(instructions) if line.startswith("FROM ")]
+    assert instructions[stages[0]] == "FROM python:3.11-slim AS build"
+    assert instructions[stages[1]] == "FROM python:3.11-slim AS base"
+    build, image = instructions[: stages[1]], instructions[stages[1] :]
+    extras = "[postgres,flower,native,dotnet,otel,api]"
+    assert any("pip wheel" in line and extras in line for line in build)
+    # the image gets the wheels through a bind mount: no source, no wheel, no compiler stays
+    assert not any(line.startswith("COPY . ") for line in image)
+    assert any(line.startswith("RUN --mount=type=bind,from=build") for line in image)
+    assert "pip install --no-index --find-links /wheels" in " ".join(image)
+    assert extras in " ".join(image)
+    assert any("bubblewrap" in line and "libseccomp2" in line for line in image)
     users = [line.split()[1] for line in instructions if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     # the default image is the last stage, the base; --target with-dotnet adds the SDK
