@@ -26,7 +26,8 @@ from schemathesis import GenerationMode, checks
 from tests.conftest import env_of
 from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
 from wm import Settings, store
-from wm.store.access import Role, Tokens
+from wm.store.access import Tokens
+from wm.views import Role
 
 #: Who may call what: the calls only an admin may make, every other read for a viewer,
 #: every other change for an operator. A route missing here fails the test below.

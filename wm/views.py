@@ -1,5 +1,5 @@
-"""Immutable views of workers, versions, transitions and dead letters returned by the API
-(never ORM rows; ``wm.store.records`` builds them from rows)."""
+"""Immutable views of workers, versions, transitions, dead letters, admin API tokens and
+audit entries returned by the API (never ORM rows; ``wm.store`` builds them from rows)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from wm.errors import InvalidArgument
@@ -141,6 +142,52 @@ class DeadLetterInfo:
         if not envelope:
             data.pop("envelope")
         return data
+
+
+class Role(StrEnum):
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+    ADMIN = "admin"
+
+    @property
+    def rank(self) -> int:
+        return list(Role).index(self)
+
+    def allows(self, needed: Role) -> bool:
+        return self.rank >= needed.rank
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    id: str
+    name: str
+    role: Role
+    created_at: datetime
+    expires_at: datetime | None
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+@dataclass(frozen=True)
+class AuditInfo:
+    id: int
+    at: datetime
+    token_id: str | None
+    token_name: str | None
+    role: str | None
+    remote: str | None
+    method: str
+    path: str
+    action: str | None
+    status_code: int | None
+    result: str | None
+    duration_ms: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
 
 
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:

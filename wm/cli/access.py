@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from wm.cli.admin import component
 from wm.cli.arguments import add_command, add_group, positive_int
 from wm.cli.output import Context
-from wm.store.access import Audit, Role, Tokens
+from wm.store.access import Audit, Tokens
+from wm.views import Role
 
 if TYPE_CHECKING:
     from wm.cli.arguments import Commands

@@ -24,7 +24,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime
 from http import HTTPStatus
 from importlib import metadata
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response, Security
 from fastapi.dependencies.models import Dependant
@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -63,8 +63,17 @@ from wm.lifecycle import Status
 from wm.manager import WorkManager
 from wm.names import check_name
 from wm.ops import health
-from wm.store.access import Audit, Role, TokenInfo, Tokens
-from wm.views import validate_worker_settings
+from wm.store.access import Audit, Tokens
+from wm.views import (
+    AuditInfo,
+    DeadLetterInfo,
+    Role,
+    TokenInfo,
+    TransitionInfo,
+    VersionInfo,
+    WorkerInfo,
+    validate_worker_settings,
+)
 
 logger = logging.getLogger(__name__)
 VERSION = metadata.version("workmanager")
@@ -221,60 +230,14 @@ class Replay(LetterSelection):
     limit: int = Field(1000, ge=1, le=MAX_REPLAY, description="most letters a filter selects")
 
 
-class WorkerOut(BaseModel):
-    id: str
-    name: str | None
-    topic: str
-    group: str | None
-    mime_type: str
-    status: str
-    current_version: int
-    sha256: str
-    size: int
-    settings: dict[str, Any]
-    created_at: datetime
-    updated_at: datetime
-
-
-class VersionOut(BaseModel):
-    worker_id: str
-    version: int
-    source_kind: str
-    url: str | None
-    sha256: str
-    size: int
-    created_at: datetime
-    note: str | None
-
-
-class TransitionOut(BaseModel):
-    worker_id: str
-    from_status: str | None
-    to_status: str
-    reason: str
-    version: int | None
-    at: datetime
-
-
-class DeadLetterOut(BaseModel):
-    id: str
-    topic: str
-    worker_id: str | None
-    event_id: str | None
-    error_type: str
-    error_message: str
-    attempts: int
-    version: int | None
-    sha256: str | None
-    fence: int | None
-    first_failure_at: datetime
-    last_failure_at: datetime
-    replay_count: int
-    replayed_at: datetime | None
-
-
-class DeadLetterDetail(DeadLetterOut):
-    envelope: Any = Field(description="the event as it failed: JSON, or the raw text")
+#: A dead letter as listed (without its event), and as shown alone (with it, as JSON).
+_LETTER = {n: (t, ...) for n, t in get_type_hints(DeadLetterInfo).items() if n != "envelope"}
+DeadLetterOut = create_model("DeadLetterOut", **_LETTER)  # type: ignore[call-overload]
+DeadLetterDetail = create_model(
+    "DeadLetterDetail",
+    __base__=DeadLetterOut,
+    envelope=(Any, Field(description="the event as it failed: JSON, or the raw text")),
+)
 
 
 class Published(BaseModel):
@@ -290,33 +253,11 @@ class Purged(BaseModel):
     purged: int
 
 
-class WhoAmI(BaseModel):
-    id: str
-    name: str
-    role: Role
-    expires_at: datetime | None
-
-
 class Health(BaseModel):
     status: Literal["healthy", "unhealthy"]
     reasons: list[str]
     checks: dict[str, dict[str, Any]]
     version: str
-
-
-class AuditOut(BaseModel):
-    id: int
-    at: datetime
-    token_id: str | None
-    token_name: str | None
-    role: str | None
-    remote: str | None
-    method: str
-    path: str
-    action: str | None
-    status_code: int | None
-    result: str | None
-    duration_ms: float | None
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -529,15 +470,15 @@ def list_workers(
     topic: str | None = None,
     group: str | None = None,
     status: Annotated[Status | None, Query(description="default: every live worker")] = None,
-) -> list[WorkerOut]:
+) -> list[WorkerInfo]:
     found = svc.manager.list_workers(topic=topic, group=group, status=status)
-    return [WorkerOut(**w.to_json()) for w in found]
+    return found
 
 
 @WORKERS.post("", status_code=201, dependencies=[OPERATOR], responses=_errors(409))
-def create_worker(svc: Svc, body: WorkerCreate) -> WorkerOut:
+def create_worker(svc: Svc, body: WorkerCreate) -> WorkerInfo:
     """Create a worker from inline code or a URL; started unless ``start`` is false."""
-    info = svc.manager.create_worker(
+    return svc.manager.create_worker(
         code=body.content(),
         url=body.url,
         mime_type=body.mime_type,
@@ -548,32 +489,31 @@ def create_worker(svc: Svc, body: WorkerCreate) -> WorkerOut:
         sha256=body.sha256,
         settings=body.settings,
     )
-    return WorkerOut(**info.to_json())
 
 
 @WORKERS.get("/{ref}", dependencies=[VIEWER], responses=_errors(404))
-def get_worker(svc: Svc, ref: Ref) -> WorkerOut:
-    return WorkerOut(**svc.manager.get_worker(ref).to_json())
+def get_worker(svc: Svc, ref: Ref) -> WorkerInfo:
+    return svc.manager.get_worker(ref)
 
 
 @WORKERS.post("/{ref}/start", dependencies=[OPERATOR], responses=_errors(404, 409))
-def start_worker(svc: Svc, ref: Ref) -> WorkerOut:
-    return WorkerOut(**svc.manager.start_worker(ref).to_json())
+def start_worker(svc: Svc, ref: Ref) -> WorkerInfo:
+    return svc.manager.start_worker(ref)
 
 
 @WORKERS.post("/{ref}/stop", dependencies=[OPERATOR], responses=_errors(404, 409))
-def stop_worker(svc: Svc, ref: Ref) -> WorkerOut:
-    return WorkerOut(**svc.manager.stop_worker(ref).to_json())
+def stop_worker(svc: Svc, ref: Ref) -> WorkerInfo:
+    return svc.manager.stop_worker(ref)
 
 
 @WORKERS.delete("/{ref}", dependencies=[ADMIN], responses=_errors(404, 409))
-def delete_worker(svc: Svc, ref: Ref) -> WorkerOut:
+def delete_worker(svc: Svc, ref: Ref) -> WorkerInfo:
     """Delete the worker and its queue; versions and transitions stay for audit."""
-    return WorkerOut(**svc.manager.delete_worker(ref).to_json())
+    return svc.manager.delete_worker(ref)
 
 
 @WORKERS.put("/{ref}/code", dependencies=[OPERATOR], responses=_errors(404, 409))
-def update_code(svc: Svc, ref: Ref, body: CodeUpdate) -> WorkerOut:
+def update_code(svc: Svc, ref: Ref, body: CodeUpdate) -> WorkerInfo:
     """Add a code version and make it current (hot reload on every node)."""
     content = body.content()
     if content is None:
@@ -581,24 +521,24 @@ def update_code(svc: Svc, ref: Ref, body: CodeUpdate) -> WorkerOut:
         info = svc.manager.load_code_from_url(ref, body.url, sha256=body.sha256, note=body.note)
     else:
         info = svc.manager.load_code_from_content(ref, content, sha256=body.sha256, note=body.note)
-    return WorkerOut(**info.to_json())
+    return info
 
 
 @WORKERS.post("/{ref}/rollback", dependencies=[OPERATOR], responses=_errors(404, 409))
-def rollback(svc: Svc, ref: Ref, body: Rollback) -> WorkerOut:
-    return WorkerOut(**svc.manager.rollback_worker(ref, body.version).to_json())
+def rollback(svc: Svc, ref: Ref, body: Rollback) -> WorkerInfo:
+    return svc.manager.rollback_worker(ref, body.version)
 
 
 @WORKERS.get("/{ref}/versions", dependencies=[VIEWER], responses=_errors(404))
-def versions(svc: Svc, ref: Ref) -> list[VersionOut]:
+def versions(svc: Svc, ref: Ref) -> list[VersionInfo]:
     """Every code version, oldest first."""
-    return [VersionOut(**v.to_json()) for v in svc.manager.get_worker_history(ref)]
+    return svc.manager.get_worker_history(ref)
 
 
 @WORKERS.get("/{ref}/transitions", dependencies=[VIEWER], responses=_errors(404))
-def transitions(svc: Svc, ref: Ref) -> list[TransitionOut]:
+def transitions(svc: Svc, ref: Ref) -> list[TransitionInfo]:
     """Every state and code change, oldest first."""
-    return [TransitionOut(**t.to_json()) for t in svc.manager.get_worker_transitions(ref)]
+    return svc.manager.get_worker_transitions(ref)
 
 
 # -- events --------------------------------------------------------------------------------
@@ -626,7 +566,7 @@ def publish(
 LETTERS = APIRouter(prefix="/v1/deadletters", tags=["dead letters"])
 
 
-@LETTERS.get("", dependencies=[VIEWER])
+@LETTERS.get("", dependencies=[VIEWER], response_model=list[DeadLetterOut])  # type: ignore[valid-type]
 def list_letters(
     svc: Svc,
     topic: str | None = None,
@@ -634,7 +574,7 @@ def list_letters(
     error_type: str | None = None,
     include_replayed: bool = False,
     limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
-) -> list[DeadLetterOut]:
+) -> list[dict[str, Any]]:
     """Dead letters, oldest failure first."""
     found = svc.letters.list(
         topic=topic,
@@ -643,16 +583,18 @@ def list_letters(
         include_replayed=include_replayed,
         limit=limit,
     )
-    return [DeadLetterOut(**d.to_json(envelope=False)) for d in found]
+    return [d.to_json(envelope=False) for d in found]
 
 
-@LETTERS.get("/{letter_id}", dependencies=[VIEWER], responses=_errors(404))
-def get_letter(svc: Svc, letter_id: str) -> DeadLetterDetail:
+@LETTERS.get(
+    "/{letter_id}", dependencies=[VIEWER], responses=_errors(404), response_model=DeadLetterDetail
+)
+def get_letter(svc: Svc, letter_id: str) -> dict[str, Any]:
     """One dead letter with the event as it failed."""
     found = svc.letters.get(letter_id).to_json()
     with suppress(ValueError):  # a malformed message stays its text
         found["envelope"] = json.loads(found["envelope"])
-    return DeadLetterDetail(**found)
+    return found
 
 
 @LETTERS.post("/replay", dependencies=[OPERATOR], responses=_errors(404))
@@ -722,9 +664,9 @@ def api_health(svc: Svc, response: Response) -> Health:
 
 
 @OPERATIONS.get("/v1/whoami", tags=["tokens"])
-def whoami(token: Annotated[TokenInfo, Depends(_authenticated)]) -> WhoAmI:
-    """The calling token: id, name, role, expiry."""
-    return WhoAmI(id=token.id, name=token.name, role=token.role, expires_at=token.expires_at)
+def whoami(token: Annotated[TokenInfo, Depends(_authenticated)]) -> TokenInfo:
+    """The calling token: id, name, role, times."""
+    return token
 
 
 @OPERATIONS.get("/v1/audit", tags=["audit"], dependencies=[ADMIN])
@@ -733,10 +675,9 @@ def audit_log(
     token: Annotated[str | None, Query(description="token id or name")] = None,
     since: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
-) -> list[AuditOut]:
+) -> list[AuditInfo]:
     """The newest audit entries, oldest first (admins only)."""
-    found = svc.audit.list(token=token, since=since, limit=limit)
-    return [AuditOut(**e.to_json()) for e in found]
+    return svc.audit.list(token=token, since=since, limit=limit)
 
 
 # -- serving -------------------------------------------------------------------------------

@@ -15,9 +15,7 @@ import builtins
 import hashlib
 import hmac
 import secrets
-from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select, update
@@ -28,60 +26,11 @@ from wm.errors import InvalidArgument, TokenNotFound
 from wm.names import check_name
 from wm.store.db import session_scope
 from wm.store.models import ApiToken, AuditEntry
+from wm.views import AuditInfo, Role, TokenInfo
 
 #: A token's last use is written at most this often (each request would otherwise write).
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 _PREFIX = "wm"
-
-
-class Role(StrEnum):
-    VIEWER = "viewer"
-    OPERATOR = "operator"
-    ADMIN = "admin"
-
-    @property
-    def rank(self) -> int:
-        return list(Role).index(self)
-
-    def allows(self, needed: Role) -> bool:
-        return self.rank >= needed.rank
-
-
-@dataclass(frozen=True)
-class TokenInfo:
-    id: str
-    name: str
-    role: Role
-    created_at: datetime
-    expires_at: datetime | None
-    last_used_at: datetime | None
-    revoked_at: datetime | None
-
-    def to_json(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
-
-
-@dataclass(frozen=True)
-class AuditInfo:
-    id: int
-    at: datetime
-    token_id: str | None
-    token_name: str | None
-    role: str | None
-    remote: str | None
-    method: str
-    path: str
-    action: str | None
-    status_code: int | None
-    result: str | None
-    duration_ms: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
-
-
-def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in data.items()}
 
 
 def _digest(token: str) -> str:
