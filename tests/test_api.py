@@ -43,6 +43,8 @@ NEEDS = {
     ("POST", "/v1/workers"): Role.OPERATOR,
     ("POST", "/v1/workers/{ref}/start"): Role.OPERATOR,
     ("POST", "/v1/workers/{ref}/stop"): Role.OPERATOR,
+    ("POST", "/v1/workers/{ref}/suspend"): Role.OPERATOR,
+    ("POST", "/v1/workers/{ref}/resume"): Role.OPERATOR,
     ("PUT", "/v1/workers/{ref}/code"): Role.OPERATOR,
     ("POST", "/v1/workers/{ref}/rollback"): Role.OPERATOR,
     ("POST", "/v1/events"): Role.OPERATOR,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.helpers import STUB, drain, queue_empty, stub
@@ -93,6 +95,54 @@ def test_history_and_rollback(manager: WorkManager) -> None:
         manager.rollback_worker(worker.id, 9)
 
 
+def test_suspend_and_resume_are_transitions_with_who_and_how_long(manager: WorkManager) -> None:
+    queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t", name="s")
+    started = manager.get_worker(worker.id).started_at
+    assert started is not None
+    time.sleep(0.05)
+    assert manager.suspend_worker("s").status == "suspended"
+    assert manager.suspend_worker("s").status == "suspended"  # idempotent
+    resumed = manager.resume_worker("s")
+    assert resumed.status == "running" and resumed.started_at > started
+    manager.suspend_worker("s")
+    assert manager.stop_worker("s").status == "stopped"  # suspended → stopping → stopped
+    with pytest.raises(IllegalTransition, match="from stopped it may go to deleted, starting"):
+        manager.suspend_worker("s")
+    cli = WorkManager(manager.settings, actor="cli")
+    cli.start_worker("s")
+    with pytest.raises(InvalidArgument, match="actor 'robot' is unknown"):
+        WorkManager(manager.settings, actor="robot")
+
+    rows = manager.get_worker_transitions(worker.id)
+    assert [(t.from_status, t.to_status, t.actor) for t in rows] == [
+        (None, "created", "api"),
+        ("created", "starting", "api"),
+        ("starting", "running", "api"),
+        ("running", "suspended", "api"),
+        ("suspended", "running", "api"),
+        ("running", "suspended", "api"),
+        ("suspended", "stopping", "api"),
+        ("stopping", "stopped", "api"),
+        ("stopped", "starting", "cli"),
+        ("starting", "running", "cli"),
+    ]
+    assert rows[0].duration_ms is None  # created from nothing
+    assert rows[3].duration_ms is not None and rows[3].duration_ms >= 50  # running ≥ 50 ms
+    kinds = [
+        e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in drain(manager.settings, queue, 7, 5)
+    ]
+    assert kinds == [
+        "created",
+        "started",
+        "suspended",
+        "started",
+        "suspended",
+        "stopped",
+        "started",
+    ]
+
+
 def test_illegal_transitions_are_refused(manager: WorkManager) -> None:
     worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
     manager.delete_worker(worker.id)
@@ -112,7 +162,10 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
         manager.create_worker(code=b"not json", mime_type=STUB, topic="t")
     with pytest.raises(InvalidArgument, match="unknown worker setting"):
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
-    known = "known: max_retries, output_topics, retry_base_delay_ms, timeout_s$"
+    known = (
+        "known: breaker_base_delay_s, breaker_max_delay_s, failure_threshold, max_retries, "
+        "output_topics, retry_base_delay_ms, timeout_s$"
+    )
     with pytest.raises(InvalidArgument, match=known):  # the stub engine reads none of its own
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"memory_mb": 1})
     with pytest.raises(InvalidArgument, match="topic"):

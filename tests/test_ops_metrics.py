@@ -61,7 +61,8 @@ def test_counters_move_by_exactly_the_deliveries_made(
         mime_type=STUB,
         topic="metered.bad",
         name="bad",
-        settings={"max_retries": 1, "retry_base_delay_ms": 10},
+        # every attempt fails: the breaker (on by default) would pause it before all are parked
+        settings={"max_retries": 1, "retry_base_delay_ms": 10, "failure_threshold": 0},
     )
     node = start_node(settings, name="metrics")
     node.consuming(f"metered.in::{good.id}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from wm.cli import build_parser
 from wm.config import settings_table
+from wm.lifecycle import TRANSITIONS, Status
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
@@ -38,3 +39,16 @@ def test_documented_commands_exist() -> None:
             parser.parse_args(args)
         except SystemExit as exc:
             assert exc.code == 0, command
+
+
+def test_the_state_diagram_is_the_transition_table() -> None:
+    block = README.split("```mermaid\nstateDiagram-v2\n", 1)[1].split("```", 1)[0]
+    drawn = set(re.findall(r"^    (\w+) --> (\w+)$", block, flags=re.MULTILINE))
+    table = {
+        (str(source), str(target))
+        for source, targets in TRANSITIONS.items()
+        for target in targets
+        if target != Status.DELETED
+    }
+    assert drawn == table
+    assert all(Status.DELETED in TRANSITIONS[s] for s in Status if s != Status.DELETED)

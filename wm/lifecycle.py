@@ -2,13 +2,16 @@
 
 ``created → starting → running ⇄ (stopping →) stopped``, ``starting|running → failed``,
 ``failed → starting``, any → ``deleted`` (terminal; versions and transitions are kept).
+``running ⇄ suspended`` (an operator pauses consuming; queue and engine stay), and
+``running → pending → starting → running`` (the circuit breaker: consecutive failed
+deliveries pause the worker for a back-off, then it tries again).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from wm.errors import IllegalTransition
+from wm.errors import IllegalTransition, InvalidArgument
 
 
 class Status(StrEnum):
@@ -18,6 +21,8 @@ class Status(StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+    SUSPENDED = "suspended"
+    PENDING = "pending"
     DELETED = "deleted"
 
 
@@ -25,7 +30,18 @@ class Status(StrEnum):
 TRANSITIONS: dict[Status, frozenset[Status]] = {
     Status.CREATED: frozenset({Status.STARTING, Status.DELETED}),
     Status.STARTING: frozenset({Status.RUNNING, Status.FAILED, Status.DELETED}),
-    Status.RUNNING: frozenset({Status.STOPPING, Status.STOPPED, Status.FAILED, Status.DELETED}),
+    Status.RUNNING: frozenset(
+        {
+            Status.STOPPING,
+            Status.STOPPED,
+            Status.FAILED,
+            Status.SUSPENDED,
+            Status.PENDING,
+            Status.DELETED,
+        }
+    ),
+    Status.SUSPENDED: frozenset({Status.RUNNING, Status.STOPPING, Status.DELETED}),
+    Status.PENDING: frozenset({Status.STARTING, Status.SUSPENDED, Status.STOPPING, Status.DELETED}),
     Status.STOPPING: frozenset({Status.STOPPED, Status.FAILED, Status.DELETED}),
     Status.STOPPED: frozenset({Status.STARTING, Status.DELETED}),
     Status.FAILED: frozenset({Status.STARTING, Status.DELETED}),
@@ -34,6 +50,8 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
 
 #: States from which ``start`` has nothing to do (start is idempotent).
 ALREADY_STARTED = frozenset({Status.STARTING, Status.RUNNING})
+#: States in which a worker's queue is kept but not consumed until it runs again.
+PAUSED = frozenset({Status.SUSPENDED, Status.PENDING})
 #: States from which ``stop`` has nothing to do (stop is idempotent; never-started counts).
 ALREADY_STOPPED = frozenset({Status.CREATED, Status.STOPPING, Status.STOPPED, Status.FAILED})
 
@@ -43,8 +61,14 @@ EVENT_ON_ENTER: dict[Status, str] = {
     Status.RUNNING: "started",
     Status.STOPPED: "stopped",
     Status.FAILED: "failed",
+    Status.SUSPENDED: "suspended",
+    Status.PENDING: "pending",
     Status.DELETED: "deleted",
 }
+
+#: Who asks for a transition (recorded with it): the Python or HTTP API, the ``wm``
+#: command, the circuit breaker, a schedule, or a node (a worker that cannot run there).
+ACTORS = ("api", "cli", "breaker", "schedule", "node")
 
 
 def check_transition(worker_id: str, current: Status | str, target: Status | str) -> Status:
@@ -57,3 +81,10 @@ def check_transition(worker_id: str, current: Status | str, target: Status | str
             f"{allowed}"
         )
     return goal
+
+
+def check_actor(actor: str) -> str:
+    """``actor`` if it is one of :data:`ACTORS`, else :class:`InvalidArgument`."""
+    if actor not in ACTORS:
+        raise InvalidArgument(f"actor {actor!r} is unknown: expected one of {', '.join(ACTORS)}")
+    return actor

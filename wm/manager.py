@@ -25,8 +25,9 @@ from wm.errors import (
     WorkManagerError,
 )
 from wm.events import CloudEvent
-from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status
+from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status, check_actor
 from wm.names import check_name
+from wm.state.breaker import Breaker
 from wm.state.ledger import Ledger
 from wm.store import records
 from wm.store.models import Subscription, Worker, WorkerTransition, WorkerVersion
@@ -43,9 +44,13 @@ class WorkManager:
     published for a change that did not happen, and none is lost if the broker is down.
     """
 
-    def __init__(self, settings: Settings | None = None, *, bus: Bus | None = None) -> None:
+    def __init__(
+        self, settings: Settings | None = None, *, bus: Bus | None = None, actor: str = "api"
+    ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         self._bus = bus
+        #: Who the transitions this object makes are recorded as asked by (``cli`` for ``wm``).
+        self.actor = check_actor(actor)
 
     @property
     def bus(self) -> Bus:
@@ -104,6 +109,7 @@ class WorkManager:
                 "created",
                 version=1,
                 extra={"group": group, "topic": topic},
+                actor=self.actor,
             )
 
         records.transaction(self.settings, insert, name_hint=name)
@@ -153,6 +159,7 @@ class WorkManager:
                 f"rolled back from version {previous} to version {version}",
                 version=version,
                 event="code_updated",
+                actor=self.actor,
             )
 
         records.transaction(self.settings, rollback)
@@ -162,14 +169,30 @@ class WorkManager:
     # -- state changes ---------------------------------------------------------------------
 
     def start_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
-        """Start consuming the worker's queue; idempotent."""
+        """Start consuming the worker's queue; idempotent. A suspended worker resumes; a
+        worker paused by its circuit breaker starts at once with the breaker closed."""
         wid = self._resolve(worker_id)
         changed = records.transaction(self.settings, lambda s: self._start(s, wid))
         outbox.changed(self.settings, self.bus, wid)
         if changed:
             Ledger(self.settings).restart_clocks(str(wid))
+            Breaker(self.settings).succeeded(str(wid))  # started by request: breaker closed
             self.bus.broadcast_consume(changed)
         return self.get_worker(wid)
+
+    def suspend_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
+        """Stop consuming on every node but keep the queue (messages accumulate) and the
+        loaded engines; :meth:`resume_worker` delivers what accumulated. Idempotent."""
+        wid = self._resolve(worker_id)
+        changed = records.transaction(self.settings, lambda s: self._suspend(s, wid))
+        outbox.changed(self.settings, self.bus, wid)
+        if changed:
+            self.bus.broadcast_cancel(changed)
+        return self.get_worker(wid)
+
+    def resume_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
+        """A suspended worker consumes again (a running one is left as it is)."""
+        return self.start_worker(worker_id)
 
     def stop_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Stop consuming; the queue is kept so the worker resumes where it left off."""
@@ -387,6 +410,7 @@ class WorkManager:
                 f"code updated to version {version}",
                 version=version,
                 event="code_updated",
+                actor=self.actor,
             )
 
         records.transaction(self.settings, add_version)
@@ -397,28 +421,38 @@ class WorkManager:
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STARTED:
             return None
-        records.move(session, worker, Status.STARTING, "start requested")
+        if worker.status == Status.SUSPENDED:
+            records.move(session, worker, Status.RUNNING, "resumed", actor=self.actor)
+            return worker_queue_name(worker.topic, str(wid))
+        records.move(session, worker, Status.STARTING, "start requested", actor=self.actor)
         try:
             engine_class(worker.mime_type)
         except WorkManagerError as exc:
-            records.move(session, worker, Status.FAILED, str(exc))
+            records.move(session, worker, Status.FAILED, str(exc), actor=self.actor)
             return None
-        records.move(session, worker, Status.RUNNING, "started")
+        records.move(session, worker, Status.RUNNING, "started", actor=self.actor)
+        return worker_queue_name(worker.topic, str(wid))
+
+    def _suspend(self, session: Session, wid: uuid.UUID) -> str | None:
+        worker = records.lock_worker(session, wid)
+        if worker.status == Status.SUSPENDED:
+            return None
+        records.move(session, worker, Status.SUSPENDED, "suspended", actor=self.actor)
         return worker_queue_name(worker.topic, str(wid))
 
     def _stop(self, session: Session, wid: uuid.UUID) -> str | None:
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STOPPED:
             return None
-        records.move(session, worker, Status.STOPPING, "stop requested")
-        records.move(session, worker, Status.STOPPED, "stopped")
+        records.move(session, worker, Status.STOPPING, "stop requested", actor=self.actor)
+        records.move(session, worker, Status.STOPPED, "stopped", actor=self.actor)
         return worker_queue_name(worker.topic, str(wid))
 
     def _delete(self, session: Session, wid: uuid.UUID) -> list[tuple[str, str]]:
         worker = records.lock_worker(session, wid)
         if worker.status == Status.DELETED:
             return []
-        records.move(session, worker, Status.DELETED, "deleted")
+        records.move(session, worker, Status.DELETED, "deleted", actor=self.actor)
         subs = session.scalars(select(Subscription).where(Subscription.worker_id == wid)).all()
         removed = [(s.topic, s.queue) for s in subs]
         for sub in subs:

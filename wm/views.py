@@ -42,6 +42,10 @@ WORKER_SETTINGS: dict[str, SettingRule] = {
     "timeout_s": SettingRule((int, float)),
     "max_retries": SettingRule(),
     "retry_base_delay_ms": SettingRule(),
+    # the circuit breaker (wm.dataplane.breaker): 0 consecutive failures turns it off
+    "failure_threshold": SettingRule(),
+    "breaker_base_delay_s": SettingRule((int, float)),
+    "breaker_max_delay_s": SettingRule((int, float)),
 }
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"
@@ -86,6 +90,9 @@ class WorkerInfo:
     settings: Mapping[str, Any]
     created_at: datetime
     updated_at: datetime
+    #: When it last entered ``running``, and when it entered its current status.
+    started_at: datetime | None = None
+    status_since: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -114,6 +121,10 @@ class TransitionInfo:
     reason: str
     version: int | None
     at: datetime
+    #: Who asked (``wm.lifecycle.ACTORS``; None for rows written before it was recorded),
+    #: and how long the worker had been in ``from_status`` (None when the status stayed).
+    actor: str | None = None
+    duration_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))

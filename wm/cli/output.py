@@ -29,7 +29,7 @@ class Context:
 
     @cached_property
     def manager(self) -> WorkManager:
-        return WorkManager(self.settings)
+        return WorkManager(self.settings, actor="cli")
 
     @cached_property
     def dead_letters(self) -> DeadLetters:

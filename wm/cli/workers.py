@@ -36,6 +36,12 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
         ("show", show, "show one worker"),
         ("start", start, "start consuming the worker's topic (idempotent)"),
         ("stop", stop, "stop consuming; the queue keeps what arrives (idempotent)"),
+        (
+            "suspend",
+            suspend,
+            "pause consuming on every node; queue and loaded engines stay (idempotent)",
+        ),
+        ("resume", resume, "consume again what accumulated while suspended"),
         ("delete", delete, "delete the worker and its queue; versions and history stay"),
         ("history", history, "list the worker's code versions"),
         ("transitions", transitions, "list the worker's state changes"),
@@ -154,6 +160,16 @@ def stop(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+def suspend(ctx: Context, args: argparse.Namespace) -> int:
+    _print_summary(ctx, ctx.manager.suspend_worker(args.worker))
+    return 0
+
+
+def resume(ctx: Context, args: argparse.Namespace) -> int:
+    _print_summary(ctx, ctx.manager.resume_worker(args.worker))
+    return 0
+
+
 def delete(ctx: Context, args: argparse.Namespace) -> int:
     _print_summary(ctx, ctx.manager.delete_worker(args.worker))
     return 0
@@ -196,11 +212,31 @@ def transitions(ctx: Context, args: argparse.Namespace) -> int:
         ctx.json([t.to_json() for t in found])
         return 0
     ctx.table(
-        ["AT", "FROM", "TO", "VERSION", "REASON"],
-        ([t.at, t.from_status, t.to_status, t.version, t.reason] for t in found),
+        ["AT", "FROM", "TO", "BY", "AFTER", "VERSION", "REASON"],
+        (
+            [
+                t.at,
+                t.from_status,
+                t.to_status,
+                t.actor,
+                _duration(t.duration_ms),
+                t.version,
+                t.reason,
+            ]
+            for t in found
+        ),
         empty="no transitions",
     )
     return 0
+
+
+def _duration(ms: int | None) -> str | None:
+    """How long the worker was in the state it left: ``850 ms``, ``12.3 s``, ``4 min``."""
+    if ms is None:
+        return None
+    if ms < 1000:
+        return f"{ms} ms"
+    return f"{ms / 1000:.1f} s" if ms < 120_000 else f"{ms // 60_000} min"
 
 
 def show_code(ctx: Context, args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import outbox, sweep
+from wm.dataplane import breaker, outbox, sweep
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
@@ -76,7 +76,8 @@ def running_queues(settings: Settings) -> dict[str, str]:
 
 def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     """One node per reconcile period repairs derived state: the routing table, lifecycle
-    events left in the outbox, and deliveries the broker lost (``wm.dataplane.sweep``)."""
+    events left in the outbox, deliveries the broker lost (``wm.dataplane.sweep``), and
+    circuit-breaker back-offs whose end was lost with a node."""
     if not Ledger(settings).claim_sweep(settings.reconcile_interval_s):
         return
     bus.rebuild_routes()
@@ -85,6 +86,7 @@ def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     merge_levels(settings, bus.app, [*running, DEFAULT_QUEUE])
     repair_ready(settings, bus.app, running)
     sweep.sweep(settings, bus, running)
+    breaker.sweep_overdue(settings, bus, slack_s=settings.reconcile_interval_s)
 
 
 def merge_levels(settings: Settings, app: Celery, queues: Iterable[str]) -> int:

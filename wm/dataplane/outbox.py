@@ -75,7 +75,8 @@ def record_failure(
         data = {"error_type": error_type, "error_message": error_message}
         records.add_outbox(session, "error", worker, data, reason=error_message)
         if fail and worker.status in (Status.STARTING, Status.RUNNING):
-            records.move(session, worker, Status.FAILED, f"{error_type}: {error_message}")
+            reason = f"{error_type}: {error_message}"
+            records.move(session, worker, Status.FAILED, reason, actor="node")
             return worker_queue_name(worker.topic, str(wid))
         return None
 

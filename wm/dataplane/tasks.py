@@ -26,7 +26,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
 from wm.config import Settings
-from wm.dataplane import outbox, tracing
+from wm.dataplane import breaker, outbox, tracing
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import Delivery, Runtime
@@ -45,6 +45,7 @@ from wm.errors import (
 )
 from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
+from wm.state.breaker import Breaker, failures_key
 from wm.state.directory import WorkerMeta
 from wm.state.locks import retry_delay_ms
 from wm.state.nodehealth import EngineFailures
@@ -162,8 +163,10 @@ def _deliver(
         attempt = Attempt(worker_id, payload, rt.directory.get(worker_id), number, first_failure_at)
         rt.dead_letters.park(attempt.failure(exc, key=payload_key(payload)))
         return
-    # the worker's facts and the event's recorded outcome, in one round trip
-    meta, (outcome,) = rt.directory.get_with(worker_id, rt.outcomes.key(worker_id, key_of(event)))
+    # the worker's facts, the event's recorded outcome and the breaker's count, in one trip
+    meta, (outcome, failures) = rt.directory.get_with(
+        worker_id, rt.outcomes.key(worker_id, key_of(event)), failures_key(worker_id)
+    )
     attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
@@ -206,6 +209,8 @@ def _deliver(
     else:
         notify("delivered", meta)
         notify("succeeded", meta)
+        if failures:  # the breaker's count starts over (closed)
+            Breaker(rt.settings).succeeded(meta.id)
 
 
 def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
@@ -215,6 +220,13 @@ def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: 
         notify("fence_refused", meta)
     error_type = exc.error_type if isinstance(exc, WorkerExecutionError) else type(exc).__name__
     delivery.emit_error(error_type, str(exc))
+    if not isinstance(exc, FenceRejected):  # a stolen lock is not the worker's failure
+        is_open, trips = Breaker(rt.settings).failed(meta.id, breaker.threshold(meta))
+        if trips:
+            notify("breaker_opened", meta)
+            breaker.open_breaker(rt.settings, rt.bus, task.app, meta, trips, f"{error_type}: {exc}")
+        if is_open:  # kept for after the back-off: nothing is retried or parked meanwhile
+            raise Reject(f"worker {meta.id} paused by its circuit breaker", requeue=True)
     max_retries = delivery.max_retries
     retryable = not isinstance(exc, WorkManagerError) or exc.retryable
     if not retryable or attempt.number > max_retries:
@@ -286,6 +298,13 @@ def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:
     base_ms = int(meta.settings.get("retry_base_delay_ms", settings.retry_base_delay_ms))
     ceiling_ms = min(settings.retry_max_delay_ms, base_ms * 2 ** (attempts - 1))
     return random.uniform(ceiling_ms / 2, ceiling_ms) / 1000
+
+
+@shared_task(bind=True, name=breaker.RETRY_TASK, acks_late=True, reject_on_worker_lost=True)
+def breaker_retry(self: Task, worker_id: str, trips: int) -> None:
+    """A worker's circuit-breaker back-off is over: run it again, half-open."""
+    rt = runtime(self)
+    breaker.half_open(rt.settings, rt.bus, worker_id, trips)
 
 
 @shared_task(name="wm.noop", acks_late=True, reject_on_worker_lost=True)

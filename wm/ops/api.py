@@ -506,6 +506,18 @@ def stop_worker(svc: Svc, ref: Ref) -> WorkerInfo:
     return svc.manager.stop_worker(ref)
 
 
+@WORKERS.post("/{ref}/suspend", dependencies=[OPERATOR], responses=_errors(404, 409))
+def suspend_worker(svc: Svc, ref: Ref) -> WorkerInfo:
+    """Pause consuming on every node; the queue keeps what arrives, engines stay loaded."""
+    return svc.manager.suspend_worker(ref)
+
+
+@WORKERS.post("/{ref}/resume", dependencies=[OPERATOR], responses=_errors(404, 409))
+def resume_worker(svc: Svc, ref: Ref) -> WorkerInfo:
+    """Consume again what accumulated while suspended."""
+    return svc.manager.resume_worker(ref)
+
+
 @WORKERS.delete("/{ref}", dependencies=[ADMIN], responses=_errors(404, 409))
 def delete_worker(svc: Svc, ref: Ref) -> WorkerInfo:
     """Delete the worker and its queue; versions and transitions stay for audit."""

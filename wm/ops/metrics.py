@@ -14,12 +14,13 @@ next scrape, so its gauges drop out while its counters stay counted.
 Per WorkManager worker, labelled ``worker_id`` and ``worker`` (its name, or empty):
 ``wm_delivered_total``, ``wm_succeeded_total``, ``wm_failed_total`` (failed attempts),
 ``wm_retried_total``, ``wm_dead_lettered_total``, ``wm_fence_refusals_total``,
-``wm_duplicates_skipped_total`` (a recorded outcome republished instead of a second run), and
+``wm_duplicates_skipped_total`` (a recorded outcome republished instead of a second run),
+``wm_breaker_opened_total`` (times its circuit breaker paused it), and
 the histograms ``wm_lock_wait_seconds``, ``wm_engine_seconds`` and
 ``wm_publish_to_output_seconds``. Per node: ``wm_node_consumers`` (worker queues consumed),
 ``wm_node_recovery`` (1 for the current state), ``wm_node_engines`` (engines loaded in its
-pool processes) and ``wm_node_sandbox_processes``. Cardinality: 7 counters and 3 histograms
-of 13 series each per worker the node served since it started, so about 46 series per worker.
+pool processes) and ``wm_node_sandbox_processes``. Cardinality: 8 counters and 3 histograms
+of 13 series each per worker the node served since it started, so about 47 series per worker.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ COUNTERS = {
     "dead_lettered": "Deliveries parked in the dead-letter queue.",
     "fence_refused": "Writes refused because the group lock's lease was lost.",
     "duplicate": "Deliveries whose recorded outcome was republished instead of run again.",
+    "breaker_opened": "Times the circuit breaker paused the worker (running to pending).",
 }
 NAMES = {"fence_refused": "fence_refusals", "duplicate": "duplicates_skipped"}
 HISTOGRAMS = {

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -55,6 +56,9 @@ class Worker(Base):
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
     )
+    #: When it last entered ``running``, and when it entered its current state.
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    status_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     row_version: Mapped[int] = mapped_column(Integer, nullable=False)
 
     __mapper_args__ = {"version_id_col": row_version}
@@ -94,6 +98,9 @@ class WorkerTransition(Base):
     reason: Mapped[str] = mapped_column(Text, default="")
     version: Mapped[int | None] = mapped_column(Integer)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: Who asked (``wm.lifecycle.ACTORS``), and how long the worker was in ``from_status``.
+    actor: Mapped[str | None] = mapped_column(String(20))
+    duration_ms: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Subscription(Base):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import select
@@ -72,11 +73,15 @@ def lock_worker(session: Session, wid: uuid.UUID, *, live: bool = False) -> Work
     return worker
 
 
-def move(session: Session, worker: Worker, target: Status, reason: str) -> None:
+def move(
+    session: Session, worker: Worker, target: Status, reason: str, *, actor: str | None = None
+) -> None:
     """Change the worker's state if the lifecycle allows it, and record the transition."""
     source = worker.status
     worker.status = check_transition(str(worker.id), source, target).value
-    record_transition(session, worker, source, target, reason, version=worker.current_version)
+    record_transition(
+        session, worker, source, target, reason, version=worker.current_version, actor=actor
+    )
 
 
 def record_transition(
@@ -89,8 +94,20 @@ def record_transition(
     version: int | None = None,
     event: str | None = None,
     extra: Mapping[str, Any] | None = None,
+    actor: str | None = None,
 ) -> None:
-    """Add the transition to the audit trail and its lifecycle event (if any) to the outbox."""
+    """Add the transition to the audit trail and its lifecycle event (if any) to the outbox.
+
+    A change of state also records how long the worker was in the state it left, and
+    restarts that clock (``status_since``; ``started_at`` on entering ``running``)."""
+    now = datetime.now(UTC)
+    duration_ms = None
+    if source != str(target):
+        if worker.status_since is not None:
+            duration_ms = int((now - aware(worker.status_since)).total_seconds() * 1000)
+        worker.status_since = now
+        if str(target) == Status.RUNNING:
+            worker.started_at = now
     session.add(
         WorkerTransition(
             worker_id=worker.id,
@@ -98,6 +115,9 @@ def record_transition(
             to_status=str(target),
             reason=reason,
             version=version,
+            at=now,
+            actor=actor,
+            duration_ms=duration_ms,
         )
     )
     kind = event or EVENT_ON_ENTER.get(Status(target))
@@ -105,6 +125,11 @@ def record_transition(
         return
     data = {"from_state": source, "to_state": str(target), **(extra or {})}
     add_outbox(session, kind, worker, data, reason=reason, version=version)
+
+
+def aware(at: datetime) -> datetime:
+    """SQLite hands back naive datetimes; WorkManager writes UTC."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def add_outbox(
@@ -146,6 +171,8 @@ def worker_info(worker: Worker, version: WorkerVersion) -> WorkerInfo:
         settings=dict(worker.settings or {}),
         created_at=worker.created_at,
         updated_at=worker.updated_at,
+        started_at=worker.started_at,
+        status_since=worker.status_since,
     )
 
 
@@ -164,7 +191,14 @@ def version_info(row: WorkerVersion) -> VersionInfo:
 
 def transition_info(row: WorkerTransition) -> TransitionInfo:
     return TransitionInfo(
-        row.worker_id, row.from_status, row.to_status, row.reason, row.version, row.at
+        row.worker_id,
+        row.from_status,
+        row.to_status,
+        row.reason,
+        row.version,
+        row.at,
+        row.actor,
+        row.duration_ms,
     )
 
 
