@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 ISOLATION = "isolation"
 ISOLATION_MODES = ("in-process", "subprocess")
+#: Seconds an isolated worker's helper waits past a call's limit before it gives up on the
+#: call itself (by then the host has killed it).
+HELPER_LIMIT_MARGIN_S = 2.0
 #: A CALL frame to an isolated worker: header length, time limit in ms, header, data.
 CALL = struct.Struct("<IQ")
 #: The host's answer for an unfinished task, and for a handle that was unloaded meanwhile.
@@ -256,7 +259,10 @@ class Isolated:
 
     def call(self, header: str, data: str, timeout_s: float) -> str:
         head, body = header.encode(), data.encode()
-        payload = CALL.pack(len(head), int(timeout_s * 1000)) + head + body
+        # The host kills the helper at the limit; the helper's own limit comes later, so a
+        # loaded machine never lets it answer "timed out" first and keep a hung call alive.
+        helper_ms = int((timeout_s + HELPER_LIMIT_MARGIN_S) * 1000)
+        payload = CALL.pack(len(head), helper_ms) + head + body
         with self._lock:  # the helper answers one call at a time anyway
             if self._closed:
                 raise Stale()
