@@ -52,8 +52,12 @@ NEEDS = {
     ("DELETE", "/v1/workers/{ref}"): Role.ADMIN,
     ("POST", "/v1/deadletters/purge"): Role.ADMIN,
     ("GET", "/v1/audit"): Role.ADMIN,
+    ("GET", "/v1/schedules"): Role.VIEWER,
+    ("POST", "/v1/schedules"): Role.OPERATOR,
+    ("DELETE", "/v1/schedules/{schedule_id}"): Role.OPERATOR,
 }
-FAST = {"max_retries": 0, "timeout_s": 10}
+#: Parked at the first failure, with the circuit breaker off (these tests want letters).
+FAST = {"max_retries": 0, "timeout_s": 10, "failure_threshold": 0}
 #: Inputs generated per operation when fuzzing, and what each answer is checked for.
 FUZZ_EXAMPLES = 60
 FUZZ_CHECKS = [
@@ -140,7 +144,7 @@ def test_every_call_needs_a_token_in_force_and_a_role_high_enough(api: Api) -> N
     time.sleep(1.1)
     forged = api.tokens[Role.ADMIN][:-4] + "AAAA"
     for (method, path), needed in sorted(NEEDS.items()):
-        target = path.format(ref="nobody", letter_id="nothing")
+        target = path.format(ref="nobody", letter_id="nothing", schedule_id="nothing")
         for secret in (None, "not-a-token", forged, revoked, expiring):
             with api.client(token=secret) as client:
                 reply = client.request(method, target, json={})

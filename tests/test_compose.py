@@ -18,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-APP_SERVICES = ("migrate", "worker", "api", "flower")
+APP_SERVICES = ("migrate", "worker", "beat", "api", "flower")
 APP_ENVIRONMENT = {
     "WM_DATABASE_URL": "postgresql+psycopg://workmanager:workmanager@postgres:5432/workmanager",
     "WM_BROKER_URL": "redis://redis:6379/0",
@@ -81,7 +81,7 @@ def test_resolved_config_has_the_stack(compose_binary: str) -> None:
     result = _config(compose_binary)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)["services"]
-    core = {"redis", "postgres", "migrate", "worker", "api", "flower"}
+    core = {"redis", "postgres", "migrate", "worker", "beat", "api", "flower"}
     assert set(resolved) == core | set(PROFILES)
     assert {name: resolved[name].get("profiles") for name in PROFILES} == PROFILES
     for name in APP_SERVICES:
@@ -145,6 +145,19 @@ def test_workers_keep_every_sandbox_layer(services: dict[str, Any]) -> None:
     assert {"seccomp=unconfined", "apparmor=unconfined"} <= set(worker["security_opt"])
     required = worker["environment"]["WM_SANDBOX_REQUIRE"].split(",")
     assert sorted(required) == sorted(WANTED_LAYERS)
+
+
+def test_the_beat_runs_after_migrations_with_the_database_scheduler(
+    services: dict[str, Any],
+) -> None:
+    from wm.config import Settings
+    from wm.dataplane.app import celery_settings
+
+    beat = services["beat"]
+    assert beat["command"] == ["celery", "-A", "wm.celeryapp", "beat", "--loglevel=INFO"]
+    assert beat["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    scheduler = celery_settings(Settings.from_env({}))["beat_scheduler"]
+    assert scheduler == "wm.dataplane.beat:DatabaseScheduler"
 
 
 def test_the_api_is_served_on_loopback_and_checked_through_its_liveness_probe(

@@ -116,7 +116,8 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
         code=stub(fail="nope"),
         mime_type=STUB,
         topic="in",
-        settings={"retry_base_delay_ms": 20, "max_retries": 1},
+        # every event is parked: without the circuit breaker, which would pause it first
+        settings={"retry_base_delay_ms": 20, "max_retries": 1, "failure_threshold": 0},
     )
     node = start_node(settings)
     node.consuming(f"in::{worker.id}")

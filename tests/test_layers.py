@@ -19,6 +19,7 @@ FLOORS = {
     "wm.lifecycle": 1,
     "wm.views": 1,
     "wm.names": 1,
+    "wm.schedules": 1,
     "wm.engine": 2,
     "wm.urlguard": 2,
     "wm.codesource": 2,

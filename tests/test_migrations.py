@@ -25,4 +25,4 @@ def test_upgrade_is_idempotent_and_downgrade_works(settings: Settings) -> None:
     command.downgrade(store.alembic_config(settings), "base")
     assert store.current_revision(settings) is None
     store.upgrade(settings)
-    assert store.current_revision(settings) == store.head_revision(settings) == "0003"
+    assert store.current_revision(settings) == store.head_revision(settings) == "0004"

@@ -93,3 +93,33 @@ def test_a_suspended_worker_keeps_its_queue_and_drains_it_after_resume(
     outputs = drain(pg_settings, out, 20, timeout_s=30)
     assert sorted(e["data"]["input"]["n"] for e in outputs) == list(range(1, 21))
     eventually(lambda: manager.list_subscriptions("sus.in")[0]["depth"] == 0)
+
+
+def test_a_worker_with_max_events_finishes_after_exactly_that_many(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("quota.done", "out")
+    worker = manager.create_worker(
+        code=stub(output_type="quota.done", sleep_ms=50),
+        mime_type=STUB,
+        topic="quota.in",
+        settings={"max_events": 3},
+    )
+    queue = f"quota.in::{worker.id}"
+    node = start_node(pg_settings, concurrency=4)  # deliveries race for the last slots
+    node.consuming(queue)
+    for n in range(8):
+        manager.publish(make_event("quota.in", "/t", {"n": n}))
+    eventually(lambda: manager.get_worker(worker.id).status == "finished", timeout_s=30)
+    assert len(drain(pg_settings, out, 8, timeout_s=3)) == 3
+    last = manager.get_worker_transitions(worker.id)[-1]
+    assert (last.from_status, last.to_status, last.actor) == ("running", "finished", "node")
+    assert last.reason == "finished: processed its max_events (3)"
+    eventually(lambda: manager.list_subscriptions("quota.in")[0]["depth"] == 5)
+
+    manager.start_worker(worker.id)  # a fresh quota: three more, then finished again
+    assert len(drain(pg_settings, out, 3, timeout_s=30)) == 3
+    eventually(lambda: manager.get_worker(worker.id).status == "finished", timeout_s=30)
+    assert drain(pg_settings, out, 1, timeout_s=2) == []
+    assert manager.list_subscriptions("quota.in")[0]["depth"] == 2

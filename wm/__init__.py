@@ -27,8 +27,10 @@ from wm.errors import (
     InvalidArgument,
     InvalidCode,
     LockContention,
+    ScheduleNotFound,
     SecurityError,
     SubscriptionNotFound,
+    TokenNotFound,
     VersionNotFound,
     WorkerExecutionError,
     WorkerNotFound,
@@ -41,11 +43,12 @@ from wm.lifecycle import Status
 if TYPE_CHECKING:
     from wm.dataplane.deadletters import DeadLetters
     from wm.manager import WorkManager
-    from wm.views import DeadLetterInfo, TransitionInfo, VersionInfo, WorkerInfo
+    from wm.views import DeadLetterInfo, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
 
 _LAZY = {
     "DeadLetterInfo": "wm.views",
     "DeadLetters": "wm.dataplane.deadletters",
+    "ScheduleInfo": "wm.views",
     "WorkManager": "wm.manager",
     "TransitionInfo": "wm.views",
     "VersionInfo": "wm.views",
@@ -83,10 +86,13 @@ __all__ = [
     "InvalidArgument",
     "InvalidCode",
     "LockContention",
+    "ScheduleInfo",
+    "ScheduleNotFound",
     "SecurityError",
     "Settings",
     "Status",
     "SubscriptionNotFound",
+    "TokenNotFound",
     "TransitionInfo",
     "VersionInfo",
     "VersionNotFound",

@@ -175,3 +175,7 @@ class DeadLetterNotFound(WorkManagerError):
 
 class TokenNotFound(WorkManagerError):
     """Raised when no admin API token in force has the given id or name."""
+
+
+class ScheduleNotFound(WorkManagerError):
+    """Raised when no schedule has the given id."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from cloudevents.core.exceptions import BaseCloudEventException
@@ -52,11 +53,14 @@ def make_event(
     subject: str | None = None,
     datacontenttype: str | None = None,
     extensions: Mapping[str, Any] | None = None,
+    time: datetime | None = None,
 ) -> CloudEvent:
     """Build a v1.0 CloudEvent; ``id`` and ``time`` are generated when not given."""
     attributes: dict[str, Any] = {"type": type, "source": source}
     if id is not None:
         attributes["id"] = id
+    if time is not None:
+        attributes["time"] = time
     if subject is not None:
         attributes["subject"] = subject
     if datacontenttype is not None:

@@ -4,7 +4,8 @@
 ``failed → starting``, any → ``deleted`` (terminal; versions and transitions are kept).
 ``running ⇄ suspended`` (an operator pauses consuming; queue and engine stay), and
 ``running → pending → starting → running`` (the circuit breaker: consecutive failed
-deliveries pause the worker for a back-off, then it tries again).
+deliveries pause the worker for a back-off, then it tries again), ``running → finished``
+(it processed its ``max_events``; ``start`` runs it again).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Status(StrEnum):
     FAILED = "failed"
     SUSPENDED = "suspended"
     PENDING = "pending"
+    FINISHED = "finished"
     DELETED = "deleted"
 
 
@@ -37,9 +39,11 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
             Status.FAILED,
             Status.SUSPENDED,
             Status.PENDING,
+            Status.FINISHED,
             Status.DELETED,
         }
     ),
+    Status.FINISHED: frozenset({Status.STARTING, Status.DELETED}),
     Status.SUSPENDED: frozenset({Status.RUNNING, Status.STOPPING, Status.DELETED}),
     Status.PENDING: frozenset({Status.STARTING, Status.SUSPENDED, Status.STOPPING, Status.DELETED}),
     Status.STOPPING: frozenset({Status.STOPPED, Status.FAILED, Status.DELETED}),
@@ -53,7 +57,9 @@ ALREADY_STARTED = frozenset({Status.STARTING, Status.RUNNING})
 #: States in which a worker's queue is kept but not consumed until it runs again.
 PAUSED = frozenset({Status.SUSPENDED, Status.PENDING})
 #: States from which ``stop`` has nothing to do (stop is idempotent; never-started counts).
-ALREADY_STOPPED = frozenset({Status.CREATED, Status.STOPPING, Status.STOPPED, Status.FAILED})
+ALREADY_STOPPED = frozenset(
+    {Status.CREATED, Status.STOPPING, Status.STOPPED, Status.FAILED, Status.FINISHED}
+)
 
 #: Lifecycle event published when a worker reaches a state (DESIGN.md §4).
 EVENT_ON_ENTER: dict[Status, str] = {
@@ -63,6 +69,7 @@ EVENT_ON_ENTER: dict[Status, str] = {
     Status.FAILED: "failed",
     Status.SUSPENDED: "suspended",
     Status.PENDING: "pending",
+    Status.FINISHED: "finished",
     Status.DELETED: "deleted",
 }
 

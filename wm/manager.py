@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import delete as sa_delete
@@ -13,12 +15,13 @@ from sqlalchemy.orm import Session
 
 from wm import codesource, store
 from wm.config import Settings
-from wm.dataplane import outbox
+from wm.dataplane import outbox, quota
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import plain_queue_name, worker_queue_name
 from wm.engine import WorkerSpec, engine_class
 from wm.errors import (
     InvalidArgument,
+    ScheduleNotFound,
     SubscriptionNotFound,
     VersionNotFound,
     WorkerNotFound,
@@ -27,13 +30,22 @@ from wm.errors import (
 from wm.events import CloudEvent
 from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status, check_actor
 from wm.names import check_name
+from wm.schedules import MISSED, Timing
 from wm.state.breaker import Breaker
 from wm.state.ledger import Ledger
 from wm.store import records
-from wm.store.models import Subscription, Worker, WorkerTransition, WorkerVersion
-from wm.views import TransitionInfo, VersionInfo, WorkerInfo, validate_worker_settings
+from wm.store.models import Schedule, Subscription, Worker, WorkerTransition, WorkerVersion
+from wm.views import (
+    ScheduleInfo,
+    TransitionInfo,
+    VersionInfo,
+    WorkerInfo,
+    validate_worker_settings,
+)
 
 logger = logging.getLogger(__name__)
+#: Missed firings a ``catch_up`` schedule sends at most, unless told otherwise.
+DEFAULT_MAX_CATCH_UP = 10
 
 
 class WorkManager:
@@ -170,13 +182,15 @@ class WorkManager:
 
     def start_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Start consuming the worker's queue; idempotent. A suspended worker resumes; a
-        worker paused by its circuit breaker starts at once with the breaker closed."""
+        worker paused by its circuit breaker starts at once with the breaker closed; a
+        finished one runs again with a fresh ``max_events``."""
         wid = self._resolve(worker_id)
         changed = records.transaction(self.settings, lambda s: self._start(s, wid))
         outbox.changed(self.settings, self.bus, wid)
         if changed:
             Ledger(self.settings).restart_clocks(str(wid))
             Breaker(self.settings).succeeded(str(wid))  # started by request: breaker closed
+            quota.reset(self.settings, str(wid))  # and a fresh max_events
             self.bus.broadcast_consume(changed)
         return self.get_worker(wid)
 
@@ -296,6 +310,83 @@ class WorkManager:
             if row is None:
                 raise VersionNotFound(f"worker {info.id} has no version {version}")
             return bytes(row.code)
+
+    # -- schedules -------------------------------------------------------------------------
+
+    def add_schedule(
+        self,
+        worker_id: uuid.UUID | str,
+        *,
+        event_type: str,
+        cron: str | None = None,
+        every_s: float | None = None,
+        timezone: str = "UTC",
+        data: Any = None,
+        missed: str = "skip",
+        max_catch_up: int = DEFAULT_MAX_CATCH_UP,
+        until: datetime | None = None,
+    ) -> ScheduleInfo:
+        """Send ``event_type`` (with ``data``) to the worker at every firing of a cron
+        expression in ``timezone`` or every ``every_s`` seconds, until ``until``; firings no
+        beat was running for are skipped or caught up (at most ``max_catch_up``)."""
+        wid = self.get_worker(worker_id).id
+        Timing(cron, timezone, every_s).check()
+        check_name("event type", event_type)
+        if missed not in MISSED:
+            raise InvalidArgument(f"missed must be one of {', '.join(MISSED)}, not {missed!r}")
+        if max_catch_up < 1:
+            raise InvalidArgument("max_catch_up must be at least 1")
+        if until is not None and until.tzinfo is None:
+            raise InvalidArgument("until needs a time zone (e.g. 2026-12-31T00:00:00+00:00)")
+        try:
+            json.dumps(data, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"a schedule's data must be JSON: {exc}") from None
+        schedule_id = str(uuid.uuid4())
+
+        def add(session: Session) -> ScheduleInfo:
+            records.lock_worker(session, wid, live=True)
+            row = Schedule(
+                id=schedule_id,
+                worker_id=wid,
+                cron=cron,
+                timezone=timezone,
+                every_s=every_s,
+                event_type=event_type,
+                data=data,
+                missed=missed,
+                max_catch_up=max_catch_up,
+                until=until,
+                created_at=datetime.now(UTC),
+            )
+            session.add(row)
+            session.flush()
+            return records.schedule_info(row)
+
+        return records.transaction(self.settings, add)
+
+    def list_schedules(self, worker_id: uuid.UUID | str | None = None) -> list[ScheduleInfo]:
+        """Schedules of live workers (of one worker), oldest first."""
+        query = (
+            select(Schedule)
+            .join(Worker, Worker.id == Schedule.worker_id)
+            .where(Worker.status != Status.DELETED.value)
+            .order_by(Schedule.created_at, Schedule.id)
+        )
+        if worker_id is not None:
+            query = query.where(Schedule.worker_id == self.get_worker(worker_id).id)
+        with store.session_scope(self.settings) as session:
+            return [records.schedule_info(row) for row in session.scalars(query).all()]
+
+    def remove_schedule(self, schedule_id: str) -> None:
+        """Remove a schedule; firings already sent stay in the worker's queue."""
+
+        def remove(session: Session) -> None:
+            result = session.execute(sa_delete(Schedule).where(Schedule.id == schedule_id))
+            if not getattr(result, "rowcount", 0):
+                raise ScheduleNotFound(f"no schedule with id {schedule_id!r}")
+
+        records.transaction(self.settings, remove)
 
     # -- plain subscriptions ---------------------------------------------------------------
 

@@ -46,6 +46,8 @@ WORKER_SETTINGS: dict[str, SettingRule] = {
     "failure_threshold": SettingRule(),
     "breaker_base_delay_s": SettingRule((int, float)),
     "breaker_max_delay_s": SettingRule((int, float)),
+    # successful deliveries after which the worker is finished (wm.dataplane.quota); 0: none
+    "max_events": SettingRule(),
 }
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"
@@ -153,6 +155,27 @@ class DeadLetterInfo:
         if not envelope:
             data.pop("envelope")
         return data
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    id: str
+    worker_id: uuid.UUID
+    cron: str | None
+    timezone: str
+    every_s: float | None
+    event_type: str
+    data: Any
+    missed: str
+    max_catch_up: int
+    until: datetime | None
+    created_at: datetime
+    last_fired_at: datetime | None
+    #: When it fires next (None once ``until`` has passed).
+    next_fire_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
 
 
 class Role(StrEnum):

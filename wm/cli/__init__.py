@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from wm.cli import access, admin, deadletters, messaging, workers
+from wm.cli import access, admin, deadletters, messaging, schedules, workers
 from wm.cli.arguments import Handler, UsageError
 from wm.cli.output import Context
 from wm.config import Settings
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (workers, messaging, deadletters, admin, access):
+    for module in (workers, schedules, messaging, deadletters, admin, access):
         module.register(commands, common)
     return parser
 

@@ -52,6 +52,8 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         "task_default_routing_key": DEFAULT_QUEUE,
         "task_default_exchange_type": "direct",
         "task_queues": [subscription_queue(DEFAULT_QUEUE)],
+        # ``celery -A wm.celeryapp beat``: WorkManager's schedules (wm.dataplane.beat)
+        "beat_scheduler": "wm.dataplane.beat:DatabaseScheduler",
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Messages that are no delivery are parked, never dropped, never fatal.
         "worker_consumer": "wm.dataplane.consumer:Consumer",

@@ -26,7 +26,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
 from wm.config import Settings
-from wm.dataplane import breaker, outbox, tracing
+from wm.dataplane import breaker, outbox, quota, tracing
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import Delivery, Runtime
@@ -180,13 +180,22 @@ def _deliver(
         rt, meta, event, payload, str(task.request.id), pin_version, number, redelivered
     )
     delivery.prefetched, delivery.prefetched_outcome = True, outcome
+    with quota.slot(rt, meta):  # a worker with max_events: one of its slots, or requeued
+        _run(task, rt, attempt, delivery, waits, bool(failures))
+
+
+def _run(
+    task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, waits: LockWaits, failures: bool
+) -> None:
+    """Run the delivery; every way it ends goes through the policy."""
+    meta = delivery.meta
     traced = {
         "workmanager.worker_id": meta.id,
         "workmanager.worker": meta.name or "",
-        "workmanager.attempt": number,
+        "workmanager.attempt": attempt.number,
     }
     try:
-        with tracing.delivering(event, traced):
+        with tracing.delivering(delivery.event, traced):
             delivery.run()
     except (BrokerUnavailable, DatabaseError):
         raise

@@ -63,7 +63,7 @@ def run(demo: bool = False, events: int = 0, concurrency: int = 2, pool: str = "
         _say(f"database   {settings.database_url} (migrated)")
         env_file = _write_env(home, settings)
         _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
-        with celery_node(home, settings, concurrency, pool=pool):
+        with celery_node(home, settings, concurrency, pool=pool, beat=True):
             try:
                 if demo:
                     _demo(settings, events)
@@ -125,12 +125,14 @@ def celery_node(
     name: str = "wm-up@%h",
     control: Celery | None = None,
     pool: str = "prefork",
+    beat: bool = False,
 ) -> Iterator[None]:
     """A Celery node as a child process in its own session; stopped with a warm shutdown.
 
     ``control`` is the app whose pings tell that the node is up (default: one built from
     ``settings``); a node of ``app_module`` with its own control exchange needs its own.
-    ``pool`` is Celery's execution pool (``-P``) and ``concurrency`` its size.
+    ``pool`` is Celery's execution pool (``-P``) and ``concurrency`` its size. ``beat``
+    also runs Celery beat in the node (``-B``), which fires the workers' schedules.
     """
     log_path = home / "node.log"
     command = [
@@ -149,6 +151,7 @@ def celery_node(
         "--loglevel=INFO",
         "-Q",
         ",".join(queues),
+        *(["-B"] if beat else []),
     ]
     with log_path.open("ab") as log:
         node = subprocess.Popen(
@@ -162,6 +165,8 @@ def celery_node(
         _wait_for_node(control or make_app(settings), node, log_path)
         workers = "processes" if pool == "prefork" else pool
         _say(f"node       celery pid {node.pid}, {concurrency} {workers}, log {log_path}")
+        if beat:
+            _say("beat       in the node: fires the workers' schedules (wm schedule)")
         yield
     finally:
         _stop_node(node)

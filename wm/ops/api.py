@@ -33,7 +33,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -52,6 +60,7 @@ from wm.errors import (
     EventDecodeError,
     IllegalTransition,
     InvalidArgument,
+    ScheduleNotFound,
     SubscriptionNotFound,
     TokenNotFound,
     VersionNotFound,
@@ -68,6 +77,7 @@ from wm.views import (
     AuditInfo,
     DeadLetterInfo,
     Role,
+    ScheduleInfo,
     TokenInfo,
     TransitionInfo,
     VersionInfo,
@@ -88,7 +98,14 @@ ERROR_STATUS: tuple[
     tuple[type[WorkManagerError] | tuple[type[WorkManagerError], ...], int], ...
 ] = (
     (
-        (WorkerNotFound, VersionNotFound, DeadLetterNotFound, SubscriptionNotFound, TokenNotFound),
+        (
+            WorkerNotFound,
+            VersionNotFound,
+            DeadLetterNotFound,
+            SubscriptionNotFound,
+            TokenNotFound,
+            ScheduleNotFound,
+        ),
         404,
     ),
     ((IllegalTransition, ConcurrencyConflict), 409),
@@ -195,6 +212,18 @@ class CodeUpdate(_Code):
 
 class Rollback(_Strict):
     version: int = Field(ge=1, le=2**31 - 1, description="an earlier version to make current")
+
+
+class ScheduleCreate(_Strict):
+    worker: str = Field(description="worker id, or a live worker's name")
+    event_type: str = Field(description="type of the event each firing sends")
+    cron: str | None = Field(None, description="cron expression, e.g. '*/5 * * * *'")
+    timezone: str = Field("UTC", description="IANA time zone of the cron expression")
+    every_s: float | None = Field(None, description="or: fire every this many seconds")
+    data: Any = Field(None, description="the event's data")
+    missed: Literal["skip", "catch_up"] = "skip"
+    max_catch_up: int = Field(10, ge=1, le=10_000)
+    until: AwareDatetime | None = Field(None, description="no firing after this")
 
 
 class CloudEventIn(BaseModel):
@@ -375,7 +404,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(WorkManagerError, _failed)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _refused)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
-    for router in (WORKERS, EVENTS, LETTERS, OPERATIONS):
+    for router in (WORKERS, EVENTS, LETTERS, SCHEDULES, OPERATIONS):
         app.include_router(router)
     return app
 
@@ -652,6 +681,34 @@ def _worker_id(svc: Services, reference: str | None, where: str) -> str | None:
                 raise InvalidArgument(
                     f"worker {reference!r} is neither a worker id nor a live worker's name"
                 ) from None
+
+
+# -- schedules -----------------------------------------------------------------------------
+
+SCHEDULES = APIRouter(prefix="/v1/schedules", tags=["schedules"])
+
+
+@SCHEDULES.get("", dependencies=[VIEWER], responses=_errors(404))
+def list_schedules(
+    svc: Svc,
+    worker: Annotated[str | None, Query(description="worker id or live name")] = None,
+) -> list[ScheduleInfo]:
+    """Schedules, oldest first, each with its next firing."""
+    return svc.manager.list_schedules(worker)
+
+
+@SCHEDULES.post("", status_code=201, dependencies=[OPERATOR], responses=_errors(404, 409))
+def add_schedule(svc: Svc, body: ScheduleCreate) -> ScheduleInfo:
+    """Send an event to a worker on a cron expression or an interval (``celery beat``)."""
+    fields = body.model_dump()
+    return svc.manager.add_schedule(fields.pop("worker"), **fields)
+
+
+@SCHEDULES.delete("/{schedule_id}", dependencies=[OPERATOR], responses=_errors(404))
+def remove_schedule(svc: Svc, schedule_id: str) -> Purged:
+    """Remove a schedule; firings already sent stay queued."""
+    svc.manager.remove_schedule(schedule_id)
+    return Purged(purged=1)
 
 
 # -- health, identity, audit ---------------------------------------------------------------

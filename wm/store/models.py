@@ -194,3 +194,24 @@ class AuditEntry(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     result: Mapped[str | None] = mapped_column(Text)
     duration_ms: Mapped[float | None] = mapped_column(Float)
+
+
+class Schedule(Base):
+    """A worker's schedule: a cron expression (in a time zone) or an interval, and the event
+    each firing sends to the worker (``wm.schedules``, ``wm.dataplane.beat``)."""
+
+    __tablename__ = "schedules"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    worker_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("workers.id"), index=True)
+    cron: Mapped[str | None] = mapped_column(String(200))
+    timezone: Mapped[str] = mapped_column(String(64))
+    every_s: Mapped[float | None] = mapped_column(Float)
+    event_type: Mapped[str] = mapped_column(String(255))
+    data: Mapped[Any] = mapped_column(JSON, nullable=True)
+    missed: Mapped[str] = mapped_column(String(10))
+    max_catch_up: Mapped[int] = mapped_column(Integer)
+    until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: The nominal time of the last firing sent (or skipped); firings after it are due.
+    last_fired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

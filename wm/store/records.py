@@ -26,9 +26,17 @@ from wm.errors import (
 )
 from wm.events import LIFECYCLE_TOPIC, encode, lifecycle_event
 from wm.lifecycle import EVENT_ON_ENTER, Status, check_transition
+from wm.schedules import Timing
 from wm.store.db import session_scope
-from wm.store.models import DeadLetter, OutboxEvent, Worker, WorkerTransition, WorkerVersion
-from wm.views import DeadLetterInfo, TransitionInfo, VersionInfo, WorkerInfo
+from wm.store.models import (
+    DeadLetter,
+    OutboxEvent,
+    Schedule,
+    Worker,
+    WorkerTransition,
+    WorkerVersion,
+)
+from wm.views import DeadLetterInfo, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
 
 T = TypeVar("T")
 #: How often a change is retried when a concurrent writer got there first.
@@ -219,4 +227,29 @@ def dead_letter_info(row: DeadLetter) -> DeadLetterInfo:
         row.replay_count,
         row.replayed_at,
         row.envelope,
+    )
+
+
+def schedule_info(row: Schedule) -> ScheduleInfo:
+    timing = Timing(row.cron, row.timezone, row.every_s)
+    created = aware(row.created_at)
+    last = aware(row.last_fired_at) if row.last_fired_at else created
+    upcoming: datetime | None = timing.next_after(max(last, datetime.now(UTC)), created)
+    until = aware(row.until) if row.until else None
+    if until is not None and upcoming is not None and upcoming > until:
+        upcoming = None
+    return ScheduleInfo(
+        row.id,
+        row.worker_id,
+        row.cron,
+        row.timezone,
+        row.every_s,
+        row.event_type,
+        row.data,
+        row.missed,
+        row.max_catch_up,
+        until,
+        created,
+        aware(row.last_fired_at) if row.last_fired_at else None,
+        upcoming,
     )

@@ -1,0 +1,204 @@
+"""Schedules: firing times (cron in a time zone, intervals), the beat's firing policy, and
+real beats: two running, one leads, each period fires once, a standby takes over."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from tests.conftest import env_of
+from tests.helpers import STUB, eventually, stub
+from wm import InvalidArgument, ScheduleNotFound, Settings, WorkManager, store
+from wm.dataplane.beat import LEASE_S, fire_due
+from wm.schedules import Timing, event_id
+from wm.store.models import Schedule
+
+
+def _utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).astimezone(UTC)
+
+
+def test_cron_fires_at_local_times_across_a_daylight_saving_change() -> None:
+    weekdays_at_nine = Timing("0 9 * * 1-5", "Europe/Zurich")
+    # Friday 2026-03-27 to Tuesday 2026-03-31: Zurich moves to summer time on Sunday the 29th
+    fired = list(
+        weekdays_at_nine.times(
+            _utc("2026-03-27T00:00:00+00:00"), _utc("2026-03-31T23:00:00+00:00"), datetime.now(UTC)
+        )
+    )
+    assert fired == [
+        _utc("2026-03-27T08:00:00+00:00"),  # 09:00 CET
+        _utc("2026-03-30T07:00:00+00:00"),  # 09:00 CEST
+        _utc("2026-03-31T07:00:00+00:00"),
+    ]
+
+
+def test_an_interval_counts_from_its_anchor_not_from_the_last_look() -> None:
+    anchor = _utc("2026-01-01T00:00:00+00:00")
+    every = Timing(every_s=2.5)
+    fired = list(every.times(anchor + timedelta(seconds=3), anchor + timedelta(seconds=10), anchor))
+    assert [(t - anchor).total_seconds() for t in fired] == [5.0, 7.5, 10.0]
+    assert every.next_after(anchor + timedelta(seconds=10), anchor) == anchor + timedelta(
+        seconds=12.5
+    )
+
+
+@pytest.mark.parametrize(
+    ("timing", "message"),
+    [
+        (Timing(), "exactly one of"),
+        (Timing("* * * * *", every_s=5), "exactly one of"),
+        (Timing("61 * * * *"), "cron expression '61 \\* \\* \\* \\*' is invalid"),
+        (Timing("* * * * *", "Mars/Olympus"), "time zone 'Mars/Olympus' is unknown"),
+        (Timing("0 0 31 2 *"), "never fires"),
+        (Timing(every_s=0.0), "every_s must be from 0.1 to"),
+        (Timing(every_s=1e308), "every_s must be from 0.1 to"),
+        (Timing(every_s=float("nan")), "every_s must be from 0.1 to"),
+    ],
+)
+def test_invalid_timings_are_refused_naming_the_problem(timing: Timing, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        timing.check()
+
+
+def test_a_firings_event_id_depends_on_schedule_and_time_only() -> None:
+    at = _utc("2026-01-01T00:00:05+00:00")
+    assert event_id("s1", at) == event_id("s1", at.astimezone(Timing(timezone="Asia/Tokyo").zone()))
+    assert event_id("s1", at) != event_id("s2", at)
+    assert event_id("s1", at) != event_id("s1", at + timedelta(seconds=1))
+
+
+def test_schedules_are_added_listed_and_removed(manager: WorkManager) -> None:
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t", name="w")
+    every = manager.add_schedule("w", event_type="tick", every_s=60, data={"a": 1})
+    cron = manager.add_schedule(worker.id, event_type="daily", cron="0 6 * * *", timezone="UTC")
+    assert [s.id for s in manager.list_schedules("w")] == [every.id, cron.id]
+    assert every.next_fire_at == every.created_at + timedelta(seconds=60)
+    assert cron.next_fire_at is not None and cron.next_fire_at.hour == 6
+    with pytest.raises(InvalidArgument, match="missed must be one of skip, catch_up"):
+        manager.add_schedule("w", event_type="x", every_s=1, missed="later")
+    with pytest.raises(InvalidArgument, match="until needs a time zone"):
+        manager.add_schedule("w", event_type="x", every_s=1, until=datetime(2030, 1, 1))
+    manager.remove_schedule(every.id)
+    with pytest.raises(ScheduleNotFound):
+        manager.remove_schedule(every.id)
+    assert [s.id for s in manager.list_schedules()] == [cron.id]
+
+
+@pytest.mark.parametrize(("missed", "sent"), [("skip", [5]), ("catch_up", [3, 4, 5])])
+def test_missed_firings_are_skipped_or_caught_up_and_never_sent_twice(
+    pg_settings: Settings, missed: str, sent: list[int]
+) -> None:
+    manager = WorkManager(pg_settings)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)
+    schedule = manager.add_schedule(
+        worker.id, event_type="tick", every_s=1, missed=missed, max_catch_up=3
+    )
+    anchor = schedule.created_at
+    assert fire_due(pg_settings, manager.bus, anchor + timedelta(seconds=5.5)) == len(sent)
+    # the same moment again, and a moment before the next firing: nothing more
+    assert fire_due(pg_settings, manager.bus, anchor + timedelta(seconds=5.9)) == 0
+    assert manager.list_schedules()[0].last_fired_at == anchor + timedelta(seconds=5)
+    assert fire_due(pg_settings, manager.bus, anchor + timedelta(seconds=6)) == 1
+    depth = {s["queue"]: s["depth"] for s in manager.list_subscriptions("t")}
+    assert depth[f"t::{worker.id}"] == len(sent) + 1
+
+
+def _beat(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "beat", "--loglevel=INFO"],
+            env=env_of(settings),
+            cwd=log.parent,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@pytest.mark.slow
+def test_two_beats_fire_every_period_once_and_a_standby_takes_over(
+    pg_settings: Settings, start_node: Any, tmp_path: Path
+) -> None:
+    manager = WorkManager(pg_settings)
+    trace = tmp_path / "runs.jsonl"
+    worker = manager.create_worker(code=stub(trace=str(trace)), mime_type=STUB, topic="tick")
+    schedule = manager.add_schedule(worker.id, event_type="tick", every_s=1, missed="catch_up")
+    node = start_node(pg_settings)
+    node.consuming(f"tick::{worker.id}")
+    logs = [tmp_path / f"beat{i}.log" for i in range(2)]
+    beats = [_beat(pg_settings, log) for log in logs]
+
+    def leading() -> list[int]:
+        return [i for i, log in enumerate(logs) if "leading" in log.read_text()]
+
+    try:
+        [leader] = eventually(leading, timeout_s=30)
+        time.sleep(3)
+        beats[leader].send_signal(signal.SIGKILL)  # its lease expires; the standby leads
+        beats[leader].wait(timeout=30)
+        standby = 1 - leader
+        eventually(lambda: "leading" in logs[standby].read_text(), timeout_s=3 * LEASE_S)
+        time.sleep(2)
+    finally:
+        for beat in beats:
+            if beat.poll() is None:
+                beat.terminate()
+                beat.wait(timeout=30)
+    last = manager.list_schedules()[0].last_fired_at
+    assert last is not None
+    periods = round((last - schedule.created_at).total_seconds())
+    expected = {
+        event_id(schedule.id, schedule.created_at + timedelta(seconds=k))
+        for k in range(1, periods + 1)
+    }
+
+    def runs() -> collections.Counter[str]:
+        lines = trace.read_text().splitlines() if trace.exists() else []
+        return collections.Counter(json.loads(line)["event_id"] for line in lines)
+
+    eventually(lambda: set(runs()) >= expected, timeout_s=30)
+    assert set(runs()) == expected  # every period fired, the standby caught up what it missed
+    assert max(runs().values()) == 1  # none ran twice
+    assert periods >= LEASE_S + 3  # the run covered the hand-over
+    assert sum("leading" in log.read_text() for log in logs) == 2
+
+
+def test_a_firing_sent_twice_runs_once(
+    pg_settings: Settings, start_node: Any, tmp_path: Path
+) -> None:
+    """A beat that died after sending, before moving the schedule on, sends the same firings
+    again: the same event ids, each run once."""
+    manager = WorkManager(pg_settings)
+    trace = tmp_path / "runs.jsonl"
+    worker = manager.create_worker(code=stub(trace=str(trace)), mime_type=STUB, topic="t")
+    schedule = manager.add_schedule(worker.id, event_type="tick", every_s=1, missed="catch_up")
+    node = start_node(pg_settings)
+    node.consuming(f"t::{worker.id}")
+    now = schedule.created_at + timedelta(seconds=3.5)
+    assert fire_due(pg_settings, manager.bus, now) == 3
+    with store.session_scope(pg_settings) as session:
+        session.execute(update(Schedule).values(last_fired_at=None))  # the commit "was lost"
+    assert fire_due(pg_settings, manager.bus, now) == 3
+
+    def runs() -> collections.Counter[str]:
+        lines = trace.read_text().splitlines() if trace.exists() else []
+        return collections.Counter(json.loads(line)["event_id"] for line in lines)
+
+    expected = {
+        event_id(schedule.id, schedule.created_at + timedelta(seconds=k)) for k in (1, 2, 3)
+    }
+    eventually(lambda: set(runs()) == expected, timeout_s=30)
+    eventually(lambda: manager.list_subscriptions("t")[0]["depth"] == 0, timeout_s=30)
+    time.sleep(1)  # the second copies were taken and settled as duplicates, not run
+    assert runs() == collections.Counter(dict.fromkeys(expected, 1))

@@ -1,0 +1,160 @@
+"""Celery beat for WorkManager's schedules: ``celery -A wm.celeryapp beat`` (``wm up`` runs
+one in its node).
+
+:class:`DatabaseScheduler` is a Celery beat scheduler that reads the schedules from the
+database (the ``schedules`` table, the source of truth, like every worker's config) instead of
+beat's shelve file. Why not an existing one: django-celery-beat needs Django, the
+SQLAlchemy ports of it are unmaintained, and RedBeat keeps schedules in Redis (a second
+source of truth beside PostgreSQL); what each needs from us (a lease, nominal firing times,
+events to a worker's queue) is this module's few lines either way.
+
+- **One active beat** across the cluster: a beat fires only while it holds the Redis lease
+  ``wm:beat:leader`` (renewed every tick, :data:`LEASE_S` long). Any number of beats may run;
+  the others wait and take over within a lease when the holder stops or dies.
+- **Each firing has a nominal time** (``wm.schedules``). The beat sends every firing due since
+  the schedule's ``last_fired_at``, then moves it on, in one transaction per schedule. Missed
+  firings (no beat ran): ``skip`` sends only the latest, ``catch_up`` the latest
+  ``max_catch_up`` in order.
+- **A double fire yields one delivery**: the event's id is derived from (schedule, nominal
+  time), so a beat that dies between sending and committing, or two beats in a lease race,
+  send the same event, which the data plane delivers once (its outcome record).
+- The event (type and data from the schedule, ``source`` ``/workmanager/schedules/<id>``,
+  ``time`` the nominal time) goes to the worker's own queue, whatever its state: a stopped or
+  suspended worker gets its firings when it runs again. ``until`` ends a schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import beat
+from sqlalchemy import select
+
+from wm import store
+from wm.config import Settings
+from wm.dataplane.bus import Bus, Route
+from wm.dataplane.queues import worker_queue_name
+from wm.events import encode, make_event
+from wm.lifecycle import Status
+from wm.schedules import Timing, event_id
+from wm.state.connection import redis_errors, redis_for
+from wm.store.models import Schedule, Worker
+from wm.store.records import aware
+
+logger = logging.getLogger(__name__)
+LEADER_KEY = "wm:beat:leader"
+#: Seconds a beat's lease lasts without renewal; a standby takes over within this.
+LEASE_S = 5.0
+#: Seconds between ticks: how late a firing may be sent.
+TICK_S = 0.5
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+"""
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end"
+
+
+def fire_due(settings: Settings, bus: Bus, now: datetime) -> int:
+    """Send every schedule's due firings; returns how many events were sent."""
+    with store.session_scope(settings) as session:
+        ids = session.scalars(
+            select(Schedule.id)
+            .join(Worker, Worker.id == Schedule.worker_id)
+            .where(Worker.status != Status.DELETED.value)
+        ).all()
+    return sum(_fire_one(settings, bus, schedule_id, now) for schedule_id in ids)
+
+
+def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> int:
+    with store.session_scope(settings) as session:
+        found = session.execute(
+            select(Schedule, Worker.topic)
+            .join(Worker, Worker.id == Schedule.worker_id)
+            .where(Schedule.id == schedule_id)
+            .with_for_update(of=Schedule)
+        ).one_or_none()
+        if found is None:
+            return 0
+        row, topic = found
+        created = aware(row.created_at)
+        last = aware(row.last_fired_at) if row.last_fired_at else created
+        upto = min(now, aware(row.until)) if row.until else now
+        due = list(Timing(row.cron, row.timezone, row.every_s).times(last, upto, created))
+        if not due:
+            return 0
+        keep = 1 if row.missed == "skip" else max(1, row.max_catch_up)
+        sent = due[-keep:]
+        if len(due) > len(sent):
+            logger.warning(
+                "schedule %s missed %d firing(s) (%s): sending %d",
+                row.id,
+                len(due) - len(sent),
+                row.missed,
+                len(sent),
+            )
+        route = Route(worker_queue_name(topic, str(row.worker_id)), str(row.worker_id))
+        for at in sent:
+            event = make_event(
+                row.event_type,
+                f"/workmanager/schedules/{row.id}",
+                row.data,
+                id=event_id(row.id, at),
+                time=at,
+            )
+            bus.send(encode(event), [route])
+        row.last_fired_at = due[-1]
+        return len(sent)
+
+
+class DatabaseScheduler(beat.Scheduler):
+    """Celery beat's scheduler for WorkManager's schedules (the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.settings = Settings.from_env()
+        self.token = uuid.uuid4().hex
+        self.leading = False
+        self._bus: Bus | None = None
+        super().__init__(*args, **kwargs)
+
+    def setup_schedule(self) -> None:
+        """Schedules live in the database, not in beat's own entries."""
+
+    @property
+    def bus(self) -> Bus:
+        if self._bus is None:
+            self._bus = Bus(self.settings, self.app)
+        return self._bus
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        try:
+            if self._lead():
+                fire_due(self.settings, self.bus, datetime.now(UTC))
+        except Exception:  # a database or broker outage: the next tick tries again
+            logger.exception("beat: firing schedules failed; next try in %ss", TICK_S)
+        return TICK_S
+
+    def _lead(self) -> bool:
+        with redis_errors(self.settings):
+            held = bool(
+                redis_for(self.settings).eval(
+                    _RENEW, 1, LEADER_KEY, self.token, int(LEASE_S * 1000)
+                )
+            )
+        if held != self.leading:
+            logger.warning("beat: %s", "leading: firing schedules" if held else "standing by")
+            self.leading = held
+        return held
+
+    def close(self) -> None:
+        if self.leading:
+            try:
+                with redis_errors(self.settings):
+                    redis_for(self.settings).eval(_RELEASE, 1, LEADER_KEY, self.token)
+            except Exception:
+                logger.exception("beat: could not release the lease; it expires in %ss", LEASE_S)
+        super().close()
