@@ -185,11 +185,21 @@ def test_create_from_file_then_list_and_show(env: dict[str, str], tmp_path: Path
         "TOPIC",
         "GROUP",
         "STATUS",
+        "HEALTH",
         "VERSION",
         "MIME",
         "TYPE",
     ]
-    assert listed[1].split() == [made["id"], "billing", "orders", "g1", "running", "1", STUB]
+    assert listed[1].split() == [
+        made["id"],
+        "billing",
+        "orders",
+        "g1",
+        "running",
+        "unknown",
+        "1",
+        STUB,
+    ]
     assert wm_json(env, "worker", "list", "--topic", "orders") == [made]
     assert wm_json(env, "worker", "list", "--status", "stopped") == []
     assert wm_json(env, "worker", "show", "billing") == made

@@ -163,8 +163,10 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
     with pytest.raises(InvalidArgument, match="unknown worker setting"):
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
     known = (
-        "known: breaker_base_delay_s, breaker_max_delay_s, failure_threshold, max_events, "
-        "max_retries, output_topics, retry_base_delay_ms, timeout_s$"
+        "known: breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
+        "health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
+        "max_concurrency, max_events, max_retries, output_topics, retry_base_delay_ms, "
+        "timeout_s$"
     )
     with pytest.raises(InvalidArgument, match=known):  # the stub engine reads none of its own
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"memory_mb": 1})

@@ -114,6 +114,12 @@ def test_missed_firings_are_skipped_or_caught_up_and_never_sent_twice(
     assert depth[f"t::{worker.id}"] == len(sent) + 1
 
 
+def _runs(trace: Path) -> collections.Counter[str]:
+    """How often each event id was run, from the stub worker's trace."""
+    lines = trace.read_text().splitlines() if trace.exists() else []
+    return collections.Counter(json.loads(line)["event_id"] for line in lines)
+
+
 def _beat(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -163,13 +169,9 @@ def test_two_beats_fire_every_period_once_and_a_standby_takes_over(
         for k in range(1, periods + 1)
     }
 
-    def runs() -> collections.Counter[str]:
-        lines = trace.read_text().splitlines() if trace.exists() else []
-        return collections.Counter(json.loads(line)["event_id"] for line in lines)
-
-    eventually(lambda: set(runs()) >= expected, timeout_s=30)
-    assert set(runs()) == expected  # every period fired, the standby caught up what it missed
-    assert max(runs().values()) == 1  # none ran twice
+    eventually(lambda: set(_runs(trace)) >= expected, timeout_s=30)
+    assert set(_runs(trace)) == expected  # every period fired, the standby caught up what it missed
+    assert max(_runs(trace).values()) == 1  # none ran twice
     assert periods >= LEASE_S + 3  # the run covered the hand-over
     assert sum("leading" in log.read_text() for log in logs) == 2
 
@@ -191,14 +193,10 @@ def test_a_firing_sent_twice_runs_once(
         session.execute(update(Schedule).values(last_fired_at=None))  # the commit "was lost"
     assert fire_due(pg_settings, manager.bus, now) == 3
 
-    def runs() -> collections.Counter[str]:
-        lines = trace.read_text().splitlines() if trace.exists() else []
-        return collections.Counter(json.loads(line)["event_id"] for line in lines)
-
     expected = {
         event_id(schedule.id, schedule.created_at + timedelta(seconds=k)) for k in (1, 2, 3)
     }
-    eventually(lambda: set(runs()) == expected, timeout_s=30)
+    eventually(lambda: set(_runs(trace)) == expected, timeout_s=30)
     eventually(lambda: manager.list_subscriptions("t")[0]["depth"] == 0, timeout_s=30)
     time.sleep(1)  # the second copies were taken and settled as duplicates, not run
-    assert runs() == collections.Counter(dict.fromkeys(expected, 1))
+    assert _runs(trace) == collections.Counter(dict.fromkeys(expected, 1))

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.helpers import STUB, drain, eventually, stub
 from wm import Settings, WorkManager
 from wm.dataplane.deadletters import DeadLetters
-from wm.events import make_event
+from wm.events import LIFECYCLE_TOPIC, make_event
+from wm.state.health import judge
 
 #: Trips after 3 failed attempts in a row; retries never run out during the test.
 BREAKER = {
@@ -123,3 +126,85 @@ def test_a_worker_with_max_events_finishes_after_exactly_that_many(
     eventually(lambda: manager.get_worker(worker.id).status == "finished", timeout_s=30)
     assert drain(pg_settings, out, 1, timeout_s=2) == []
     assert manager.list_subscriptions("quota.in")[0]["depth"] == 2
+
+
+def test_max_concurrency_caps_a_workers_runs_across_nodes(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """Two nodes of two processes each could run four at once; the worker allows two."""
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("cap.done", "out")
+    worker = manager.create_worker(
+        code=stub(output_type="cap.done", sleep_ms=300),
+        mime_type=STUB,
+        topic="cap.in",
+        settings={"max_concurrency": 2},
+    )
+    nodes = [start_node(pg_settings, name=f"n{i}") for i in range(2)]
+    for node in nodes:
+        node.consuming(f"cap.in::{worker.id}")
+    for n in range(8):
+        manager.publish(make_event("cap.in", "/t", {"n": n}))
+    runs = [(e["data"]["started_at"], e["data"]["finished_at"]) for e in drain(pg_settings, out, 8)]
+    assert len(runs) == 8
+    edges = sorted([(start, 1) for start, _ in runs] + [(end, -1) for _, end in runs])
+    running, most = 0, 0
+    for _, step in edges:  # an end sorts before a start at the same instant
+        running += step
+        most = max(most, running)
+    assert most == 2, runs
+    assert DeadLetters(pg_settings).list() == []  # waiting for a slot is no failure
+
+
+@pytest.mark.parametrize(
+    ("ok", "failed", "in_a_row", "settings", "health"),
+    [
+        (0, 0, 0, {}, "unknown"),
+        (100, 0, 0, {}, "healthy"),
+        (96, 4, 0, {}, "healthy"),
+        (90, 10, 1, {}, "degraded"),
+        (50, 50, 0, {}, "unhealthy"),
+        (97, 3, 3, {}, "unhealthy"),  # three in a row, whatever the rate
+        (90, 10, 1, {"health_degraded_rate": 0.2}, "healthy"),
+        (97, 3, 3, {"health_max_consecutive_failures": 0}, "healthy"),
+    ],
+)
+def test_health_is_judged_from_the_error_rate_and_failures_in_a_row(
+    ok: int, failed: int, in_a_row: int, settings: dict[str, Any], health: str
+) -> None:
+    assert judge(ok, failed, in_a_row, settings).health == health
+
+
+def test_health_follows_real_deliveries_and_its_changes_are_lifecycle_events(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    settings = pg_settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(settings)
+    events = manager.subscribe(LIFECYCLE_TOPIC, "health")
+    worker = manager.create_worker(
+        code=stub(),
+        mime_type=STUB,
+        topic="hl.in",
+        name="hl",
+        settings={"max_retries": 0, "failure_threshold": 0},  # the breaker stays out of it
+    )
+    node = start_node(settings)
+    node.consuming(f"hl.in::{worker.id}")
+    for n in range(5):
+        manager.publish(make_event("hl.in", "/t", {"n": n}))
+    eventually(lambda: manager.get_worker("hl").health == "healthy", timeout_s=30)
+    manager.load_code_from_content(worker.id, stub(fail="broken"))
+    for n in range(3):
+        manager.publish(make_event("hl.in", "/t", {"n": n}))
+    eventually(lambda: manager.get_worker("hl").health == "unhealthy", timeout_s=30)
+    assert manager.get_worker("hl").status == "running"  # health is no status
+
+    def changes() -> list[tuple[str, str]]:
+        found = drain(settings, events, 20, timeout_s=2)
+        return [
+            (e["data"]["from_health"], e["data"]["to_health"])
+            for e in found
+            if e["type"].endswith(".health_changed")
+        ]
+
+    assert changes() == [("unknown", "healthy"), ("healthy", "unhealthy")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -20,6 +21,7 @@ from wm.dataplane.bus import Bus
 from wm.dataplane.queues import plain_queue_name, worker_queue_name
 from wm.engine import WorkerSpec, engine_class
 from wm.errors import (
+    BrokerUnavailable,
     InvalidArgument,
     ScheduleNotFound,
     SubscriptionNotFound,
@@ -32,6 +34,7 @@ from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status, check_actor
 from wm.names import check_name
 from wm.schedules import MISSED, Timing
 from wm.state.breaker import Breaker
+from wm.state.health import WorkerHealth
 from wm.state.ledger import Ledger
 from wm.store import records
 from wm.store.models import Schedule, Subscription, Worker, WorkerTransition, WorkerVersion
@@ -252,7 +255,8 @@ class WorkManager:
                 raise WorkerNotFound(f"no worker with id {wid}")
             version = session.get(WorkerVersion, (wid, worker.current_version))
             assert version is not None
-            return records.worker_info(worker, version)
+            info = records.worker_info(worker, version)
+        return self._with_health([info])[0]
 
     def list_workers(
         self,
@@ -277,7 +281,17 @@ class WorkManager:
             query = query.where(Worker.status != Status.DELETED.value)
         with store.session_scope(self.settings) as session:
             rows = session.execute(query.order_by(Worker.created_at, Worker.id)).all()
-            return [records.worker_info(w, v) for w, v in rows]
+            found = [records.worker_info(w, v) for w, v in rows]
+        return self._with_health(found)
+
+    def _with_health(self, infos: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Each worker's last health verdict (``unknown`` while Redis cannot be asked)."""
+        try:
+            known = WorkerHealth(self.settings).known([str(i.id) for i in infos])
+        except BrokerUnavailable as exc:
+            logger.warning("workers' health unknown: %s", exc)
+            return infos
+        return [dataclasses.replace(i, health=known.get(str(i.id), "unknown")) for i in infos]
 
     def get_worker_history(self, worker_id: uuid.UUID | str) -> list[VersionInfo]:
         """Every code version, oldest first."""

@@ -96,6 +96,13 @@ class Timing:
         at: datetime = croniter(self._cron, after.astimezone(self.zone())).get_next(datetime)
         return at.astimezone(UTC)
 
+    def next_until(
+        self, after: datetime, anchor: datetime, until: datetime | None
+    ) -> datetime | None:
+        """:meth:`next_after`, or None when that is past ``until``."""
+        at = self.next_after(after, anchor)
+        return None if until is not None and at > until else at
+
     @property
     def _cron(self) -> str:
         if self.cron is None:

@@ -48,6 +48,12 @@ WORKER_SETTINGS: dict[str, SettingRule] = {
     "breaker_max_delay_s": SettingRule((int, float)),
     # successful deliveries after which the worker is finished (wm.dataplane.quota); 0: none
     "max_events": SettingRule(),
+    # deliveries of the worker running at once across the cluster (wm.state.slots); 0: any
+    "max_concurrency": SettingRule(),
+    # health thresholds (wm.state.health)
+    "health_degraded_rate": SettingRule((int, float)),
+    "health_unhealthy_rate": SettingRule((int, float)),
+    "health_max_consecutive_failures": SettingRule(),
 }
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"
@@ -95,6 +101,8 @@ class WorkerInfo:
     #: When it last entered ``running``, and when it entered its current status.
     started_at: datetime | None = None
     status_since: datetime | None = None
+    #: healthy, degraded, unhealthy or unknown (``wm.state.health``), beside the status.
+    health: str = "unknown"
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))

@@ -138,8 +138,11 @@ def list_workers(ctx: Context, args: argparse.Namespace) -> int:
         ctx.json([info.to_json() for info in found])
         return 0
     ctx.table(
-        ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "VERSION", "MIME TYPE"],
-        ([i.id, i.name, i.topic, i.group, i.status, i.current_version, i.mime_type] for i in found),
+        ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "HEALTH", "VERSION", "MIME TYPE"],
+        (
+            [i.id, i.name, i.topic, i.group, i.status, i.health, i.current_version, i.mime_type]
+            for i in found
+        ),
         empty="no workers",
     )
     return 0
@@ -268,11 +271,14 @@ def _print_worker(ctx: Context, info: WorkerInfo) -> None:
             ("group", info.group),
             ("mime type", info.mime_type),
             ("status", info.status),
+            ("since", info.status_since),
+            ("health", info.health),
             ("version", info.current_version),
             ("sha256", info.sha256),
             ("size", info.size),
             ("settings", dict(info.settings)),
             ("created", info.created_at),
+            ("started", info.started_at),
             ("updated", info.updated_at),
         ]
     )

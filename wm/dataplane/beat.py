@@ -60,14 +60,24 @@ _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL
 
 
 def fire_due(settings: Settings, bus: Bus, now: datetime) -> int:
-    """Send every schedule's due firings; returns how many events were sent."""
+    """Send every schedule's due firings; returns how many events were sent. One read of
+    every schedule per tick; only a schedule with a firing due is locked and written."""
     with store.session_scope(settings) as session:
-        ids = session.scalars(
-            select(Schedule.id)
+        rows = session.scalars(
+            select(Schedule)
             .join(Worker, Worker.id == Schedule.worker_id)
             .where(Worker.status != Status.DELETED.value)
         ).all()
-    return sum(_fire_one(settings, bus, schedule_id, now) for schedule_id in ids)
+        due = [row.id for row in rows if (at := _next_firing(row)) is not None and at <= now]
+    return sum(_fire_one(settings, bus, schedule_id, now) for schedule_id in due)
+
+
+def _next_firing(row: Schedule) -> datetime | None:
+    """The schedule's next firing, None once its ``until`` has passed."""
+    created = aware(row.created_at)
+    last = aware(row.last_fired_at) if row.last_fired_at else created
+    until = aware(row.until) if row.until else None
+    return Timing(row.cron, row.timezone, row.every_s).next_until(last, created, until)
 
 
 def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> int:

@@ -31,10 +31,13 @@ from wm.events import (
     with_attributes,
 )
 from wm.names import check_name, reserved_topic
+from wm.state.connection import StatePipeline
 from wm.state.directory import Directory, WorkerMeta
+from wm.state.health import Tally
 from wm.state.ledger import Ledger, Settlement
 from wm.state.locks import GroupLocks, Lease
 from wm.state.outcomes import Outcomes
+from wm.state.slots import Slots
 from wm.views import OUTPUT_TOPICS
 
 logger = logging.getLogger(__name__)
@@ -157,6 +160,8 @@ class Runtime:
         self.ledger = Ledger(settings)
         self.outputs = OutputPublisher(self.bus)
         self.locks = GroupLocks(settings)
+        self.slots = Slots(settings)
+        self.tally = Tally()
         self.dead_letters = DeadLetters(settings, self.bus)
         self.engines = EngineCache(settings, self.directory)
         self.node = f"{socket.gethostname()}:{os.getpid()}"
@@ -251,7 +256,14 @@ class Delivery:
             engine, temporary = self.rt.engines.engine(self.meta, self.version)
             try:
                 group = self.meta.group
-                return self.run_locked(engine, group) if group else self.process(engine)
+                if group:
+                    return self.run_locked(engine, group)
+                limit = int(self.meta.settings.get("max_concurrency") or 0)
+                if not limit:
+                    return self.process(engine)
+                holder = f"{self.rt.node}:{self.delivery_id}"
+                with self.rt.slots.hold(self.meta.id, holder, limit, self.hold_limit_s):
+                    return self.process(engine)
             finally:
                 if temporary:
                     engine.close()
@@ -306,13 +318,15 @@ class Delivery:
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
+        lookups = self.rt.outputs.lookups(outputs)
+        self.rt.tally.add(self.meta.id, ok=True)  # flushed with this record when due
+
+        def also(pipe: StatePipeline) -> None:  # after the lookups: their results come first
+            lookups(pipe)
+            self.rt.tally.queue_if_due(pipe)  # the process's health tally, once a second
+
         recorded, found = self.rt.outcomes.record(
-            self.meta.id,
-            self.key,
-            outputs,
-            self.settlement(),
-            self.rt.outputs.lookups(outputs),
-            fence,
+            self.meta.id, self.key, outputs, self.settlement(), also, fence
         )
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]

@@ -22,7 +22,7 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import breaker, outbox, sweep
+from wm.dataplane import breaker, outbox, sweep, workerhealth
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
@@ -76,11 +76,12 @@ def running_queues(settings: Settings) -> dict[str, str]:
 
 def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     """One node per reconcile period repairs derived state: the routing table, lifecycle
-    events left in the outbox, deliveries the broker lost (``wm.dataplane.sweep``), and
-    circuit-breaker back-offs whose end was lost with a node."""
+    events left in the outbox, deliveries the broker lost (``wm.dataplane.sweep``),
+    circuit-breaker back-offs whose end was lost with a node, and every worker's health."""
     if not Ledger(settings).claim_sweep(settings.reconcile_interval_s):
         return
     bus.rebuild_routes()
+    workerhealth.judge_all(settings, bus)
     outbox.flush(settings, bus)
     # Before the sweep: a message in a list no node reads would count as lost.
     merge_levels(settings, bus.app, [*running, DEFAULT_QUEUE])

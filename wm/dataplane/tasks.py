@@ -230,6 +230,8 @@ def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: 
     error_type = exc.error_type if isinstance(exc, WorkerExecutionError) else type(exc).__name__
     delivery.emit_error(error_type, str(exc))
     if not isinstance(exc, FenceRejected):  # a stolen lock is not the worker's failure
+        rt.tally.add(meta.id, ok=False)
+        rt.tally.flush_if_due(rt.settings)
         is_open, trips = Breaker(rt.settings).failed(meta.id, breaker.threshold(meta))
         if trips:
             notify("breaker_opened", meta)
@@ -280,12 +282,12 @@ def _wait_for_lock(
     waited_s = time.time() - since
     if waited_s > delivery.longest_hold_s:
         logger.warning(
-            "event %s for worker %s has waited %.1f s (%d times) for group %r: %s",
+            "event %s for worker %s has waited %.1f s (%d times) for %s: %s",
             delivery.event.get_id(),
             delivery.meta.id,
             waited_s,
             waits.count,
-            delivery.meta.group,
+            f"group {delivery.meta.group!r}" if delivery.meta.group else "a free slot",
             exc,
         )
     kwargs: dict[str, Any] = dict(

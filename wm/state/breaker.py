@@ -52,13 +52,13 @@ class Breaker:
 
     def failed(self, worker_id: str, threshold: int) -> tuple[bool, int]:
         """Count a failed attempt: (whether the breaker is open, the trip number if this
-        failure opened it, else 0). With ``threshold`` 0 the breaker is off: never open."""
-        if threshold <= 0:
-            return False, 0
+        failure opened it, else 0). With ``threshold`` 0 the breaker is off (never open),
+        and the count goes on for the worker's health (``wm.state.health``)."""
+        limit = max(0, threshold)
         keys = (failures_key(worker_id), _trips_key(worker_id))
         with redis_errors(self.settings):
-            count, trips = self.redis.eval(_FAILED, 2, *keys, threshold, COUNT_TTL_S)
-        return int(count) >= threshold, int(trips)
+            count, trips = self.redis.eval(_FAILED, 2, *keys, limit, COUNT_TTL_S)
+        return bool(limit) and int(count) >= limit, int(trips)
 
     def succeeded(self, worker_id: str) -> None:
         """A delivery succeeded: the breaker is closed, its back-off starts over."""

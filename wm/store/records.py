@@ -231,13 +231,12 @@ def dead_letter_info(row: DeadLetter) -> DeadLetterInfo:
 
 
 def schedule_info(row: Schedule) -> ScheduleInfo:
-    timing = Timing(row.cron, row.timezone, row.every_s)
     created = aware(row.created_at)
-    last = aware(row.last_fired_at) if row.last_fired_at else created
-    upcoming: datetime | None = timing.next_after(max(last, datetime.now(UTC)), created)
+    last = aware(row.last_fired_at) if row.last_fired_at else None
     until = aware(row.until) if row.until else None
-    if until is not None and upcoming is not None and upcoming > until:
-        upcoming = None
+    upcoming = Timing(row.cron, row.timezone, row.every_s).next_until(
+        max(last or created, datetime.now(UTC)), created, until
+    )
     return ScheduleInfo(
         row.id,
         row.worker_id,
@@ -250,6 +249,6 @@ def schedule_info(row: Schedule) -> ScheduleInfo:
         row.max_catch_up,
         until,
         created,
-        aware(row.last_fired_at) if row.last_fired_at else None,
+        last,
         upcoming,
     )
