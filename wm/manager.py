@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -200,11 +200,20 @@ class WorkManager:
     def suspend_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Stop consuming on every node but keep the queue (messages accumulate) and the
         loaded engines; :meth:`resume_worker` delivers what accumulated. Idempotent."""
+        return self._stop_consuming(worker_id, self._suspend)
+
+    def _stop_consuming(
+        self,
+        worker_id: uuid.UUID | str,
+        change: Callable[[Session, uuid.UUID], str | None],
+    ) -> WorkerInfo:
+        """Commit ``change`` (which names the queue to stop, or None when nothing changed),
+        then every node stops consuming that queue."""
         wid = self._resolve(worker_id)
-        changed = records.transaction(self.settings, lambda s: self._suspend(s, wid))
+        queue = records.transaction(self.settings, lambda session: change(session, wid))
         outbox.changed(self.settings, self.bus, wid)
-        if changed:
-            self.bus.broadcast_cancel(changed)
+        if queue:
+            self.bus.broadcast_cancel(queue)
         return self.get_worker(wid)
 
     def resume_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
@@ -213,12 +222,7 @@ class WorkManager:
 
     def stop_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Stop consuming; the queue is kept so the worker resumes where it left off."""
-        wid = self._resolve(worker_id)
-        changed = records.transaction(self.settings, lambda s: self._stop(s, wid))
-        outbox.changed(self.settings, self.bus, wid)
-        if changed:
-            self.bus.broadcast_cancel(changed)
-        return self.get_worker(wid)
+        return self._stop_consuming(worker_id, self._stop)
 
     def delete_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Delete from any state; the queue goes, versions and transitions stay for audit."""
@@ -248,6 +252,10 @@ class WorkManager:
     # -- queries ---------------------------------------------------------------------------
 
     def get_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
+        return self._with_health([self._stored(worker_id)])[0]
+
+    def _stored(self, worker_id: uuid.UUID | str) -> WorkerInfo:
+        """The worker as the database has it (no health: a lookup, not a view)."""
         wid = self._resolve(worker_id)
         with store.session_scope(self.settings) as session:
             worker = session.get(Worker, wid)
@@ -255,8 +263,7 @@ class WorkManager:
                 raise WorkerNotFound(f"no worker with id {wid}")
             version = session.get(WorkerVersion, (wid, worker.current_version))
             assert version is not None
-            info = records.worker_info(worker, version)
-        return self._with_health([info])[0]
+            return records.worker_info(worker, version)
 
     def list_workers(
         self,
@@ -296,7 +303,7 @@ class WorkManager:
     def get_worker_history(self, worker_id: uuid.UUID | str) -> list[VersionInfo]:
         """Every code version, oldest first."""
         wid = self._resolve(worker_id)
-        self.get_worker(wid)
+        self._stored(wid)
         with store.session_scope(self.settings) as session:
             rows = session.scalars(
                 select(WorkerVersion)
@@ -308,7 +315,7 @@ class WorkManager:
     def get_worker_transitions(self, worker_id: uuid.UUID | str) -> list[TransitionInfo]:
         """The audit trail of state changes and code changes, oldest first."""
         wid = self._resolve(worker_id)
-        self.get_worker(wid)
+        self._stored(wid)
         with store.session_scope(self.settings) as session:
             rows = session.scalars(
                 select(WorkerTransition)
@@ -318,7 +325,7 @@ class WorkManager:
             return [records.transition_info(t) for t in rows]
 
     def get_code(self, worker_id: uuid.UUID | str, version: int | None = None) -> bytes:
-        info = self.get_worker(worker_id)
+        info = self._stored(worker_id)
         with store.session_scope(self.settings) as session:
             row = session.get(WorkerVersion, (info.id, version or info.current_version))
             if row is None:
@@ -343,7 +350,7 @@ class WorkManager:
         """Send ``event_type`` (with ``data``) to the worker at every firing of a cron
         expression in ``timezone`` or every ``every_s`` seconds, until ``until``; firings no
         beat was running for are skipped or caught up (at most ``max_catch_up``)."""
-        wid = self.get_worker(worker_id).id
+        wid = self._resolve(worker_id)
         Timing(cron, timezone, every_s).check()
         check_name("event type", event_type)
         if missed not in MISSED:
@@ -388,7 +395,7 @@ class WorkManager:
             .order_by(Schedule.created_at, Schedule.id)
         )
         if worker_id is not None:
-            query = query.where(Schedule.worker_id == self.get_worker(worker_id).id)
+            query = query.where(Schedule.worker_id == self._stored(worker_id).id)
         with store.session_scope(self.settings) as session:
             return [records.schedule_info(row) for row in session.scalars(query).all()]
 
@@ -401,6 +408,14 @@ class WorkManager:
                 raise ScheduleNotFound(f"no schedule with id {schedule_id!r}")
 
         records.transaction(self.settings, remove)
+
+    def worker_id_of(self, reference: str) -> str:
+        """A worker's id from its id as given (a deleted worker's too: its dead letters stay
+        reachable) or from a live worker's name."""
+        try:
+            return str(uuid.UUID(reference))
+        except ValueError:
+            return str(self._resolve(reference))
 
     # -- plain subscriptions ---------------------------------------------------------------
 
@@ -482,7 +497,7 @@ class WorkManager:
     def _update_code(
         self, worker_id: uuid.UUID | str, fetched: codesource.FetchedCode, note: str | None
     ) -> WorkerInfo:
-        info = self.get_worker(worker_id)
+        info = self._stored(worker_id)
         spec = WorkerSpec(
             str(info.id),
             info.topic,

@@ -76,11 +76,9 @@ class Timing:
         """Firing times in ``(after, upto]``, oldest first, in UTC; an interval counts from
         ``anchor``."""
         if self.every_s is not None:
-            step = timedelta(seconds=self.every_s)
-            k = max(1, math.floor((after - anchor) / step) + 1)
+            step, k = self._interval_after(after, anchor)
             while (at := anchor + k * step) <= upto:
-                if at > after:
-                    yield at.astimezone(UTC)
+                yield at.astimezone(UTC)
                 k += 1
             return
         steps = croniter(self._cron, after.astimezone(self.zone()))
@@ -90,8 +88,7 @@ class Timing:
     def next_after(self, after: datetime, anchor: datetime) -> datetime:
         """The first firing time after ``after``."""
         if self.every_s is not None:
-            step = timedelta(seconds=self.every_s)
-            k = max(1, math.floor((after - anchor) / step) + 1)
+            step, k = self._interval_after(after, anchor)
             return (anchor + k * step).astimezone(UTC)
         at: datetime = croniter(self._cron, after.astimezone(self.zone())).get_next(datetime)
         return at.astimezone(UTC)
@@ -102,6 +99,16 @@ class Timing:
         """:meth:`next_after`, or None when that is past ``until``."""
         at = self.next_after(after, anchor)
         return None if until is not None and at > until else at
+
+    def _interval_after(self, after: datetime, anchor: datetime) -> tuple[timedelta, int]:
+        """The interval, and the number of the first firing after ``after`` (counted from
+        ``anchor``, the first being 1)."""
+        assert self.every_s is not None
+        step = timedelta(seconds=self.every_s)
+        k = max(1, math.floor((after - anchor) / step) + 1)
+        if anchor + k * step <= after:  # the float division rounded down past a firing
+            k += 1
+        return step, k
 
     @property
     def _cron(self) -> str:

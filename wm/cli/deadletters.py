@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import uuid
 from typing import TYPE_CHECKING
 
 from wm.cli.arguments import UsageError, add_command, add_group, positive_float, positive_int
@@ -78,12 +77,7 @@ def _filters(parser: argparse.ArgumentParser) -> None:
 
 def _worker_id(ctx: Context, reference: str | None) -> str | None:
     """The id of ``--worker``; a deleted worker's letters stay reachable by its id."""
-    if reference is None:
-        return None
-    try:
-        return str(uuid.UUID(reference))
-    except ValueError:
-        return str(ctx.manager.get_worker(reference).id)
+    return None if reference is None else ctx.manager.worker_id_of(reference)
 
 
 def _has_filter(args: argparse.Namespace) -> bool:

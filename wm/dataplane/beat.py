@@ -74,10 +74,16 @@ def fire_due(settings: Settings, bus: Bus, now: datetime) -> int:
 
 def _next_firing(row: Schedule) -> datetime | None:
     """The schedule's next firing, None once its ``until`` has passed."""
+    timing, created, last, until = _window(row)
+    return timing.next_until(last, created, until)
+
+
+def _window(row: Schedule) -> tuple[Timing, datetime, datetime, datetime | None]:
+    """The schedule's timing, creation (an interval's anchor), last firing (or creation) and
+    end, with their time zone."""
     created = aware(row.created_at)
-    last = aware(row.last_fired_at) if row.last_fired_at else created
-    until = aware(row.until) if row.until else None
-    return Timing(row.cron, row.timezone, row.every_s).next_until(last, created, until)
+    timing = Timing(row.cron, row.timezone, row.every_s)
+    return timing, created, aware(row.last_fired_at) or created, aware(row.until)
 
 
 def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> int:
@@ -91,10 +97,8 @@ def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> 
         if found is None:
             return 0
         row, topic = found
-        created = aware(row.created_at)
-        last = aware(row.last_fired_at) if row.last_fired_at else created
-        upto = min(now, aware(row.until)) if row.until else now
-        due = list(Timing(row.cron, row.timezone, row.every_s).times(last, upto, created))
+        timing, created, last, until = _window(row)
+        due = list(timing.times(last, min(now, until) if until else now, created))
         if not due:
             return 0
         keep = 1 if row.missed == "skip" else max(1, row.max_catch_up)

@@ -57,26 +57,15 @@ def open_breaker(
     settings: Settings, bus: Bus, app: Celery, meta: WorkerMeta, trips: int, last_error: str
 ) -> None:
     """``running → pending`` (if still running), consumers cancelled, the back-off's end sent."""
-    wid = uuid.UUID(meta.id)
     pause = delay_s(meta.settings, trips)
-
-    def pend(session: Session) -> str | None:
-        worker = records.lock_worker(session, wid)
-        if worker.status != Status.RUNNING:
-            return None
-        reason = (
-            f"circuit breaker opened after {threshold(meta)} consecutive failed deliveries "
-            f"(last: {last_error}); trying again in {pause:g} s"
-        )
-        records.move(session, worker, Status.PENDING, reason, actor="breaker")
-        return worker_queue_name(worker.topic, meta.id)
-
-    queue = records.transaction(settings, pend)
-    outbox.changed(settings, bus, wid)
-    if queue is None:
+    reason = (
+        f"circuit breaker opened after {threshold(meta)} consecutive failed deliveries "
+        f"(last: {last_error}); trying again in {pause:g} s"
+    )
+    wid = uuid.UUID(meta.id)
+    if not outbox.leave_running(settings, bus, wid, Status.PENDING, reason, actor="breaker"):
         return
     logger.warning("worker %s paused by its circuit breaker for %g s", meta.id, pause)
-    bus.broadcast_cancel(queue)
     app.send_task(RETRY_TASK, args=[meta.id, trips], countdown=pause, queue=DEFAULT_QUEUE)
 
 

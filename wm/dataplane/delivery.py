@@ -41,6 +41,9 @@ from wm.state.slots import Slots
 from wm.views import OUTPUT_TOPICS
 
 logger = logging.getLogger(__name__)
+#: Pause before a message goes back to its queue (the platform is down, or the worker does
+#: not run now), so a node does not spin on it.
+REQUEUE_PAUSE_S = 1.0
 #: Extension attributes copied from an input event to every output that lacks them.
 PROPAGATED = ("correlationid", "traceparent", "tracestate")
 FENCE_EXTENSION = "wmfence"

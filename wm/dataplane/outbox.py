@@ -84,3 +84,23 @@ def record_failure(
     changed(settings, bus, wid)
     if failed_queue:
         bus.broadcast_cancel(failed_queue)
+
+
+def leave_running(
+    settings: Settings, bus: Bus, wid: uuid.UUID, target: Status, reason: str, *, actor: str
+) -> bool:
+    """``running → target`` if the worker still runs, then every node stops consuming its
+    queue (which keeps what arrives); False when it no longer ran."""
+
+    def leave(session: Session) -> str | None:
+        worker = records.lock_worker(session, wid)
+        if worker.status != Status.RUNNING:
+            return None
+        records.move(session, worker, target, reason, actor=actor)
+        return worker_queue_name(worker.topic, str(wid))
+
+    queue = records.transaction(settings, leave)
+    changed(settings, bus, wid)
+    if queue is not None:
+        bus.broadcast_cancel(queue)
+    return queue is not None

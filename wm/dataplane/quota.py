@@ -14,26 +14,18 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from celery.exceptions import Reject
-from sqlalchemy.orm import Session
 
 from wm.config import Settings
 from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
-from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.delivery import REQUEUE_PAUSE_S, Runtime
 from wm.lifecycle import Status
 from wm.state.connection import redis_errors, redis_for
 from wm.state.directory import WorkerMeta
-from wm.store import records
-
-if TYPE_CHECKING:
-    from wm.dataplane.delivery import Runtime
 
 _DONE = "wm:events-done:"
-#: Pause before a delivery over the quota goes back to the queue (the worker is finishing).
-_REQUEUE_PAUSE_S = 1.0
 # KEYS: the count. ARGV: the limit. Returns the slot taken (1..limit), or 0 when full.
 _TAKE = """
 local n = redis.call('INCR', KEYS[1])
@@ -64,7 +56,7 @@ def slot(rt: Runtime, meta: WorkerMeta) -> Iterator[None]:
     with redis_errors(rt.settings):
         taken = int(redis.eval(_TAKE, 1, key, limit))
     if not taken:
-        time.sleep(_REQUEUE_PAUSE_S)
+        time.sleep(REQUEUE_PAUSE_S)
         raise Reject(f"worker {meta.id} has processed its max_events; requeued", requeue=True)
     try:
         yield
@@ -78,20 +70,8 @@ def slot(rt: Runtime, meta: WorkerMeta) -> Iterator[None]:
 
 def finish(settings: Settings, bus: Bus, meta: WorkerMeta, limit: int) -> None:
     """``running → finished`` (if still running); consumers cancelled on every node."""
-    wid = uuid.UUID(meta.id)
-
-    def end(session: Session) -> str | None:
-        worker = records.lock_worker(session, wid)
-        if worker.status != Status.RUNNING:
-            return None
-        reason = f"finished: processed its max_events ({limit})"
-        records.move(session, worker, Status.FINISHED, reason, actor="node")
-        return worker_queue_name(worker.topic, meta.id)
-
-    queue = records.transaction(settings, end)
-    outbox.changed(settings, bus, wid)
-    if queue is not None:
-        bus.broadcast_cancel(queue)
+    reason = f"finished: processed its max_events ({limit})"
+    outbox.leave_running(settings, bus, uuid.UUID(meta.id), Status.FINISHED, reason, actor="node")
 
 
 def reset(settings: Settings, worker_id: str) -> None:

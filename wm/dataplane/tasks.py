@@ -29,7 +29,7 @@ from wm.config import Settings
 from wm.dataplane import breaker, outbox, quota, tracing
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure
-from wm.dataplane.delivery import Delivery, Runtime
+from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery, Runtime
 from wm.dataplane.observe import notify
 from wm.dataplane.queues import DELIVER_TASK
 from wm.errors import (
@@ -51,8 +51,6 @@ from wm.state.locks import retry_delay_ms
 from wm.state.nodehealth import EngineFailures
 
 logger = logging.getLogger(__name__)
-#: Pause before requeueing when the platform is down, so a node does not spin.
-_REQUEUE_PAUSE_S = 1.0
 _runtime: Runtime | None = None
 #: Threads of a ``-P threads`` pool share the process's runtime: one of them builds it.
 _runtime_lock = threading.Lock()
@@ -134,16 +132,16 @@ def deliver(
         if exc.requeue:
             raise
         # Celery turns a retry it could not publish into a dropping Reject: keep the message.
-        time.sleep(_REQUEUE_PAUSE_S)
+        time.sleep(REQUEUE_PAUSE_S)
         raise Reject(str(exc.reason), requeue=True) from exc
     except (BrokerUnavailable, DatabaseError) as exc:
         logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
-        time.sleep(_REQUEUE_PAUSE_S)
+        time.sleep(REQUEUE_PAUSE_S)
         raise Reject(str(exc), requeue=True) from exc
     except Exception as exc:
         # Never acknowledge a message this task could not settle: requeue it.
         logger.exception("unexpected failure delivering to %s; requeueing", worker_id)
-        time.sleep(_REQUEUE_PAUSE_S)
+        time.sleep(REQUEUE_PAUSE_S)
         raise Reject(str(exc), requeue=True) from exc
 
 
@@ -173,7 +171,7 @@ def _deliver(
         rt.dead_letters.park(attempt.failure(error, event))
         return
     if meta.status != Status.RUNNING:
-        time.sleep(_REQUEUE_PAUSE_S)
+        time.sleep(REQUEUE_PAUSE_S)
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
     redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
     delivery = Delivery(

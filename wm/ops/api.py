@@ -667,20 +667,15 @@ def purge(svc: Svc, body: LetterSelection) -> Purged:
 
 
 def _worker_id(svc: Services, reference: str | None, where: str) -> str | None:
-    """A dead letter's worker filter: a live worker's id or name, or the id of a deleted one
-    (its letters stay reachable)."""
+    """A dead letter's worker filter: a worker's id (a deleted one's too, its letters stay
+    reachable) or a live worker's name."""
     if reference is None:
         return None
-    try:
-        return str(svc.manager.get_worker(reference).id)
-    except WorkerNotFound:
-        with _field(where, "worker"):
-            try:
-                return str(uuid.UUID(reference))
-            except ValueError:
-                raise InvalidArgument(
-                    f"worker {reference!r} is neither a worker id nor a live worker's name"
-                ) from None
+    with _field(where, "worker"):
+        try:
+            return svc.manager.worker_id_of(reference)
+        except WorkerNotFound as exc:
+            raise InvalidArgument(str(exc)) from None
 
 
 # -- schedules -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 
 from wm.config import Settings
 from wm.state.breaker import failures_key
-from wm.state.connection import StatePipeline, redis_errors, redis_for
+from wm.state.connection import StatePipeline, redis_errors, redis_for, text
 
 HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN = "healthy", "degraded", "unhealthy", "unknown"
 #: Minutes of deliveries the error rate is taken over.
@@ -138,22 +138,24 @@ class WorkerHealth:
                 pipe.hgetall(counts_key(worker_id))
                 pipe.get(failures_key(worker_id))
             read = pipe.execute()
+            tallies = [_tally(counts, since) for counts in read[::2]]
             verdicts = [
-                judge(*_tally(counts, since), int(consecutive or 0), workers[worker_id])
-                for worker_id, counts, consecutive in zip(ids, read[::2], read[1::2], strict=True)
+                judge(ok, failed, int(consecutive or 0), workers[worker_id])
+                for worker_id, (ok, failed, _), consecutive in zip(
+                    ids, tallies, read[1::2], strict=True
+                )
             ]
             pipe = redis.pipeline(transaction=False)
             for worker_id, verdict in zip(ids, verdicts, strict=True):
                 pipe.set(state_key(worker_id), verdict.health, get=True)
-            for worker_id, counts in zip(ids, read[::2], strict=True):
-                old = [f for f in counts or {} if int((_text(f) or "0").partition(":")[0]) < since]
-                if old:  # minutes out of the window, and the key's end when the worker rests
-                    pipe.hdel(counts_key(worker_id), *old)
+            for worker_id, (_, _, stale), counts in zip(ids, tallies, read[::2], strict=True):
+                if stale:  # minutes out of the window, and the key's end when the worker rests
+                    pipe.hdel(counts_key(worker_id), *stale)
                 if counts:
                     pipe.expire(counts_key(worker_id), _COUNTS_TTL_S)
             before = pipe.execute()[: len(ids)]
         return {
-            worker_id: (verdict, _text(old) or UNKNOWN)
+            worker_id: (verdict, UNKNOWN if old is None else text(old))
             for worker_id, verdict, old in zip(ids, verdicts, before, strict=True)
         }
 
@@ -166,19 +168,22 @@ class WorkerHealth:
             for worker_id in worker_ids:
                 pipe.get(state_key(worker_id))
             found = pipe.execute()
-        return {w: _text(v) or UNKNOWN for w, v in zip(worker_ids, found, strict=True)}
+        return {
+            w: UNKNOWN if v is None else text(v) for w, v in zip(worker_ids, found, strict=True)
+        }
 
 
-def _tally(counts: dict[Any, Any] | None, since: int) -> tuple[int, int]:
-    """(successes, failures) of the per-minute counts from minute ``since`` on."""
+def _tally(counts: dict[Any, Any] | None, since: int) -> tuple[int, int, list[Any]]:
+    """(successes, failures) of the per-minute counts from minute ``since`` on, and the
+    fields of the minutes before it."""
     ok = failed = 0
+    stale = []
     for field, value in (counts or {}).items():
-        minute, _, kind = (_text(field) or "").partition(":")
-        if int(minute) >= since:
-            ok += int(value) if kind == "ok" else 0
-            failed += int(value) if kind == "failed" else 0
-    return ok, failed
-
-
-def _text(value: Any) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
+        minute, _, kind = text(field).partition(":")
+        if int(minute) < since:
+            stale.append(field)
+        elif kind == "ok":
+            ok += int(value)
+        elif kind == "failed":
+            failed += int(value)
+    return ok, failed, stale

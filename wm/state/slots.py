@@ -55,7 +55,3 @@ class Slots:
         finally:
             with redis_errors(self.settings):
                 redis.zrem(key, holder)
-
-    def running(self, worker_id: str) -> int:
-        with redis_errors(self.settings):
-            return int(redis_for(self.settings).zcard(slots_key(worker_id)))

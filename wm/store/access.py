@@ -26,6 +26,7 @@ from wm.errors import InvalidArgument, TokenNotFound
 from wm.names import check_name
 from wm.store.db import session_scope
 from wm.store.models import ApiToken, AuditEntry
+from wm.store.records import aware
 from wm.views import AuditInfo, Role, TokenInfo
 
 #: A token's last use is written at most this often (each request would otherwise write).
@@ -42,16 +43,11 @@ def _token_info(row: ApiToken) -> TokenInfo:
         row.id,
         row.name,
         Role(row.role),
-        _aware(row.created_at),
-        _aware(row.expires_at),
-        _aware(row.last_used_at),
-        _aware(row.revoked_at),
+        aware(row.created_at),
+        aware(row.expires_at),
+        aware(row.last_used_at),
+        aware(row.revoked_at),
     )
-
-
-def _aware(at: datetime | None) -> Any:
-    """SQLite hands back naive datetimes; every time WorkManager shows is UTC with its zone."""
-    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
 
 
 class Tokens:
@@ -200,7 +196,7 @@ class Audit:
             return [
                 AuditInfo(
                     r.id,
-                    _aware(r.at),
+                    aware(r.at),
                     r.token_id,
                     r.token_name,
                     r.role,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
@@ -135,9 +135,13 @@ def record_transition(
     add_outbox(session, kind, worker, data, reason=reason, version=version)
 
 
-def aware(at: datetime) -> datetime:
-    """SQLite hands back naive datetimes; WorkManager writes UTC."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+@overload
+def aware(at: datetime) -> datetime: ...
+@overload
+def aware(at: None) -> None: ...
+def aware(at: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; WorkManager writes UTC and shows times with it."""
+    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
 
 
 def add_outbox(
@@ -231,9 +235,7 @@ def dead_letter_info(row: DeadLetter) -> DeadLetterInfo:
 
 
 def schedule_info(row: Schedule) -> ScheduleInfo:
-    created = aware(row.created_at)
-    last = aware(row.last_fired_at) if row.last_fired_at else None
-    until = aware(row.until) if row.until else None
+    created, last, until = aware(row.created_at), aware(row.last_fired_at), aware(row.until)
     upcoming = Timing(row.cron, row.timezone, row.every_s).next_until(
         max(last or created, datetime.now(UTC)), created, until
     )
