@@ -165,7 +165,7 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
     known = (
         "known: breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
         "health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
-        "max_concurrency, max_events, max_retries, output_topics, retry_base_delay_ms, "
+        "max_concurrency, max_events, max_retries, output_topics, retry_base_delay_ms, stop_grace_s, "
         "timeout_s$"
     )
     with pytest.raises(InvalidArgument, match=known):  # the stub engine reads none of its own

@@ -1,8 +1,12 @@
 """Supervision with real nodes: the circuit breaker (running → pending → starting → running),
-and suspend/resume (the queue accumulates while suspended and drains after)."""
+suspend/resume (the queue accumulates while suspended and drains after), stop with a grace
+period (stopping → stopped, or killed and delivered again)."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +14,7 @@ import pytest
 from tests.helpers import STUB, drain, eventually, stub
 from wm import Settings, WorkManager
 from wm.dataplane.deadletters import DeadLetters
+from wm.errors import InvalidArgument
 from wm.events import LIFECYCLE_TOPIC, make_event
 from wm.state.health import judge
 
@@ -208,3 +213,80 @@ def test_health_follows_real_deliveries_and_its_changes_are_lifecycle_events(
         ]
 
     assert changes() == [("unknown", "healthy"), ("healthy", "unhealthy")]
+
+
+def _runs(trace: Path) -> list[str]:
+    """Event ids whose execution began, in order (the stub's trace file)."""
+    if not trace.exists():
+        return []
+    return [json.loads(line)["event_id"] for line in trace.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("engine", ["python", "in-process"])
+def test_a_worker_ignoring_stop_is_killed_after_the_grace_period_and_runs_its_event_again(
+    pg_settings: Settings, start_node: Any, tmp_path: Path, engine: str
+) -> None:
+    """A sandboxed worker's child is killed; in-process code (the stub) takes its pool
+    process with it, which the node replaces. Either way the event runs again on start."""
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("kill.done", "out")
+    trace = tmp_path / "runs.jsonl"
+    if engine == "python":
+        mime, hang = "text/x-python", "import time\n\ndef process(event):\n    time.sleep(60)\n"
+        fixed = (
+            "from wm.devkit import make_event\n\n"
+            "def process(event):\n    return make_event('kill.done', '/t', event.get_data())\n"
+        )
+    else:
+        mime, hang = STUB, stub(output_type="kill.done", sleep_ms=60_000, trace=str(trace))
+        fixed = stub(output_type="kill.done", trace=str(trace))
+    worker = manager.create_worker(
+        code=hang, mime_type=mime, topic="kill.in", settings={"timeout_s": 120, "stop_grace_s": 1}
+    )
+    node = start_node(pg_settings)
+    node.consuming(f"kill.in::{worker.id}")
+    event = make_event("kill.in", "/t", {"n": 7})
+    manager.publish(event)
+    node.wait_for("Task wm.deliver[")  # received: it runs (and hangs)
+    time.sleep(1)
+
+    began = time.monotonic()
+    stopped = manager.stop_worker(worker.id)
+    assert stopped.status == "killed"
+    assert time.monotonic() - began < 15  # 1 s of grace, not the 60 s the code sleeps
+    last = manager.get_worker_transitions(worker.id)[-1]
+    assert (last.from_status, last.to_status, last.actor) == ("stopping", "killed", "api")
+    assert "1 deliveries still ran after the grace period of 1 s" in last.reason
+    assert DeadLetters(pg_settings).list(include_replayed=True) == []
+
+    manager.load_code_from_content(worker.id, fixed)
+    manager.start_worker(worker.id)
+    [output] = drain(pg_settings, out, 1)
+    data = output["data"]
+    assert (data if engine == "python" else data["input"]) == {"n": 7}
+    if engine != "python":
+        assert _runs(trace) == [event.get_id(), event.get_id()]  # begun, killed, run again
+    assert DeadLetters(pg_settings).list(include_replayed=True) == []
+
+
+def test_stop_waits_for_deliveries_in_flight_then_stops_and_unloads(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("grace.done", "out")
+    worker = manager.create_worker(
+        code=stub(output_type="grace.done", sleep_ms=2000),
+        mime_type=STUB,
+        topic="grace.in",
+        settings={"stop_grace_s": 30},
+    )
+    node = start_node(pg_settings)
+    node.consuming(f"grace.in::{worker.id}")
+    manager.publish(make_event("grace.in", "/t", {"n": 1}))
+    node.wait_for("Task wm.deliver[")
+    assert manager.stop_worker(worker.id).status == "stopped"  # after the delivery finished
+    assert len(drain(pg_settings, out, 1, timeout_s=1)) == 1
+    node.wait_for(f"unloaded worker {worker.id}")
+    assert manager.stop_worker(worker.id).status == "stopped"  # idempotent
+    with pytest.raises(InvalidArgument, match="grace period must be"):
+        manager.stop_worker(worker.id, grace_s=-1)

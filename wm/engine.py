@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -96,6 +97,22 @@ class Engine:
         """Pids of the processes this engine keeps for its worker (a sandbox, a helper): their
         memory counts against the engine cache's budget (``WM_ENGINE_CACHE_MB``)."""
         return []
+
+    def kill(self) -> bool:
+        """Kill the processes running the worker's code now, from any thread, without waiting
+        for calls in flight (they fail; the next call starts afresh). False when the code runs
+        in this process and cannot be killed apart from it. Default: SIGKILL each of
+        :meth:`processes` (with its process group when it leads one: a sandbox's children)."""
+        pids = self.processes()
+        for pid in pids:
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return bool(pids)
 
 
 def resident_bytes(pid: int | None = None) -> int:

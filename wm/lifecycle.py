@@ -5,7 +5,9 @@
 ``running ⇄ suspended`` (an operator pauses consuming; queue and engine stay), and
 ``running → pending → starting → running`` (the circuit breaker: consecutive failed
 deliveries pause the worker for a back-off, then it tries again), ``running → finished``
-(it processed its ``max_events``; ``start`` runs it again).
+(it processed its ``max_events``; ``start`` runs it again), ``stopping → killed`` (its
+deliveries in flight outlived the stop's grace period: the node killed the engine, and they
+are delivered again on the next start).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Status(StrEnum):
     SUSPENDED = "suspended"
     PENDING = "pending"
     FINISHED = "finished"
+    KILLED = "killed"
     DELETED = "deleted"
 
 
@@ -46,8 +49,9 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
     Status.FINISHED: frozenset({Status.STARTING, Status.DELETED}),
     Status.SUSPENDED: frozenset({Status.RUNNING, Status.STOPPING, Status.DELETED}),
     Status.PENDING: frozenset({Status.STARTING, Status.SUSPENDED, Status.STOPPING, Status.DELETED}),
-    Status.STOPPING: frozenset({Status.STOPPED, Status.FAILED, Status.DELETED}),
+    Status.STOPPING: frozenset({Status.STOPPED, Status.KILLED, Status.FAILED, Status.DELETED}),
     Status.STOPPED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.KILLED: frozenset({Status.STARTING, Status.DELETED}),
     Status.FAILED: frozenset({Status.STARTING, Status.DELETED}),
     Status.DELETED: frozenset(),
 }
@@ -57,9 +61,13 @@ ALREADY_STARTED = frozenset({Status.STARTING, Status.RUNNING})
 #: States in which a worker's queue is kept but not consumed until it runs again.
 PAUSED = frozenset({Status.SUSPENDED, Status.PENDING})
 #: States from which ``stop`` has nothing to do (stop is idempotent; never-started counts).
+#: A worker left ``stopping`` (its stopper died while waiting) is stopped again.
 ALREADY_STOPPED = frozenset(
-    {Status.CREATED, Status.STOPPING, Status.STOPPED, Status.FAILED, Status.FINISHED}
+    {Status.CREATED, Status.STOPPED, Status.KILLED, Status.FAILED, Status.FINISHED}
 )
+#: Seconds ``stop`` waits for deliveries in flight before the engine is killed (per-worker
+#: setting ``stop_grace_s``).
+STOP_GRACE_S = 30.0
 
 #: Lifecycle event published when a worker reaches a state (DESIGN.md §4).
 EVENT_ON_ENTER: dict[Status, str] = {
@@ -70,6 +78,7 @@ EVENT_ON_ENTER: dict[Status, str] = {
     Status.SUSPENDED: "suspended",
     Status.PENDING: "pending",
     Status.FINISHED: "finished",
+    Status.KILLED: "killed",
     Status.DELETED: "deleted",
 }
 

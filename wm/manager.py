@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from wm import codesource, store
 from wm.config import Settings
-from wm.dataplane import outbox, quota
+from wm.dataplane import enginecontrol, outbox, quota
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import plain_queue_name, worker_queue_name
 from wm.engine import WorkerSpec, engine_class
@@ -30,7 +31,7 @@ from wm.errors import (
     WorkManagerError,
 )
 from wm.events import CloudEvent
-from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status, check_actor
+from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, STOP_GRACE_S, Status, check_actor
 from wm.names import check_name
 from wm.schedules import MISSED, Timing
 from wm.state.breaker import Breaker
@@ -200,17 +201,8 @@ class WorkManager:
     def suspend_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Stop consuming on every node but keep the queue (messages accumulate) and the
         loaded engines; :meth:`resume_worker` delivers what accumulated. Idempotent."""
-        return self._stop_consuming(worker_id, self._suspend)
-
-    def _stop_consuming(
-        self,
-        worker_id: uuid.UUID | str,
-        change: Callable[[Session, uuid.UUID], str | None],
-    ) -> WorkerInfo:
-        """Commit ``change`` (which names the queue to stop, or None when nothing changed),
-        then every node stops consuming that queue."""
         wid = self._resolve(worker_id)
-        queue = records.transaction(self.settings, lambda session: change(session, wid))
+        queue = records.transaction(self.settings, lambda session: self._suspend(session, wid))
         outbox.changed(self.settings, self.bus, wid)
         if queue:
             self.bus.broadcast_cancel(queue)
@@ -220,9 +212,43 @@ class WorkManager:
         """A suspended worker consumes again (a running one is left as it is)."""
         return self.start_worker(worker_id)
 
-    def stop_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
-        """Stop consuming; the queue is kept so the worker resumes where it left off."""
-        return self._stop_consuming(worker_id, self._stop)
+    def stop_worker(
+        self, worker_id: uuid.UUID | str, *, grace_s: float | None = None
+    ) -> WorkerInfo:
+        """Stop consuming, wait for the deliveries in flight, unload the engines; the queue is
+        kept so the worker resumes where it left off. Idempotent.
+
+        Deliveries still running after ``grace_s`` (default: the worker's ``stop_grace_s``,
+        else 30 s) have their engine killed on their node and the worker ends ``killed``
+        instead of ``stopped``; those deliveries go back to the queue and run again when the
+        worker starts."""
+        if grace_s is not None and not (math.isfinite(grace_s) and grace_s >= 0):
+            raise InvalidArgument(
+                f"grace period must be a non-negative number of seconds, not {grace_s}"
+            )
+        wid = self._resolve(worker_id)
+        stopping = records.transaction(self.settings, lambda session: self._stop(session, wid))
+        outbox.changed(self.settings, self.bus, wid)
+        if stopping is None:
+            return self.get_worker(wid)
+        queue, settings = stopping
+        self.bus.broadcast_cancel(queue)
+        if grace_s is None:
+            grace_s = float(settings.get("stop_grace_s", STOP_GRACE_S))
+        running = enginecontrol.wait_idle(self.bus.app, str(wid), grace_s)
+        if running:
+            enginecontrol.send(self.settings, enginecontrol.KILL, str(wid))
+            target, reason = (
+                Status.KILLED,
+                f"{len(running)} deliveries still ran after the grace period of {grace_s:g} s: "
+                "their engine was killed; they are delivered again when the worker starts",
+            )
+        else:
+            target, reason = Status.STOPPED, "stopped"
+        records.transaction(self.settings, lambda s: self._stopped(s, wid, target, reason))
+        outbox.changed(self.settings, self.bus, wid)
+        enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
+        return self.get_worker(wid)
 
     def delete_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Delete from any state; the queue goes, versions and transitions stay for audit."""
@@ -234,6 +260,7 @@ class WorkManager:
             self.bus.remove_route(topic, queue)
         if removed:
             Ledger(self.settings).forget_worker(str(wid))
+            enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
         return self.get_worker(wid)
 
     def record_failure(
@@ -560,13 +587,20 @@ class WorkManager:
         records.move(session, worker, Status.SUSPENDED, "suspended", actor=self.actor)
         return worker_queue_name(worker.topic, str(wid))
 
-    def _stop(self, session: Session, wid: uuid.UUID) -> str | None:
+    def _stop(self, session: Session, wid: uuid.UUID) -> tuple[str, dict[str, Any]] | None:
+        """Move to ``stopping`` (a worker left there by a stopper that died stays); returns
+        the queue to stop consuming and the worker's settings, or None if already stopped."""
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STOPPED:
             return None
-        records.move(session, worker, Status.STOPPING, "stop requested", actor=self.actor)
-        records.move(session, worker, Status.STOPPED, "stopped", actor=self.actor)
-        return worker_queue_name(worker.topic, str(wid))
+        if worker.status != Status.STOPPING:
+            records.move(session, worker, Status.STOPPING, "stop requested", actor=self.actor)
+        return worker_queue_name(worker.topic, str(wid)), dict(worker.settings or {})
+
+    def _stopped(self, session: Session, wid: uuid.UUID, target: Status, reason: str) -> None:
+        worker = records.lock_worker(session, wid)
+        if worker.status == Status.STOPPING:  # unless deleted (or stopped) meanwhile
+            records.move(session, worker, target, reason, actor=self.actor)
 
     def _delete(self, session: Session, wid: uuid.UUID) -> list[tuple[str, str]]:
         worker = records.lock_worker(session, wid)

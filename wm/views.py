@@ -50,6 +50,8 @@ WORKER_SETTINGS: dict[str, SettingRule] = {
     "max_events": SettingRule(),
     # deliveries of the worker running at once across the cluster (wm.state.slots); 0: any
     "max_concurrency": SettingRule(),
+    # seconds stop waits for deliveries in flight before it kills the engine (wm.lifecycle)
+    "stop_grace_s": SettingRule((int, float)),
     # health thresholds (wm.state.health)
     "health_degraded_rate": SettingRule((int, float)),
     "health_unhealthy_rate": SettingRule((int, float)),

@@ -35,7 +35,6 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
     for name, handler, help in (
         ("show", show, "show one worker"),
         ("start", start, "start consuming the worker's topic (idempotent)"),
-        ("stop", stop, "stop consuming; the queue keeps what arrives (idempotent)"),
         (
             "suspend",
             suspend,
@@ -47,6 +46,22 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
         ("transitions", transitions, "list the worker's state changes"),
     ):
         add_command(workers, name, handler, common, help).add_argument("worker", help=_WORKER_HELP)
+    stopping = add_command(
+        workers,
+        "stop",
+        stop,
+        common,
+        "stop consuming, wait for deliveries in flight, unload the engine; the queue keeps "
+        "what arrives (idempotent)",
+    )
+    stopping.add_argument("worker", help=_WORKER_HELP)
+    stopping.add_argument(
+        "--grace",
+        type=float,
+        metavar="SECONDS",
+        help="wait this long for deliveries in flight, then kill the engine (status killed; "
+        "they run again on start); default: the worker's stop_grace_s, else 30",
+    )
     update = add_command(
         workers,
         "update-code",
@@ -159,7 +174,7 @@ def start(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def stop(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.stop_worker(args.worker))
+    _print_summary(ctx, ctx.manager.stop_worker(args.worker, grace_s=args.grace))
     return 0
 
 

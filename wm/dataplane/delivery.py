@@ -6,16 +6,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from celery import Celery
 
 from wm.config import Settings
-from wm.dataplane import tracing
+from wm.dataplane import enginecontrol, tracing
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.observe import notify
@@ -132,6 +133,17 @@ class EngineCache:
             total -= charge
         return evicted
 
+    def loaded(self, worker_id: str) -> Engine | None:
+        with self._lock:
+            cached = self._engines.get(worker_id)
+        return cached[1] if cached is not None else None
+
+    def drop(self, worker_id: str) -> Engine | None:
+        """Take the worker's engine out of the cache (the caller closes it)."""
+        with self._lock:
+            cached = self._engines.pop(worker_id, None)
+        return cached[1] if cached is not None else None
+
     def close(self) -> None:
         with self._lock:
             for _, engine, _ in self._engines.values():
@@ -152,8 +164,14 @@ def _spec(meta: WorkerMeta, version: int) -> WorkerSpec:
     return WorkerSpec(meta.id, meta.topic, meta.group, version, meta.sha256, None, meta.settings)
 
 
+#: This process is a prefork pool process (set by ``wm.dataplane.node`` after fork): it may
+#: end itself to stop code running inside it, and the node replaces it.
+POOL_CHILD = False
+
+
 class Runtime:
-    """Per-process collaborators of deliveries (created lazily, after fork)."""
+    """Per-process collaborators of deliveries (created lazily, after fork), and the listener
+    of engine commands (``wm.dataplane.enginecontrol``) for the engines loaded here."""
 
     def __init__(self, settings: Settings, app: Celery) -> None:
         self.settings = settings
@@ -168,6 +186,58 @@ class Runtime:
         self.dead_letters = DeadLetters(settings, self.bus)
         self.engines = EngineCache(settings, self.directory)
         self.node = f"{socket.gethostname()}:{os.getpid()}"
+        #: Deliveries running in this process, by worker id.
+        self.in_flight: Counter[str] = Counter()
+        self._flight_lock = threading.Lock()
+        #: When each worker's engine was last killed here (its deliveries begun before were
+        #: interrupted by the stop, not failed).
+        self.killed_at: dict[str, float] = {}
+        self.listener = enginecontrol.Listener(settings, self.command)
+        self.listener.start()
+
+    def begin(self, worker_id: str) -> None:
+        with self._flight_lock:
+            self.in_flight[worker_id] += 1
+
+    def end(self, worker_id: str) -> None:
+        with self._flight_lock:
+            self.in_flight[worker_id] -= 1
+            if self.in_flight[worker_id] <= 0:
+                del self.in_flight[worker_id]
+
+    def interrupted(self, worker_id: str, began: float) -> bool:
+        """A delivery to ``worker_id`` begun at ``began`` was cut short by a stop's kill."""
+        return self.killed_at.get(worker_id, 0.0) >= began
+
+    def command(self, op: str, worker_id: str) -> None:
+        """An engine command: ``kill`` the worker's engine if it runs here, or ``unload`` it."""
+        if op == enginecontrol.UNLOAD:
+            engine = self.engines.drop(worker_id)
+            if engine is not None:  # closing may wait for a call in flight: not on this thread
+                threading.Thread(target=engine.close, name="wm-unload", daemon=True).start()
+                logger.info("unloaded worker %s: it was stopped", worker_id)
+            return
+        if op != enginecontrol.KILL or not self.in_flight[worker_id]:
+            return
+        self.killed_at[worker_id] = time.time()
+        engine = self.engines.loaded(worker_id)
+        if engine is not None and engine.kill():
+            logger.warning("killed worker %s's engine: its stop's grace period passed", worker_id)
+        elif POOL_CHILD:
+            logger.warning(
+                "worker %s's code runs inside pool process %d and outlived its stop's grace "
+                "period: ending the process (the node starts another)",
+                worker_id,
+                os.getpid(),
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            logger.error(
+                "worker %s's code runs inside this node's process and cannot be killed apart "
+                "from it; its delivery runs to its time limit (run the node with the prefork "
+                "pool to have it killed)",
+                worker_id,
+            )
 
 
 @dataclass
@@ -188,6 +258,8 @@ class Delivery:
     #: The event's recorded outcome as stored (None: none), when read already; used once.
     prefetched: bool = False
     prefetched_outcome: bytes | str | None = None
+    #: When the engine part of the run began (``time.time()``; 0: not yet).
+    began: float = 0.0
 
     @functools.cached_property
     def key(self) -> str:
@@ -255,6 +327,8 @@ class Delivery:
             )
         if self.redelivered:
             self.count_run()
+        self.began = time.time()
+        self.rt.begin(self.meta.id)
         try:
             engine, temporary = self.rt.engines.engine(self.meta, self.version)
             try:
@@ -274,6 +348,8 @@ class Delivery:
             if self.redelivered:  # the run ended, if not well: it did not take the process down
                 self.rt.ledger.end_run(self.meta.id, self.key)
             raise
+        finally:
+            self.rt.end(self.meta.id)
 
     def count_run(self) -> None:
         """Count this run of a message the broker delivers again because the process that

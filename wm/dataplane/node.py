@@ -22,7 +22,7 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import breaker, outbox, sweep, workerhealth
+from wm.dataplane import breaker, delivery, outbox, sweep, workerhealth
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
@@ -266,6 +266,7 @@ def on_process_init() -> None:
     """In each pool process after fork: fresh database pools and a fresh runtime."""
     store.dispose_engines()
     reset_runtime()
+    delivery.POOL_CHILD = True
 
 
 def on_process_shutdown() -> None:

@@ -211,6 +211,11 @@ def _run(
         )
         raise Reject(f"worker {meta.id} failed: {exc}", requeue=True) from exc
     except Exception as exc:  # every failure goes through the policy
+        if delivery.began and rt.interrupted(meta.id, delivery.began):
+            # killed by a stop: no failure of the worker's; delivered again on its next start
+            raise Reject(
+                f"worker {meta.id} was stopped during this delivery", requeue=True
+            ) from exc
         notify("delivered", meta)
         _failed(task, rt, attempt, delivery, exc)
     else:

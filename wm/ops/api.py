@@ -531,8 +531,17 @@ def start_worker(svc: Svc, ref: Ref) -> WorkerInfo:
 
 
 @WORKERS.post("/{ref}/stop", dependencies=[OPERATOR], responses=_errors(404, 409))
-def stop_worker(svc: Svc, ref: Ref) -> WorkerInfo:
-    return svc.manager.stop_worker(ref)
+def stop_worker(
+    svc: Svc,
+    ref: Ref,
+    grace_s: Annotated[
+        float | None,
+        Query(ge=0, description="wait this long for deliveries in flight, then kill the engine"),
+    ] = None,
+) -> WorkerInfo:
+    """Stop consuming, wait for deliveries in flight (then kill the engine: ``killed``),
+    unload the engine; the queue keeps what arrives."""
+    return svc.manager.stop_worker(ref, grace_s=grace_s)
 
 
 @WORKERS.post("/{ref}/suspend", dependencies=[OPERATOR], responses=_errors(404, 409))
