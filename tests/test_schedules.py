@@ -18,7 +18,7 @@ from sqlalchemy import update
 from tests.conftest import env_of
 from tests.helpers import STUB, drain, eventually, stub
 from wm import InvalidArgument, ScheduleNotFound, Settings, WorkManager, store
-from wm.dataplane.beat import LEASE_S, fire_due
+from wm.dataplane.beat import LEASE_S, finish_ended, fire_due
 from wm.events import derive_id, event_key
 from wm.schedules import Timing, event_id
 from wm.store.models import Schedule
@@ -208,3 +208,33 @@ def test_a_firing_sent_twice_is_delivered_once(
     assert fire_due(pg_settings, manager.bus, now) == 3
     received = _received(pg_settings, out, 3)
     assert received == collections.Counter(_output_ids(schedule, worker.id, range(1, 4)))
+
+
+def test_a_worker_finishes_once_its_schedules_ended_and_their_events_were_delivered(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("end.done", "out")
+    worker = manager.create_worker(code=stub(output_type="end.done"), mime_type=STUB, topic="end")
+    endless = manager.create_worker(code=stub(), mime_type=STUB, topic="end2")
+    created = datetime.now(UTC)
+    until = created + timedelta(seconds=2.5)
+    schedule = manager.add_schedule(
+        worker.id, event_type="end", every_s=1, until=until, missed="catch_up"
+    )
+    manager.add_schedule(endless.id, event_type="end2", every_s=1)
+    anchor = schedule.created_at
+    later = anchor + timedelta(seconds=3)
+    assert fire_due(pg_settings, manager.bus, later) == 2 + 1  # until 2.5 s: two firings
+    assert finish_ended(pg_settings, manager.bus, later) == 0  # not delivered yet
+    assert manager.get_worker(worker.id).status == "running"
+
+    node = start_node(pg_settings)
+    node.consuming(f"end::{worker.id}")
+    assert len(drain(pg_settings, out, 2)) == 2
+    eventually(lambda: finish_ended(pg_settings, manager.bus, later) == 1)
+    assert manager.get_worker(worker.id).status == "finished"
+    last = manager.get_worker_transitions(worker.id)[-1]
+    assert (last.from_status, last.to_status, last.actor) == ("running", "finished", "schedule")
+    assert "its schedules ended (until " in last.reason
+    assert manager.get_worker(endless.id).status == "running"  # no until: it goes on

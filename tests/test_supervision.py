@@ -290,3 +290,126 @@ def test_stop_waits_for_deliveries_in_flight_then_stops_and_unloads(
     assert manager.stop_worker(worker.id).status == "stopped"  # idempotent
     with pytest.raises(InvalidArgument, match="grace period must be"):
         manager.stop_worker(worker.id, grace_s=-1)
+
+
+def test_recovery_stop_stops_a_failing_worker_and_keeps_its_event(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("rs.done", "out")
+    worker = manager.create_worker(
+        code=stub(fail="boom"),
+        mime_type=STUB,
+        topic="rs.in",
+        settings={**BREAKER, "failure_threshold": 2, "recovery": "stop"},
+    )
+    node = start_node(pg_settings)
+    node.consuming(f"rs.in::{worker.id}")
+    manager.publish(make_event("rs.in", "/t", {"n": 1}))
+    eventually(lambda: manager.get_worker(worker.id).status == "stopped", timeout_s=30)
+    last = manager.get_worker_transitions(worker.id)[-1]
+    assert (last.from_status, last.to_status, last.actor) == ("running", "stopped", "breaker")
+    assert "recovery 'stop' after 2 consecutive failed deliveries" in last.reason
+    assert "boom" in last.reason
+    assert DeadLetters(pg_settings).list(include_replayed=True) == []
+
+    manager.load_code_from_content(worker.id, stub(output_type="rs.done"))
+    manager.start_worker(worker.id)
+    assert [e["data"]["input"] for e in drain(pg_settings, out, 1)] == [{"n": 1}]
+
+
+@pytest.mark.parametrize("how", ["degrade", "replace"])
+def test_recovery_degrade_and_replace_go_on_consuming(
+    pg_settings: Settings, start_node: Any, how: str
+) -> None:
+    """No pause: the failing events are dead-lettered as usual, the rest delivered; the
+    strategy is announced once per run of failures (replace also reloads the engine)."""
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("rd.done", "out")
+    events = manager.subscribe(LIFECYCLE_TOPIC, "life")
+    worker = manager.create_worker(
+        code=stub(output_type="rd.done", fail="bad input", fail_if_data_has="bad"),
+        mime_type=STUB,
+        topic="rd.in",
+        settings={"failure_threshold": 2, "max_retries": 0, "recovery": how},
+    )
+    node = start_node(pg_settings)
+    node.consuming(f"rd.in::{worker.id}")
+    for n in range(4):
+        manager.publish(make_event("rd.in", "/t", {"n": n, "bad": True}))
+    eventually(lambda: len(DeadLetters(pg_settings).list()) == 4, timeout_s=30)
+    manager.publish(make_event("rd.in", "/t", {"n": 9}))
+    assert [e["data"]["input"] for e in drain(pg_settings, out, 1)] == [{"n": 9}]
+    assert manager.get_worker(worker.id).status == "running"
+    recovery = [
+        e["data"]
+        for e in drain(pg_settings, events, 30, timeout_s=2)
+        if e["type"].endswith(".recovery")
+    ]
+    assert len(recovery) == 1  # once per run of failures: 4 failures, threshold 2
+    assert recovery[0]["strategy"] == how and "bad input" in recovery[0]["last_error"]
+    if how == "replace":
+        node.wait_for(f"unloaded worker {worker.id}")
+
+
+def test_a_delayed_start_waits_pending_then_runs_and_a_stop_cancels_it(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("ds.done", "out")
+    worker = manager.create_worker(
+        code=stub(output_type="ds.done"), mime_type=STUB, topic="ds.in", start=False
+    )
+    other = manager.create_worker(code=stub(), mime_type=STUB, topic="ds.other", start=False)
+    node = start_node(pg_settings)
+    with pytest.raises(InvalidArgument, match="start delay must be a positive number"):
+        manager.start_worker(worker.id, delay_s=0)
+
+    assert manager.start_worker(worker.id, delay_s=2).status == "pending"
+    assert manager.start_worker(other.id, delay_s=2).status == "pending"
+    manager.publish(make_event("ds.in", "/t", {"n": 1}))
+    assert drain(pg_settings, out, 1, timeout_s=1) == []  # not before its time
+    assert manager.stop_worker(other.id).status == "stopped"  # cancels that one's wait
+
+    node.consuming(f"ds.in::{worker.id}")
+    assert [e["data"]["input"] for e in drain(pg_settings, out, 1)] == [{"n": 1}]
+    moves = [
+        (t.from_status, t.to_status, t.actor, t.reason)
+        for t in manager.get_worker_transitions(worker.id)
+    ]
+    assert moves[1:] == [
+        ("created", "pending", "api", "start requested in 2 s"),
+        ("pending", "starting", "api", "its delayed start came"),
+        ("starting", "running", "api", "started"),
+    ]
+    time.sleep(2)
+    assert manager.get_worker(other.id).status == "stopped"  # its start came and did nothing
+
+
+def test_a_worker_whose_code_says_it_is_done_finishes(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("dn.done", "out")
+    code = (
+        "from wm.devkit import done, make_event\n\n"
+        "def process(event):\n"
+        "    if event.get_data().get('last'):\n"
+        "        done('saw the last one')\n"
+        "    return make_event('dn.done', '/t', event.get_data())\n"
+    )
+    worker = manager.create_worker(code=code, mime_type="text/x-python", topic="dn.in")
+    node = start_node(pg_settings)
+    node.consuming(f"dn.in::{worker.id}")
+    manager.publish(make_event("dn.in", "/t", {"n": 1}))
+    manager.publish(make_event("dn.in", "/t", {"n": 2, "last": True}))
+    assert sorted(e["data"]["n"] for e in drain(pg_settings, out, 2)) == [1, 2]
+    eventually(lambda: manager.get_worker(worker.id).status == "finished")
+    last = manager.get_worker_transitions(worker.id)[-1]
+    assert (last.from_status, last.to_status, last.actor) == ("running", "finished", "node")
+    assert last.reason == "finished: its code said it is done (saw the last one)"
+
+    manager.publish(make_event("dn.in", "/t", {"n": 3}))
+    assert drain(pg_settings, out, 1, timeout_s=2) == []  # finished: it waits in the queue
+    manager.start_worker(worker.id)
+    assert [e["data"]["n"] for e in drain(pg_settings, out, 1)] == [3]

@@ -40,11 +40,19 @@ class Outputs(list[CloudEvent]):
     ``worker_error`` the error the worker answered with (its error response is among the
     events). Such an answer is no failed delivery: it is recorded and published like any
     outcome, never retried, and the delivery reports it as a ``worker.error`` lifecycle event.
+    ``done``: the worker's code declared it has done its work (for this reason); once the
+    outputs are published the worker is ``finished``.
     """
 
-    def __init__(self, events: Iterable[CloudEvent] = (), worker_error: str | None = None):
+    def __init__(
+        self,
+        events: Iterable[CloudEvent] = (),
+        worker_error: str | None = None,
+        done: str | None = None,
+    ):
         super().__init__(events)
         self.worker_error = worker_error
+        self.done = done
 
 
 class Engine:
@@ -89,6 +97,14 @@ class Engine:
         """Run the code on ``event`` and return the events it produced (maybe none; an
         :class:`Outputs` when the worker answered with an error)."""
         raise NotImplementedError("Engine.process() must be implemented.")
+
+    def probe(self, timeout_s: float) -> bool | None:
+        """Run the health probe of the loaded code (issue 14): True when it passed, False
+        when it failed, None when the code has no probe (the default), which the data plane
+        remembers for the code's version and stops asking. An exception (the probe raised,
+        outlived ``timeout_s`` or crashed its process) counts as a failed probe, its message
+        as the reason; engines may raise rather than answer False, to say why."""
+        return None
 
     def close(self) -> None:
         """Release what ``load`` acquired. Safe to call more than once."""

@@ -143,6 +143,16 @@ def payload_key(payload: str) -> str | None:
     return None
 
 
+def payload_partition(payload: str) -> str | None:
+    """The ``partitionkey`` extension of an encoded event (None: none, or not a string)."""
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        return None
+    found = parsed.get("partitionkey") if isinstance(parsed, dict) else None
+    return found if isinstance(found, str) and found else None
+
+
 def key_of(event: CloudEvent) -> str:
     return event_key(event.get_source(), event.get_id())
 

@@ -5,9 +5,11 @@
 ``running ⇄ suspended`` (an operator pauses consuming; queue and engine stay), and
 ``running → pending → starting → running`` (the circuit breaker: consecutive failed
 deliveries pause the worker for a back-off, then it tries again), ``running → finished``
-(it processed its ``max_events``; ``start`` runs it again), ``stopping → killed`` (its
-deliveries in flight outlived the stop's grace period: the node killed the engine, and they
-are delivered again on the next start).
+(it processed its ``max_events``, its schedules ended or its code said so; ``start`` runs
+it again), ``→ pending → starting → running`` for a start that must wait (``start`` with a
+delay) from ``created``, ``stopped``, ``failed``, ``killed`` or ``finished``, and
+``stopping → killed`` (its deliveries in flight outlived the stop's grace period: the node
+killed the engine, and they are delivered again on the next start).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Status(StrEnum):
 
 #: Legal transitions; anything else raises :class:`IllegalTransition`.
 TRANSITIONS: dict[Status, frozenset[Status]] = {
-    Status.CREATED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.CREATED: frozenset({Status.STARTING, Status.PENDING, Status.DELETED}),
     Status.STARTING: frozenset({Status.RUNNING, Status.FAILED, Status.DELETED}),
     Status.RUNNING: frozenset(
         {
@@ -46,13 +48,13 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
             Status.DELETED,
         }
     ),
-    Status.FINISHED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.FINISHED: frozenset({Status.STARTING, Status.PENDING, Status.DELETED}),
     Status.SUSPENDED: frozenset({Status.RUNNING, Status.STOPPING, Status.DELETED}),
     Status.PENDING: frozenset({Status.STARTING, Status.SUSPENDED, Status.STOPPING, Status.DELETED}),
     Status.STOPPING: frozenset({Status.STOPPED, Status.KILLED, Status.FAILED, Status.DELETED}),
-    Status.STOPPED: frozenset({Status.STARTING, Status.DELETED}),
-    Status.KILLED: frozenset({Status.STARTING, Status.DELETED}),
-    Status.FAILED: frozenset({Status.STARTING, Status.DELETED}),
+    Status.STOPPED: frozenset({Status.STARTING, Status.PENDING, Status.DELETED}),
+    Status.KILLED: frozenset({Status.STARTING, Status.PENDING, Status.DELETED}),
+    Status.FAILED: frozenset({Status.STARTING, Status.PENDING, Status.DELETED}),
     Status.DELETED: frozenset(),
 }
 

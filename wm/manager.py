@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session
 
 from wm import codesource, store
 from wm.config import Settings
-from wm.dataplane import enginecontrol, outbox, quota
-from wm.dataplane.bus import Bus
+from wm.dataplane import breaker, enginecontrol, outbox, quota
+from wm.dataplane.bus import Bus, Route, ordered
 from wm.dataplane.queues import plain_queue_name, worker_queue_name
 from wm.engine import WorkerSpec, engine_class
 from wm.errors import (
@@ -37,6 +37,7 @@ from wm.schedules import MISSED, Timing
 from wm.state.breaker import Breaker
 from wm.state.health import WorkerHealth
 from wm.state.ledger import Ledger
+from wm.state.ordering import Ordering
 from wm.store import records
 from wm.store.models import Schedule, Subscription, Worker, WorkerTransition, WorkerVersion
 from wm.views import (
@@ -129,7 +130,7 @@ class WorkManager:
             )
 
         records.transaction(self.settings, insert, name_hint=name)
-        self.bus.add_route(topic, queue, str(worker_id))
+        self.bus.add_route(topic, Route(queue, str(worker_id), ordered(worker_settings)))
         outbox.changed(self.settings, self.bus, worker_id)
         logger.info("created worker %s on topic %s", worker_id, topic)
         return self.start_worker(worker_id) if start else self.get_worker(worker_id)
@@ -184,13 +185,28 @@ class WorkManager:
 
     # -- state changes ---------------------------------------------------------------------
 
-    def start_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
+    def start_worker(
+        self, worker_id: uuid.UUID | str, *, delay_s: float | None = None
+    ) -> WorkerInfo:
         """Start consuming the worker's queue; idempotent. A suspended worker resumes; a
         worker paused by its circuit breaker starts at once with the breaker closed; a
-        finished one runs again with a fresh ``max_events``."""
+        finished one runs again with a fresh ``max_events``.
+
+        With ``delay_s`` the start waits: the worker is ``pending`` now and starts by itself
+        after ``delay_s`` seconds (``start`` or ``stop`` meanwhile replace the wait)."""
         wid = self._resolve(worker_id)
+        if delay_s is not None:
+            if not (math.isfinite(delay_s) and delay_s > 0):
+                raise InvalidArgument(
+                    f"start delay must be a positive number of seconds, not {delay_s}"
+                )
+            if breaker.delay_start(self.settings, self.bus, self.bus.app, wid, delay_s, self.actor):
+                Breaker(self.settings).succeeded(str(wid))
+                quota.reset(self.settings, str(wid))
+            return self.get_worker(wid)
         changed = records.transaction(self.settings, lambda s: self._start(s, wid))
         outbox.changed(self.settings, self.bus, wid)
+        breaker.forget_delayed_start(self.settings, str(wid))
         if changed:
             Ledger(self.settings).restart_clocks(str(wid))
             Breaker(self.settings).succeeded(str(wid))  # started by request: breaker closed
@@ -229,6 +245,7 @@ class WorkManager:
         wid = self._resolve(worker_id)
         stopping = records.transaction(self.settings, lambda session: self._stop(session, wid))
         outbox.changed(self.settings, self.bus, wid)
+        breaker.forget_delayed_start(self.settings, str(wid))
         if stopping is None:
             return self.get_worker(wid)
         queue, settings = stopping
@@ -260,6 +277,7 @@ class WorkManager:
             self.bus.remove_route(topic, queue)
         if removed:
             Ledger(self.settings).forget_worker(str(wid))
+            Ordering(self.settings).forget_worker(str(wid))
             enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
         return self.get_worker(wid)
 
@@ -459,7 +477,7 @@ class WorkManager:
                 session.add(Subscription(topic=topic, queue=queue, worker_id=None))
 
         records.transaction(self.settings, add)
-        self.bus.add_route(topic, queue, None)
+        self.bus.add_route(topic, Route(queue, None))
         return queue
 
     def unsubscribe(self, topic: str, name: str, *, delete_queue: bool = True) -> None:

@@ -46,16 +46,25 @@ WORKER_SETTINGS: dict[str, SettingRule] = {
     "failure_threshold": SettingRule(),
     "breaker_base_delay_s": SettingRule((int, float)),
     "breaker_max_delay_s": SettingRule((int, float)),
+    # what reaching failure_threshold does (wm.dataplane.breaker.STRATEGIES)
+    "recovery": SettingRule(text=True, choices=("retry", "degrade", "stop", "replace")),
     # successful deliveries after which the worker is finished (wm.dataplane.quota); 0: none
     "max_events": SettingRule(),
     # deliveries of the worker running at once across the cluster (wm.state.slots); 0: any
     "max_concurrency": SettingRule(),
+    # "key": events with the same partitionkey one at a time, in publish order (wm.state.ordering)
+    "ordering": SettingRule(text=True, choices=("none", "key")),
+    "ordering_gap_s": SettingRule((int, float)),
     # seconds stop waits for deliveries in flight before it kills the engine (wm.lifecycle)
     "stop_grace_s": SettingRule((int, float)),
     # health thresholds (wm.state.health)
     "health_degraded_rate": SettingRule((int, float)),
     "health_unhealthy_rate": SettingRule((int, float)),
     "health_max_consecutive_failures": SettingRule(),
+    # the optional health probe of the worker's code (wm.dataplane.probes): seconds between
+    # probes (default 30), failed probes in a row that make it unhealthy (default 3; 0: never)
+    "probe_interval_s": SettingRule((int, float)),
+    "max_probe_failures": SettingRule(),
 }
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"

@@ -10,7 +10,9 @@ Operator notes:
 
 * Contract: the code defines ``process(event)`` (``async def`` allowed if it awaits only
   coroutines) or one ``wm.devkit.WorkerBase`` subclass constructible without arguments; it
-  returns a CloudEvent, a list or tuple of them, or None.
+  returns a CloudEvent, a list or tuple of them, or None. Optional health probe: a
+  top-level ``probe()`` function or the subclass's ``probe(self)``, run in the sandbox like a
+  message (same time limit); a false answer or an exception is a failed probe.
 * Settings: ``PYTHON_ALLOWED_PACKAGES`` (top-level names; ``wm.devkit`` is always allowed),
   ``MESSAGE_HANDLING_TIMEOUT_SECONDS`` (per message; loading gets 10 s more),
   ``WM_GATEWAY_ALLOWED_HOSTS`` and ``WM_GATEWAY_TIMEOUT_S`` for gateway calls.

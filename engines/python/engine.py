@@ -3,8 +3,9 @@
 One child per loaded worker per host process, started by ``load`` (which is also the
 contract check: the module body runs in the sandbox and must define ``process(event)`` or a
 ``wm.devkit.WorkerBase`` subclass), reused across messages, replaced on hot reload, killed on
-timeout or crash and started again lazily by the next message. A lock keeps one message in
-flight per child; ``load`` takes it too, so messages in flight finish on the old code.
+timeout or crash and started again lazily by the next message. A lock keeps one message (or
+health probe) in flight per child; ``load`` takes it too, so messages in flight finish on the
+old code.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from engines.python import isolation
 from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
 from engines.python.protocol import event_body
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
-from wm.engine import Engine, WorkerSpec
+from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, decode
 from wm.views import SettingRule
@@ -140,20 +141,44 @@ class PythonEngine(Engine):
 
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
         with self._lock:
-            if self._source is None or self._worker is None:
-                raise WorkerExecutionError("PythonEngine.process() called before load()")
-            process = self._process
-            if process is not None and process.exited:
-                process.kill()
-                process = None
-            if process is None:
-                process = self._process = self._restart(self._source, self._worker)
+            process = self._ready()
             try:
                 return self._exchange(process, event, timeout_s)
             finally:
-                if process.broken:
-                    process.kill()
-                    self._process = None
+                self._drop_if_broken(process)
+
+    def probe(self, timeout_s: float) -> bool | None:
+        """The code's ``probe()`` (a function, or a WorkerBase method), run in the sandbox
+        after the messages in flight, like a message: past ``timeout_s`` its sandbox is killed
+        and :class:`~wm.errors.WorkerTimeout` raised. True when it passed, None without a
+        probe. Never False: a probe that raised is a :class:`PythonWorkerError`, a false
+        answer a :class:`~wm.errors.WorkerExecutionError` naming it (``probe() returned
+        None``: the worker forgot to return True)."""
+        with self._lock:
+            process = self._ready()
+            if not process.probe:
+                return None
+            try:
+                return self._ask_probe(process, timeout_s)
+            finally:
+                self._drop_if_broken(process)
+
+    def _ready(self) -> SandboxProcess:
+        """The child that runs the code, started again if it ended (call with the lock)."""
+        if self._source is None or self._worker is None:
+            raise WorkerExecutionError("PythonEngine called before load()")
+        process = self._process
+        if process is not None and process.exited:
+            process.kill()
+            process = None
+        if process is None:
+            process = self._process = self._restart(self._source, self._worker)
+        return process
+
+    def _drop_if_broken(self, process: SandboxProcess) -> None:
+        if process.broken:
+            process.kill()
+            self._process = None
 
     def close(self) -> None:
         with self._lock:
@@ -204,6 +229,7 @@ class PythonEngine(Engine):
     def _accept(self, process: SandboxProcess, reply: dict[str, Any]) -> SandboxProcess:
         if reply["op"] == "ready":
             process.entry = str(reply.get("entry"))
+            process.probe = reply.get("probe") is True
             return process
         process.kill()
         if reply["op"] == "invalid":
@@ -258,27 +284,57 @@ class PythonEngine(Engine):
                 "fresh one starts with the next message"
             ) from exc
         if reply["op"] == "error":
-            if reply.get("fatal"):
-                process.broken = True
-            raise PythonWorkerError(
-                f"Python worker {process.worker_id} failed: {reply.get('message')}",
-                str(reply.get("type")),
-                str(reply.get("traceback", "")),
-            )
+            self._raise_worker_error(process, reply, "failed")
         if reply["op"] != "result":
             process.broken = True
             raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
         return self._outputs(process, reply)
 
-    def _outputs(self, process: SandboxProcess, reply: dict[str, Any]) -> list[CloudEvent]:
+    def _ask_probe(self, process: SandboxProcess, timeout_s: float) -> bool:
+        try:
+            reply = process.request({"op": "probe"}, time.monotonic() + timeout_s)
+        except WorkerTimeout as exc:
+            raise WorkerTimeout(
+                f"the probe of Python worker {process.worker_id} did not finish within "
+                f"{timeout_s:g} s; its sandbox (pid {process.pid}) was killed"
+            ) from exc
+        if reply["op"] == "error":
+            self._raise_worker_error(process, reply, "probe failed")
+        if reply["op"] != "probe_result":
+            process.broken = True
+            raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
+        self._recycle_if_spent(process, reply)
+        if reply.get("ok") is not True:  # raised rather than False: the reason says why
+            raise WorkerExecutionError(
+                f"Python worker {process.worker_id}'s probe failed: {reply.get('message')}"
+            )
+        return True
+
+    @staticmethod
+    def _raise_worker_error(process: SandboxProcess, reply: dict[str, Any], what: str) -> NoReturn:
+        if reply.get("fatal"):
+            process.broken = True
+        raise PythonWorkerError(
+            f"Python worker {process.worker_id} {what}: {reply.get('message')}",
+            str(reply.get("type")),
+            str(reply.get("traceback", "")),
+        )
+
+    @staticmethod
+    def _recycle_if_spent(process: SandboxProcess, reply: dict[str, Any]) -> None:
+        """Mark the child for replacement once it used its share of its CPU limit."""
         cpu_s = reply.get("cpu_s")
-        limit = process.cpu_limit_s
-        if isinstance(cpu_s, int | float) and cpu_s > CPU_RECYCLE_SHARE * limit:
+        if isinstance(cpu_s, int | float) and cpu_s > CPU_RECYCLE_SHARE * process.cpu_limit_s:
             logger.info(
                 "python worker %s used %.1f s CPU; recycling its sandbox", process.worker_id, cpu_s
             )
             process.broken = True
+
+    def _outputs(self, process: SandboxProcess, reply: dict[str, Any]) -> list[CloudEvent]:
+        self._recycle_if_spent(process, reply)
         try:
-            return [decode(raw) for raw in reply.get("events", [])]
+            events = [decode(raw) for raw in reply.get("events", [])]
         except (EventDecodeError, TypeError) as exc:
             raise WorkerExecutionError(f"Python worker returned an invalid event: {exc}") from exc
+        done = reply.get("done")
+        return events if done is None else Outputs(events, done=str(done))

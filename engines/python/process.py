@@ -140,6 +140,8 @@ class SandboxProcess:
         self.broken = False
         #: Entry point the child reported (``process`` or a WorkerBase subclass name).
         self.entry = ""
+        #: Whether the child reported a health probe in the worker's code.
+        self.probe = False
         #: CPU seconds the child may use in its lifetime (RLIMIT_CPU).
         self.cpu_limit_s = float("inf")
         self._gateway = gateway

@@ -6,8 +6,10 @@ child → host), never over the child's stdout/stderr, so ``print`` in worker co
 corrupt the protocol. CloudEvents inside frames are in structured mode, spliced in as the
 bytes the ``cloudevents`` JSON format writes, so an event is serialised once per hop.
 
-Host → child: ``init`` (launch configuration and code), ``event``, ``gateway_reply``.
-Child → host: ``ready``, ``invalid``, ``result``, ``error``, ``log``, ``gateway``.
+Host → child: ``init`` (launch configuration and code), ``event``, ``probe`` (run the
+worker's health probe), ``gateway_reply``.
+Child → host: ``ready`` (says whether the code has a probe), ``invalid``, ``result``,
+``probe_result``, ``error``, ``log``, ``gateway``.
 """
 
 from __future__ import annotations
@@ -120,10 +122,12 @@ def event_body(event: CloudEvent) -> bytes:
     return b'{"op":"event","event":' + _FORMAT.write(event) + b"}"
 
 
-def result_body(events: Iterable[CloudEvent], cpu_s: float) -> bytes:
-    """Body of a ``result`` frame (child → host)."""
+def result_body(events: Iterable[CloudEvent], cpu_s: float, done: str | None = None) -> bytes:
+    """Body of a ``result`` frame (child → host); ``done``: the worker declared it is done
+    (``wm.devkit.done``), for this reason."""
     encoded = b",".join(_FORMAT.write(event) for event in events)
-    return b'{"op":"result","cpu_s":%.3f,"events":[%s]}' % (cpu_s, encoded)
+    tail = b"" if done is None else b',"done":' + json.dumps(done).encode("utf-8")
+    return b'{"op":"result","cpu_s":%.3f,"events":[%s]%s}' % (cpu_s, encoded, tail)
 
 
 def event_from_json(obj: Any) -> CloudEvent:

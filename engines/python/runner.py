@@ -1,4 +1,5 @@
-"""Sandbox side: set the sandbox up, load the worker code, then serve events until EOF.
+"""Sandbox side: set the sandbox up, load the worker code, then serve events (and health
+probes) until EOF.
 
 Set-up order matters: resource limits, the DevKit runtime and every module the runner needs
 later are in place before the audit hook is installed (the seal); worker code — including its
@@ -25,6 +26,7 @@ from cloudevents.core.v1.event import CloudEvent
 from engines.python import sandbox
 from engines.python.protocol import BlockingChannel, event_from_json, result_body
 from wm.devkit import GatewayError, Runtime, WorkerBase, install_runtime
+from wm.devkit.runtime import take_done
 
 #: Name of the worker's module (``__module__`` of the classes it defines).
 WORKER_MODULE = "worker"
@@ -51,10 +53,12 @@ class WorkerRefused(Exception):
 
 @dataclass(frozen=True)
 class Entry:
-    """How to call the worker: a ``process`` function or a WorkerBase instance's method."""
+    """How to call the worker: a ``process`` function or a WorkerBase instance's method, and
+    its health probe if it has one (a ``probe()`` function or the subclass's method)."""
 
     name: str
     call: Callable[[CloudEvent], Any]
+    probe: Callable[[], Any] | None = None
 
 
 def apply_limits(limits: dict[str, int]) -> None:
@@ -159,7 +163,8 @@ def find_entry(namespace: dict[str, Any]) -> Entry:
     """``process(event)`` if defined, else the one WorkerBase subclass the module defines."""
     function = namespace.get("process")
     if callable(function):
-        return Entry("process", function)
+        probe = namespace.get("probe")
+        return Entry("process", function, probe if callable(probe) else None)
     classes = [
         value
         for value in namespace.values()
@@ -183,7 +188,8 @@ def find_entry(namespace: dict[str, Any]) -> Entry:
             f"{leaves[0].__name__}() failed: {describe(exc)}; its __init__ must take no "
             "arguments and pass response_type and source to super().__init__"
         ) from exc
-    return Entry(leaves[0].__name__, instance.process)
+    probe = instance.probe if leaves[0].probe is not WorkerBase.probe else None
+    return Entry(leaves[0].__name__, instance.process, probe)
 
 
 def describe(exc: BaseException) -> str:
@@ -249,7 +255,35 @@ def handle(entry: Entry, raw_event: Any, worker_file: str) -> tuple[bytes, bool]
     try:
         events = normalize(entry.call(event_from_json(raw_event)))
         times = os.times()
-        body = result_body(events, times.user + times.system)
+        body = result_body(events, times.user + times.system, take_done())
+    except Exception as exc:
+        return error_body(exc, worker_file), False
+    except BaseException as exc:  # SystemExit, tampering: the worker ends the child
+        return error_body(exc, worker_file, fatal=True), True
+    finally:
+        take_done()  # a call that failed after done() did not finish the worker
+        _flush_stdio()
+    threads = _thread._count()
+    if threads:
+        leftover = RuntimeError(
+            f"worker code left {threads} thread(s) running; threads are not supported"
+        )
+        return error_body(leftover, worker_file, fatal=True), True
+    return body, False
+
+
+def handle_probe(entry: Entry, worker_file: str) -> tuple[bytes, bool]:
+    """Run the worker's health probe: (reply body, whether the child must exit). The reply
+    is ``probe_result`` (``ok`` null when the code has no probe, false for a falsy answer)
+    or, when the probe raised, ``error``: a failed probe either way."""
+    if entry.probe is None:
+        return b'{"op":"probe_result","ok":null}', False
+    try:
+        answer = entry.probe()
+        if isinstance(answer, Coroutine):
+            answer = _drive(answer)
+        ok = bool(answer)
+        times = os.times()
     except Exception as exc:
         return error_body(exc, worker_file), False
     except BaseException as exc:  # SystemExit, tampering: the worker ends the child
@@ -262,7 +296,17 @@ def handle(entry: Entry, raw_event: Any, worker_file: str) -> tuple[bytes, bool]
             f"worker code left {threads} thread(s) running; threads are not supported"
         )
         return error_body(leftover, worker_file, fatal=True), True
-    return body, False
+    reply: dict[str, Any] = {"op": "probe_result", "ok": ok, "cpu_s": times.user + times.system}
+    if not ok:
+        reply["message"] = f"probe() returned {_falsy(answer)}, not a true value"
+    return json.dumps(reply).encode("utf-8"), False
+
+
+def _falsy(answer: Any) -> str:
+    """A falsy probe answer as the reason shows it (no worker-defined ``__repr__`` runs)."""
+    if type(answer) in (type(None), bool, int, float, str, bytes):
+        return repr(answer)
+    return f"a falsy {type(answer).__name__}"
 
 
 def _flush_stdio() -> None:
@@ -272,12 +316,18 @@ def _flush_stdio() -> None:
 
 
 def serve(channel: BlockingChannel, entry: Entry, worker_file: str) -> None:
-    """Answer ``event`` frames until the host closes the pipe (or a fatal error)."""
+    """Answer ``event`` and ``probe`` frames until the host closes the pipe (or a fatal
+    error)."""
     while True:
         message = channel.receive()
-        if message is None or message["op"] != "event":
+        if message is None:
             return
-        body, fatal = handle(entry, message.get("event"), worker_file)
+        if message["op"] == "event":
+            body, fatal = handle(entry, message.get("event"), worker_file)
+        elif message["op"] == "probe":
+            body, fatal = handle_probe(entry, worker_file)
+        else:
+            return
         channel.send_body(body)
         if fatal:
             return
@@ -293,5 +343,6 @@ def run(config: dict[str, Any], read_fd: int, write_fd: int) -> None:
         channel.send({"op": "invalid", "message": str(exc)})
         return
     _flush_stdio()
-    channel.send({"op": "ready", "pid": os.getpid(), "entry": entry.name})
+    probe = entry.probe is not None
+    channel.send({"op": "ready", "pid": os.getpid(), "entry": entry.name, "probe": probe})
     serve(channel, entry, config["filename"])

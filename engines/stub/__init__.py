@@ -6,6 +6,7 @@ The code is a JSON object::
      "sleep_ms": 0,                  # busy time per event
      "fail": "boom",                 # raise a WorkerExecutionError with this message
      "fail_if_data_has": "poison",   # ...only for events whose data contains this key
+     "fail_runs": 2,                 # ...only an event's first 2 runs (counted in "trace")
      "outputs": 1,                   # how many output events per input
      "trace": "/tmp/runs.jsonl"}     # append one line per execution begun to this file
 
@@ -30,6 +31,7 @@ _KEYS = {
     "sleep_ms": int,
     "fail": str,
     "fail_if_data_has": str,
+    "fail_runs": int,
     "outputs": int,
     "trace": str,
 }
@@ -64,6 +66,8 @@ class StubEngine(Engine):
 
     def load(self, code: bytes, worker: WorkerSpec) -> None:
         self._spec = parse_stub_code(code)
+        if "fail_runs" in self._spec and "trace" not in self._spec:
+            raise InvalidCode("stub code key 'fail_runs' counts runs in 'trace': give both")
         self._worker = worker
 
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
@@ -77,7 +81,9 @@ class StubEngine(Engine):
         data = event.get_data()
         poison = self._spec.get("fail_if_data_has")
         if "fail" in self._spec and (poison is None or (isinstance(data, dict) and poison in data)):
-            raise WorkerExecutionError(self._spec["fail"])
+            runs = self._spec.get("fail_runs")
+            if runs is None or _runs_of(self._spec["trace"], event.get_id()) <= runs:
+                raise WorkerExecutionError(self._spec["fail"])
         output_type = self._spec.get("output_type")
         if not output_type:
             return []
@@ -99,3 +105,9 @@ def _trace(path: str, event_id: str, started: float) -> None:
     line = json.dumps({"event_id": event_id, "pid": os.getpid(), "started_at": started})
     with open(path, "a", encoding="utf-8") as trace:
         trace.write(line + "\n")
+
+
+def _runs_of(path: str, event_id: str) -> int:
+    """Executions of ``event_id`` begun, this one included (the trace is written first)."""
+    with open(path, encoding="utf-8") as trace:
+        return sum(json.loads(line)["event_id"] == event_id for line in trace if line.strip())

@@ -34,7 +34,6 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
     listing.add_argument("--status", choices=[str(s) for s in Status])
     for name, handler, help in (
         ("show", show, "show one worker"),
-        ("start", start, "start consuming the worker's topic (idempotent)"),
         (
             "suspend",
             suspend,
@@ -46,6 +45,16 @@ def register(commands: Commands, common: argparse.ArgumentParser) -> None:
         ("transitions", transitions, "list the worker's state changes"),
     ):
         add_command(workers, name, handler, common, help).add_argument("worker", help=_WORKER_HELP)
+    starting = add_command(
+        workers, "start", start, common, "start consuming the worker's topic (idempotent)"
+    )
+    starting.add_argument("worker", help=_WORKER_HELP)
+    starting.add_argument(
+        "--delay",
+        type=float,
+        metavar="SECONDS",
+        help="start this much later: the worker is pending until then",
+    )
     stopping = add_command(
         workers,
         "stop",
@@ -169,7 +178,7 @@ def show(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def start(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.start_worker(args.worker))
+    _print_summary(ctx, ctx.manager.start_worker(args.worker, delay_s=args.delay))
     return 0
 
 

@@ -90,7 +90,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     The consumer task and the node's bootstep are named, not imported, so building an app
     (an admin script publishing an event) loads neither.
     """
-    app = Celery("wm", include=["wm.dataplane.tasks"])
+    app = Celery("wm", include=["wm.dataplane.tasks", "wm.dataplane.probes"])
     if settings is None:
         app.config_from_object("celeryconfig")
     else:

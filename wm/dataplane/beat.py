@@ -21,11 +21,16 @@ events to a worker's queue) is this module's few lines either way.
 - The event (type and data from the schedule, ``source`` ``/workmanager/schedules/<id>``,
   ``time`` the nominal time) goes to the worker's own queue, whatever its state: a stopped or
   suspended worker gets its firings when it runs again. ``until`` ends a schedule.
+- **A worker whose schedules have all ended finishes**: once every schedule of a running
+  worker has an ``until`` that passed, its last firing was sent and nothing is pending for it
+  (every event delivered or dead-lettered), it goes ``running → finished`` (actor
+  ``schedule``), checked every :data:`FINISH_CHECK_S` by the leading beat.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -35,12 +40,14 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
+from wm.dataplane import outbox
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import worker_queue_name
 from wm.events import encode, make_event
 from wm.lifecycle import Status
 from wm.schedules import Timing, event_id
 from wm.state.connection import redis_errors, redis_for
+from wm.state.ledger import Ledger
 from wm.store.models import Schedule, Worker
 from wm.store.records import aware
 
@@ -50,6 +57,8 @@ LEADER_KEY = "wm:beat:leader"
 LEASE_S = 5.0
 #: Seconds between ticks: how late a firing may be sent.
 TICK_S = 0.5
+#: Seconds between the leading beat's looks for workers whose schedules all ended.
+FINISH_CHECK_S = 2.0
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -70,6 +79,35 @@ def fire_due(settings: Settings, bus: Bus, now: datetime) -> int:
         ).all()
         due = [row.id for row in rows if (at := _next_firing(row)) is not None and at <= now]
     return sum(_fire_one(settings, bus, schedule_id, now) for schedule_id in due)
+
+
+def finish_ended(settings: Settings, bus: Bus, now: datetime) -> int:
+    """Finish the running workers whose schedules have all ended (module docstring);
+    returns how many finished."""
+    with store.session_scope(settings) as session:
+        rows = session.scalars(
+            select(Schedule)
+            .join(Worker, Worker.id == Schedule.worker_id)
+            .where(Worker.status == Status.RUNNING.value)
+        ).all()
+        ends: dict[str, list[datetime | None]] = {}  # per worker, None: not ended
+        for row in rows:
+            until = aware(row.until)
+            over = until is not None and until <= now and _next_firing(row) is None
+            ends.setdefault(str(row.worker_id), []).append(until if over else None)
+    ended = {w: max(u for u in us if u) for w, us in ends.items() if all(us)}
+    if not ended:
+        return 0
+    pending, finished = Ledger(settings).pending_of(list(ended)), 0
+    for worker, until in ended.items():
+        if pending[worker]:
+            continue  # its last firings are still being delivered
+        reason = f"finished: its schedules ended (until {until.isoformat()})"
+        wid = uuid.UUID(worker)
+        finished += outbox.leave_running(
+            settings, bus, wid, Status.FINISHED, reason, actor="schedule"
+        )
+    return finished
 
 
 def _next_firing(row: Schedule) -> datetime | None:
@@ -133,6 +171,7 @@ class DatabaseScheduler(beat.Scheduler):
         self.token = uuid.uuid4().hex
         self.leading = False
         self._bus: Bus | None = None
+        self._finish_checked = 0.0
         super().__init__(*args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -148,6 +187,9 @@ class DatabaseScheduler(beat.Scheduler):
         try:
             if self._lead():
                 fire_due(self.settings, self.bus, datetime.now(UTC))
+                if time.monotonic() - self._finish_checked >= FINISH_CHECK_S:
+                    self._finish_checked = time.monotonic()
+                    finish_ended(self.settings, self.bus, datetime.now(UTC))
         except Exception:  # a database or broker outage: the next tick tries again
             logger.exception("beat: firing schedules failed; next try in %ss", TICK_S)
         return TICK_S

@@ -27,11 +27,11 @@ from wm.dataplane.queues import (
     EXCHANGE,
     subscription_queue,
 )
-from wm.events import CloudEvent, encode, key_of, payload_key
+from wm.events import CloudEvent, encode, key_of, payload_key, payload_partition
 from wm.names import check_name
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
 from wm.state.ledger import Ledger
-from wm.store.models import Subscription
+from wm.store.models import Subscription, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,33 @@ def topic_key(topic: str, kind: str) -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """One subscription of a topic: its queue and, for a worker, the worker id."""
+    """One subscription of a topic: its queue and, for a worker, the worker id and whether
+    it orders its events by ``partitionkey`` (``wm.state.ordering``)."""
 
     queue: str
     worker_id: str | None
+    ordered: bool = False
+
+    @property
+    def value(self) -> str:
+        """The route's value in the routing table: the worker id ('' for a plain
+        subscription), with :data:`ORDERED_SUFFIX` for an ordered worker."""
+        return (self.worker_id or "") + (ORDERED_SUFFIX if self.ordered else "")
+
+    @classmethod
+    def parse(cls, queue: Any, value: Any) -> Route:
+        worker = text(value)
+        ordered = worker.endswith(ORDERED_SUFFIX)
+        return cls(text(queue), worker.removesuffix(ORDERED_SUFFIX) or None, ordered)
+
+
+#: Marks the route of a worker with ``ordering: key`` in the routing table.
+ORDERED_SUFFIX = "|key"
+
+
+def ordered(settings: dict[str, Any] | None) -> bool:
+    """A worker with these settings orders its events by ``partitionkey``."""
+    return (settings or {}).get("ordering") == "key"
 
 
 def send_plain(producer: Any, queue: str, payload: str) -> None:
@@ -129,7 +152,7 @@ class Bus:
         if flat is None:
             return None
         pairs = zip(flat[::2], flat[1::2], strict=True)
-        return [Route(text(q), text(w) or None) for q, w in sorted(pairs)]
+        return [Route.parse(q, w) for q, w in sorted(pairs)]
 
     def rebuild_routes(self, topic: str | None = None) -> int:
         """Make the routing table (or ``topic``'s routes) match the ``subscriptions`` table
@@ -164,12 +187,18 @@ class Bus:
         return len(missing) + len(extra)
 
     def _subscribed(self, topic: str | None) -> dict[tuple[str, str], str]:
-        query = select(Subscription)
+        query = select(
+            Subscription.topic, Subscription.queue, Subscription.worker_id, Worker.settings
+        )
+        query = query.outerjoin(Worker, Worker.id == Subscription.worker_id)
         if topic is not None:
             query = query.where(Subscription.topic == topic)
         with store.session_scope(self.settings) as session:
-            subs = session.scalars(query).all()
-            return {(s.topic, s.queue): str(s.worker_id or "") for s in subs}
+            rows = session.execute(query).all()
+        return {
+            (name, queue): Route(queue, str(worker) if worker else None, ordered(settings)).value
+            for name, queue, worker, settings in rows
+        }
 
     def _routed(self, topic: str | None) -> dict[tuple[str, str], str]:
         if topic is not None:
@@ -183,13 +212,13 @@ class Bus:
                 routed[(name, text(queue))] = text(worker)
         return routed
 
-    def add_route(self, topic: str, queue: str, worker_id: str | None) -> None:
-        """Declare the queue, then route ``topic`` to it."""
-        self.declare_queue(queue)
+    def add_route(self, topic: str, route: Route) -> None:
+        """Declare the route's queue, then route ``topic`` to it."""
+        self.declare_queue(route.queue)
         with redis_errors(self.settings):
-            self.redis.hset(topic_key(topic, _ROUTES), queue, worker_id or "")
+            self.redis.hset(topic_key(topic, _ROUTES), route.queue, route.value)
             if self.redis.exists(_LEGACY_READY):  # an earlier release still reads it
-                self.redis.hset(_LEGACY_ROUTES + topic, queue, worker_id or "")
+                self.redis.hset(_LEGACY_ROUTES + topic, route.queue, route.worker_id or "")
 
     def remove_route(self, topic: str, queue: str, *, delete_queue: bool = True) -> None:
         with redis_errors(self.settings):
@@ -262,20 +291,33 @@ class Bus:
         """
         routes = list(routes)
         deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
+        numbered = [r.worker_id for r in routes if r.ordered and r.worker_id is not None]
         key = key or payload_key(payload)
+        numbers: dict[str, int] = {}
         if deliveries and key:
-            Ledger(self.settings).add(deliveries, key, payload)
+            partition = payload_partition(payload) if numbered else None
+            numbers = Ledger(self.settings).add(
+                deliveries, key, payload, numbered=numbered, partition=partition
+            )
         with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
             for route in routes:
-                self._send_one(producer, route, payload, dict(task_options))
+                seq = numbers.get(route.worker_id or "")
+                self._send_one(producer, route, payload, dict(task_options), seq)
 
     def _send_one(
-        self, producer: Any, route: Route, payload: str, task_options: dict[str, Any]
+        self,
+        producer: Any,
+        route: Route,
+        payload: str,
+        task_options: dict[str, Any],
+        seq: int | None = None,
     ) -> None:
         if route.worker_id is None:
             send_plain(producer, route.queue, payload)
             return
         queue = subscription_queue(route.queue)
+        if seq is not None:  # its number among the worker's events of its partition key
+            task_options["kwargs"] = {**task_options.get("kwargs", {}), "seq": seq}
         self.app.send_task(
             DELIVER_TASK,
             args=[route.worker_id, payload],

@@ -10,13 +10,14 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from celery import Celery
 
 from wm.config import Settings
-from wm.dataplane import enginecontrol, tracing
+from wm.dataplane import enginecontrol, outbox, tracing
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.observe import notify
@@ -31,12 +32,14 @@ from wm.events import (
     lifecycle_event,
     with_attributes,
 )
+from wm.lifecycle import Status
 from wm.names import check_name, reserved_topic
 from wm.state.connection import StatePipeline
 from wm.state.directory import Directory, WorkerMeta
 from wm.state.health import Tally
 from wm.state.ledger import Ledger, Settlement
 from wm.state.locks import GroupLocks, Lease
+from wm.state.ordering import Ordering
 from wm.state.outcomes import Outcomes
 from wm.state.slots import Slots
 from wm.views import OUTPUT_TOPICS
@@ -182,6 +185,7 @@ class Runtime:
         self.outputs = OutputPublisher(self.bus)
         self.locks = GroupLocks(settings)
         self.slots = Slots(settings)
+        self.ordering = Ordering(settings)
         self.tally = Tally()
         self.dead_letters = DeadLetters(settings, self.bus)
         self.engines = EngineCache(settings, self.directory)
@@ -215,7 +219,7 @@ class Runtime:
             engine = self.engines.drop(worker_id)
             if engine is not None:  # closing may wait for a call in flight: not on this thread
                 threading.Thread(target=engine.close, name="wm-unload", daemon=True).start()
-                logger.info("unloaded worker %s: it was stopped", worker_id)
+                logger.info("unloaded worker %s (stopped, deleted or replaced)", worker_id)
             return
         if op != enginecontrol.KILL or not self.in_flight[worker_id]:
             return
@@ -418,6 +422,12 @@ class Delivery:
             notify("latency", self.meta, max(0.0, time.time() - sent.timestamp()))
         if isinstance(produced, Outputs) and produced.worker_error is not None:
             self.emit_error("WorkerAnswer", produced.worker_error)
+        if isinstance(produced, Outputs) and produced.done is not None:
+            reason = f"finished: its code said it is done ({produced.done})"
+            wid = uuid.UUID(self.meta.id)
+            outbox.leave_running(
+                self.rt.settings, self.rt.bus, wid, Status.FINISHED, reason, actor="node"
+            )
         return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:

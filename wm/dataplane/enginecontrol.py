@@ -30,7 +30,7 @@ from celery import Celery
 from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS
 from wm.dataplane.queues import DELIVER_TASK
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import own_client, redis_errors, redis_for
 
 logger = logging.getLogger(__name__)
 #: Redis pub/sub channel of engine commands.
@@ -110,7 +110,8 @@ class Listener(threading.Thread):
                 time.sleep(RESUBSCRIBE_S)
 
     def _listen(self) -> None:
-        pubsub = redis_for(self.settings).pubsub(ignore_subscribe_messages=True)
+        client = own_client(self.settings)
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
             pubsub.subscribe(CHANNEL)
             self.subscribed.set()
@@ -126,3 +127,4 @@ class Listener(threading.Thread):
                 self.handle(op, worker_id)
         finally:
             pubsub.close()
+            client.close()

@@ -22,7 +22,7 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import breaker, delivery, outbox, sweep, workerhealth
+from wm.dataplane import breaker, delivery, outbox, probes, sweep, workerhealth
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
@@ -88,6 +88,7 @@ def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
     repair_ready(settings, bus.app, running)
     sweep.sweep(settings, bus, running)
     breaker.sweep_overdue(settings, bus, slack_s=settings.reconcile_interval_s)
+    probes.send_due(settings, bus)
 
 
 def merge_levels(settings: Settings, app: Celery, queues: Iterable[str]) -> int:

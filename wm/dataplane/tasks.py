@@ -27,7 +27,7 @@ from celery.exceptions import Reject, Retry
 
 from wm.config import Settings
 from wm.dataplane import breaker, outbox, quota, tracing
-from wm.dataplane.bus import send_plain
+from wm.dataplane.bus import ordered, send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery, Runtime
 from wm.dataplane.observe import notify
@@ -45,10 +45,12 @@ from wm.errors import (
 )
 from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
+from wm.state import ordering
 from wm.state.breaker import Breaker, failures_key
 from wm.state.directory import WorkerMeta
 from wm.state.locks import retry_delay_ms
 from wm.state.nodehealth import EngineFailures
+from wm.state.ordering import PARTITION_EXTENSION, NotYourTurn, Ordering
 
 logger = logging.getLogger(__name__)
 _runtime: Runtime | None = None
@@ -121,11 +123,12 @@ def deliver(
     first_failure_at: float | None = None,
     lock_waits: int = 0,
     waiting_since: float | None = None,
+    seq: int | None = None,
 ) -> None:
     rt = runtime(self)
     waits = LockWaits(lock_waits, waiting_since)
     try:
-        _deliver(self, rt, worker_id, payload, pin_version, first_failure_at, waits)
+        _deliver(self, rt, worker_id, payload, pin_version, first_failure_at, waits, seq)
     except Retry:
         raise
     except Reject as exc:
@@ -153,6 +156,7 @@ def _deliver(
     pin_version: int | None,
     first_failure_at: float | None,
     waits: LockWaits,
+    seq: int | None,
 ) -> None:
     number = max(1, int(task.request.retries or 0) - waits.count + 1)
     try:
@@ -179,13 +183,60 @@ def _deliver(
     )
     delivery.prefetched, delivery.prefetched_outcome = True, outcome
     with quota.slot(rt, meta):  # a worker with max_events: one of its slots, or requeued
-        _run(task, rt, attempt, delivery, waits, bool(failures))
+        _run(task, rt, attempt, delivery, waits, bool(failures), Turn.of(rt, delivery, seq))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """An ordered delivery's place among its worker's events of one ``partitionkey``
+    (``wm.state.ordering``): it runs in its turn, and its success or dead letter ends it."""
+
+    ordering: Ordering
+    worker_id: str
+    partition: str
+    seq: int
+
+    @classmethod
+    def of(cls, rt: Runtime, delivery: Delivery, seq: int | None) -> Turn | None:
+        """None for an unordered delivery (no number, no key, or a worker not ordering)."""
+        partition = delivery.event.get_extension(PARTITION_EXTENSION)
+        if seq is None or not ordered(delivery.meta.settings) or not isinstance(partition, str):
+            return None
+        return cls(rt.ordering, delivery.meta.id, partition, seq)
+
+    def take(self, gap_s: float) -> None:
+        """Return in this delivery's turn; raise :class:`LockContention` before it."""
+        verdict, due = self.ordering.turn(self.worker_id, self.partition, self.seq, gap_s)
+        if verdict == ordering.WAIT:
+            raise NotYourTurn(
+                f"key {self.partition!r} of worker {self.worker_id} is at event {due}; this is "
+                f"event {self.seq} (ordering: key)"
+            )
+        if verdict == ordering.SKIP:
+            logger.warning(
+                "key %r of worker %s waited %g s for event %d, which never came; going on at %d",
+                self.partition,
+                self.worker_id,
+                gap_s,
+                due,
+                self.seq,
+            )
+
+    def done(self) -> None:
+        self.ordering.advance(self.worker_id, self.partition, self.seq)
 
 
 def _run(
-    task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, waits: LockWaits, failures: bool
+    task: Task,
+    rt: Runtime,
+    attempt: Attempt,
+    delivery: Delivery,
+    waits: LockWaits,
+    failures: bool,
+    turn: Turn | None = None,
 ) -> None:
-    """Run the delivery; every way it ends goes through the policy."""
+    """Run the delivery (in its turn, when ordered); every way it ends goes through the
+    policy."""
     meta = delivery.meta
     traced = {
         "workmanager.worker_id": meta.id,
@@ -193,6 +244,8 @@ def _run(
         "workmanager.attempt": attempt.number,
     }
     try:
+        if turn is not None:
+            turn.take(float(meta.settings.get("ordering_gap_s", ordering.GAP_S)))
         with tracing.delivering(delivery.event, traced):
             delivery.run()
     except (BrokerUnavailable, DatabaseError):
@@ -217,15 +270,24 @@ def _run(
                 f"worker {meta.id} was stopped during this delivery", requeue=True
             ) from exc
         notify("delivered", meta)
-        _failed(task, rt, attempt, delivery, exc)
+        _failed(task, rt, attempt, delivery, exc, turn)
     else:
+        if turn is not None:
+            turn.done()
         notify("delivered", meta)
         notify("succeeded", meta)
         if failures:  # the breaker's count starts over (closed)
             Breaker(rt.settings).succeeded(meta.id)
 
 
-def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: Exception) -> None:
+def _failed(
+    task: Task,
+    rt: Runtime,
+    attempt: Attempt,
+    delivery: Delivery,
+    exc: Exception,
+    turn: Turn | None = None,
+) -> None:
     meta = delivery.meta
     notify("failed", meta)
     if isinstance(exc, FenceRejected):
@@ -238,8 +300,9 @@ def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: 
         is_open, trips = Breaker(rt.settings).failed(meta.id, breaker.threshold(meta))
         if trips:
             notify("breaker_opened", meta)
-            breaker.open_breaker(rt.settings, rt.bus, task.app, meta, trips, f"{error_type}: {exc}")
-        if is_open:  # kept for after the back-off: nothing is retried or parked meanwhile
+            breaker.trip(rt.settings, rt.bus, task.app, meta, trips, f"{error_type}: {exc}")
+        if is_open and breaker.strategy(meta) in breaker.PAUSING:
+            # kept for after the back-off (or the next start): nothing is retried or parked
             raise Reject(f"worker {meta.id} paused by its circuit breaker", requeue=True)
     max_retries = delivery.max_retries
     retryable = not isinstance(exc, WorkManagerError) or exc.retryable
@@ -249,6 +312,8 @@ def _failed(task: Task, rt: Runtime, attempt: Attempt, delivery: Delivery, exc: 
             exc, delivery.event, key=delivery.key, version=delivery.version, fence=fence
         )
         rt.dead_letters.park(failure)
+        if turn is not None:  # parked: the key's next event goes on
+            turn.done()
         notify("dead_lettered", meta)
         return
     notify("retried", meta)
@@ -285,18 +350,19 @@ def _wait_for_lock(
     waited_s = time.time() - since
     if waited_s > delivery.longest_hold_s:
         logger.warning(
-            "event %s for worker %s has waited %.1f s (%d times) for %s: %s",
+            "event %s for worker %s has waited %.1f s (%d times): %s",
             delivery.event.get_id(),
             delivery.meta.id,
             waited_s,
             waits.count,
-            f"group {delivery.meta.group!r}" if delivery.meta.group else "a free slot",
             exc,
         )
     kwargs: dict[str, Any] = dict(
         task.request.kwargs or {}, lock_waits=waits.count + 1, waiting_since=since
     )
     delay_s = lock_wait_s(rt.settings, waits.count)
+    if isinstance(exc, NotYourTurn):  # its turn comes with a success elsewhere: look soon
+        delay_s = min(delay_s, random.uniform(ordering.WAIT_MAX_S / 2, ordering.WAIT_MAX_S))
     raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
 
 
@@ -319,6 +385,13 @@ def breaker_retry(self: Task, worker_id: str, trips: int) -> None:
     """A worker's circuit-breaker back-off is over: run it again, half-open."""
     rt = runtime(self)
     breaker.half_open(rt.settings, rt.bus, worker_id, trips)
+
+
+@shared_task(bind=True, name=breaker.START_TASK, acks_late=True, reject_on_worker_lost=True)
+def start_due(self: Task, worker_id: str, actor: str, due: float) -> None:
+    """A delayed start's wait is over: run the worker."""
+    rt = runtime(self)
+    breaker.start_due(rt.settings, rt.bus, worker_id, actor, due)
 
 
 @shared_task(name="wm.noop", acks_late=True, reject_on_worker_lost=True)

@@ -1,5 +1,6 @@
 """Judging every live worker's health, once per reconcile period on the maintaining node
-(``wm.state.health``); a change is published as the lifecycle event ``health_changed``."""
+(``wm.state.health``); a change is published as the lifecycle event ``health_changed``, with
+the delivery counts and, when the worker's code has a probe, the last probe's facts."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def _event(wid: uuid.UUID, verdict: Verdict, old: str) -> Any:
             "error_rate": verdict.error_rate,
             "deliveries": verdict.deliveries,
             "consecutive_failures": verdict.consecutive_failures,
+            **(verdict.probe.to_json() if verdict.probe is not None else {}),
         }
         records.add_outbox(session, "health_changed", worker, data, reason=verdict.reason)
 

@@ -17,11 +17,27 @@ A class worker::
 
         def process(self, event):
             return self.response(event, {"ok": True})
+
+Either may add a health probe, a top-level ``probe()`` function or a ``probe(self)`` method
+(see :meth:`WorkerBase.probe`): called every ``probe_interval_s`` (default 30) on one node,
+it returns a true value when the worker can work; a false value, an exception or a timeout
+is a failed probe, and ``max_probe_failures`` (default 3) of them in a row make the worker
+``unhealthy``::
+
+    def probe():
+        return ApiClient("orders-db", 8080).invoke("health", "ping") == "pong"
+
+A worker that has done its work says so with :func:`done`: once the current event's outputs
+are published the worker is ``finished`` (a natural end, not a stop or a failure)::
+
+    def process(event):
+        if event.get_data().get("last"):
+            done("processed the last batch")
 """
 
 from wm.devkit.api import DEFAULT_API_PORT, ApiClient, Gateway, ServiceClient
 from wm.devkit.commands import ApiCommandWorker, CommandWorker, parse_command_node
-from wm.devkit.runtime import Runtime, current_runtime, install_runtime
+from wm.devkit.runtime import Runtime, current_runtime, done, install_runtime
 from wm.devkit.transport import GatewayError, HttpTransport, Transport
 from wm.devkit.worker import (
     CORRELATION_ID,
@@ -51,6 +67,7 @@ __all__ = [
     "WorkerBase",
     "WorkerResult",
     "current_runtime",
+    "done",
     "install_runtime",
     "make_event",
     "parse_command_node",

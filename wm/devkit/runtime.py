@@ -50,3 +50,22 @@ def install_runtime(runtime: Runtime | None) -> None:
     """Install ``runtime`` for this process; None restores the default."""
     global _current
     _current = runtime
+
+
+#: The reason given to :func:`done` during the current call (empty: not done).
+_done: list[str] = []
+
+
+def done(reason: str = "") -> None:
+    """Declare that the worker has done its work (seed 003's natural end): once the outputs
+    of the event being processed are published, the worker goes ``running → finished``, and
+    no further event is delivered until it is started again. ``reason`` is recorded with
+    the transition."""
+    _done[:] = [str(reason) or "done"]
+
+
+def take_done() -> str | None:
+    """The reason :func:`done` was called with during the call just made, and forget it."""
+    reason = _done[0] if _done else None
+    _done.clear()
+    return reason

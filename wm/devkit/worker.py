@@ -33,7 +33,8 @@ def with_correlation_id(output: CloudEvent, input_event: CloudEvent) -> CloudEve
 
 
 class WorkerBase:
-    """Base of class-based workers: implement :meth:`process`.
+    """Base of class-based workers: implement :meth:`process`, and :meth:`probe` if the
+    worker can check its own health.
 
     The Python engine instantiates the one ``WorkerBase`` subclass a worker module defines,
     without arguments, so a worker passes its routing to ``super().__init__``.
@@ -49,6 +50,19 @@ class WorkerBase:
     def process(self, event: CloudEvent) -> WorkerResult:
         """Handle one event; return the events to publish (or None)."""
         raise NotImplementedError("WorkerBase.process() must be implemented.")
+
+    def probe(self) -> bool:
+        """Health probe, optional: override it to have WorkManager call it every
+        ``probe_interval_s`` (worker setting, default 30) on one node at a time, between
+        events, within the worker's ``timeout_s``. Return a true value when the worker can do
+        its work (its backends answer, say); a false value, an exception or a probe that
+        outlives its time limit is a failed probe. ``max_probe_failures`` (default 3) failed
+        in a row make the worker ``unhealthy``, fewer ``degraded``; the next passing probe
+        ends it. Health is no status: an unhealthy worker still gets its events.
+
+        Not overridden, the worker has no probe and is never probed. A function worker
+        defines a top-level ``probe()`` function instead."""
+        raise NotImplementedError("WorkerBase.probe() is optional; override it to have one.")
 
     def response(
         self,

@@ -526,8 +526,16 @@ def get_worker(svc: Svc, ref: Ref) -> WorkerInfo:
 
 
 @WORKERS.post("/{ref}/start", dependencies=[OPERATOR], responses=_errors(404, 409))
-def start_worker(svc: Svc, ref: Ref) -> WorkerInfo:
-    return svc.manager.start_worker(ref)
+def start_worker(
+    svc: Svc,
+    ref: Ref,
+    delay_s: Annotated[
+        float | None,
+        Query(gt=0, description="start this much later: the worker is pending until then"),
+    ] = None,
+) -> WorkerInfo:
+    """Start consuming the worker's topic (idempotent); with ``delay_s``, later."""
+    return svc.manager.start_worker(ref, delay_s=delay_s)
 
 
 @WORKERS.post("/{ref}/stop", dependencies=[OPERATOR], responses=_errors(404, 409))

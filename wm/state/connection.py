@@ -79,6 +79,13 @@ def _single(url: str, socket_timeout_s: float | None) -> redis.Redis:
     )
 
 
+def own_client(settings: Settings) -> StateRedis:
+    """A client of WM_REDIS_URL with a pool of its own, for a subscription that keeps its
+    connection (taking it from the process's pool would make the pool open another)."""
+    with redis_errors(settings):
+        return _connect_state(settings.redis_url)
+
+
 def _connect_state(url: str) -> StateRedis:
     """A client of the right kind for ``url``, found by asking the server."""
     single = _single(url, None)

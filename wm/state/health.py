@@ -1,41 +1,88 @@
 """A worker's health, orthogonal to its status (issue 14, point 2; seed 003).
 
-``healthy | degraded | unhealthy | unknown``, judged from its real deliveries:
+``healthy | degraded | unhealthy | unknown``, judged from its real deliveries and, when its
+code has one, its health probe:
 
 - the error rate over the last :data:`WINDOW_MIN` minutes, from per-minute counts in a hash
   per worker (``wm:health:{<id>}``). Each process tallies its deliveries in memory
   (:class:`Tally`) and adds them to Redis at most once every :data:`FLUSH_S`, with the next
   outcome record's round trip (or with a failure's), so the hot path sends no command of its
   own for health: at most one per worker and second per process;
-- the failed attempts in a row (the circuit breaker's count, ``wm.state.breaker``).
+- the failed attempts in a row (the circuit breaker's count, ``wm.state.breaker``);
+- the last probe and the probes failed in a row (``wm:probe:{<id>}``, written by the node
+  that ran it, ``wm.dataplane.probes``; forgotten :data:`PROBE_FACTS_TTL_S` or three
+  intervals after the last probe, so a worker no longer probed is judged by its deliveries).
 
-``unknown``: no delivery in the window. ``unhealthy``: ``health_max_consecutive_failures``
-failures in a row (default 3), or an error rate of at least ``health_unhealthy_rate`` (default
-0.5). ``degraded``: an error rate of at least ``health_degraded_rate`` (default 0.05). The
-maintaining node judges every live worker each reconcile period and keeps the verdict
-(``wm:health-state:{<id>}``); a change is a lifecycle event ``health_changed``.
+``unknown``: no delivery in the window and no probe. ``unhealthy``:
+``health_max_consecutive_failures`` failures in a row (default 3), an error rate of at least
+``health_unhealthy_rate`` (default 0.5), or ``max_probe_failures`` failed probes in a row
+(default 3; 0: failed probes alone never make a worker unhealthy). ``degraded``: an error
+rate of at least ``health_degraded_rate`` (default 0.05), or a failed last probe. The worst
+of the deliveries' verdict and the probe's holds; a passing probe makes a worker without
+deliveries ``healthy``. The maintaining node judges every live worker each reconcile period
+and keeps the verdict (``wm:health-state:{<id>}``); a change is a lifecycle event
+``health_changed``.
+
+Probes are scheduled with two more keys per worker: ``wm:probe-due:{<id>}`` exists while a
+probe is outstanding or not yet due, and ``wm:no-probe:{<id>}:<version>`` remembers that a
+version's code has no probe, so it is not asked again.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from wm.config import Settings
 from wm.state.breaker import failures_key
-from wm.state.connection import StatePipeline, redis_errors, redis_for, text
+from wm.state.connection import StatePipeline, queue_eval, redis_errors, redis_for, text
 
 HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN = "healthy", "degraded", "unhealthy", "unknown"
+#: Which verdict wins when deliveries and the probe disagree: the worse one.
+_SEVERITY = {UNKNOWN: 0, HEALTHY: 1, DEGRADED: 2, UNHEALTHY: 3}
 #: Minutes of deliveries the error rate is taken over.
 WINDOW_MIN = 5
 DEFAULT_DEGRADED_RATE = 0.05
 DEFAULT_UNHEALTHY_RATE = 0.5
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
+#: seconds between two probes of a worker (worker setting ``probe_interval_s``).
+DEFAULT_PROBE_INTERVAL_S = 30.0
+DEFAULT_MAX_PROBE_FAILURES = 3
+#: seconds the last probe's facts are kept at least (longer for long probe intervals).
+PROBE_FACTS_TTL_S = WINDOW_MIN * 60
+#: seconds a version's "no probe" is remembered (a version's code never changes; the key
+#: only ends so that deleted workers leave nothing behind).
+NO_PROBE_TTL_S = 7 * 24 * 3600
 _COUNTS = "wm:health:"
 _STATE = "wm:health-state:"
+_PROBE = "wm:probe:"
+_PROBE_DUE = "wm:probe-due:"
+_NO_PROBE = "wm:no-probe:"
+# KEYS: no-probe marker, due. ARGV: lease in ms. 1 when a probe is to be sent now.
+_CLAIM_PROBE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 1 end
+return 0
+"""
+# KEYS: probe facts, due. ARGV: ok (1/0), at, error, version, facts ttl s, next probe in ms.
+# Returns the probes failed in a row.
+_RECORD_PROBE = """
+local failures = 0
+if ARGV[1] == '1' then
+  redis.call('HSET', KEYS[1], 'failures', 0)
+else
+  failures = redis.call('HINCRBY', KEYS[1], 'failures', 1)
+end
+redis.call('HSET', KEYS[1], 'ok', ARGV[1], 'at', ARGV[2], 'error', ARGV[3], 'version', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[6])
+return failures
+"""
 _COUNTS_TTL_S = (WINDOW_MIN + 1) * 60
 #: Seconds a process keeps its tally before adding it to Redis.
 FLUSH_S = 1.0
@@ -49,8 +96,63 @@ def state_key(worker_id: str) -> str:
     return f"{_STATE}{{{worker_id}}}"
 
 
+def probe_key(worker_id: str) -> str:
+    return f"{_PROBE}{{{worker_id}}}"
+
+
+def probe_due_key(worker_id: str) -> str:
+    return f"{_PROBE_DUE}{{{worker_id}}}"
+
+
+def no_probe_key(worker_id: str, version: int) -> str:
+    return f"{_NO_PROBE}{{{worker_id}}}:{version}"
+
+
 def _minute(now: float | None = None) -> int:
     return int((time.time() if now is None else now) // 60)
+
+
+@dataclass(frozen=True)
+class ProbeFacts:
+    """A worker's last health probe, and how many failed in a row up to it."""
+
+    ok: bool
+    failures: int
+    #: When it ended (``time.time()`` of the node that ran it).
+    at: float
+    error: str = ""
+    version: int = 0
+
+    @classmethod
+    def parse(cls, raw: Mapping[Any, Any] | None) -> ProbeFacts | None:
+        """The facts of a ``wm:probe:{<id>}`` hash (None when there is none)."""
+        fields = {text(k): text(v) for k, v in (raw or {}).items()}
+        if "ok" not in fields:
+            return None
+        return cls(
+            ok=fields["ok"] == "1",
+            failures=int(fields.get("failures") or 0),
+            at=float(fields.get("at") or 0),
+            error=fields.get("error", ""),
+            version=int(fields.get("version") or 0),
+        )
+
+    @property
+    def reason(self) -> str:
+        if self.ok:
+            return "its last probe passed"
+        times = "once" if self.failures == 1 else f"{self.failures} times"
+        return f"its probe failed {times} in a row: {self.error}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The facts a ``health_changed`` event carries."""
+        return {
+            "probe_ok": self.ok,
+            "probe_failures": self.failures,
+            "probe_error": self.error or None,
+            "probe_at": self.at,
+            "probe_version": self.version,
+        }
 
 
 @dataclass(frozen=True)
@@ -59,19 +161,39 @@ class Verdict:
     error_rate: float | None
     deliveries: int
     consecutive_failures: int
+    #: The last probe, when the worker's code has one and it ran lately.
+    probe: ProbeFacts | None = None
 
     @property
     def reason(self) -> str:
         if self.error_rate is None:
-            return f"no delivery in the last {WINDOW_MIN} minutes"
-        return (
-            f"{self.error_rate:.0%} of {self.deliveries} attempts failed in the last "
-            f"{WINDOW_MIN} minutes; {self.consecutive_failures} failed in a row"
-        )
+            reason = f"no delivery in the last {WINDOW_MIN} minutes"
+        else:
+            reason = (
+                f"{self.error_rate:.0%} of {self.deliveries} attempts failed in the last "
+                f"{WINDOW_MIN} minutes; {self.consecutive_failures} failed in a row"
+            )
+        return reason if self.probe is None else f"{reason}; {self.probe.reason}"
 
 
-def judge(ok: int, failed: int, consecutive: int, worker_settings: dict[str, Any]) -> Verdict:
-    """The verdict on these counts, with the worker's thresholds."""
+def judge(
+    ok: int,
+    failed: int,
+    consecutive: int,
+    worker_settings: Mapping[str, Any],
+    probe: ProbeFacts | None = None,
+) -> Verdict:
+    """The verdict on these counts and the last probe, with the worker's thresholds."""
+    verdict = _judge_deliveries(ok, failed, consecutive, worker_settings)
+    if probe is None:
+        return verdict
+    health = max(verdict.health, probe_health(probe, worker_settings), key=_SEVERITY.__getitem__)
+    return replace(verdict, health=health, probe=probe)
+
+
+def _judge_deliveries(
+    ok: int, failed: int, consecutive: int, worker_settings: Mapping[str, Any]
+) -> Verdict:
     total = ok + failed
     if total == 0 and consecutive == 0:
         return Verdict(UNKNOWN, None, 0, 0)
@@ -88,6 +210,15 @@ def judge(ok: int, failed: int, consecutive: int, worker_settings: dict[str, Any
     else:
         health = HEALTHY
     return Verdict(health, rate, total, consecutive)
+
+
+def probe_health(probe: ProbeFacts, worker_settings: Mapping[str, Any]) -> str:
+    """What the last probe says alone: ``max_probe_failures`` failed in a row (0: never)
+    make a worker unhealthy, fewer degraded; a passing one healthy."""
+    if probe.ok:
+        return HEALTHY
+    limit = int(worker_settings.get("max_probe_failures", DEFAULT_MAX_PROBE_FAILURES))
+    return UNHEALTHY if limit and probe.failures >= limit else DEGRADED
 
 
 class Tally:
@@ -137,21 +268,23 @@ class WorkerHealth:
             for worker_id in ids:
                 pipe.hgetall(counts_key(worker_id))
                 pipe.get(failures_key(worker_id))
+                pipe.hgetall(probe_key(worker_id))
             read = pipe.execute()
-            tallies = [_tally(counts, since) for counts in read[::2]]
+            counts, in_a_row, probes = read[::3], read[1::3], read[2::3]
+            tallies = [_tally(found, since) for found in counts]
             verdicts = [
-                judge(ok, failed, int(consecutive or 0), workers[worker_id])
-                for worker_id, (ok, failed, _), consecutive in zip(
-                    ids, tallies, read[1::2], strict=True
+                judge(ok, failed, int(consecutive or 0), workers[w], ProbeFacts.parse(probe))
+                for w, (ok, failed, _), consecutive, probe in zip(
+                    ids, tallies, in_a_row, probes, strict=True
                 )
             ]
             pipe = redis.pipeline(transaction=False)
             for worker_id, verdict in zip(ids, verdicts, strict=True):
                 pipe.set(state_key(worker_id), verdict.health, get=True)
-            for worker_id, (_, _, stale), counts in zip(ids, tallies, read[::2], strict=True):
+            for worker_id, (_, _, stale), found in zip(ids, tallies, counts, strict=True):
                 if stale:  # minutes out of the window, and the key's end when the worker rests
                     pipe.hdel(counts_key(worker_id), *stale)
-                if counts:
+                if found:
                     pipe.expire(counts_key(worker_id), _COUNTS_TTL_S)
             before = pipe.execute()[: len(ids)]
         return {
@@ -171,6 +304,68 @@ class WorkerHealth:
         return {
             w: UNKNOWN if v is None else text(v) for w, v in zip(worker_ids, found, strict=True)
         }
+
+
+class Probes:
+    """When each worker's health probe is due, and what the last one found (see the module
+    docs): the scheduling node claims probes, the node that ran one records it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def claim_due(self, workers: Mapping[str, tuple[int, float]]) -> list[str]:
+        """Of these workers (id → (version, seconds a probe may stay outstanding)), those
+        whose probe is due now, each claimed for that long: no probe of theirs is
+        outstanding or ran within their interval, and their version's code is not known to
+        have no probe. One pipelined round trip."""
+        ids = list(workers)
+        if not ids:
+            return []
+        with redis_errors(self.settings):
+            pipe = redis_for(self.settings).pipeline(transaction=False)
+            for worker_id in ids:
+                version, lease_s = workers[worker_id]
+                keys = [no_probe_key(worker_id, version), probe_due_key(worker_id)]
+                queue_eval(pipe, _CLAIM_PROBE, keys, _ms(lease_s))
+            claimed = pipe.execute()
+        return [w for w, won in zip(ids, claimed, strict=True) if int(won)]
+
+    def record(
+        self, worker_id: str, version: int, error: str | None, interval_s: float
+    ) -> ProbeFacts:
+        """Record a probe of ``version`` (``error`` None: it passed; else why it failed);
+        the next is due ``interval_s`` from now."""
+        at = time.time()
+        keys = [probe_key(worker_id), probe_due_key(worker_id)]
+        ttl_s = max(PROBE_FACTS_TTL_S, math.ceil(3 * interval_s))
+        ok = "1" if error is None else "0"
+        with redis_errors(self.settings):
+            failures = redis_for(self.settings).eval(
+                _RECORD_PROBE, 2, *keys, ok, repr(at), error or "", version, ttl_s, _ms(interval_s)
+            )
+        return ProbeFacts(error is None, int(failures), at, error or "", version)
+
+    def no_probe(self, worker_id: str, version: int) -> None:
+        """``version``'s code has no probe: never ask it again, and forget the facts of an
+        earlier version's probe (they would judge code that no longer runs)."""
+        with redis_errors(self.settings):
+            pipe = redis_for(self.settings).pipeline(transaction=False)
+            pipe.set(no_probe_key(worker_id, version), "1", ex=NO_PROBE_TTL_S)
+            pipe.delete(probe_key(worker_id), probe_due_key(worker_id))
+            pipe.execute()
+
+    def release(self, worker_id: str) -> None:
+        """The claimed probe was not run (the worker does not run now): due again at once."""
+        with redis_errors(self.settings):
+            redis_for(self.settings).delete(probe_due_key(worker_id))
+
+    def last(self, worker_id: str) -> ProbeFacts | None:
+        with redis_errors(self.settings):
+            return ProbeFacts.parse(redis_for(self.settings).hgetall(probe_key(worker_id)))
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
 
 
 def _tally(counts: dict[Any, Any] | None, since: int) -> tuple[int, int, list[Any]]:

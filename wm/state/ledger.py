@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from wm.config import Settings
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
+from wm.state.ordering import sequence_key
 
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
@@ -95,14 +96,30 @@ class Ledger:
     def _runs(worker_id: str) -> str:
         return f"{_PENDING}{{{worker_id}}}:runs"
 
-    def add(self, deliveries: Iterable[tuple[str, str]], key: str, payload: str) -> None:
-        """Record the event ``key`` as pending for each (worker id, queue) before it is sent."""
+    def add(
+        self,
+        deliveries: Iterable[tuple[str, str]],
+        key: str,
+        payload: str,
+        *,
+        numbered: Sequence[str] = (),
+        partition: str | None = None,
+    ) -> dict[str, int]:
+        """Record the event ``key`` as pending for each (worker id, queue) before it is sent,
+        and number it under ``partition`` for each worker of ``numbered`` (ordered keys,
+        ``wm.state.ordering``); returns those numbers by worker id."""
         now, entry = time.time(), member(key, payload)
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             for worker_id, _ in deliveries:
                 pipe.zadd(self._index(worker_id), {entry: now}, nx=True)
-            pipe.execute()
+            if partition is not None:
+                for worker_id in numbered:
+                    pipe.hincrby(sequence_key(worker_id), partition, 1)
+            results = pipe.execute()
+        if partition is None or not numbered:
+            return {}
+        return {w: int(n) for w, n in zip(numbered, results[-len(numbered) :], strict=True)}
 
     def settlement(
         self, worker_id: str, key: str, payload: str, *, ran_again: bool = False

@@ -1,0 +1,109 @@
+"""Ordered keys (``ordering: key``, DESIGN.md §5.3): events with the same ``partitionkey``
+reach a worker one at a time, in publish order, retries included.
+
+Sending numbers each event per (worker, partition key): ``wm:order:{<worker>}:seq`` is a hash
+of partition key → the last number given (:func:`number_command`, in the pending ledger's
+write, no extra round trip). Each key's turn is a hash ``wm:order:{<worker>}:key:<key>``:
+``next``, the number whose turn it is, and ``seen``, when the head last ran or the turn
+last moved. A delivery runs in its turn; a later one waits (in the broker, like a group
+lock's waiter) until the head succeeds or is dead-lettered; an earlier one (a replayed or
+duplicate event) runs at once. A number that never arrives (its publisher failed between
+numbering and sending) holds its key at most the worker's ``ordering_gap_s`` without any run
+of the head; then the turn skips it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from wm.config import Settings
+from wm.errors import LockContention
+from wm.state.connection import redis_errors, redis_for, text
+
+#: The CloudEvents partitioning extension.
+PARTITION_EXTENSION = "partitionkey"
+#: Seconds a key waits for a number that never arrives (per-worker ``ordering_gap_s``).
+GAP_S = 300.0
+#: Longest wait (s) of an event for its turn before it looks again.
+WAIT_MAX_S = 1.0
+GO, WAIT, LATE, SKIP = "go", "wait", "late", "skip"
+
+
+class NotYourTurn(LockContention):
+    """An ordered event's predecessor under its key has not finished: it waits in the broker
+    (at most :data:`WAIT_MAX_S` between looks), without counting a failure."""
+
+
+# KEYS: the key's turn. ARGV: number, now, gap. Returns the verdict and the number due.
+_TURN = """
+local due = tonumber(redis.call('HGET', KEYS[1], 'next') or '1')
+local seq, now = tonumber(ARGV[1]), tonumber(ARGV[2])
+if seq < due then return {'late', due} end
+if seq == due then
+  redis.call('HSET', KEYS[1], 'seen', ARGV[2])
+  return {'go', due}
+end
+local seen = tonumber(redis.call('HGET', KEYS[1], 'seen') or '0')
+if seen == 0 then
+  redis.call('HSET', KEYS[1], 'seen', ARGV[2])
+  return {'wait', due}
+end
+if now - seen > tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[1], 'next', seq, 'seen', ARGV[2])
+  return {'skip', due}
+end
+return {'wait', due}
+"""
+# KEYS: the key's turn. ARGV: the number done, now. Moves the turn past it if it was due.
+_ADVANCE = """
+local due = tonumber(redis.call('HGET', KEYS[1], 'next') or '1')
+if due == tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'next', due + 1, 'seen', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def sequence_key(worker_id: str) -> str:
+    return f"wm:order:{{{worker_id}}}:seq"
+
+
+def turn_key(worker_id: str, partition: str) -> str:
+    return f"wm:order:{{{worker_id}}}:key:{partition}"
+
+
+class Ordering:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def turn(self, worker_id: str, partition: str, seq: int, gap_s: float) -> tuple[str, int]:
+        """(verdict, number due): :data:`GO`, :data:`WAIT`, :data:`LATE` (its turn passed:
+        run it unordered) or :data:`SKIP` (the number due never came: the turn moved here)."""
+        with redis_errors(self.settings):
+            verdict, due = redis_for(self.settings).eval(
+                _TURN, 1, turn_key(worker_id, partition), seq, time.time(), gap_s
+            )
+        return text(verdict), int(due)
+
+    def advance(self, worker_id: str, partition: str, seq: int) -> None:
+        """Number ``seq`` is done (succeeded or dead-lettered): the next one's turn."""
+        with redis_errors(self.settings):
+            redis_for(self.settings).eval(
+                _ADVANCE, 1, turn_key(worker_id, partition), seq, time.time()
+            )
+
+    def keys_of(self, worker_id: str) -> list[str]:
+        """The worker's keys: its numbers and each partition key's turn."""
+        with redis_errors(self.settings):
+            found = redis_for(self.settings).scan_iter(
+                match=f"wm:order:{{{worker_id}}}:*", count=500
+            )
+            return [text(key) for key in found]
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A deleted worker's numbers and turns."""
+        keys = self.keys_of(worker_id)
+        with redis_errors(self.settings):
+            for start in range(0, len(keys), 500):
+                redis_for(self.settings).delete(*keys[start : start + 500])
