@@ -2,7 +2,8 @@
  * virtufin_worker_api.h - the C ABI between WorkManager and a native worker (ABI version 1).
  *
  * Plain C99, usable from C and C++. A worker is a shared library that exports Process and
- * FreeResult (names may be changed in manifest.json: "entry_point", "free_result").
+ * FreeResult, and optionally Probe, its health probe (names may be changed in manifest.json:
+ * "entry_point", "free_result", "probe").
  *
  *   in_buf   a FlatBuffer whose root is a virtufin.worker.CloudEvent (worker_api.fbs),
  *            valid only during the call; extensions["correlationid"] carries the
@@ -28,11 +29,14 @@ extern "C" {
 #define VIRTUFIN_ABI_VERSION 1
 
 /* Return codes of Process (any non-zero value is a failed delivery: retried, then
- * dead-lettered with the code in its error). */
+ * dead-lettered with the code in its error) and of Probe (any non-zero value is a failed
+ * probe, the code in its reason). */
 #define VIRTUFIN_OK 0
 #define VIRTUFIN_ERR_INVALID_INPUT 1  /* in_buf could not be read */
 #define VIRTUFIN_ERR_INTERNAL 2       /* the worker failed */
 #define VIRTUFIN_ERR_OUT_OF_MEMORY 3  /* the worker could not allocate its answer */
+#define VIRTUFIN_ERR_UNHEALTHY 4      /* Probe: the worker cannot work now (a dependency
+                                         is down, ...) */
 
 /* Return codes of gateway_call. */
 #define VIRTUFIN_GATEWAY_OK 0
@@ -69,6 +73,18 @@ typedef struct VirtufinHost {
 int32_t Process(const VirtufinHost* host, const uint8_t* in_buf, int32_t in_len,
                 uint8_t** out_buf, int32_t* out_len);   /* 0 = ok */
 void    FreeResult(uint8_t* out_buf);
+
+/*
+ * Probe (optional; a library without it has no probe): the worker's health probe, called
+ * every probe_interval_s (worker setting, default 30) on one node, within the worker's time
+ * limit (timeout_s). Return VIRTUFIN_OK when the worker is healthy, any other code when not
+ * (VIRTUFIN_ERR_UNHEALTHY, say): its reason names the code, and failed probes in a row make
+ * the worker degraded, then unhealthy. host is valid during the call (log, gateway_call to
+ * check a dependency). It may run while Process calls are in flight: it must be reentrant.
+ * Past the time limit it is killed with its helper under isolation "subprocess"; in-process
+ * it cannot be stopped, and its answer is dropped as a failure when it returns.
+ */
+int32_t Probe(const VirtufinHost* host);                /* 0 = healthy */
 
 #ifdef __cplusplus
 }

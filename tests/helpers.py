@@ -9,11 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kombu import Connection
+from prometheus_client.parser import text_string_to_metric_families
 
 from wm import Settings
 
@@ -113,3 +115,15 @@ def echo_server() -> Iterator[int]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

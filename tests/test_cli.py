@@ -308,7 +308,7 @@ def test_start_after_delete_fails_with_one_error_line(env: dict[str, str], tmp_p
     result = wm(env, "worker", "start", made["id"], expect=1)
     assert "deleted" in one_error_line(result)
     assert result.out == ""
-    assert "no worker with id or name 'doomed'" in one_error_line(
+    assert "no worker with id, short id or name 'doomed'" in one_error_line(
         wm(env, "worker", "show", "doomed", expect=1)
     )
     assert wm_json(env, "worker", "list") == []

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+import types
+import uuid
 
 import pytest
 
 from tests.helpers import STUB, drain, queue_empty, stub
 from wm import (
+    AmbiguousReference,
     EngineNotFound,
     IllegalTransition,
     InvalidArgument,
@@ -233,3 +236,38 @@ def test_engines_declare_their_own_worker_settings(manager: WorkManager) -> None
     )
     assert worker.settings == {"memory_mb": 256, "timeout_s": 2.5}
     assert len(manager.list_workers()) == 1
+
+
+def test_short_ids_name_one_worker_or_list_the_candidates(
+    manager: WorkManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = iter(
+        [
+            uuid.UUID("65d00fc2-0000-4000-8000-000000000001"),
+            uuid.UUID("65d00fc2-0000-4000-8000-000000000002"),
+            uuid.UUID("7a1d93e4-0000-4000-8000-000000000003"),
+        ]
+    )
+    shim = types.SimpleNamespace(UUID=uuid.UUID, uuid4=lambda: next(ids, None) or uuid.uuid4())
+    monkeypatch.setattr("wm.manager.uuid", shim)  # the ids of the workers created here
+    first = manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)
+    manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)
+    third = manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)
+
+    assert manager.get_worker("7a1d93").id == third.id  # six characters are enough
+    assert manager.get_worker("7A1D93E40000").id == third.id  # any case, hyphens optional
+    assert manager.get_worker("7a1d93e4-0000-4").id == third.id
+    with pytest.raises(AmbiguousReference, match="worker id '65d00fc2' is ambiguous") as caught:
+        manager.get_worker("65d00fc2")
+    assert "65d00fc2-0000-4000-8000-000000000001" in str(caught.value)
+    assert "65d00fc2-0000-4000-8000-000000000002" in str(caught.value)
+    with pytest.raises(WorkerNotFound, match="no worker with id, short id or name '7a1d9'"):
+        manager.get_worker("7a1d9")  # five are too few
+    manager.delete_worker("7a1d93")
+    with pytest.raises(WorkerNotFound):
+        manager.get_worker("7a1d93")  # a deleted worker is no live worker
+    assert manager.worker_id_of("7a1d93") == str(third.id)  # its dead letters stay reachable
+
+    schedule = manager.add_schedule(first.id, event_type="x", every_s=5)
+    manager.remove_schedule(schedule.id[:8])
+    assert manager.list_schedules() == []

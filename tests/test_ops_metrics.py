@@ -13,31 +13,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, env_of
-from tests.helpers import STUB, drain, eventually, free_port, stub
+from tests.helpers import STUB, drain, eventually, free_port, scrape, stub
 from wm import Settings, WorkManager, make_event
 from wm.ops import metrics
 
 GOOD_EVENTS, BAD_EVENTS = 7, 3
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        assert reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def _of(samples: dict[Any, float], name: str, worker: Any) -> float:
@@ -68,7 +54,7 @@ def test_counters_move_by_exactly_the_deliveries_made(
     node.consuming(f"metered.in::{good.id}")
     node.consuming(f"metered.bad::{bad.id}")
     url = f"http://127.0.0.1:{port}/metrics"
-    before = _scrape(url)
+    before = scrape(url)
     assert _of(before, "wm_delivered_total", good) == 0
 
     for n in range(GOOD_EVENTS):
@@ -78,14 +64,14 @@ def test_counters_move_by_exactly_the_deliveries_made(
     assert len(drain(settings, sink, GOOD_EVENTS, timeout_s=30)) == GOOD_EVENTS
 
     def settled() -> dict[Any, float] | None:
-        samples = _scrape(url)
+        samples = scrape(url)
         done = _of(samples, "wm_succeeded_total", good) >= GOOD_EVENTS
         parked = _of(samples, "wm_dead_lettered_total", bad) >= BAD_EVENTS
         return samples if done and parked else None
 
     eventually(settled, timeout_s=30)
     time.sleep(1.0)  # anything counted twice would show now
-    samples = _scrape(url)
+    samples = scrape(url)
     expected = {
         ("wm_delivered_total", "good"): GOOD_EVENTS,
         ("wm_succeeded_total", "good"): GOOD_EVENTS,
@@ -107,6 +93,12 @@ def test_counters_move_by_exactly_the_deliveries_made(
     recovery = {labels[0][1]: v for (n, labels), v in samples.items() if n == "wm_node_recovery"}
     assert sum(recovery.values()) == 1 and (recovery["done"] or recovery["elsewhere"])
     assert samples[("wm_node_engines", ())] >= 2  # both workers' engines, in either process
+    # the cluster's workers, by status and by health (both have had deliveries judged or not)
+    assert samples[("wm_workers", (("status", "running"),))] == 2
+    assert samples[("wm_workers", (("status", "stopped"),))] == 0
+    health = {labels[0][1]: v for (n, labels), v in samples.items() if n == "wm_workers_health"}
+    assert set(health) == {"healthy", "degraded", "unhealthy", "unknown"}
+    assert sum(health.values()) == 2
 
 
 def _children(pid: int) -> list[int]:
@@ -153,11 +145,11 @@ def test_a_pool_process_killed_outright_drops_out_of_the_node_gauges(
     manager.publish(make_event("reaped.in", "/tests", {"n": 1}))
     assert len(drain(settings, sink, 1, timeout_s=30)) == 1
     url = f"http://127.0.0.1:{port}/metrics"
-    eventually(lambda: _scrape(url)[("wm_node_engines", ())] == 1)
+    eventually(lambda: scrape(url)[("wm_node_engines", ())] == 1)
 
     (child,) = _children(node.proc.pid)
     os.kill(child, signal.SIGKILL)  # no worker_process_shutdown: the scrape must notice
-    samples = eventually(lambda: (s := _scrape(url))[("wm_node_engines", ())] == 0 and s)
+    samples = eventually(lambda: (s := scrape(url))[("wm_node_engines", ())] == 0 and s)
     assert samples[("wm_node_sandbox_processes", ())] == 0
     assert _of(samples, "wm_delivered_total", worker) == 1  # its count stays counted
 
@@ -170,7 +162,7 @@ def test_the_grafana_dashboard_uses_only_metrics_a_node_exposes() -> None:
     exposed = {f"wm_{metrics.NAMES.get(kind, kind)}_total" for kind in metrics.COUNTERS}
     exposed |= {f"wm_{name}_bucket" for name, _ in metrics.HISTOGRAMS.values()}
     exposed |= {f"wm_{name}" for name, _ in metrics.GAUGES.values()}
-    exposed |= {"wm_node_consumers", "wm_node_recovery"}
+    exposed |= {"wm_node_consumers", "wm_node_recovery", "wm_workers", "wm_workers_health"}
     assert used and used <= exposed, used - exposed
     counters = {f"wm_{metrics.NAMES.get(kind, kind)}_total" for kind in metrics.COUNTERS}
     assert counters <= used  # every counter has a panel

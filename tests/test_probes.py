@@ -15,7 +15,7 @@ import wm  # noqa: F401 - import the platform before engines
 from engines.python import PythonEngine
 from engines.python.engine import PythonWorkerError
 from tests.conftest import REDIS_HOST, STATE_DB
-from tests.helpers import drain, eventually, wm_cli
+from tests.helpers import drain, eventually, free_port, scrape, wm_cli
 from tests.workers import child_pids
 from wm import Settings, WorkManager
 from wm.engine import WorkerSpec
@@ -258,7 +258,7 @@ NO_PROBE = "def process(event):\n    return None\n"
 def test_a_failing_probe_makes_a_worker_unhealthy_until_its_code_passes_it(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    settings = pg_settings.replace(reconcile_interval_s=1.0)
+    settings = pg_settings.replace(reconcile_interval_s=1.0, health_port=free_port())
     manager = WorkManager(settings)
     lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "health")
     probed = manager.create_worker(
@@ -282,6 +282,11 @@ def test_a_failing_probe_makes_a_worker_unhealthy_until_its_code_passes_it(
     assert "orders-db refused the connection" in facts.error
     shown = wm_cli(settings, "worker", "show", str(probed.id))
     assert shown["health"] == UNHEALTHY
+    samples = scrape(f"http://127.0.0.1:{settings.health_port}/metrics")
+    labels = (("worker", "probed"), ("worker_id", str(probed.id)))
+    assert samples[("wm_probe_failed_total", labels)] >= 3
+    assert samples.get(("wm_probe_passed_total", labels), 0) == 0
+    assert samples[("wm_workers_health", (("health", UNHEALTHY),))] >= 1
 
     # the worker without a probe was asked once, three periods ago or more, never again
     client = redis.Redis.from_url(settings.redis_url)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from wm.config import Settings
 from wm.errors import (
+    AmbiguousReference,
     BrokerUnavailable,
     CodeSourceError,
     ConcurrencyConflict,
@@ -66,6 +67,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AmbiguousReference",
     "BrokerUnavailable",
     "CloudEvent",
     "CodeSourceError",

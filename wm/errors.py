@@ -28,6 +28,11 @@ class InvalidArgument(WorkManagerError):
     """Raised when an argument of an API call or CLI command is missing or malformed."""
 
 
+class AmbiguousReference(InvalidArgument):
+    """Raised when a short id (a prefix) names more than one worker, dead letter, schedule or
+    token; the message lists the candidates."""
+
+
 class WorkerNotFound(WorkManagerError):
     """Raised when no worker has the given id or name (or a delivery's worker was deleted)."""
 

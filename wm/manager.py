@@ -448,19 +448,19 @@ class WorkManager:
         """Remove a schedule; firings already sent stay in the worker's queue."""
 
         def remove(session: Session) -> None:
-            result = session.execute(sa_delete(Schedule).where(Schedule.id == schedule_id))
-            if not getattr(result, "rowcount", 0):
-                raise ScheduleNotFound(f"no schedule with id {schedule_id!r}")
+            found = session.get(Schedule, schedule_id) or session.get(
+                Schedule, records.by_prefix(session, Schedule.id, schedule_id, "schedule")
+            )
+            if found is None:
+                raise ScheduleNotFound(f"no schedule with id or short id {schedule_id!r}")
+            session.delete(found)
 
         records.transaction(self.settings, remove)
 
     def worker_id_of(self, reference: str) -> str:
-        """A worker's id from its id as given (a deleted worker's too: its dead letters stay
-        reachable) or from a live worker's name."""
-        try:
-            return str(uuid.UUID(reference))
-        except ValueError:
-            return str(self._resolve(reference))
+        """A worker's id from its id or short id (a deleted worker's too: its dead letters
+        stay reachable) or from a live worker's name."""
+        return str(self._resolve(reference, deleted=True))
 
     # -- plain subscriptions ---------------------------------------------------------------
 
@@ -631,23 +631,25 @@ class WorkManager:
             session.delete(sub)
         return removed
 
-    def _resolve(self, worker_id: uuid.UUID | str) -> uuid.UUID:
-        """Accept a UUID, its text, or a live worker's name."""
+    def _resolve(self, worker_id: uuid.UUID | str, *, deleted: bool = False) -> uuid.UUID:
+        """Accept a UUID, its text, a live worker's name, or a unique short id (a prefix of
+        at least 6 characters) of a live worker (of any worker with ``deleted``)."""
         if isinstance(worker_id, uuid.UUID):
             return worker_id
         try:
             return uuid.UUID(worker_id)
         except ValueError:
             pass
+        live = Worker.status != Status.DELETED.value
         with store.session_scope(self.settings) as session:
-            found = session.scalar(
-                select(Worker.id).where(
-                    Worker.name == worker_id, Worker.status != Status.DELETED.value
+            found = session.scalar(select(Worker.id).where(Worker.name == worker_id, live))
+            if found is None:
+                found = records.by_prefix(
+                    session, Worker.id, worker_id, "worker", *(() if deleted else (live,))
                 )
-            )
         if found is None:
-            raise WorkerNotFound(f"no worker with id or name {worker_id!r}")
-        return found
+            raise WorkerNotFound(f"no worker with id, short id or name {worker_id!r}")
+        return uuid.UUID(str(found))
 
 
 def _version_row(

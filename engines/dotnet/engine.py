@@ -1,7 +1,8 @@
 """The .NET engines: ``application/x-dotnet-dll`` (a compiled worker, bare or in a nupkg) and
 ``text/x-csharp`` (source compiled in-process). One collectible AssemblyLoadContext per
 loaded worker, driven through the host helper; in a helper process with ``isolation:
-subprocess``.
+subprocess``. A worker's health probe is its public ``Task<bool> ProbeAsync()``, run as a
+message is.
 """
 
 from __future__ import annotations
@@ -9,17 +10,25 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import struct
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from engines.dotnet import runtime as dotnet
 from engines.dotnet.package import Package, read_package
-from engines.dotnet.wire import SEP, WorkerFailed, decode_answer, encode_event
+from engines.dotnet.wire import (
+    EVENT,
+    PROBE,
+    SEP,
+    Request,
+    WorkerFailed,
+    decode_answer,
+    decode_probe,
+    encode_event,
+)
 from engines.isolation.host import Callbacks, HelperProcess
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
@@ -36,8 +45,6 @@ ISOLATION_MODES = ("in-process", "subprocess")
 #: Seconds an isolated worker's helper waits past a call's limit before it gives up on the
 #: call itself (by then the host has killed it).
 HELPER_LIMIT_MARGIN_S = 2.0
-#: A CALL frame to an isolated worker: header length, time limit in ms, header, data.
-CALL = struct.Struct("<IQ")
 #: The host's answer for an unfinished task, and for a handle that was unloaded meanwhile.
 PENDING, NO_WORKER = "pending" + SEP, "error" + SEP + "WorkManager.DotNet.NoWorker"
 
@@ -140,6 +147,8 @@ class Sinks:
 class Runner(Protocol):
     def call(self, header: str, data: str, timeout_s: float) -> str: ...
 
+    def probe(self, timeout_s: float) -> str: ...
+
     def close(self) -> None: ...
 
 
@@ -178,12 +187,34 @@ class Context:
         return int(handle)
 
     def call(self, header: str, data: str, timeout_s: float) -> str:
+        limit_ms = int(timeout_s * 1000)
+        return self._run(
+            lambda host, handle: host.Process(handle, header, data, limit_ms),
+            timeout_s,
+            "ProcessAsync",
+            f".NET worker {self.worker.worker_id}",
+        )
+
+    def probe(self, timeout_s: float) -> str:
+        limit_ms = int(timeout_s * 1000)
+        return self._run(
+            lambda host, handle: host.Probe(handle, limit_ms),
+            timeout_s,
+            "ProbeAsync",
+            f"the probe of .NET worker {self.worker.worker_id}",
+        )
+
+    def _run(
+        self, start: Callable[[Any, int], str], timeout_s: float, method: str, what: str
+    ) -> str:
+        """``start(host, handle)`` a call of ``method``, then wait for its answer until the
+        limit; ``what`` names the call in a timeout's message."""
         handle = self.handle
         if handle < 0:
             handle = self._reload()
         host = self.rt.host
         started = time.monotonic()
-        answer = host.Process(handle, header, data, int(timeout_s * 1000))
+        answer = str(start(host, handle))
         if answer.startswith(PENDING):
             call = int(answer[len(PENDING) :])
             remaining_ms = max(0, int((started + timeout_s - time.monotonic()) * 1000))
@@ -192,17 +223,16 @@ class Context:
                 host.Abandon(call)
                 self._poison(handle)
                 raise WorkerTimeout(
-                    f".NET worker {self.worker.worker_id} did not finish within {timeout_s:g} s; "
-                    "its context is replaced for the next message and unloaded once the call "
-                    "returns (use isolation 'subprocess' to kill such a call instead)"
+                    f"{what} did not finish within {timeout_s:g} s; its context is replaced "
+                    "for the next message and unloaded once the call returns (use isolation "
+                    "'subprocess' to kill such a call instead)"
                 )
         elapsed_s = time.monotonic() - started
-        if elapsed_s > timeout_s:  # ProcessAsync blocked before returning its task
+        if elapsed_s > timeout_s:  # the method blocked before returning its task
             self._poison(handle)
             raise WorkerTimeout(
-                f".NET worker {self.worker.worker_id} blocked for {elapsed_s:.3g} s in "
-                f"ProcessAsync, over its {timeout_s:g} s limit; its answer is dropped and its "
-                "context replaced"
+                f"{what} blocked for {elapsed_s:.3g} s in {method}, over its {timeout_s:g} s "
+                "limit; its answer is dropped and its context replaced"
             )
         if answer.startswith(NO_WORKER):
             raise Stale()
@@ -258,15 +288,19 @@ class Isolated:
         )
 
     def call(self, header: str, data: str, timeout_s: float) -> str:
-        head, body = header.encode(), data.encode()
-        # The host kills the helper at the limit; the helper's own limit comes later, so a
-        # loaded machine never lets it answer "timed out" first and keep a hung call alive.
-        helper_ms = int((timeout_s + HELPER_LIMIT_MARGIN_S) * 1000)
-        payload = CALL.pack(len(head), helper_ms) + head + body
+        return self._ask(Request(EVENT, _helper_ms(timeout_s), header, data), timeout_s)
+
+    def probe(self, timeout_s: float) -> str:
+        try:
+            return self._ask(Request(PROBE, _helper_ms(timeout_s)), timeout_s)
+        except WorkerTimeout as exc:
+            raise WorkerTimeout(f"the probe timed out: {exc}") from None
+
+    def _ask(self, request: Request, timeout_s: float) -> str:
         with self._lock:  # the helper answers one call at a time anyway
             if self._closed:
                 raise Stale()
-            return self.process.call(payload, timeout_s).decode()
+            return self.process.call(request.encode(), timeout_s).decode()
 
     def close(self) -> None:
         with self._lock:
@@ -321,18 +355,22 @@ class DotNetEngine(Engine):
             ".NET worker %s v%s loaded (%s)", worker.worker_id, worker.version, _mode(worker)
         )
 
-    def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
-        header, data = encode_event(event)
+    def _ask(self, method: str, ask: Callable[[Runner], str]) -> tuple[str, WorkerSpec]:
+        """``ask`` the current runner (the next one if it was replaced meanwhile): its
+        answer, and the worker it runs."""
         while True:
             runner, worker = self._runner, self._worker
             if runner is None or worker is None:
-                raise WorkerExecutionError(f"{type(self).__name__}.process() called before load()")
+                raise WorkerExecutionError(f"{type(self).__name__}.{method}() called before load()")
             try:
-                answer = runner.call(header, data, timeout_s)
-                break
+                return ask(runner), worker
             except Stale:
                 if self._runner is runner:  # closed, not replaced
                     raise WorkerExecutionError("the .NET worker was closed") from None
+
+    def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
+        header, data = encode_event(event)
+        answer, worker = self._ask("process", lambda runner: runner.call(header, data, timeout_s))
         try:
             decoded = decode_answer(answer)
         except WorkerFailed as exc:
@@ -349,6 +387,27 @@ class DotNetEngine(Engine):
         if decoded.answered_error is not None:
             return Outputs([decoded.event], decoded.answered_error)
         return [decoded.event]
+
+    def probe(self, timeout_s: float) -> bool | None:
+        """The worker's ``ProbeAsync()``, run as a message is (killed with its helper past
+        ``timeout_s`` in isolation, its context replaced in-process): True when it answered
+        true, None without a probe. Never False: false, like an exception, is raised as a
+        :class:`WorkerExecutionError` saying so."""
+        answer, worker = self._ask("probe", lambda runner: runner.probe(timeout_s))
+        try:
+            healthy = decode_probe(answer)
+        except WorkerFailed as exc:
+            raise WorkerExecutionError(
+                f"the probe of .NET worker {worker.worker_id} threw {exc.error_type}: {exc}",
+                error_type=exc.error_type,
+            ) from None
+        except ValueError as exc:
+            raise WorkerExecutionError(f".NET worker {worker.worker_id}: {exc}") from exc
+        if healthy is False:
+            raise WorkerExecutionError(
+                f"the probe of .NET worker {worker.worker_id} answered false (ProbeAsync)"
+            )
+        return healthy
 
     def close(self) -> None:
         runner, self._runner = self._runner, None
@@ -383,6 +442,13 @@ class CSharpEngine(DotNetEngine):
         if not source.strip():
             raise InvalidCode("the C# source is empty")
         return Image(source=source)
+
+
+def _helper_ms(timeout_s: float) -> int:
+    """An isolated call's limit in its helper: the host kills the helper at ``timeout_s``;
+    the helper's own limit comes later, so a loaded machine never lets it answer "timed out"
+    first and keep a hung call alive."""
+    return int((timeout_s + HELPER_LIMIT_MARGIN_S) * 1000)
 
 
 def _mode(worker: WorkerSpec) -> str:

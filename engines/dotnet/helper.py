@@ -1,10 +1,11 @@
 """The helper process of an isolated .NET worker: ``python -m engines.dotnet.helper``.
 
 It starts a runtime of its own, loads the worker the host sends (compiling C# source here)
-into a context, and answers calls with the same strings an in-process context gives; the
-worker's log lines and gateway calls travel to the host. A worker that hangs, crashes the
-runtime or exhausts its memory takes only this process (the frames, die-with-parent and
-the serve loop are :mod:`engines.isolation.helper`).
+into a context, and answers calls, events and probes alike (a :class:`~engines.dotnet.wire.Request`
+each), with the same strings an in-process context gives; the worker's log lines and gateway
+calls travel to the host. A worker that hangs, crashes the runtime or exhausts its memory
+takes only this process (the frames, die-with-parent and the serve loop are
+:mod:`engines.isolation.helper`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 import threading
 from typing import Any
 
-from engines.dotnet.engine import CALL, Context, Image
+from engines.dotnet.engine import Context, Image
+from engines.dotnet.wire import EVENT, Request
 from engines.isolation.helper import Host, run
 from wm.config import Settings
 from wm.engine import WorkerSpec
@@ -38,11 +40,12 @@ class Handler:
         self.context = context
 
     def call(self, payload: bytes) -> bytes:
-        length, timeout_ms = CALL.unpack_from(payload)
-        start = CALL.size
-        header = payload[start : start + length].decode()
-        data = payload[start + length :].decode()
-        return self.context.call(header, data, timeout_ms / 1000).encode()
+        """An event's answer, or the probe's (a :class:`Request` of either kind)."""
+        request = Request.decode(payload)
+        limit_s = request.limit_ms / 1000
+        if request.kind == EVENT:
+            return self.context.call(request.header, request.data, limit_s).encode()
+        return self.context.probe(limit_s).encode()
 
     def close(self) -> None:
         self.context.close()

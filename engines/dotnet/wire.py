@@ -10,6 +10,11 @@ Answer: ``none`` (no output), ``error\\0<.NET exception type>\\0<message>``,
 ``pending\\0<call>`` (an unfinished task), or ``ok`` then ``id, source, type, subject,
 datacontenttype, time, data kind, answered-error flag, answered-error message, extension
 count``, the extension names and values, and the data last (it may hold NUL).
+
+A health probe (``Host.Probe``) answers ``noprobe`` (the worker has none), ``healthy``,
+``unhealthy``, ``error…`` or ``pending…`` as above.
+
+An isolated worker's helper gets a :class:`Request`: an event to process or the probe to run.
 """
 
 from __future__ import annotations
@@ -17,17 +22,24 @@ from __future__ import annotations
 import base64
 import json
 import re
+import struct
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from wm.errors import EventDecodeError
+from wm.errors import EventDecodeError, WorkerExecutionError
 from wm.events import CloudEvent
 
 SEP = "\0"
 _CORE = frozenset(("id", "source", "type", "specversion", "subject", "datacontenttype", "time"))
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _HEAD_FIELDS = 10
+#: A request to an isolated worker's helper: its kind, the event header's length in bytes,
+#: the time limit in ms; then the event's header and data (nothing for a probe).
+_REQUEST = struct.Struct("<cIQ")
+#: The kinds of :class:`Request`.
+EVENT, PROBE = b"E", b"P"
+_PROBE_ANSWERS = {"noprobe": None, "healthy": True, "unhealthy": False}
 
 
 def encode_event(event: CloudEvent) -> tuple[str, str]:
@@ -189,3 +201,45 @@ def _data(kind: str, text: str) -> Any:
     if kind == "b":
         return base64.b64decode(text)
     return text if kind == "t" else None
+
+
+def decode_probe(answer: str) -> bool | None:
+    """What a probe answered: None (no probe), True or False; :class:`WorkerFailed` when it
+    threw, ValueError for an answer no probe gives."""
+    if answer in _PROBE_ANSWERS:
+        return _PROBE_ANSWERS[answer]
+    status, _, rest = answer.partition(SEP)
+    if status == "error":
+        error_type, _, message = rest.partition(SEP)
+        raise WorkerFailed(error_type, message)
+    raise ValueError(f"unexpected answer to a probe from the .NET host: {status[:40]!r}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the host asks an isolated worker's helper: process an event (``EVENT``, its
+    header and data) or run the probe (``PROBE``), within ``limit_ms``."""
+
+    kind: bytes
+    limit_ms: int
+    header: str = ""
+    data: str = ""
+
+    def encode(self) -> bytes:
+        head = self.header.encode()
+        return _REQUEST.pack(self.kind, len(head), self.limit_ms) + head + self.data.encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Request:
+        """The request in ``payload``; WorkerExecutionError when it is none (the host and
+        the helper are of different versions)."""
+        try:
+            kind, length, limit_ms = _REQUEST.unpack_from(payload)
+            start = _REQUEST.size
+            header = payload[start : start + length].decode()
+            data = payload[start + length :].decode()
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise WorkerExecutionError(f"the .NET helper got an unreadable request: {exc}") from exc
+        if kind not in (EVENT, PROBE):
+            raise WorkerExecutionError(f"the .NET helper got a request of unknown kind {kind!r}")
+        return cls(kind, limit_ms, header, data)

@@ -15,13 +15,17 @@ MAX_FRAME_BYTES = 300 * 1024 * 1024
 # host -> helper
 INIT = b"I"  # JSON header, b"\n", the blob the helper loads (the worker's code)
 CALL = b"C"  # the request, in the engine's encoding
+PROBE = b"P"  # empty: run the code's health probe (answered with ANSWER, a PROBE_ANSWERS value)
 GATEWAY_REPLY = b"g"  # int32 code, the response JSON
 # helper -> host
 READY = b"R"  # empty
 LOG = b"L"  # int32 level (Python logging), UTF-8 message
 GATEWAY = b"G"  # JSON {"service", "method"}, b"\n", the request JSON
 ANSWER = b"A"  # the answer, in the engine's encoding
-FAILED = b"F"  # JSON {"type", "message", "code"}: a refusal or a failed call
+FAILED = b"F"  # JSON {"type", "message", "code"}: a refusal or a failed call or probe
+
+#: The ANSWER to a PROBE: the code has no probe (None), it passed (True), it answered False.
+PROBE_ANSWERS: dict[bool | None, bytes] = {None: b"", True: b"1", False: b"0"}
 
 
 class FrameError(Exception):

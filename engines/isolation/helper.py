@@ -2,12 +2,12 @@
 loading and calling, so an engine's helper module is a ``load`` function and
 ``sys.exit(run(load))``.
 
-The helper loads the code the host sends in the INIT frame, then answers CALL frames,
-relaying the worker's log and gateway calls to the host. If the code crashes or hangs, only
-this process dies (or is killed by the host). It takes no core dumps and is killed when the
-host dies (precisely: when the host thread that started it ends; the host starts a fresh
-helper on its next call then). Only the standard library is used here (prctl through
-ctypes), so an engine's helper needs no more than the engine itself does.
+The helper loads the code the host sends in the INIT frame, then answers CALL and PROBE
+frames, relaying the worker's log and gateway calls to the host. If the code crashes or
+hangs, only this process dies (or is killed by the host). It takes no core dumps and is
+killed when the host dies (precisely: when the host thread that started it ends; the host
+starts a fresh helper on its next call then). Only the standard library is used here (prctl
+through ctypes), so an engine's helper needs no more than the engine itself does.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ PR_SET_PDEATHSIG = 1
 class Handler(Protocol):
     """The loaded code. ``call`` answers one request (both in the engine's encoding); a
     WorkManagerError it raises is reported to the host, with its ``code`` if it has an int
-    one. ``close`` unloads the code when the host is done."""
+    one. ``close`` unloads the code when the host is done. A handler may also have
+    ``probe() -> bool | None``, the code's health probe (failures reported as ``call``'s);
+    without one, the code has no probe."""
 
     def call(self, payload: bytes) -> bytes: ...
 
@@ -109,15 +111,21 @@ def _answer_calls(host: Host, handler: Handler) -> None:
             kind, payload = frames.read_frame(host.incoming)
         except frames.FrameError:
             return  # the host closed the pipe: done
-        if kind != frames.CALL:
-            raise frames.FrameError(f"expected a call frame, got {kind!r}")
+        if kind not in (frames.CALL, frames.PROBE):
+            raise frames.FrameError(f"expected a call or probe frame, got {kind!r}")
         try:
-            answer = handler.call(payload)
+            answer = handler.call(payload) if kind == frames.CALL else _probe(handler)
         except WorkManagerError as exc:
             code = getattr(exc, "code", None)
             host.failed(exc, code if isinstance(code, int) else None)
         else:
             host.send(frames.ANSWER, answer)
+
+
+def _probe(handler: Handler) -> bytes:
+    probe = getattr(handler, "probe", None)
+    healthy = None if probe is None else probe()
+    return frames.PROBE_ANSWERS[None if healthy is None else bool(healthy)]
 
 
 def run(load: Loader) -> int:

@@ -3,10 +3,11 @@ built on :mod:`engines.isolation.helper`), so a crash or a hang costs one failed
 not the node.
 
 One helper per loaded worker per host process, started when the engine loads the worker,
-reused across messages; one call at a time per helper. A call past its time limit kills the
-helper (WorkerTimeout); a helper that died (a signal, an exit) fails the call with the cause;
-the next call starts a fresh helper. The engine supplies what is its own: the helper's
-module, what it loads, the words its messages use, and how its refusals map to exceptions.
+reused across messages; one call (or health probe) at a time per helper. A call past its
+time limit kills the helper (WorkerTimeout); a helper that died (a signal, an exit) fails the
+call with the cause; the next call starts a fresh helper. The engine supplies what is its
+own: the helper's module, what it loads, the words its messages use, and how its refusals
+map to exceptions.
 """
 
 from __future__ import annotations
@@ -134,19 +135,32 @@ class HelperProcess:
         """One call in the helper. Only a FAILED frame (a clean refusal or failure) keeps
         the helper; anything else (a timeout, a death, a broken frame) discards it, so the
         next call never reads what was meant for this one."""
+        return self._exchange(frames.CALL, request, timeout_s)
+
+    def probe(self, timeout_s: float) -> bool | None:
+        """The code's health probe, run in the helper as a call is (after the call in
+        flight, killed past ``timeout_s``): True when it passed, False when it answered
+        so, None when the code has no probe; a failure is raised as a call's is."""
+        answer = self._exchange(frames.PROBE, b"", timeout_s)
+        if answer not in _PROBE_RESULTS:
+            raise WorkerExecutionError(
+                f"the {self.description} helper answered a probe with {answer[:40]!r}"
+            )
+        return _PROBE_RESULTS[answer]
+
+    def _exchange(self, kind: bytes, payload: bytes, timeout_s: float) -> bytes:
+        probing = kind == frames.PROBE
         with self._lock:
             self._restart_if_gone()
             deadline = time.monotonic() + timeout_s
             self.sinks.deadline.value = deadline
             try:
-                self._send(frames.CALL, request)
-                answer = self._wait(deadline, frames.ANSWER, "processing an event")
+                self._send(kind, payload)
+                doing = "running its probe" if probing else "processing an event"
+                answer = self._wait(deadline, frames.ANSWER, doing)
             except WorkerTimeout:
                 self._discard()
-                raise WorkerTimeout(
-                    f"the {self.description} worker did not answer within {timeout_s:g} s; "
-                    "its helper process was killed and a fresh one starts with the next message"
-                ) from None
+                raise WorkerTimeout(self._timed_out(probing, timeout_s)) from None
             except frames.FrameError as exc:
                 self._discard()
                 raise WorkerExecutionError(
@@ -158,6 +172,17 @@ class HelperProcess:
             if isinstance(answer, Exception):
                 raise answer
             return answer
+
+    def _timed_out(self, probing: bool, timeout_s: float) -> str:
+        if probing:
+            return (
+                f"the {self.description} worker's probe did not finish within {timeout_s:g} s; "
+                "its helper process was killed and a fresh one starts with the next call"
+            )
+        return (
+            f"the {self.description} worker did not answer within {timeout_s:g} s; "
+            "its helper process was killed and a fresh one starts with the next message"
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -260,6 +285,9 @@ class HelperProcess:
             f"the {self.description} worker's helper process (pid {pid}) died while {doing}: "
             f"{_cause(code)}"
         )
+
+
+_PROBE_RESULTS = {answer: result for result, answer in frames.PROBE_ANSWERS.items()}
 
 
 def _cause(code: int | None) -> str:

@@ -5,9 +5,10 @@ called through the C ABI of ``native_abi/virtufin_worker_api.h`` (seed 001), ove
 Modules: ``package`` (the zip and its manifest), ``codec`` (CloudEvent and WorkerResponse
 FlatBuffers, hand-written for speed; the flatc-generated code in ``native_abi/generated`` is
 the reference it is tested against), ``library`` (one loaded library: Process, FreeResult,
-the VirtufinHost callbacks), ``engine`` (the :class:`NativeEngine`), ``isolated`` and
-``helper`` (isolation mode's native specifics, host and helper sides of the pipe; the
-process, the framing and the restarts are the engine-independent :mod:`engines.isolation`).
+the optional Probe, the VirtufinHost callbacks), ``engine`` (the :class:`NativeEngine`),
+``isolated`` and ``helper`` (isolation mode's native specifics, host and helper sides of the
+pipe; the process, the framing and the restarts are the engine-independent
+:mod:`engines.isolation`).
 
 Operator notes:
 
@@ -20,6 +21,8 @@ Operator notes:
   (worker setting, or the manifest) runs the library in a helper process: a crash or a hang
   costs a failed delivery (retried, then dead-lettered), the helper is killed at the time
   limit and started again.
+* The library's optional ``Probe`` export is the worker's health probe, bounded as Process
+  is: in a helper it is killed at the time limit; in-process a late answer is dropped.
 * Worker settings read by this engine: ``isolation``, and ``api_host`` / ``api_port`` (where
   ``host->gateway_call`` goes; the host must be in WM_GATEWAY_ALLOWED_HOSTS).
 * VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC are set before the library

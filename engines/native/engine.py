@@ -9,9 +9,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from engines.isolation.host import HelperProcess
 from engines.native import codec
@@ -42,9 +42,13 @@ IDENTITY = ("VIRTUFIN_WORKER_ID", "VIRTUFIN_WORKER_GROUP", "VIRTUFIN_WORKER_TOPI
 #: Worker settings read by this engine.
 ISOLATION, API_HOST, API_PORT = "isolation", "api_host", "api_port"
 
+T = TypeVar("T")
+
 
 class Runner(Protocol):
     def call(self, request: bytes, timeout_s: float) -> bytes: ...
+
+    def probe(self, timeout_s: float) -> bool | None: ...
 
     def close(self) -> None: ...
 
@@ -89,25 +93,32 @@ class Sinks:
 
 class InProcess:
     """Calls the library on the caller's thread. A call past its time limit cannot be
-    stopped: the watchdog logs it, and when it returns its answer is dropped as a timeout."""
+    stopped: the watchdog logs it, and when it returns its answer is dropped as a timeout.
+    A probe is bounded the same way."""
 
     def __init__(self, library: NativeLibrary, sinks: Sinks) -> None:
         self.library, self.sinks = library, sinks
 
     def call(self, request: bytes, timeout_s: float) -> bytes:
+        return self._bounded(lambda: self.library.call(request), timeout_s, "Process")
+
+    def probe(self, timeout_s: float) -> bool | None:
+        return self._bounded(self.library.probe, timeout_s, "Probe")
+
+    def _bounded(self, run: Callable[[], T], timeout_s: float, export: str) -> T:
         started = time.monotonic()
         self.sinks.deadline.value = started + timeout_s
-        token = WATCHDOG.enter(started + timeout_s, self.sinks.worker.worker_id)
+        token = WATCHDOG.enter(started + timeout_s, self.sinks.worker.worker_id, export)
         try:
-            answer = self.library.call(request)
+            answer = run()
         finally:
             WATCHDOG.leave(token)
         elapsed_s = time.monotonic() - started
         if elapsed_s > timeout_s:
             raise WorkerTimeout(
-                f"native worker {self.sinks.worker.worker_id} took {elapsed_s:.3g} s, over its "
-                f"{timeout_s:g} s limit; its answer is dropped (in-process calls cannot be "
-                "stopped: use isolation 'subprocess' to kill it at the limit)"
+                f"native worker {self.sinks.worker.worker_id} took {elapsed_s:.3g} s in "
+                f"{export}, over its {timeout_s:g} s limit; its answer is dropped (in-process "
+                "calls cannot be stopped: use isolation 'subprocess' to kill it at the limit)"
             )
         return answer
 
@@ -120,14 +131,14 @@ class Watchdog:
     and leaving cost a dict write each: single dict operations are atomic in CPython."""
 
     def __init__(self) -> None:
-        self._calls: dict[int, tuple[float, str]] = {}
+        self._calls: dict[int, tuple[float, str, str]] = {}
         self._tokens = itertools.count()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def enter(self, deadline: float, worker_id: str) -> int:
+    def enter(self, deadline: float, worker_id: str, export: str = "Process") -> int:
         token = next(self._tokens)
-        self._calls[token] = (deadline, worker_id)
+        self._calls[token] = (deadline, worker_id, export)
         if self._thread is None:
             self._start()
         return token
@@ -146,12 +157,13 @@ class Watchdog:
         while True:
             time.sleep(0.25)
             now = time.monotonic()
-            for token, (deadline, worker_id) in list(self._calls.items()):
+            for token, (deadline, worker_id, export) in list(self._calls.items()):
                 if deadline < now and self._calls.pop(token, None) is not None:
                     logger.error(
-                        "native worker %s is still in Process past its time limit; an "
+                        "native worker %s is still in %s past its time limit; an "
                         "in-process call cannot be stopped (isolation 'subprocess' can)",
                         worker_id,
+                        export,
                     )
 
 
@@ -216,20 +228,8 @@ class NativeEngine(Engine):
             raise EventDecodeError(
                 f"event {event.get_id()} cannot be written as a FlatBuffer CloudEvent: {exc}"
             ) from exc
-        with self._gate:
-            while self._reloading:
-                self._gate.wait()
-            runner, worker = self._runner, self._worker
-            if runner is None or worker is None:
-                raise WorkerExecutionError("NativeEngine.process() called before load()")
-            self._in_flight += 1
-        try:
+        with self._loaded("process") as (runner, worker):
             answer = runner.call(request, timeout_s)
-        finally:
-            with self._gate:
-                self._in_flight -= 1
-                if self._reloading and not self._in_flight:
-                    self._gate.notify_all()
         try:
             response = codec.decode_response(answer)
         except codec.CodecError as exc:
@@ -240,6 +240,13 @@ class NativeEngine(Engine):
             return Outputs([_error_response(event, worker, response.error)], response.error)
         assert response.event is not None
         return [response.event]
+
+    def probe(self, timeout_s: float) -> bool | None:
+        """The library's optional Probe export (None without it), bounded as Process is: in a
+        helper, killed past ``timeout_s``; in-process, its answer dropped as a WorkerTimeout
+        when it returns late. A non-zero code is a NativeCallFailed that names it."""
+        with self._loaded("probe") as (runner, _worker):
+            return runner.probe(timeout_s)
 
     def close(self) -> None:
         with self._exclusive():
@@ -252,6 +259,24 @@ class NativeEngine(Engine):
         runner = self._runner
         pid = runner.pid if isinstance(runner, HelperProcess) else None
         return [pid] if pid is not None else []
+
+    @contextmanager
+    def _loaded(self, method: str) -> Iterator[tuple[Runner, WorkerSpec]]:
+        """The runner and worker loaded now, which a reload waits for until the block ends."""
+        with self._gate:
+            while self._reloading:
+                self._gate.wait()
+            runner, worker = self._runner, self._worker
+            if runner is None or worker is None:
+                raise WorkerExecutionError(f"NativeEngine.{method}() called before load()")
+            self._in_flight += 1
+        try:
+            yield runner, worker
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                if self._reloading and not self._in_flight:
+                    self._gate.notify_all()
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -308,6 +333,7 @@ def _open(package: Package, sinks: Sinks) -> NativeLibrary:
         manifest.free_result,
         sinks.log,
         sinks.gateway,
+        manifest.probe,
     )
 
 

@@ -3,8 +3,9 @@
 The process around it (frames, die-with-parent, no core dumps, the serve loop) is
 :mod:`engines.isolation.helper`; what is native is only the loading: the library the host
 sends becomes a :class:`engines.native.library.NativeLibrary`, whose ``call`` is the whole
-ABI round trip and whose worker's log and gateway calls go to the host. Its failures keep
-their return code (NativeCallFailed) across the pipe.
+ABI round trip (and whose ``probe`` runs the optional Probe export) and whose worker's log
+and gateway calls go to the host. Its failures keep their return code (NativeCallFailed)
+across the pipe.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def load(spec: dict[str, Any], image: bytes, host: Host) -> NativeLibrary:
         spec["free_result"],
         host.log,
         host.gateway,
+        spec["probe"],
     )
 
 

@@ -2,9 +2,10 @@
 (:mod:`engines.native.helper`), so a crash or a hang costs one failed delivery, not the node.
 
 How a helper is started, called, timed out and restarted is :mod:`engines.isolation.host`;
-what is native is the init spec (the manifest's file name and exports, with the library's
-bytes) and the failures the helper can report: a return code (NativeCallFailed), an unusable
-answer (NativeOutputRefused), a library that does not load (InvalidCode).
+what is native is the init spec (the manifest's file name and exports, the optional Probe
+among them, with the library's bytes) and the failures the helper can report: a return code
+(NativeCallFailed), an unusable answer (NativeOutputRefused), a library that does not load
+(InvalidCode).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def start_helper(
         "file_name": library_file(manifest.library),
         "entry_point": manifest.entry_point,
         "free_result": manifest.free_result,
+        "probe": manifest.probe,
     }
     return HelperProcess(
         HELPER_MODULE,

@@ -4,7 +4,7 @@ The library is copied to a fresh temporary file and opened from there, so each l
 instance (a reload never reuses the old code's globals) and the worker's bytes never have to
 be on disk under a guessable name. ``call`` is the whole ABI round trip: Process, checks of
 the answer, a copy of it, and FreeResult exactly once whenever Process handed out a buffer,
-on every path.
+on every path. ``probe`` calls the optional Probe export, the worker's health probe.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 
 #: Largest answer accepted from Process.
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
-#: Process's return codes, by name (virtufin_worker_api.h).
+#: Return codes of Process and Probe, by name (virtufin_worker_api.h).
 RETURN_CODES = {
     0: "VIRTUFIN_OK",
     1: "VIRTUFIN_ERR_INVALID_INPUT",
     2: "VIRTUFIN_ERR_INTERNAL",
     3: "VIRTUFIN_ERR_OUT_OF_MEMORY",
+    4: "VIRTUFIN_ERR_UNHEALTHY",
 }
 GATEWAY_OK, GATEWAY_FAILED, GATEWAY_BAD_REQUEST = 0, 1, 2
 #: Python logging levels of the ABI's 0 trace .. 4 error (trace is below DEBUG).
@@ -64,7 +65,8 @@ _libc: Any = _libc_ffi.dlopen(None)
 
 
 class NativeCallFailed(WorkerExecutionError):
-    """Raised when Process returns a non-zero code: a failed delivery (retried, then parked)."""
+    """Raised when Process returns a non-zero code: a failed delivery (retried, then parked);
+    or when Probe does: a failed health probe."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -83,7 +85,8 @@ def code_name(code: int) -> str:
 
 
 class NativeLibrary:
-    """A worker library loaded from ``image`` (its bytes) with its two exports resolved.
+    """A worker library loaded from ``image`` (its bytes) with its two exports resolved, and
+    its optional ``probe`` export when it has one.
 
     ``log`` and ``gateway`` receive the worker's host callbacks; they may be called from any
     thread that runs Process, and must not raise (an exception is logged and answered with a
@@ -98,6 +101,7 @@ class NativeLibrary:
         free_result: str,
         log: LogSink,
         gateway: GatewaySink,
+        probe: str | None = None,
     ) -> None:
         self.file_name = file_name
         self._log, self._gateway = log, gateway
@@ -109,6 +113,7 @@ class NativeLibrary:
         self._ffi = FFI()
         self._ffi.include(ffi)
         self._lib: Any = None
+        self._probe: Any = None
         self._host: Any = None
         self._handle: Any = None
         self._callbacks: tuple[Any, ...] = ()
@@ -116,7 +121,7 @@ class NativeLibrary:
             with os.fdopen(fd, "wb") as out:
                 out.write(image)
             os.chmod(path, 0o500)
-            _declare(self._ffi, entry_point, free_result)
+            _declare(self._ffi, entry_point, free_result, probe)
             self._lib = _open(self._ffi, path, file_name)
         finally:
             # the mapping outlives the file: nothing is left on disk, even if the process dies
@@ -124,6 +129,7 @@ class NativeLibrary:
         try:
             self._process = self._export(entry_point, "entry_point")
             self._free = self._export(free_result, "free_result")
+            self._probe = None if probe is None else getattr(self._lib, probe, None)
             self._host = self._make_host()
         except BaseException:
             self.close()
@@ -182,6 +188,16 @@ class NativeLibrary:
             return bytes(ffi.buffer(buffer, length))
         finally:
             self._free(buffer)
+
+    def probe(self) -> bool | None:
+        """Run Probe: True when it returned VIRTUFIN_OK, None when the library does not export
+        it; any other code is raised as NativeCallFailed, the failed probe's reason."""
+        if self._probe is None:
+            return None
+        code = self._probe(self._host)
+        if code:
+            raise NativeCallFailed(code, f"Probe returned {code_name(code)}")
+        return True
 
     def close(self) -> None:
         """Unload the library. Safe to call more than once."""
@@ -253,16 +269,21 @@ class NativeLibrary:
             self._log(logging.ERROR, f"free_response({address:#x}): not a response of this host")
 
 
-def _declare(local: FFI, entry_point: str, free_result: str) -> None:
+def _declare(local: FFI, entry_point: str, free_result: str, probe: str | None) -> None:
     if entry_point == free_result:
         raise InvalidCode(
             f"manifest.json names {entry_point!r} as both entry_point and free_result"
         )
+    if probe in (entry_point, free_result):
+        raise InvalidCode(f"manifest.json names {probe!r} as probe and as another export")
+    declarations = (
+        f"int32_t {entry_point}(const VirtufinHost*, const char*, int32_t, uint8_t**, "
+        f"int32_t*);\nvoid {free_result}(uint8_t*);"
+    )
+    if probe is not None:
+        declarations += f"\nint32_t {probe}(const VirtufinHost*);"
     try:
-        local.cdef(
-            f"int32_t {entry_point}(const VirtufinHost*, const char*, int32_t, uint8_t**, "
-            f"int32_t*);\nvoid {free_result}(uint8_t*);"
-        )
+        local.cdef(declarations)
     except CDefError as exc:
         raise InvalidCode(f"manifest.json export names cannot be declared: {exc}") from exc
 

@@ -2,8 +2,8 @@
 
 Reading one checks everything the seed lists before anything is loaded: the zip itself, the
 manifest (``abi_version`` supported, ``library`` matching ``[A-Za-z0-9_.-]+``, optional
-``entry_point`` / ``free_result`` / ``isolation``; other fields are ignored), and an entry for
-the running machine's RID with the platform's file name.
+``entry_point`` / ``free_result`` / ``probe`` / ``isolation``; other fields are ignored),
+and an entry for the running machine's RID with the platform's file name.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class Manifest:
     entry_point: str = "Process"
     free_result: str = "FreeResult"
     isolation: str | None = None
+    #: The optional health-probe export: a library without it has no probe.
+    probe: str = "Probe"
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         _symbol(doc, "entry_point", "Process"),
         _symbol(doc, "free_result", "FreeResult"),
         _isolation(doc.get("isolation")),
+        _symbol(doc, "probe", "Probe"),
     )
 
 

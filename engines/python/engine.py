@@ -275,40 +275,47 @@ class PythonEngine(Engine):
     def _exchange(
         self, process: SandboxProcess, event: CloudEvent, timeout_s: float
     ) -> list[CloudEvent]:
-        try:
-            reply = process.request(event_body(event), time.monotonic() + timeout_s)
-        except WorkerTimeout as exc:
-            raise WorkerTimeout(
-                f"Python worker {process.worker_id} did not finish event {event.get_id()} "
-                f"within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and a "
-                "fresh one starts with the next message"
-            ) from exc
-        if reply["op"] == "error":
-            self._raise_worker_error(process, reply, "failed")
-        if reply["op"] != "result":
-            process.broken = True
-            raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
+        what = f"Python worker {process.worker_id} did not finish event {event.get_id()}"
+        reply = self._request(process, event_body(event), timeout_s, what, "result", "failed")
         return self._outputs(process, reply)
 
     def _ask_probe(self, process: SandboxProcess, timeout_s: float) -> bool:
-        try:
-            reply = process.request({"op": "probe"}, time.monotonic() + timeout_s)
-        except WorkerTimeout as exc:
-            raise WorkerTimeout(
-                f"the probe of Python worker {process.worker_id} did not finish within "
-                f"{timeout_s:g} s; its sandbox (pid {process.pid}) was killed"
-            ) from exc
-        if reply["op"] == "error":
-            self._raise_worker_error(process, reply, "probe failed")
-        if reply["op"] != "probe_result":
-            process.broken = True
-            raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
+        what = f"the probe of Python worker {process.worker_id} did not finish"
+        reply = self._request(
+            process, {"op": "probe"}, timeout_s, what, "probe_result", "probe failed"
+        )
         self._recycle_if_spent(process, reply)
         if reply.get("ok") is not True:  # raised rather than False: the reason says why
             raise WorkerExecutionError(
                 f"Python worker {process.worker_id}'s probe failed: {reply.get('message')}"
             )
         return True
+
+    def _request(
+        self,
+        process: SandboxProcess,
+        message: dict[str, Any] | bytes,
+        timeout_s: float,
+        late: str,
+        expected: str,
+        failed: str,
+    ) -> dict[str, Any]:
+        """The child's ``expected`` reply to ``message``; its ``error`` reply raised as the
+        worker's error (``failed``), a timeout as :class:`WorkerTimeout` (``late`` says what
+        did not finish: the child is killed, a fresh one answers the next call)."""
+        try:
+            reply = process.request(message, time.monotonic() + timeout_s)
+        except WorkerTimeout as exc:
+            raise WorkerTimeout(
+                f"{late} within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and "
+                "a fresh one starts with the next call"
+            ) from exc
+        if reply["op"] == "error":
+            self._raise_worker_error(process, reply, failed)
+        if reply["op"] != expected:
+            process.broken = True
+            raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
+        return reply
 
     @staticmethod
     def _raise_worker_error(process: SandboxProcess, reply: dict[str, Any], what: str) -> NoReturn:

@@ -234,8 +234,8 @@ def normalize(result: Any) -> list[CloudEvent]:
 def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> bytes:
     """An ``error`` frame body; the traceback starts at the worker's code."""
     tb = exc.__traceback__
-    if tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next  # the runner's own frame
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # the runner's own frames
     try:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except Exception:
@@ -252,10 +252,46 @@ def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> 
 
 def handle(entry: Entry, raw_event: Any, worker_file: str) -> tuple[bytes, bool]:
     """Run the worker on one event: (reply body, whether the child must exit)."""
-    try:
+
+    def call() -> bytes:
         events = normalize(entry.call(event_from_json(raw_event)))
         times = os.times()
-        body = result_body(events, times.user + times.system, take_done())
+        return result_body(events, times.user + times.system, take_done())
+
+    return _guarded(call, worker_file)
+
+
+def handle_probe(entry: Entry, worker_file: str) -> tuple[bytes, bool]:
+    """Run the worker's health probe: (reply body, whether the child must exit). The reply
+    is ``probe_result`` (``ok`` null when the code has no probe, false for a falsy answer)
+    or, when the probe raised, ``error``: a failed probe either way."""
+    probe = entry.probe
+    if probe is None:
+        return b'{"op":"probe_result","ok":null}', False
+
+    def call() -> bytes:
+        answer = probe()
+        if isinstance(answer, Coroutine):
+            answer = _drive(answer)
+        times = os.times()
+        reply: dict[str, Any] = {
+            "op": "probe_result",
+            "ok": bool(answer),
+            "cpu_s": times.user + times.system,
+        }
+        if not answer:
+            reply["message"] = f"probe() returned {_falsy(answer)}, not a true value"
+        return json.dumps(reply).encode("utf-8")
+
+    return _guarded(call, worker_file)
+
+
+def _guarded(call: Callable[[], bytes], worker_file: str) -> tuple[bytes, bool]:
+    """Run worker code through ``call``, which builds the reply body: (body, whether the
+    child must exit). An exception is an ``error`` reply; SystemExit, tampering or threads
+    left running end the child."""
+    try:
+        body = call()
     except Exception as exc:
         return error_body(exc, worker_file), False
     except BaseException as exc:  # SystemExit, tampering: the worker ends the child
@@ -270,36 +306,6 @@ def handle(entry: Entry, raw_event: Any, worker_file: str) -> tuple[bytes, bool]
         )
         return error_body(leftover, worker_file, fatal=True), True
     return body, False
-
-
-def handle_probe(entry: Entry, worker_file: str) -> tuple[bytes, bool]:
-    """Run the worker's health probe: (reply body, whether the child must exit). The reply
-    is ``probe_result`` (``ok`` null when the code has no probe, false for a falsy answer)
-    or, when the probe raised, ``error``: a failed probe either way."""
-    if entry.probe is None:
-        return b'{"op":"probe_result","ok":null}', False
-    try:
-        answer = entry.probe()
-        if isinstance(answer, Coroutine):
-            answer = _drive(answer)
-        ok = bool(answer)
-        times = os.times()
-    except Exception as exc:
-        return error_body(exc, worker_file), False
-    except BaseException as exc:  # SystemExit, tampering: the worker ends the child
-        return error_body(exc, worker_file, fatal=True), True
-    finally:
-        _flush_stdio()
-    threads = _thread._count()
-    if threads:
-        leftover = RuntimeError(
-            f"worker code left {threads} thread(s) running; threads are not supported"
-        )
-        return error_body(leftover, worker_file, fatal=True), True
-    reply: dict[str, Any] = {"op": "probe_result", "ok": ok, "cpu_s": times.user + times.system}
-    if not ok:
-        reply["message"] = f"probe() returned {_falsy(answer)}, not a true value"
-    return json.dumps(reply).encode("utf-8"), False
 
 
 def _falsy(answer: Any) -> str:

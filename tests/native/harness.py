@@ -33,7 +33,8 @@ ZIPS = {
 }
 RID = {"x86_64": "linux-x64", "aarch64": "linux-arm64"}.get(platform.machine(), "unsupported")
 
-#: virtufin_worker_api.h, as cffi declares it; the two counters only misbehave exports.
+#: virtufin_worker_api.h, as cffi declares it; Probe and the two counters only misbehave
+#: exports.
 CDEF = """
 typedef struct VirtufinHost {
     void*   engine_ptr;
@@ -47,6 +48,7 @@ typedef struct VirtufinHost {
 int32_t Process(const VirtufinHost* host, const uint8_t* in_buf, int32_t in_len,
                 uint8_t** out_buf, int32_t* out_len);
 void FreeResult(uint8_t* out_buf);
+int32_t Probe(const VirtufinHost* host);
 int32_t OutstandingResults(void);
 int32_t FreedTwice(void);
 void* malloc(size_t size);

@@ -172,11 +172,9 @@ class DeadLetters:
             return [records.dead_letter_info(r) for r in rows]
 
     def get(self, letter_id: str) -> DeadLetterInfo:
+        """The dead letter with this id or short id (a unique prefix of 6 characters or more)."""
         with store.session_scope(self.settings) as session:
-            row = session.get(DeadLetter, letter_id)
-            if row is None:
-                raise DeadLetterNotFound(f"no dead letter with id {letter_id}")
-            return records.dead_letter_info(row)
+            return records.dead_letter_info(_row(session, letter_id))
 
     def replay(
         self,
@@ -207,9 +205,7 @@ class DeadLetters:
         return sent
 
     def _replay_one(self, session: Session, letter_id: str, to_version: str) -> None:
-        row = session.get(DeadLetter, letter_id, with_for_update=True)
-        if row is None:
-            raise DeadLetterNotFound(f"no dead letter with id {letter_id}")
+        row = _row(session, letter_id, lock=True)
         worker = session.get(Worker, row.worker_id) if row.worker_id else None
         if worker is None or worker.status == Status.DELETED:
             raise WorkerNotFound(f"dead letter {letter_id}: its worker is gone; purge it instead")
@@ -233,8 +229,9 @@ class DeadLetters:
             raise InvalidArgument("purge needs dead-letter ids or at least one filter")
         with store.session_scope(self.settings) as session:
             query = delete(DeadLetter)
-            if letter_ids is not None:
-                query = query.where(DeadLetter.id.in_(letter_ids))
+            if letter_ids is not None:  # each must exist: a typo deletes nothing
+                ids = [_row(session, letter_id).id for letter_id in letter_ids]
+                query = query.where(DeadLetter.id.in_(ids))
             query = _where(query, topic, worker_id, error_type)
             result = session.execute(query)
             return int(getattr(result, "rowcount", 0) or 0)
@@ -247,6 +244,17 @@ class DeadLetters:
         if not include_replayed:
             query = query.where(DeadLetter.replayed_at.is_(None))
         return query
+
+
+def _row(session: Session, letter_id: str, *, lock: bool = False) -> DeadLetter:
+    """The dead letter with this id, or the one whose id starts with it (a short id)."""
+    row = session.get(DeadLetter, letter_id, with_for_update=lock)
+    if row is None:
+        full = records.by_prefix(session, DeadLetter.id, letter_id, "dead letter")
+        row = None if full is None else session.get(DeadLetter, full, with_for_update=lock)
+    if row is None:
+        raise DeadLetterNotFound(f"no dead letter with id or short id {letter_id!r}")
+    return row
 
 
 def _where(query: Any, topic: str | None, worker_id: str | None, error_type: str | None) -> Any:

@@ -92,22 +92,27 @@ def wait_idle(app: Celery, worker_id: str, grace_s: float) -> list[str]:
 
 class Listener(threading.Thread):
     """Calls ``handle(op, worker_id)`` for each command on :data:`CHANNEL`; subscribes again
-    after a Redis failure. A daemon: it ends with its process."""
+    after a Redis failure; ends within :data:`POLL_S` of :meth:`stop` (or with its process:
+    a daemon)."""
 
     def __init__(self, settings: Settings, handle: Handler) -> None:
         super().__init__(name="wm-engine-commands", daemon=True)
         self.settings = settings
         self.handle = handle
         self.subscribed = threading.Event()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
     def run(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             try:
                 self._listen()
             except Exception as exc:  # Redis went away: subscribe again
                 self.subscribed.clear()
                 logger.warning("engine commands: %s; subscribing again", exc)
-                time.sleep(RESUBSCRIBE_S)
+                self._stopped.wait(RESUBSCRIBE_S)
 
     def _listen(self) -> None:
         client = own_client(self.settings)
@@ -115,8 +120,9 @@ class Listener(threading.Thread):
         try:
             pubsub.subscribe(CHANNEL)
             self.subscribed.set()
-            for message in pubsub.listen():
-                if message.get("type") != "message":
+            while not self._stopped.is_set():
+                message = pubsub.get_message(timeout=POLL_S)
+                if message is None or message.get("type") != "message":
                     continue
                 try:
                     command = json.loads(message["data"])

@@ -27,6 +27,7 @@ from wm.config import Settings
 from wm.dataplane.app import broker_errors
 from wm.dataplane.bus import Bus
 from wm.dataplane.delivery import Runtime
+from wm.dataplane.observe import notify
 from wm.dataplane.queues import DEFAULT_QUEUE
 from wm.dataplane.tasks import runtime
 from wm.errors import BrokerUnavailable, DatabaseError
@@ -114,6 +115,7 @@ def run_probe(rt: Runtime, worker_id: str) -> ProbeFacts | None:
             return None
         error = None if answer else "the probe answered that the worker is not healthy"
     facts = probes.record(meta.id, meta.version, error, probe_interval_s(meta.settings))
+    notify("probe_passed" if error is None else "probe_failed", meta)
     if error is not None:
         logger.warning(
             "probe of worker %s v%d failed (%d in a row): %s",

@@ -72,6 +72,7 @@ def reset_runtime() -> None:
     global _runtime
     with _runtime_lock:
         if _runtime is not None:
+            _runtime.listener.stop()
             _runtime.engines.close()
         _runtime = None
 

@@ -671,9 +671,10 @@ def replay(svc: Svc, body: Replay) -> Replayed:
     return Replayed(replayed=sent, ids=ids)
 
 
-@LETTERS.post("/purge", dependencies=[ADMIN])
+@LETTERS.post("/purge", dependencies=[ADMIN], responses=_errors(404))
 def purge(svc: Svc, body: LetterSelection) -> Purged:
-    """Delete dead letters (by id, or every one a filter selects)."""
+    """Delete dead letters (by id or short id, each of which must exist; or every one a
+    filter selects)."""
     count = svc.letters.purge(
         body.ids,
         topic=body.topic,

@@ -15,12 +15,17 @@ Per WorkManager worker, labelled ``worker_id`` and ``worker`` (its name, or empt
 ``wm_delivered_total``, ``wm_succeeded_total``, ``wm_failed_total`` (failed attempts),
 ``wm_retried_total``, ``wm_dead_lettered_total``, ``wm_fence_refusals_total``,
 ``wm_duplicates_skipped_total`` (a recorded outcome republished instead of a second run),
-``wm_breaker_opened_total`` (times its circuit breaker paused it), and
+``wm_breaker_opened_total`` (times its circuit breaker paused it), ``wm_probe_passed_total``
+and ``wm_probe_failed_total`` (its health probes run on this node), and
 the histograms ``wm_lock_wait_seconds``, ``wm_engine_seconds`` and
 ``wm_publish_to_output_seconds``. Per node: ``wm_node_consumers`` (worker queues consumed),
 ``wm_node_recovery`` (1 for the current state), ``wm_node_engines`` (engines loaded in its
-pool processes) and ``wm_node_sandbox_processes``. Cardinality: 8 counters and 3 histograms
-of 13 series each per worker the node served since it started, so about 47 series per worker.
+pool processes) and ``wm_node_sandbox_processes``. Cardinality: 10 counters and 3 histograms
+of 13 series each per worker the node served since it started, so about 49 series per worker.
+
+Of the whole cluster, the same on every node (read from the database and Redis at most every
+:data:`WORKERS_TTL_S`; aggregate with ``max``): ``wm_workers{status}``, the live workers in
+each status, and ``wm_workers_health{health}``, in each health.
 """
 
 from __future__ import annotations
@@ -28,14 +33,22 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
+from wm import store
 from wm.config import Settings
 from wm.dataplane import observe
 from wm.dataplane.node import STATE
+from wm.errors import WorkManagerError
+from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
+from wm.state.health import HEALTHS, WorkerHealth
+from wm.store.models import Worker
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 COUNTERS = {
@@ -47,6 +60,8 @@ COUNTERS = {
     "fence_refused": "Writes refused because the group lock's lease was lost.",
     "duplicate": "Deliveries whose recorded outcome was republished instead of run again.",
     "breaker_opened": "Times the circuit breaker paused the worker (running to pending).",
+    "probe_passed": "Health probes of the worker's code that passed.",
+    "probe_failed": "Health probes of the worker's code that failed (false, raised, timed out).",
 }
 NAMES = {"fence_refused": "fence_refusals", "duplicate": "duplicates_skipped"}
 HISTOGRAMS = {
@@ -63,6 +78,8 @@ RECOVERY_STATES = ("pending", "running", "retrying", "done", "elsewhere", "disab
 _metrics: dict[str, Any] = {}
 #: The samples' directory when this process made it (removed when the node stops).
 _made: list[str] = []
+#: The cluster's worker counts (made by :func:`prepare`).
+_workers: list[_WorkersCollector] = []
 
 
 def prepare(settings: Settings) -> None:
@@ -78,6 +95,7 @@ def prepare(settings: Settings) -> None:
         os.environ[ENV] = tempfile.mkdtemp(prefix="wm-metrics-")
         _made.append(os.environ[ENV])
     _define()
+    _workers.append(_WorkersCollector(settings))
     observe.register(_observe)
 
 
@@ -145,6 +163,54 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: Seconds a scrape reuses the cluster's worker counts.
+WORKERS_TTL_S = 5.0
+
+
+class _WorkersCollector:
+    """``wm_workers{status}`` and ``wm_workers_health{health}`` (the module's docstring)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._cached: tuple[float, dict[str, int], dict[str, int]] | None = None
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        now = time.monotonic()
+        if self._cached is None or now - self._cached[0] > WORKERS_TTL_S:
+            with store.session_scope(self.settings) as session:
+                rows = session.execute(
+                    select(Worker.id, Worker.status).where(Worker.status != Status.DELETED.value)
+                ).all()
+            statuses = {str(status): 0 for status in Status if status != Status.DELETED}
+            for _, status in rows:
+                statuses[status] = statuses.get(status, 0) + 1
+            healths = {health: 0 for health in HEALTHS}
+            for health in WorkerHealth(self.settings).known([str(w) for w, _ in rows]).values():
+                healths[health] = healths.get(health, 0) + 1
+            self._cached = (now, statuses, healths)
+        return self._cached[1], self._cached[2]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            statuses, healths = self.counts()
+        except WorkManagerError:  # the database or Redis is down: the node's own metrics stay
+            return
+        by_status = GaugeMetricFamily(
+            "wm_workers", "Live workers of the cluster in each status.", labels=["status"]
+        )
+        for status, count in statuses.items():
+            by_status.add_metric([status], count)
+        yield by_status
+        by_health = GaugeMetricFamily(
+            "wm_workers_health", "Live workers of the cluster in each health.", labels=["health"]
+        )
+        for health, count in healths.items():
+            by_health.add_metric([health], count)
+        yield by_health
+
+
 class _NodeCollector:
     """The main process's own facts, read at each scrape."""
 
@@ -174,4 +240,6 @@ def exposition() -> tuple[bytes, str] | None:
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
     registry.register(_NodeCollector())
+    if _workers:
+        registry.register(_workers[0])
     return generate_latest(registry), CONTENT_TYPE_LATEST

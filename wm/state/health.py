@@ -43,6 +43,7 @@ from wm.state.breaker import failures_key
 from wm.state.connection import StatePipeline, queue_eval, redis_errors, redis_for, text
 
 HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN = "healthy", "degraded", "unhealthy", "unknown"
+HEALTHS = (HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN)
 #: Which verdict wins when deliveries and the probe disagree: the worse one.
 _SEVERITY = {UNKNOWN: 0, HEALTHY: 1, DEGRADED: 2, UNHEALTHY: 3}
 #: Minutes of deliveries the error rate is taken over.

@@ -26,7 +26,7 @@ from wm.errors import InvalidArgument, TokenNotFound
 from wm.names import check_name
 from wm.store.db import session_scope
 from wm.store.models import ApiToken, AuditEntry
-from wm.store.records import aware
+from wm.store.records import aware, by_prefix
 from wm.views import AuditInfo, Role, TokenInfo
 
 #: A token's last use is written at most this often (each request would otherwise write).
@@ -104,7 +104,12 @@ class Tokens:
             if row is None or row.revoked_at is not None:
                 row = self._in_force(session, reference)
             if row is None:
-                raise TokenNotFound(f"no token in force with id or name {reference!r}")
+                full = by_prefix(
+                    session, ApiToken.id, reference, "token", ApiToken.revoked_at.is_(None)
+                )
+                row = None if full is None else session.get(ApiToken, full)
+            if row is None:
+                raise TokenNotFound(f"no token in force with id, short id or name {reference!r}")
             row.revoked_at = datetime.now(UTC)
             session.flush()
             return _token_info(row)

@@ -11,13 +11,14 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar, overload
 
-from sqlalchemy import select
+from sqlalchemy import String, Uuid, cast, func, select
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 from sqlalchemy.orm.exc import StaleDataError
 
 from wm.config import Settings
 from wm.errors import (
+    AmbiguousReference,
     ConcurrencyConflict,
     DatabaseError,
     IllegalTransition,
@@ -254,3 +255,43 @@ def schedule_info(row: Schedule) -> ScheduleInfo:
         last,
         upcoming,
     )
+
+
+#: Characters a short id needs at least (git-style).
+MIN_PREFIX = 6
+#: Candidates an ambiguous short id's error lists at most.
+_SHOWN = 5
+
+
+def by_prefix(
+    session: Session,
+    column: InstrumentedAttribute[Any],
+    given: str,
+    kind: str,
+    *conditions: Any,
+    show: Callable[[Any], str] = str,
+) -> Any | None:
+    """The one value of ``column`` (an id) that starts with ``given``: a short id of at least
+    :data:`MIN_PREFIX` characters (a UUID's hyphens may be left out). None when none does
+    (or ``given`` is too short to be one); :class:`AmbiguousReference` listing the
+    candidates (each as ``show`` gives it) when several do."""
+    if len(given) < MIN_PREFIX:
+        return None
+    if isinstance(column.type, Uuid):
+        pattern = given.replace("-", "").lower()
+        if pattern.strip("0123456789abcdef"):
+            return None
+        expr: Any = func.replace(func.lower(cast(column, String)), "-", "")
+    else:
+        pattern, expr = given, column
+    like = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    found = session.scalars(
+        select(column).where(expr.like(like, escape="\\"), *conditions).limit(_SHOWN + 1)
+    ).all()
+    if len(found) > 1:
+        shown = ", ".join(show(value) for value in found[:_SHOWN])
+        more = ", …" if len(found) > _SHOWN else ""
+        raise AmbiguousReference(
+            f"{kind} id {given!r} is ambiguous: it starts {shown}{more}; give more characters"
+        )
+    return found[0] if found else None

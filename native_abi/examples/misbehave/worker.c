@@ -14,6 +14,15 @@
  *   (other)    <type>.processed from /native/misbehave, as examples/c does: data upper-cased,
  *              extensions correlationid (copied), workerid, engine "misbehave".
  *
+ * Its health probe (Probe) does as the environment variable MISBEHAVE_PROBE said when the
+ * library loaded:
+ *   unset      logs "probe: healthy" and returns VIRTUFIN_OK
+ *   "fail"     logs "probe: asked to fail" and returns VIRTUFIN_ERR_UNHEALTHY
+ *   "hang"     sleeps for ever
+ *   "slow"     sleeps 1.5 s, then answers as when unset
+ *   "crash"    writes through a NULL pointer (SIGSEGV)
+ *   (other)    returns VIRTUFIN_ERR_INTERNAL
+ *
  * Every buffer handed out is recorded until FreeResult releases it, so a test can check that
  * the host frees each one exactly once: OutstandingResults() counts those not yet released,
  * FreedTwice() the FreeResult calls on a pointer not handed out or already released (such a
@@ -41,12 +50,20 @@ static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *live[MAX_LIVE]; /* the results handed out, not yet released */
 static int32_t outstanding, freed_twice;
 static char *worker_id;
+static const char *probe_mode; /* MISBEHAVE_PROBE's value at load, or NULL */
 
 /* Read while the library loads, as in examples/c/worker.c. */
 __attribute__((constructor)) static void read_identity(void)
 {
     const char *id = getenv("VIRTUFIN_WORKER_ID");
+    const char *modes[] = {"fail", "hang", "slow", "crash"};
+    const char *mode = getenv("MISBEHAVE_PROBE");
+    size_t i;
     worker_id = strdup(id ? id : "unknown");
+    probe_mode = mode ? "other" : NULL;
+    for (i = 0; mode && i < sizeof modes / sizeof modes[0]; i++)
+        if (strcmp(mode, modes[i]) == 0)
+            probe_mode = modes[i];
 }
 
 __attribute__((destructor)) static void forget_identity(void)
@@ -183,11 +200,16 @@ static int32_t neither(const vfb_event *in, uint8_t **out_buf, int32_t *out_len)
     return hand_out_built(rc, buf, len, out_buf, out_len);
 }
 
-static int32_t slow(const vfb_event *in, uint8_t **out_buf, int32_t *out_len)
+static void nap(void)
 {
     struct timespec left = {1, 500000000L};
     while (nanosleep(&left, &left) != 0 && errno == EINTR)
         ;
+}
+
+static int32_t slow(const vfb_event *in, uint8_t **out_buf, int32_t *out_len)
+{
+    nap();
     return echo(in, out_buf, out_len);
 }
 
@@ -280,4 +302,22 @@ int32_t FreedTwice(void)
     n = freed_twice;
     pthread_mutex_unlock(&live_lock);
     return n;
+}
+
+int32_t Probe(const VirtufinHost *host)
+{
+    if (probe_mode && strcmp(probe_mode, "fail") == 0) {
+        host->log(VIRTUFIN_LOG_WARN, "probe: asked to fail");
+        return VIRTUFIN_ERR_UNHEALTHY;
+    }
+    if (probe_mode && strcmp(probe_mode, "hang") == 0)
+        return hang(NULL, NULL, NULL);
+    if (probe_mode && strcmp(probe_mode, "crash") == 0)
+        return crash(NULL, NULL, NULL);
+    if (probe_mode && strcmp(probe_mode, "slow") == 0)
+        nap();
+    else if (probe_mode)
+        return VIRTUFIN_ERR_INTERNAL;
+    host->log(VIRTUFIN_LOG_INFO, "probe: healthy");
+    return VIRTUFIN_OK;
 }

@@ -3,7 +3,9 @@ using System.Threading.Tasks;
 
 namespace Virtufin.Worker.DevKit
 {
-    /// <summary>A worker: one public class with a parameterless constructor per assembly.</summary>
+    /// <summary>A worker: one public class with a parameterless constructor per assembly.
+    /// It may have a health probe: a public <c>Task&lt;bool&gt; ProbeAsync()</c> (see
+    /// <see cref="WorkerBase.ProbeAsync"/>).</summary>
     public interface IWorker
     {
         /// <summary>Handles one event. The result (the task's value) may be null: no output.
@@ -31,6 +33,19 @@ namespace Virtufin.Worker.DevKit
         public string Source { get; private set; }
 
         public abstract Task<CloudEvent> ProcessAsync(CloudEvent input);
+
+        /// <summary>Health probe, optional: override it to have WorkManager call it every
+        /// <c>probe_interval_s</c> (worker setting, default 30) on one node at a time, within
+        /// the worker's <c>timeout_s</c>. Answer true when the worker can do its work (its
+        /// backends answer, say); false, an exception (its message the reason) or a probe that
+        /// outlives its time limit is a failed probe, and <c>max_probe_failures</c> (default 3)
+        /// in a row make the worker unhealthy. Not overridden, the worker has no probe and is
+        /// never probed. A worker implementing <see cref="IWorker"/> directly declares the same
+        /// public method.</summary>
+        public virtual Task<bool> ProbeAsync()
+        {
+            throw new NotSupportedException("WorkerBase.ProbeAsync() is optional; override it to have one.");
+        }
 
         /// <summary>A response of type <see cref="ResponseType"/> carrying the input's
         /// correlation id.</summary>

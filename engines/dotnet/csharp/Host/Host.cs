@@ -18,6 +18,7 @@ namespace WorkManager.DotNet
         const char Sep = '\0';
         const string DevKitName = "Virtufin.Worker.DevKit";
         const string RuntimeBinderName = "Microsoft.CSharp";
+        const string ProbeMethod = "ProbeAsync";
         static byte[] runtimeBinder;
         static readonly object gate = new object();
         static readonly Dictionary<int, Slot> slots = new Dictionary<int, Slot>();
@@ -89,6 +90,7 @@ namespace WorkManager.DotNet
             public string WorkerId;
             public object Context;
             public IWorker Worker;
+            public Func<Task<bool>> Probe;
             public int Busy;
             public bool Retired;
         }
@@ -96,7 +98,8 @@ namespace WorkManager.DotNet
         sealed class Pending
         {
             public Slot Slot;
-            public Task<CloudEvent> Task;
+            public Task Task;
+            public Func<string> Finish;
         }
 
         static readonly Type contextType = Type.GetType(
@@ -114,6 +117,7 @@ namespace WorkManager.DotNet
             resolving.AddEventHandler(context, Delegate.CreateDelegate(
                 resolving.EventHandlerType, dependencies, typeof(Dependencies).GetMethod("Resolve")));
             IWorker worker = null;
+            Func<Task<bool>> probe = null;
             string answer;
             try
             {
@@ -121,7 +125,10 @@ namespace WorkManager.DotNet
                 foreach (AssemblyName reference in assembly.GetReferencedAssemblies())
                     if (reference.Name == RuntimeBinderName) dependencies.LoadRuntimeBinder();
                 Type type = FindWorkerType(assembly);
+                MethodInfo probeMethod = FindProbe(type);
                 worker = (IWorker)Activator.CreateInstance(type);
+                if (probeMethod != null)
+                    probe = (Func<Task<bool>>)Delegate.CreateDelegate(typeof(Func<Task<bool>>), worker, probeMethod);
                 answer = type.FullName;
             }
             catch (Exception e)
@@ -133,7 +140,7 @@ namespace WorkManager.DotNet
             lock (gate)
             {
                 int handle = ++nextSlot;
-                slots[handle] = new Slot { WorkerId = workerId, Context = context, Worker = worker };
+                slots[handle] = new Slot { WorkerId = workerId, Context = context, Worker = worker, Probe = probe };
                 return "ok" + Sep + handle + Sep + answer;
             }
         }
@@ -213,6 +220,22 @@ namespace WorkManager.DotNet
             return found[0];
         }
 
+        /// <summary>The worker's health probe: its public <c>Task&lt;bool&gt; ProbeAsync()</c>, or
+        /// null when it has none (WorkerBase's own, not overridden, is none). A method of that
+        /// name in another shape is refused: it was surely meant as the probe.</summary>
+        static MethodInfo FindProbe(Type type)
+        {
+            MethodInfo probe = type.GetMethod(
+                ProbeMethod, BindingFlags.Public | BindingFlags.Instance, null, Type.EmptyTypes, null);
+            if (probe != null && probe.DeclaringType == typeof(WorkerBase)) return null;
+            if (probe != null && probe.ReturnType == typeof(Task<bool>)) return probe;
+            BindingFlags any = BindingFlags.Public | BindingFlags.NonPublic | BindingFlags.Instance | BindingFlags.Static;
+            if (probe == null && type.GetMember(ProbeMethod, MemberTypes.Method, any).Length == 0) return null;
+            throw new InvalidOperationException(
+                type.FullName + "." + ProbeMethod + " is no health probe: declare it as "
+                + "public Task<bool> " + ProbeMethod + "() (override it on WorkerBase)");
+        }
+
         /// <summary>Unloads the context once no call is running in it (at once when idle).</summary>
         public static void Unload(int handle)
         {
@@ -231,6 +254,7 @@ namespace WorkManager.DotNet
         {
             object context = slot.Context;
             slot.Worker = null;
+            slot.Probe = null;
             slot.Context = null;
             Unload(context);
         }
@@ -275,21 +299,58 @@ namespace WorkManager.DotNet
         /// completed synchronously, else "pending\0call" to <see cref="Wait"/> for.</summary>
         public static string Process(int handle, string header, string data, long timeoutMs)
         {
+            Slot slot = Enter(handle);
+            if (slot == null) return NoWorker(handle);
+            return Start<CloudEvent>(slot, timeoutMs, "ProcessAsync",
+                                     () => slot.Worker.ProcessAsync(Decode(header, data)), EventAnswer);
+        }
+
+        /// <summary>Starts the worker's health probe. "noprobe" when it has none, else as
+        /// <see cref="Process"/> with the answers "healthy" and "unhealthy".</summary>
+        public static string Probe(int handle, long timeoutMs)
+        {
+            Slot slot = Enter(handle);
+            if (slot == null) return NoWorker(handle);
+            Func<Task<bool>> probe = slot.Probe;
+            if (probe == null)
+            {
+                Done(slot);
+                return "noprobe";
+            }
+            return Start<bool>(slot, timeoutMs, ProbeMethod, probe, ProbeAnswer);
+        }
+
+        static Slot Enter(int handle)
+        {
             Slot slot;
             lock (gate)
             {
-                if (!slots.TryGetValue(handle, out slot))
-                    return "error" + Sep + "WorkManager.DotNet.NoWorker" + Sep + "no worker is loaded with handle " + handle;
+                if (!slots.TryGetValue(handle, out slot)) return null;
                 slot.Busy++;
+                return slot;
             }
-            Task<CloudEvent> task;
+        }
+
+        static string NoWorker(int handle)
+        {
+            return "error" + Sep + "WorkManager.DotNet.NoWorker" + Sep + "no worker is loaded with handle " + handle;
+        }
+
+        static string EventAnswer(CloudEvent output) { return output == null ? "none" : Encode(output); }
+
+        static string ProbeAnswer(bool healthy) { return healthy ? "healthy" : "unhealthy"; }
+
+        /// <summary>Runs <paramref name="begin"/> as the slot's worker, within its time limit
+        /// (for gateway calls); the answer, or "pending\0call" for an unfinished task.</summary>
+        static string Start<T>(Slot slot, long timeoutMs, string method, Func<Task<T>> begin, Func<T, string> answer)
+        {
+            Task<T> task;
             try
             {
-                CloudEvent input = Decode(header, data);
                 WorkerHost.WorkerId.Value = slot.WorkerId;
                 WorkerHost.DeadlineTicks.Value = DateTime.UtcNow.Ticks + timeoutMs * TimeSpan.TicksPerMillisecond;
-                task = slot.Worker.ProcessAsync(input);
-                if (task == null) throw new InvalidOperationException("ProcessAsync returned a null Task");
+                task = begin();
+                if (task == null) throw new InvalidOperationException(method + " returned a null Task");
             }
             catch (Exception e)
             {
@@ -301,11 +362,12 @@ namespace WorkManager.DotNet
                 WorkerHost.WorkerId.Value = null;
                 WorkerHost.DeadlineTicks.Value = 0;
             }
-            if (task.IsCompleted) return Finish(slot, task);
+            Func<string> finish = () => Finish(slot, task, method, answer);
+            if (task.IsCompleted) return finish();
             lock (gate)
             {
                 long call = ++nextCall;
-                pending[call] = new Pending { Slot = slot, Task = task };
+                pending[call] = new Pending { Slot = slot, Task = task, Finish = finish };
                 return "pending" + Sep + call;
             }
         }
@@ -323,7 +385,7 @@ namespace WorkManager.DotNet
             try { if (!entry.Task.Wait(timeoutMs)) return "timeout"; }
             catch (AggregateException) { }
             lock (gate) pending.Remove(call);
-            return Finish(entry.Slot, entry.Task);
+            return entry.Finish();
         }
 
         /// <summary>Gives up on a pending call: its answer is dropped when it completes, and
@@ -350,7 +412,7 @@ namespace WorkManager.DotNet
             if (retire) Retire(slot);
         }
 
-        static string Finish(Slot slot, Task<CloudEvent> task)
+        static string Finish<T>(Slot slot, Task<T> task, string method, Func<T, string> answer)
         {
             try
             {
@@ -360,9 +422,8 @@ namespace WorkManager.DotNet
                     return Failure(e);
                 }
                 if (task.IsCanceled)
-                    return "error" + Sep + "System.Threading.Tasks.TaskCanceledException" + Sep + "ProcessAsync was canceled";
-                CloudEvent output = task.Result;
-                return output == null ? "none" : Encode(output);
+                    return "error" + Sep + "System.Threading.Tasks.TaskCanceledException" + Sep + method + " was canceled";
+                return answer(task.Result);
             }
             catch (Exception e)
             {
