@@ -85,7 +85,8 @@ def test_resolved_config_has_the_stack(compose_binary: str) -> None:
     assert set(resolved) == core | set(PROFILES)
     assert {name: resolved[name].get("profiles") for name in PROFILES} == PROFILES
     for name in APP_SERVICES:
-        assert resolved[name]["environment"] == APP_ENVIRONMENT | _own(name), name
+        env_files = {"FLOWER_BASIC_AUTH": "operator:workmanager"} if name == "flower" else {}
+        assert resolved[name]["environment"] == APP_ENVIRONMENT | env_files | _own(name), name
         assert resolved[name]["image"] == "workmanager:local", name
         assert "build" in resolved[name], name
 
@@ -114,8 +115,10 @@ def test_no_password_is_written_in_the_compose_file(compose_binary: str) -> None
 def test_app_services_share_one_image_and_environment(services: dict[str, Any]) -> None:
     images = {services[name]["image"] for name in APP_SERVICES}
     assert len(images) == 1
+    shared = "${WM_COMPOSE_ENV_DIR:-./ops/compose}/workmanager.env"
     for name in APP_SERVICES:
-        assert services[name]["env_file"] == "${WM_COMPOSE_ENV_DIR:-./ops/compose}/workmanager.env"
+        env_file = services[name]["env_file"]
+        assert (env_file if name == "flower" else [env_file])[0] == shared, name
         assert services[name].get("environment", {}) == _own(name), name
         assert services[name]["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in services[name]["security_opt"], name
@@ -200,11 +203,15 @@ def test_workers_wait_for_migrations_and_redis_and_scale(services: dict[str, Any
     assert "ports" not in worker
 
 
-def test_flower_is_published_on_5555(services: dict[str, Any]) -> None:
+def test_flower_is_published_on_5555_behind_basic_authentication(
+    services: dict[str, Any], compose_binary: str
+) -> None:
     flower = services["flower"]
     assert flower["command"] == ["celery", "-A", "wm.celeryapp", "flower", "--port=5555"]
-    assert any(str(port).endswith("5555:5555") for port in flower["ports"])
+    assert flower["ports"] == ["127.0.0.1:5555:5555"]
     assert flower["depends_on"]["redis"] == {"condition": "service_healthy"}
+    resolved = yaml.safe_load(_config(compose_binary).stdout)["services"]["flower"]
+    assert resolved["environment"]["FLOWER_BASIC_AUTH"] == "operator:workmanager"
 
 
 def test_dockerfile_builds_wheels_in_one_stage_and_installs_them_as_a_non_root_user() -> None:

@@ -247,7 +247,7 @@ def test_a_worker_ignoring_stop_is_killed_after_the_grace_period_and_runs_its_ev
     node.consuming(f"kill.in::{worker.id}")
     event = make_event("kill.in", "/t", {"n": 7})
     manager.publish(event)
-    node.wait_for("Task wm.deliver[")  # received: it runs (and hangs)
+    node.wait_for("Task deliver kill.in → ")  # received: it runs (and hangs)
     time.sleep(1)
 
     began = time.monotonic()
@@ -283,7 +283,7 @@ def test_stop_waits_for_deliveries_in_flight_then_stops_and_unloads(
     node = start_node(pg_settings)
     node.consuming(f"grace.in::{worker.id}")
     manager.publish(make_event("grace.in", "/t", {"n": 1}))
-    node.wait_for("Task wm.deliver[")
+    node.wait_for("Task deliver grace.in → ")
     assert manager.stop_worker(worker.id).status == "stopped"  # after the delivery finished
     assert len(drain(pg_settings, out, 1, timeout_s=1)) == 1
     node.wait_for(f"unloaded worker {worker.id}")

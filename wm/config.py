@@ -251,6 +251,13 @@ class Settings:
         "Where the .NET engine keeps the DevKit and host assemblies it builds, by hash; "
         "empty means $XDG_CACHE_HOME/workmanager/dotnet (~/.cache/workmanager/dotnet).",
     )
+    flower_show_data: bool = _setting(
+        "WM_FLOWER_SHOW_DATA",
+        False,
+        _parse_bool,
+        "Show each delivery's event (its data too) as the task's arguments in Flower and "
+        "Celery's logs; off, they show the event's id, type and the attempt only.",
+    )
     task_events: bool = _setting(
         "WM_TASK_EVENTS",
         False,

@@ -166,6 +166,14 @@ class EmbeddedRedisError(WorkManagerError):
     """Raised when the embedded Redis of ``wm up`` cannot be found, started or stopped."""
 
 
+class DeadLettered(WorkManagerError):
+    """Raised by the consumer task once it parked its message as a dead letter, so Celery
+    and Flower see the delivery fail (the message is acknowledged: the dead letter holds it).
+    """
+
+    retryable = False
+
+
 class LockContention(WorkManagerError):
     """Raised when a group lock could not be acquired within the configured retries."""
 

@@ -143,6 +143,17 @@ def payload_key(payload: str) -> str | None:
     return None
 
 
+def payload_about(payload: str) -> tuple[str, str]:
+    """The id and type of an encoded event ("?" where it has none)."""
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        return "?", "?"
+    return str(parsed.get("id", "?")), str(parsed.get("type", "?"))
+
+
 def payload_partition(payload: str) -> str | None:
     """The ``partitionkey`` extension of an encoded event (None: none, or not a string)."""
     try:

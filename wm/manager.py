@@ -130,7 +130,7 @@ class WorkManager:
             )
 
         records.transaction(self.settings, insert, name_hint=name)
-        self.bus.add_route(topic, Route(queue, str(worker_id), ordered(worker_settings)))
+        self.bus.add_route(topic, Route(queue, str(worker_id), ordered(worker_settings), name))
         outbox.changed(self.settings, self.bus, worker_id)
         logger.info("created worker %s on topic %s", worker_id, topic)
         return self.start_worker(worker_id) if start else self.get_worker(worker_id)
@@ -252,12 +252,12 @@ class WorkManager:
         self.bus.broadcast_cancel(queue)
         if grace_s is None:
             grace_s = float(settings.get("stop_grace_s", STOP_GRACE_S))
-        running = enginecontrol.wait_idle(self.bus.app, str(wid), grace_s)
+        running = enginecontrol.wait_idle(self.settings, str(wid), grace_s)
         if running:
             enginecontrol.send(self.settings, enginecontrol.KILL, str(wid))
             target, reason = (
                 Status.KILLED,
-                f"{len(running)} deliveries still ran after the grace period of {grace_s:g} s: "
+                f"{running} deliveries still ran after the grace period of {grace_s:g} s: "
                 "their engine was killed; they are delivered again when the worker starts",
             )
         else:

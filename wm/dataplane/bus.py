@@ -8,6 +8,7 @@ a plain structured-mode CloudEvent for a plain subscription (sinks, observers, `
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterable
@@ -25,9 +26,17 @@ from wm.dataplane.queues import (
     CLOUDEVENT_CONTENT_TYPE,
     DELIVER_TASK,
     EXCHANGE,
+    delivery_labels,
     subscription_queue,
 )
-from wm.events import CloudEvent, encode, key_of, payload_key, payload_partition
+from wm.events import (
+    CloudEvent,
+    encode,
+    key_of,
+    payload_about,
+    payload_key,
+    payload_partition,
+)
 from wm.names import check_name
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
 from wm.state.ledger import Ledger
@@ -71,28 +80,41 @@ def topic_key(topic: str, kind: str) -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """One subscription of a topic: its queue and, for a worker, the worker id and whether
-    it orders its events by ``partitionkey`` (``wm.state.ordering``)."""
+    """One subscription of a topic: its queue and, for a worker, the worker id, its name and
+    whether it orders its events by ``partitionkey`` (``wm.state.ordering``)."""
 
     queue: str
     worker_id: str | None
     ordered: bool = False
+    name: str | None = None
 
     @property
     def value(self) -> str:
-        """The route's value in the routing table: the worker id ('' for a plain
-        subscription), with :data:`ORDERED_SUFFIX` for an ordered worker."""
-        return (self.worker_id or "") + (ORDERED_SUFFIX if self.ordered else "")
+        """The route's value in the routing table: '' for a plain subscription, the worker id
+        (the format of earlier releases), or JSON with the worker's name and ordering."""
+        if self.worker_id is None:
+            return ""
+        if not (self.name or self.ordered):
+            return self.worker_id
+        found: dict[str, Any] = {"id": self.worker_id}
+        if self.name:
+            found["name"] = self.name
+        if self.ordered:
+            found["ordering"] = "key"
+        return json.dumps(found, separators=(",", ":"))
 
     @classmethod
     def parse(cls, queue: Any, value: Any) -> Route:
         worker = text(value)
-        ordered = worker.endswith(ORDERED_SUFFIX)
-        return cls(text(queue), worker.removesuffix(ORDERED_SUFFIX) or None, ordered)
+        if not worker.startswith("{"):
+            return cls(text(queue), worker or None)
+        found = json.loads(worker)
+        return cls(text(queue), found["id"], found.get("ordering") == "key", found.get("name"))
 
-
-#: Marks the route of a worker with ``ordering: key`` in the routing table.
-ORDERED_SUFFIX = "|key"
+    @property
+    def topic(self) -> str:
+        """The topic a worker's queue is named after (``<topic>::<worker id>``)."""
+        return self.queue.rpartition("::")[0] or self.queue
 
 
 def ordered(settings: dict[str, Any] | None) -> bool:
@@ -188,16 +210,21 @@ class Bus:
 
     def _subscribed(self, topic: str | None) -> dict[tuple[str, str], str]:
         query = select(
-            Subscription.topic, Subscription.queue, Subscription.worker_id, Worker.settings
-        )
-        query = query.outerjoin(Worker, Worker.id == Subscription.worker_id)
+            Subscription.topic,
+            Subscription.queue,
+            Subscription.worker_id,
+            Worker.settings,
+            Worker.name,
+        ).outerjoin(Worker, Worker.id == Subscription.worker_id)
         if topic is not None:
             query = query.where(Subscription.topic == topic)
         with store.session_scope(self.settings) as session:
             rows = session.execute(query).all()
         return {
-            (name, queue): Route(queue, str(worker) if worker else None, ordered(settings)).value
-            for name, queue, worker, settings in rows
+            (topic_, queue): Route(
+                queue, str(worker) if worker else None, ordered(settings), name
+            ).value
+            for topic_, queue, worker, settings, name in rows
         }
 
     def _routed(self, topic: str | None) -> dict[tuple[str, str], str]:
@@ -274,7 +301,8 @@ class Bus:
             logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
             return 0
         with tracing.publishing(event, topic) as traced:
-            self.send(encode(traced), routes, key=key_of(traced))
+            about = (traced.get_id(), traced.get_type())
+            self.send(encode(traced), routes, key=key_of(traced), about=about)
         return len(routes)
 
     def send(
@@ -283,11 +311,14 @@ class Bus:
         routes: Iterable[Route],
         *,
         key: str | None = None,
+        about: tuple[str, str] | None = None,
         **task_options: Any,
     ) -> None:
         """Send an encoded event to the given subscriptions (publish and dead-letter replay).
 
         Deliveries to workers are written to the pending ledger first (``wm.state.ledger``).
+        ``about``: the event's id and type, which label the delivery in Flower (read from
+        the payload when not given).
         """
         routes = list(routes)
         deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
@@ -299,10 +330,12 @@ class Bus:
             numbers = Ledger(self.settings).add(
                 deliveries, key, payload, numbered=numbered, partition=partition
             )
+        if deliveries and about is None:
+            about = payload_about(payload)
         with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
             for route in routes:
                 seq = numbers.get(route.worker_id or "")
-                self._send_one(producer, route, payload, dict(task_options), seq)
+                self._send_one(producer, route, payload, dict(task_options), seq, about)
 
     def _send_one(
         self,
@@ -311,6 +344,7 @@ class Bus:
         payload: str,
         task_options: dict[str, Any],
         seq: int | None = None,
+        about: tuple[str, str] | None = None,
     ) -> None:
         if route.worker_id is None:
             send_plain(producer, route.queue, payload)
@@ -318,10 +352,16 @@ class Bus:
         queue = subscription_queue(route.queue)
         if seq is not None:  # its number among the worker's events of its partition key
             task_options["kwargs"] = {**task_options.get("kwargs", {}), "seq": seq}
+        event_id, event_type = about or ("?", "?")
+        shown = payload if self.settings.flower_show_data else None
+        labels = delivery_labels(
+            route.topic, route.name or route.worker_id, event_id, event_type, 1, shown
+        )
         self.app.send_task(
             DELIVER_TASK,
             args=[route.worker_id, payload],
             queue=queue,
+            **labels,
             task_id=task_options.pop("task_id", None) or str(uuid.uuid4()),
             producer=producer,
             **task_options,

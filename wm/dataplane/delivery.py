@@ -213,16 +213,19 @@ class Runtime:
         """A delivery to ``worker_id`` begun at ``began`` was cut short by a stop's kill."""
         return self.killed_at.get(worker_id, 0.0) >= began
 
-    def command(self, op: str, worker_id: str) -> None:
-        """An engine command: ``kill`` the worker's engine if it runs here, or ``unload`` it."""
+    def command(self, op: str, worker_id: str) -> int | None:
+        """An engine command: ``ask`` how many of the worker's deliveries run here, ``kill``
+        its engine if they do, or ``unload`` it."""
+        if op == enginecontrol.ASK:
+            return self.in_flight[worker_id]
         if op == enginecontrol.UNLOAD:
             engine = self.engines.drop(worker_id)
             if engine is not None:  # closing may wait for a call in flight: not on this thread
                 threading.Thread(target=engine.close, name="wm-unload", daemon=True).start()
                 logger.info("unloaded worker %s (stopped, deleted or replaced)", worker_id)
-            return
+            return None
         if op != enginecontrol.KILL or not self.in_flight[worker_id]:
-            return
+            return None
         self.killed_at[worker_id] = time.time()
         engine = self.engines.loaded(worker_id)
         if engine is not None and engine.kill():
@@ -242,6 +245,7 @@ class Runtime:
                 "pool to have it killed)",
                 worker_id,
             )
+        return None
 
 
 @dataclass

@@ -4,87 +4,89 @@
 A worker's engines live in the processes that ran its deliveries (a prefork node's pool
 processes, a threads node's one process); Celery's remote control reaches only a node's main
 process. So each process that runs deliveries listens on the Redis channel
-:data:`CHANNEL` (one daemon thread, started with its runtime) for two commands:
+:data:`CHANNEL` (one daemon thread, started with its runtime) for three commands:
 
+- ``ask``: answer how many deliveries to the worker run here (a field of the reply hash the
+  command names). ``PUBLISH`` says how many processes listen, so the asker knows when every
+  one has answered; one that does not answer in time counts as running one (it may be
+  stuck in the worker's code).
 - ``kill``: kill the engine of a worker whose deliveries are in flight here — its sandbox
   child or isolation helper; an engine running inside the process (in-process native or
   .NET code) can only be stopped with the process, so a prefork pool process ends itself
   and the node replaces it. The interrupted deliveries go back to the queue
   (``wm.dataplane.tasks``) and are delivered again when the worker starts.
 - ``unload``: close the worker's engine (and its processes); the next start loads it again.
-
-Which deliveries are in flight is asked of the nodes with Celery's ``inspect active``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery
-
 from wm.config import Settings
-from wm.dataplane.app import BROKER_ERRORS
-from wm.dataplane.queues import DELIVER_TASK
-from wm.state.connection import own_client, redis_errors, redis_for
+from wm.state.connection import own_client, redis_errors, redis_for, text
 
 logger = logging.getLogger(__name__)
 #: Redis pub/sub channel of engine commands.
 CHANNEL = "wm:engines"
-KILL = "kill"
-UNLOAD = "unload"
+ASK, KILL, UNLOAD = "ask", "kill", "unload"
 #: Seconds between the checks of a stop waiting for deliveries in flight.
 POLL_S = 0.5
-#: Seconds each check waits for the nodes' answers.
-INSPECT_TIMEOUT_S = 1.0
+#: Seconds an ``ask`` waits for every listening process to answer.
+ANSWER_TIMEOUT_S = 3.0
 #: Seconds a listener waits before subscribing again after Redis failed.
 RESUBSCRIBE_S = 1.0
 
-Handler = Callable[[str, str], None]
+#: ``handle(op, worker id)``: for ``ask``, the deliveries to that worker running here.
+Handler = Callable[[str, str], int | None]
 
 
-def send(settings: Settings, op: str, worker_id: str) -> int:
+def send(settings: Settings, op: str, worker_id: str, **extra: Any) -> int:
     """Ask every process that runs deliveries to ``op`` the worker's engine; returns how
     many processes listen."""
+    command = json.dumps({"op": op, "worker": worker_id, **extra})
     with redis_errors(settings):
-        return int(
-            redis_for(settings).publish(CHANNEL, json.dumps({"op": op, "worker": worker_id}))
+        return int(redis_for(settings).publish(CHANNEL, command))
+
+
+def in_flight(settings: Settings, worker_id: str) -> int:
+    """Deliveries to ``worker_id`` running now, as every listening process answers; one
+    that does not answer within :data:`ANSWER_TIMEOUT_S` counts as one."""
+    reply = f"wm:engines:answers:{{{uuid.uuid4().hex}}}"
+    listening = send(settings, ASK, worker_id, reply=reply)
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    redis = redis_for(settings)
+    while True:
+        with redis_errors(settings):
+            answers = redis.hgetall(reply)
+        if len(answers) >= listening or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    with redis_errors(settings):
+        redis.delete(reply)
+    silent = max(0, listening - len(answers))
+    if silent:
+        logger.warning(
+            "%d of %d processes did not say whether they run worker %s: counted as running it",
+            silent,
+            listening,
+            worker_id,
         )
+    return silent + sum(int(text(count)) for count in answers.values())
 
 
-def in_flight(app: Celery, worker_id: str) -> list[str]:
-    """Ids of the deliveries to ``worker_id`` that nodes are running now (Celery's ``inspect
-    active``; a node that does not answer within :data:`INSPECT_TIMEOUT_S` is not counted)."""
-    try:
-        replies = app.control.inspect(timeout=INSPECT_TIMEOUT_S).active() or {}
-    except BROKER_ERRORS as exc:
-        logger.warning("could not ask the nodes which deliveries run: %s", exc)
-        return []
-    return [
-        str(task.get("id"))
-        for tasks in replies.values()
-        for task in tasks or ()
-        if task.get("name") == DELIVER_TASK and _worker_of(task) == worker_id
-    ]
-
-
-def _worker_of(task: dict[str, Any]) -> str | None:
-    args = task.get("args")
-    if isinstance(args, list | tuple) and args:
-        return str(args[0])
-    return None
-
-
-def wait_idle(app: Celery, worker_id: str, grace_s: float) -> list[str]:
-    """Wait up to ``grace_s`` until no node runs a delivery to ``worker_id``; returns the
-    ids of those still running then (empty: the worker went idle)."""
+def wait_idle(settings: Settings, worker_id: str, grace_s: float) -> int:
+    """Wait up to ``grace_s`` until no process runs a delivery to ``worker_id``; returns how
+    many still ran then (0: the worker went idle)."""
     deadline = time.monotonic() + grace_s
     while True:
-        running = in_flight(app, worker_id)
+        running = in_flight(settings, worker_id)
         if not running or time.monotonic() >= deadline:
             return running
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
@@ -130,7 +132,12 @@ class Listener(threading.Thread):
                 except (ValueError, TypeError, KeyError):
                     logger.warning("engine commands: ignoring malformed %r", message["data"])
                     continue
-                self.handle(op, worker_id)
+                answer = self.handle(op, worker_id)
+                if op == ASK and isinstance(command.get("reply"), str):
+                    pipe = client.pipeline(transaction=False)
+                    pipe.hset(command["reply"], str(os.getpid()), answer or 0)
+                    pipe.expire(command["reply"], 60)
+                    pipe.execute()
         finally:
             pubsub.close()
             client.close()

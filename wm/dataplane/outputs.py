@@ -76,7 +76,7 @@ class OutputPublisher:
             else:
                 self._send_marked(payload, plain, marker)
         if workers:
-            self.bus.send(payload, workers, key=key)
+            self.bus.send(payload, workers, key=key, about=(output.get_id(), topic))
 
     def _push_once(self, payload: str, routes: list[Route], marker: str) -> None:
         """One EVAL on a pooled client of the broker's Redis (opening a broker connection

@@ -34,3 +34,22 @@ def is_worker_queue(name: str) -> bool:
 
 def plain_queue_name(topic: str, name: str) -> str:
     return f"{topic}::sub::{name}"
+
+
+def delivery_labels(
+    route_topic: str,
+    worker: str,
+    event_id: str,
+    event_type: str,
+    attempt: int,
+    payload: str | None = None,
+) -> dict[str, str]:
+    """How a delivery shows in Flower and Celery's logs: the task's ``shadow`` name
+    (``deliver <topic> → <worker>``) and its arguments' repr — the event's id and type and
+    the attempt, and the event itself only when ``payload`` is given (WM_FLOWER_SHOW_DATA)."""
+    args = f"event {event_id} ({event_type})" if payload is None else payload
+    return {
+        "shadow": f"deliver {route_topic} → {worker}",
+        "argsrepr": repr((args,)),
+        "kwargsrepr": f"{{'attempt': {attempt}}}",
+    }

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
@@ -31,10 +31,11 @@ from wm.dataplane.bus import ordered, send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery, Runtime
 from wm.dataplane.observe import notify
-from wm.dataplane.queues import DELIVER_TASK
+from wm.dataplane.queues import DELIVER_TASK, delivery_labels
 from wm.errors import (
     BrokerUnavailable,
     DatabaseError,
+    DeadLettered,
     EngineLoadError,
     EventDecodeError,
     FenceRejected,
@@ -114,7 +115,12 @@ class Attempt:
 
 
 @shared_task(
-    bind=True, name=DELIVER_TASK, acks_late=True, reject_on_worker_lost=True, max_retries=None
+    bind=True,
+    name=DELIVER_TASK,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=None,
+    throws=(DeadLettered,),  # an expected end: logged without a traceback
 )
 def deliver(
     self: Task,
@@ -130,7 +136,7 @@ def deliver(
     waits = LockWaits(lock_waits, waiting_since)
     try:
         _deliver(self, rt, worker_id, payload, pin_version, first_failure_at, waits, seq)
-    except Retry:
+    except (Retry, DeadLettered):
         raise
     except Reject as exc:
         if exc.requeue:
@@ -164,8 +170,7 @@ def _deliver(
         event = decode(payload)
     except EventDecodeError as exc:
         attempt = Attempt(worker_id, payload, rt.directory.get(worker_id), number, first_failure_at)
-        rt.dead_letters.park(attempt.failure(exc, key=payload_key(payload)))
-        return
+        _park(rt, attempt.failure(exc, key=payload_key(payload)))
     # the worker's facts, the event's recorded outcome and the breaker's count, in one trip
     meta, (outcome, failures) = rt.directory.get_with(
         worker_id, rt.outcomes.key(worker_id, key_of(event)), failures_key(worker_id)
@@ -173,8 +178,7 @@ def _deliver(
     attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
-        rt.dead_letters.park(attempt.failure(error, event))
-        return
+        _park(rt, attempt.failure(error, event))
     if meta.status != Status.RUNNING:
         time.sleep(REQUEUE_PAUSE_S)
         raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
@@ -312,11 +316,7 @@ def _failed(
         failure = attempt.failure(
             exc, delivery.event, key=delivery.key, version=delivery.version, fence=fence
         )
-        rt.dead_letters.park(failure)
-        if turn is not None:  # parked: the key's next event goes on
-            turn.done()
-        notify("dead_lettered", meta)
-        return
+        _park(rt, failure, turn, meta)
     notify("retried", meta)
     delay_s = backoff_s(rt.settings, meta, attempt.number)
     logger.info(
@@ -330,7 +330,34 @@ def _failed(
     )
     first = attempt.first_failure_at or time.time()
     kwargs: dict[str, Any] = dict(task.request.kwargs or {}, first_failure_at=first)
-    raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
+    labels = _labels(rt, delivery, attempt.number + 1)
+    raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None, **labels)
+
+
+def _park(
+    rt: Runtime, failure: Failure, turn: Turn | None = None, meta: WorkerMeta | None = None
+) -> NoReturn:
+    """Store the dead letter (an ordered key's next event goes on; a known worker's count
+    goes up), then end the task as failed (the message is acknowledged): Flower and
+    Celery's events show the delivery failed, with the reason."""
+    rt.dead_letters.park(failure)
+    if turn is not None:
+        turn.done()
+    if meta is not None:
+        notify("dead_lettered", meta)
+    raise DeadLettered(
+        f"dead-lettered after {failure.attempts} attempt(s): {failure.error_type}: "
+        f"{failure.error_message}"
+    )
+
+
+def _labels(rt: Runtime, delivery: Delivery, attempt: int) -> dict[str, str]:
+    """How the delivery sent again shows in Flower (``wm.dataplane.queues``)."""
+    meta, event = delivery.meta, delivery.event
+    shown = delivery.payload if rt.settings.flower_show_data else None
+    return delivery_labels(
+        meta.topic, meta.name or meta.id, event.get_id(), event.get_type(), attempt, shown
+    )
 
 
 @dataclass(frozen=True)
@@ -364,7 +391,8 @@ def _wait_for_lock(
     delay_s = lock_wait_s(rt.settings, waits.count)
     if isinstance(exc, NotYourTurn):  # its turn comes with a success elsewhere: look soon
         delay_s = min(delay_s, random.uniform(ordering.WAIT_MAX_S / 2, ordering.WAIT_MAX_S))
-    raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None)
+    labels = _labels(rt, delivery, delivery.attempt)
+    raise task.retry(countdown=delay_s, kwargs=kwargs, exc=exc, max_retries=None, **labels)
 
 
 def lock_wait_s(settings: Settings, waits: int) -> float:

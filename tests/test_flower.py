@@ -1,0 +1,125 @@
+"""Flower, as an operator sees it, against a real node: each delivery is named after its
+topic and worker, shows the event's id and type and the attempt but not its data, a retried
+attempt is RETRY, a dead-lettered delivery FAILURE with the reason; Flower is behind basic
+authentication."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, env_of
+from tests.helpers import STUB, drain, eventually, free_port, stub
+from wm import DeadLetters, Settings, WorkManager, make_event
+
+AUTH = "operator:s3cret"
+
+
+def _get(port: int, path: str, auth: str | None = AUTH) -> Any:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+@pytest.fixture
+def flower(pg_settings: Settings, tmp_path: Path) -> Any:
+    port = free_port()
+    log = (tmp_path / "flower.log").open("ab")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "wm.celeryapp",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            f"--basic-auth={AUTH}",
+        ],
+        env=env_of(pg_settings),
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+    def up() -> bool:
+        try:
+            return _get(port, "/api/workers") is not None
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    try:
+        eventually(up, timeout_s=60)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.mark.slow
+def test_flower_names_deliveries_hides_data_and_shows_retries_and_dead_letters(
+    pg_settings: Settings, start_node: Any, flower: int
+) -> None:
+    manager = WorkManager(pg_settings)
+    out = manager.subscribe("fl.done", "out")
+    manager.create_worker(
+        code=stub(output_type="fl.done"), mime_type=STUB, topic="fl.in", name="greeter"
+    )
+    broken = manager.create_worker(
+        code=stub(fail="boom"),
+        mime_type=STUB,
+        topic="fl.bad",
+        name="broken",
+        settings={"max_retries": 1, "retry_base_delay_ms": 4000, "failure_threshold": 0},
+    )
+    node = start_node(pg_settings)
+    node.consuming(f"fl.bad::{broken.id}")
+    good = make_event("fl.in", "/t", {"secret": "personal data"})
+    bad = make_event("fl.bad", "/t", {"secret": "personal data"})
+
+    def tasks() -> dict[str, Any]:
+        return dict(_get(flower, "/api/tasks"))
+
+    # Flower switches task events on when it connects; publish until it sees a delivery
+    def seen() -> bool:
+        manager.publish(make_event("fl.in", "/t", {"warm": True}))
+        return any(t.get("name", "").startswith("deliver fl.in") for t in tasks().values())
+
+    eventually(seen, timeout_s=60, interval_s=1)
+    manager.publish(good)
+    manager.publish(bad)
+    assert drain(pg_settings, out, 1, timeout_s=30)
+
+    def of(event: Any) -> list[dict[str, Any]]:
+        return [t for t in tasks().values() if event.get_id() in str(t.get("args"))]
+
+    # the failed attempt waits 2-4 s to be sent again (the same task): RETRY meanwhile
+    eventually(lambda: [t for t in of(bad) if t.get("state") == "RETRY"])
+    [failed] = eventually(lambda: [t for t in of(bad) if t.get("state") == "FAILURE"])
+    assert failed["name"] == "deliver fl.bad → broken"
+    assert failed["args"] == f"('event {bad.get_id()} (fl.bad)',)"
+    assert failed["kwargs"] == "{'attempt': 2}"
+    assert "dead-lettered after 2 attempt(s): WorkerExecutionError: boom" in failed["exception"]
+    assert len(DeadLetters(pg_settings).list()) == 1
+    [ok] = eventually(lambda: [t for t in of(good) if t.get("state") == "SUCCESS"])
+    assert ok["name"] == "deliver fl.in → greeter"
+    assert ok["args"] == f"('event {good.get_id()} (fl.in)',)"
+    assert ok["kwargs"] == "{'attempt': 1}"
+    everything = json.dumps(tasks())
+    assert "personal data" not in everything  # no event data unless WM_FLOWER_SHOW_DATA
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _get(flower, "/api/tasks", auth=None)
+    assert refused.value.code == 401
