@@ -232,7 +232,13 @@ def test_a_worker_ignoring_stop_is_killed_after_the_grace_period_and_runs_its_ev
     out = manager.subscribe("kill.done", "out")
     trace = tmp_path / "runs.jsonl"
     if engine == "python":
-        mime, hang = "text/x-python", "import time\n\ndef process(event):\n    time.sleep(60)\n"
+        mime, hang = (
+            "text/x-python",
+            "import time\nfrom wm.devkit import current_runtime\n\n"
+            "def process(event):\n"
+            "    current_runtime().log('warning', 'began ' + event.get_id())\n"
+            "    time.sleep(60)\n",
+        )
         fixed = (
             "from wm.devkit import make_event\n\n"
             "def process(event):\n    return make_event('kill.done', '/t', event.get_data())\n"
@@ -247,8 +253,11 @@ def test_a_worker_ignoring_stop_is_killed_after_the_grace_period_and_runs_its_ev
     node.consuming(f"kill.in::{worker.id}")
     event = make_event("kill.in", "/t", {"n": 7})
     manager.publish(event)
-    node.wait_for("Task deliver kill.in → ")  # received: it runs (and hangs)
-    time.sleep(1)
+    # running (not only received): the sandbox loaded, or the stub's trace begun
+    if engine == "python":
+        node.wait_for(f"began {event.get_id()}")
+    else:
+        eventually(lambda: _runs(trace) == [event.get_id()])
 
     began = time.monotonic()
     stopped = manager.stop_worker(worker.id)
@@ -270,12 +279,13 @@ def test_a_worker_ignoring_stop_is_killed_after_the_grace_period_and_runs_its_ev
 
 
 def test_stop_waits_for_deliveries_in_flight_then_stops_and_unloads(
-    pg_settings: Settings, start_node: Any
+    pg_settings: Settings, start_node: Any, tmp_path: Path
 ) -> None:
     manager = WorkManager(pg_settings)
     out = manager.subscribe("grace.done", "out")
+    trace = tmp_path / "runs.jsonl"
     worker = manager.create_worker(
-        code=stub(output_type="grace.done", sleep_ms=2000),
+        code=stub(output_type="grace.done", sleep_ms=2000, trace=str(trace)),
         mime_type=STUB,
         topic="grace.in",
         settings={"stop_grace_s": 30},
@@ -283,7 +293,7 @@ def test_stop_waits_for_deliveries_in_flight_then_stops_and_unloads(
     node = start_node(pg_settings)
     node.consuming(f"grace.in::{worker.id}")
     manager.publish(make_event("grace.in", "/t", {"n": 1}))
-    node.wait_for("Task deliver grace.in → ")
+    eventually(lambda: len(_runs(trace)) == 1)  # running, not only received
     assert manager.stop_worker(worker.id).status == "stopped"  # after the delivery finished
     assert len(drain(pg_settings, out, 1, timeout_s=1)) == 1
     node.wait_for(f"unloaded worker {worker.id}")

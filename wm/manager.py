@@ -448,9 +448,10 @@ class WorkManager:
         """Remove a schedule; firings already sent stay in the worker's queue."""
 
         def remove(session: Session) -> None:
-            found = session.get(Schedule, schedule_id) or session.get(
-                Schedule, records.by_prefix(session, Schedule.id, schedule_id, "schedule")
-            )
+            found = session.get(Schedule, schedule_id)
+            if found is None:
+                full = records.by_prefix(session, Schedule.id, schedule_id, "schedule")
+                found = None if full is None else session.get(Schedule, full)
             if found is None:
                 raise ScheduleNotFound(f"no schedule with id or short id {schedule_id!r}")
             session.delete(found)
