@@ -11,7 +11,6 @@ import textwrap
 import threading
 import time
 import zipfile
-from collections.abc import Iterator
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,11 @@ from typing import Any
 import pytest
 
 from engines.dotnet import runtime
-from engines.dotnet.engine import CSharpEngine, DotNetDllEngine, DotNetEngine
+from engines.dotnet.engine import CSharpEngine, DotNetDllEngine
 from engines.dotnet.package import best_tfm, read_package
 from engines.dotnet.wire import WorkerFailed, decode_answer, encode_event
 from tests.conftest import ROOT
-from tests.dotnet.harness import EXAMPLES
+from tests.dotnet.harness import EXAMPLES, worker
 from tests.helpers import echo_server
 from wm import Settings
 from wm.engine import Outputs, WorkerSpec
@@ -64,10 +63,6 @@ SLEEPS = csharp("""
 """)
 
 
-def worker(worker_id: str = "w-dotnet", **settings: Any) -> WorkerSpec:
-    return WorkerSpec(worker_id=worker_id, topic="orders", settings=settings)
-
-
 def command(name: str | None, correlation: str | None = "corr-1", **fields: Any) -> CloudEvent:
     data = {**({"command": name} if name is not None else {}), **fields}
     extensions = {"correlationid": correlation} if correlation else None
@@ -78,21 +73,6 @@ def command(name: str | None, correlation: str | None = "corr-1", **fields: Any)
 def settings() -> Settings:
     """Engines need no database or broker: the environment's settings."""
     return Settings.from_env()
-
-
-@pytest.fixture
-def engine_for(dotnet: runtime.Root, settings: Settings) -> Iterator[Any]:
-    engines: list[DotNetEngine] = []
-
-    def make(code: bytes, spec: WorkerSpec | None = None, cls: type = CSharpEngine) -> Any:
-        engine = cls(settings)
-        engines.append(engine)
-        engine.load(code, spec or worker())
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def host() -> Any:

@@ -5,7 +5,6 @@ probe costs its context or its helper, like a hanging message; a real node probi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,11 @@ import pytest
 import redis
 
 from engines.dotnet import runtime
-from engines.dotnet.engine import CSharpEngine, DotNetDllEngine, DotNetEngine
+from engines.dotnet.engine import CSharpEngine, DotNetDllEngine
 from engines.dotnet.wire import EVENT, PROBE, Request, WorkerFailed, decode_probe
-from tests.dotnet.harness import EXAMPLES
+from tests.dotnet.harness import EXAMPLES, worker
 from tests.helpers import eventually
-from tests.test_dotnet_engine import COMMAND_SOURCE, csharp, worker
+from tests.test_dotnet_engine import COMMAND_SOURCE, csharp
 from wm import Settings, WorkManager
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import make_event
@@ -32,22 +31,6 @@ KILL_SLACK_S = 2.5
 @pytest.fixture
 def settings() -> Settings:
     return Settings.from_env()
-
-
-@pytest.fixture
-def engine_for(dotnet: runtime.Root, settings: Settings) -> Iterator[Any]:
-    """``engine_for(code, spec, cls)``: a loaded engine, closed after the test."""
-    engines: list[DotNetEngine] = []
-
-    def make(code: bytes, spec: Any = None, cls: type[DotNetEngine] = CSharpEngine) -> Any:
-        engine = cls(settings)
-        engines.append(engine)
-        engine.load(code, spec or worker())
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def health(answer: str, **fields: Any) -> Any:

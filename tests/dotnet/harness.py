@@ -1,7 +1,8 @@
 """Fixtures of the .NET engine tests (a pytest plugin, see conftest's ``pytest_plugins``).
 
 ``dotnet`` checks that a runtime and Mono's compiler are here (locally their absence skips
-the test with the reason; in CI it fails it); ``dotnet_packages`` builds the example
+the test with the reason; in CI it fails it); ``engine_for`` loads engines and closes them
+after the test (with the test module's ``settings``); ``dotnet_packages`` builds the example
 workers the way a user without a .NET SDK does, with ``python -m engines.dotnet``.
 """
 
@@ -9,12 +10,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engines.dotnet import runtime
+from engines.dotnet.engine import CSharpEngine, DotNetEngine
 from tests.conftest import ROOT, need
+from wm.config import Settings
+from wm.engine import WorkerSpec
 from wm.errors import EngineUnavailable
 
 EXAMPLES = ROOT / "engines" / "dotnet" / "examples"
@@ -34,6 +40,26 @@ def dotnet() -> runtime.Root:
     except ModuleNotFoundError as exc:
         need("pythonnet", exc)
     return root
+
+
+def worker(worker_id: str = "w-dotnet", **settings: Any) -> WorkerSpec:
+    return WorkerSpec(worker_id=worker_id, topic="orders", settings=settings)
+
+
+@pytest.fixture
+def engine_for(dotnet: runtime.Root, settings: Settings) -> Iterator[Any]:
+    """``engine_for(code, spec, cls)``: a loaded engine, closed after the test."""
+    engines: list[DotNetEngine] = []
+
+    def make(code: bytes, spec: WorkerSpec | None = None, cls: type = CSharpEngine) -> Any:
+        engine = cls(settings)
+        engines.append(engine)
+        engine.load(code, spec or worker())
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
 
 
 def build(*args: str | Path) -> None:
