@@ -40,7 +40,12 @@ from wm.local.embedded import find_redis_server, start_redis, stop_redis
 #: but no longer registers it; the pytest-celery distribution would, and would also replace
 #: ``celery_worker`` with its Docker-based one.
 #: ``tests.native.harness``: the native kit's fixtures (libraries, host, wire).
-pytest_plugins = ("celery.contrib.pytest", "tests.native.harness", "tests.dotnet.harness")
+pytest_plugins = (
+    "celery.contrib.pytest",
+    "tests.native.harness",
+    "tests.dotnet.harness",
+    "tests.cli_env",
+)
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
 #: The Redis server of the tests (``TEST_REDIS_HOST``): a second server lets runs go on at once.

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
@@ -127,3 +127,54 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+class Terminal(NamedTuple):
+    """What a command wrote to a pseudo-terminal (standard output and error together)."""
+
+    code: int
+    screen: str
+
+
+def run_in_terminal(
+    args: list[str], env: dict[str, str], *, columns: int = 80, timeout_s: float = 60
+) -> Terminal:
+    """Run ``args`` with a pseudo-terminal of ``columns`` columns as its standard input,
+    output and error, the way a person at a terminal runs it; returns everything it showed
+    (ANSI sequences included) and its exit code."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    clean = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")}
+    process = subprocess.Popen(
+        args, stdin=follower, stdout=follower, stderr=follower, env={**clean, "TERM": "xterm"}
+    )
+    os.close(follower)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the terminal closed, everything was read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            process.kill()
+            break
+    os.close(leader)
+    code = process.wait(timeout=timeout_s)
+    return Terminal(code, b"".join(chunks).decode(errors="replace"))
+
+
+def plain(screen: str) -> str:
+    """``screen`` without ANSI escape sequences and carriage returns."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", screen)

@@ -34,6 +34,7 @@ from wm.views import Role
 NEEDS = {
     ("GET", "/v1/whoami"): Role.VIEWER,
     ("GET", "/v1/health"): Role.VIEWER,
+    ("GET", "/v1/status"): Role.VIEWER,
     ("GET", "/v1/workers"): Role.VIEWER,
     ("GET", "/v1/workers/{ref}"): Role.VIEWER,
     ("GET", "/v1/workers/{ref}/versions"): Role.VIEWER,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,16 @@ def test_start_up_stops_on_a_malformed_value() -> None:
     )
     assert result.returncode != 0
     assert "GROUP_LOCK_MAX_RETRIES='abc' is malformed" in result.stderr
+
+
+def test_urls_can_come_from_files(tmp_path: Path) -> None:
+    secret = tmp_path / "db-url"
+    secret.write_text("postgresql+psycopg://wm:s3cret@db/wm\n")
+    settings = Settings.from_env({"WM_DATABASE_URL_FILE": str(secret)})
+    assert settings.database_url == "postgresql+psycopg://wm:s3cret@db/wm"
+    with pytest.raises(ConfigurationError, match="set WM_BROKER_URL or WM_BROKER_URL_FILE"):
+        Settings.from_env({"WM_BROKER_URL": "redis://x", "WM_BROKER_URL_FILE": str(secret)})
+    with pytest.raises(ConfigurationError, match="WM_REDIS_URL_FILE='/nowhere' cannot be read"):
+        Settings.from_env({"WM_REDIS_URL_FILE": "/nowhere"})
+    with pytest.raises(ConfigurationError, match="unknown setting WM_MAX_RETRIES_FILE"):
+        Settings.from_env({"WM_MAX_RETRIES_FILE": str(secret)})

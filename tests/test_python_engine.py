@@ -64,6 +64,32 @@ def test_echo_round_trip(engine: PythonEngine, caplog: pytest.LogCaptureFixture)
     assert "w-test" in caplog.text
 
 
+def test_a_host_without_bubblewrap_runs_workers_under_the_kernel_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without bwrap the child runs under the fixed prefix (unshare, setpriv) once; it once
+    got it twice, and the inner unshare failed with 'Operation not permitted'."""
+    from engines.python import isolation
+
+    real_which = isolation.shutil.which
+    monkeypatch.setattr(
+        isolation.shutil, "which", lambda name: None if name == "bwrap" else real_which(name)
+    )
+    isolation.kernel_isolation.cache_clear()
+    try:
+        layers = isolation.kernel_isolation()
+        assert "mount namespace" not in layers.layers and layers.bwrap is None
+        instance = PythonEngine(SETTINGS)
+        try:
+            instance.load(code("echo"), spec())
+            [output] = instance.process(event({"n": 2}), timeout_s=5)
+        finally:
+            instance.close()
+        assert output.get_data() == {"input": {"n": 2}}
+    finally:
+        isolation.kernel_isolation.cache_clear()
+
+
 def test_child_is_reused_across_messages(engine: PythonEngine) -> None:
     engine.load(code("echo"), spec())
     pid = engine.pid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,22 +11,92 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import eventually
+from tests.helpers import eventually, free_port
 
 
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("WM_")}
 
 
-def _run_up(cwd: Path, *args: str) -> subprocess.Popen[str]:
+def _run_up(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, stderr: int = subprocess.STDOUT
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "wm.cli", "up", *args],
         cwd=cwd,
-        env=_env(),
+        env=env or _env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=stderr,
         text=True,
     )
+
+
+@pytest.mark.parametrize("stale", ["WM_BROKER_URL", "WM_REDIS_URL", "WM_DATABASE_URL"])
+def test_a_stale_url_from_the_environment_is_one_error_line(tmp_path: Path, stale: str) -> None:
+    """What `set -a; . .wm/env; set +a` leaves after that `wm up` stopped: URLs of a Redis
+    that is gone. `wm up` says which variable, masks the password, and keeps `.wm/env`."""
+    home = tmp_path / ".wm"
+    home.mkdir()
+    written = "WM_BROKER_URL=redis://127.0.0.1:1/0\n"
+    (home / "env").write_text(written)
+    server = f"redis://:s3cret@127.0.0.1:{free_port()}"
+    env = _env()
+    env.update(WM_BROKER_URL=f"{server}/0", WM_REDIS_URL=f"{server}/1")
+    if stale == "WM_DATABASE_URL":  # a directory that cannot be made: a file is in the way
+        (tmp_path / "file").write_text("")
+        env.update(WM_DATABASE_URL=f"sqlite:///{tmp_path / 'file' / 'wm.db'}")
+        del env["WM_BROKER_URL"], env["WM_REDIS_URL"]
+    elif stale == "WM_REDIS_URL":
+        del env["WM_BROKER_URL"]
+    proc = _run_up(tmp_path, env=env, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out + err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"wm: error: {stale}="), err
+    assert "is unreachable (" in lines[0] and "unset it to let wm up start its own" in lines[0]
+    assert "s3cret" not in err
+    if stale != "WM_DATABASE_URL":
+        assert f"{stale}=redis://:**@127.0.0.1:" in lines[0], err
+    assert (home / "env").read_text() == written
+    assert sorted(p.name for p in home.iterdir()) == ["env"]  # no Redis, node or database
+
+
+def test_no_env_file_is_written_for_a_system_that_never_came_up(tmp_path: Path) -> None:
+    env = _env()
+    env.update(WM_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0")
+    proc = _run_up(tmp_path, "--json", env=env, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and out == "", out + err
+    assert err.startswith("wm: error: WM_BROKER_URL=") and err.count("\n") == 1, err
+    assert not (tmp_path / ".wm" / "env").exists()
+
+
+@pytest.mark.slow
+def test_json_prints_the_environment_once_up_and_people_s_lines_on_stderr(
+    tmp_path: Path,
+) -> None:
+    proc = _run_up(tmp_path, "--json", stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        first = proc.stdout.readline()  # the process waits in the foreground meanwhile
+        answer = json.loads(first)
+        env_file = tmp_path / ".wm" / "env"
+        assert answer["env_file"] == str(env_file)
+        written = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        assert answer["env"] == written
+        assert sorted(written) == ["WM_BROKER_URL", "WM_DATABASE_URL", "WM_REDIS_URL"]
+        assert written["WM_BROKER_URL"].startswith("redis://127.0.0.1:")
+        assert answer["node"]["name"].startswith("wm-up@")
+        assert _alive(answer["node"]["pid"])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert rest == ""  # one JSON object, nothing else on standard output
+    assert "wm up  node       celery pid" in err and err.rstrip().endswith("stopped")
+    _assert_nothing_left(err)
 
 
 @pytest.mark.slow

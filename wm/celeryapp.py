@@ -4,14 +4,17 @@ module; definitions live in :mod:`wm.dataplane` and :mod:`wm.ops`."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import signals
+from celery.utils.log import get_multiprocessing_logger
 
 from wm.config import Settings
+from wm.dataplane import logcontext
 from wm.dataplane.app import make_app
 from wm.dataplane.node import on_process_init, on_process_shutdown, on_shutting_down
-from wm.ops import metrics, tracing
+from wm.ops import logs, metrics, tracing
 from wm.ops.health import HealthServer
 
 # Connected here, in the module ``celery -A`` imports first: the worker imports the
@@ -40,6 +43,29 @@ def _on_node_init(**_: Any) -> None:
     # A node's main process, before its pool forks (multiprocess metrics); not every
     # ``celery -A wm.celeryapp`` command (inspect, purge, flower) that shares its environment.
     metrics.prepare(Settings.from_env())
+
+
+@signals.after_setup_logger.connect
+def _on_setup_logger(logger: logging.Logger, **_: Any) -> None:
+    # Celery's handlers, kept: WM_LOG_FORMAT=json swaps their formatter (every process of
+    # the node, ``beat`` too), and lines logged during a delivery carry its fields.
+    logs.install_on_node(Settings.from_env(), [logger, get_multiprocessing_logger()])
+
+
+@signals.after_setup_task_logger.connect
+def _on_setup_task_logger(logger: logging.Logger, **_: Any) -> None:
+    logs.install_on_node(Settings.from_env(), [logger])
+
+
+@signals.task_prerun.connect
+def _on_task_prerun(task_id: str, **_: Any) -> None:
+    # The delivery's log fields last the whole task: Celery's line about its end has them.
+    logcontext.begin_task(task_id)
+
+
+@signals.task_postrun.connect
+def _on_task_postrun(task_id: str, **_: Any) -> None:
+    logcontext.end_task(task_id)
 
 
 app = make_app()

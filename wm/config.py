@@ -73,6 +73,17 @@ def _parse_priority_steps(raw: str) -> tuple[int, ...]:
     return steps
 
 
+#: Values of WM_LOG_FORMAT: lines for people, or one JSON object per line for a collector.
+LOG_FORMATS = ("text", "json")
+
+
+def _parse_log_format(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"expected {' or '.join(LOG_FORMATS)}")
+    return value
+
+
 _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_bool: "true or false",
     _parse_int: "a non-negative integer",
@@ -82,6 +93,7 @@ _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_str: "a string",
     _parse_priority_steps: f"ascending levels from 0 to {MAX_PRIORITY}, starting with 0 "
     "(0, or 0,3,6,9)",
+    _parse_log_format: " or ".join(LOG_FORMATS),
 }
 
 
@@ -375,16 +387,24 @@ class Settings:
         _parse_str,
         "Logging level of the `wm` command (DEBUG…ERROR).",
     )
+    log_format: str = _setting(
+        "WM_LOG_FORMAT",
+        "text",
+        _parse_log_format,
+        "Log lines of the `wm` command and the nodes: `text`, or `json` (one object per line). "
+        "Lines logged during a delivery carry its worker, event id, correlation id, topic and "
+        "attempt: JSON fields, or `[worker=… event=… correlation=… attempt=…]` in text.",
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Build settings from ``environ`` (default ``os.environ``), refusing bad input."""
         env = os.environ if environ is None else environ
         known = {f.metadata["env"]: f for f in fields(cls)}
-        _refuse_unknown(env, known)
+        _refuse_unknown(env, {**known, **{name + FILE_SUFFIX: None for name in FROM_FILE}})
         values: dict[str, Any] = {}
         for name, f in known.items():
-            raw = env.get(name)
+            raw = _read_file(env, name) if name in FROM_FILE else env.get(name)
             if raw is None:
                 continue
             parse = f.metadata["parse"]
@@ -404,6 +424,30 @@ class Settings:
             raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         current.update(changes)
         return Settings(**current)
+
+
+#: Settings that may be read from a file named by ``<VARIABLE>_FILE`` instead
+#: (``WM_DATABASE_URL_FILE=/run/secrets/db-url``): the URLs, which hold passwords, the way
+#: Docker and Kubernetes secrets hand them over, never in the process environment.
+FROM_FILE = ("WM_DATABASE_URL", "WM_BROKER_URL", "WM_REDIS_URL")
+FILE_SUFFIX = "_FILE"
+
+
+def _read_file(env: Mapping[str, str], name: str) -> str | None:
+    """``name``'s value: from the environment, or from the file ``<name>_FILE`` names
+    (surrounding white space dropped); both at once is refused."""
+    path = env.get(name + FILE_SUFFIX)
+    if path is None:
+        return env.get(name)
+    if name in env:
+        raise ConfigurationError(f"set {name} or {name}{FILE_SUFFIX}, not both")
+    try:
+        with open(path, encoding="utf-8") as secret:
+            return secret.read().strip()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"{name}{FILE_SUFFIX}={path!r} cannot be read: {exc.strerror or exc}"
+        ) from exc
 
 
 def _refuse_unknown(env: Mapping[str, str], known: Mapping[str, Any]) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
+import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
@@ -17,9 +20,6 @@ from sqlalchemy.orm import Session
 
 from wm import codesource, store
 from wm.config import Settings
-from wm.dataplane import breaker, enginecontrol, outbox, quota
-from wm.dataplane.bus import Bus, Route, ordered
-from wm.dataplane.queues import plain_queue_name, worker_queue_name
 from wm.engine import WorkerSpec, engine_class
 from wm.errors import (
     BrokerUnavailable,
@@ -48,6 +48,52 @@ from wm.views import (
     validate_worker_settings,
 )
 
+if TYPE_CHECKING:
+    from wm.dataplane import (
+        breaker,
+        enginecontrol,
+        outbox,
+        overview,
+        queues,
+        quota,
+        workerdetails,
+    )
+    from wm.dataplane import bus as bus_module
+    from wm.dataplane.bus import Bus
+
+
+def _lazy(name: str) -> ModuleType:
+    """Module ``name``, executed when first used rather than now (importlib's LazyLoader)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.loader is not None, name
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    package, _, attribute = name.rpartition(".")
+    setattr(sys.modules[package], attribute, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+if not TYPE_CHECKING:
+    # The data plane (Celery, kombu) loads when a method first needs it: reading the store
+    # (``wm worker list``) needs none of it, and the command line starts faster without.
+    bus_module, breaker, enginecontrol, outbox, overview, queues, quota, workerdetails = (
+        _lazy(f"wm.dataplane.{name}")
+        for name in (
+            "bus",
+            "breaker",
+            "enginecontrol",
+            "outbox",
+            "overview",
+            "queues",
+            "quota",
+            "workerdetails",
+        )
+    )
+
 logger = logging.getLogger(__name__)
 #: Missed firings a ``catch_up`` schedule sends at most, unless told otherwise.
 DEFAULT_MAX_CATCH_UP = 10
@@ -72,7 +118,7 @@ class WorkManager:
     @property
     def bus(self) -> Bus:
         if self._bus is None:
-            self._bus = Bus(self.settings)
+            self._bus = bus_module.Bus(self.settings)
         return self._bus
 
     # -- creation and code -----------------------------------------------------------------
@@ -101,7 +147,7 @@ class WorkManager:
         worker_id = uuid.uuid4()
         spec = WorkerSpec(str(worker_id), topic, group, 1, fetched.sha256, name, worker_settings)
         self._validate_code(mime_type, fetched.code, spec)
-        queue = worker_queue_name(topic, str(worker_id))
+        queue = queues.worker_queue_name(topic, str(worker_id))
 
         def insert(session: Session) -> None:
             worker = Worker(
@@ -130,7 +176,10 @@ class WorkManager:
             )
 
         records.transaction(self.settings, insert, name_hint=name)
-        self.bus.add_route(topic, Route(queue, str(worker_id), ordered(worker_settings), name))
+        self.bus.add_route(
+            topic,
+            bus_module.Route(queue, str(worker_id), bus_module.ordered(worker_settings), name),
+        )
         outbox.changed(self.settings, self.bus, worker_id)
         logger.info("created worker %s on topic %s", worker_id, topic)
         return self.start_worker(worker_id) if start else self.get_worker(worker_id)
@@ -336,6 +385,16 @@ class WorkManager:
             found = [records.worker_info(w, v) for w, v in rows]
         return self._with_health(found)
 
+    def worker_names(self, worker_ids: Iterable[uuid.UUID | str | None]) -> dict[str, str | None]:
+        """Each worker's name (None if it has none) by its id as text, deleted workers too,
+        in one query that asks Redis nothing: how a listing labels the workers it mentions."""
+        wanted = {uuid.UUID(str(worker_id)) for worker_id in worker_ids if worker_id}
+        if not wanted:
+            return {}
+        with store.session_scope(self.settings) as session:
+            rows = session.execute(select(Worker.id, Worker.name).where(Worker.id.in_(wanted)))
+            return {str(worker_id): name for worker_id, name in rows}
+
     def _with_health(self, infos: list[WorkerInfo]) -> list[WorkerInfo]:
         """Each worker's last health verdict (``unknown`` while Redis cannot be asked)."""
         try:
@@ -344,6 +403,21 @@ class WorkManager:
             logger.warning("workers' health unknown: %s", exc)
             return infos
         return [dataclasses.replace(i, health=known.get(str(i.id), "unknown")) for i in infos]
+
+    def worker_details(self, worker_id: uuid.UUID | str) -> workerdetails.WorkerDetails:
+        """The worker with what an operator looks at next: its queue's depth, dead letters
+        not replayed, last error, recent deliveries and circuit breaker (a part whose
+        service does not answer is None, and named in ``unavailable``)."""
+        info = self.get_worker(worker_id)
+        return workerdetails.worker_details(self.settings, self.bus, info)
+
+    def status(self, *, ping_timeout_s: float | None = None) -> overview.Overview:
+        """The cluster at a glance: nodes answering a ping within ``ping_timeout_s``, workers
+        by status and health, the deepest queues, dead letters per topic, breakers and
+        recovery. A part whose service does not answer is None, and named in
+        ``unavailable``; an unreachable database raises :class:`~wm.errors.DatabaseError`."""
+        timeout_s = overview.PING_TIMEOUT_S if ping_timeout_s is None else ping_timeout_s
+        return overview.overview(self.settings, self.bus, timeout_s)
 
     def get_worker_history(self, worker_id: uuid.UUID | str) -> list[VersionInfo]:
         """Every code version, oldest first."""
@@ -470,7 +544,9 @@ class WorkManager:
 
         Returns the queue name. Messages are structured-mode CloudEvent JSON.
         """
-        queue = plain_queue_name(check_name("topic", topic), check_name("subscription name", name))
+        queue = queues.plain_queue_name(
+            check_name("topic", topic), check_name("subscription name", name)
+        )
 
         def add(session: Session) -> None:
             found = session.scalar(select(Subscription).where(Subscription.queue == queue))
@@ -478,12 +554,12 @@ class WorkManager:
                 session.add(Subscription(topic=topic, queue=queue, worker_id=None))
 
         records.transaction(self.settings, add)
-        self.bus.add_route(topic, Route(queue, None))
+        self.bus.add_route(topic, bus_module.Route(queue, None))
         return queue
 
     def unsubscribe(self, topic: str, name: str, *, delete_queue: bool = True) -> None:
         """Remove a plain subscription and (by default) its queue with what it holds."""
-        queue = plain_queue_name(topic, name)
+        queue = queues.plain_queue_name(topic, name)
 
         def remove(session: Session) -> None:
             result = session.execute(
@@ -589,7 +665,7 @@ class WorkManager:
             return None
         if worker.status == Status.SUSPENDED:
             records.move(session, worker, Status.RUNNING, "resumed", actor=self.actor)
-            return worker_queue_name(worker.topic, str(wid))
+            return queues.worker_queue_name(worker.topic, str(wid))
         records.move(session, worker, Status.STARTING, "start requested", actor=self.actor)
         try:
             engine_class(worker.mime_type)
@@ -597,14 +673,14 @@ class WorkManager:
             records.move(session, worker, Status.FAILED, str(exc), actor=self.actor)
             return None
         records.move(session, worker, Status.RUNNING, "started", actor=self.actor)
-        return worker_queue_name(worker.topic, str(wid))
+        return queues.worker_queue_name(worker.topic, str(wid))
 
     def _suspend(self, session: Session, wid: uuid.UUID) -> str | None:
         worker = records.lock_worker(session, wid)
         if worker.status == Status.SUSPENDED:
             return None
         records.move(session, worker, Status.SUSPENDED, "suspended", actor=self.actor)
-        return worker_queue_name(worker.topic, str(wid))
+        return queues.worker_queue_name(worker.topic, str(wid))
 
     def _stop(self, session: Session, wid: uuid.UUID) -> tuple[str, dict[str, Any]] | None:
         """Move to ``stopping`` (a worker left there by a stopper that died stays); returns
@@ -614,7 +690,7 @@ class WorkManager:
             return None
         if worker.status != Status.STOPPING:
             records.move(session, worker, Status.STOPPING, "stop requested", actor=self.actor)
-        return worker_queue_name(worker.topic, str(wid)), dict(worker.settings or {})
+        return queues.worker_queue_name(worker.topic, str(wid)), dict(worker.settings or {})
 
     def _stopped(self, session: Session, wid: uuid.UUID, target: Status, reason: str) -> None:
         worker = records.lock_worker(session, wid)

@@ -3,10 +3,11 @@ audit entries returned by the API (never ORM rows; ``wm.store`` builds them from
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -170,10 +171,25 @@ class DeadLetterInfo:
     envelope: str
 
     def to_json(self, *, envelope: bool = True) -> dict[str, Any]:
+        """The fields as JSON, the envelope (the event as it failed) as the JSON object it
+        is, not JSON in a string; an envelope that is no JSON object stays its text."""
         data = _jsonable(asdict(self))
-        if not envelope:
+        if envelope:
+            data["envelope"] = _json_object_or_text(self.envelope)
+        else:
             data.pop("envelope")
         return data
+
+
+def _json_object_or_text(text: str) -> Any:
+    """``text`` parsed when it is a JSON object or array: any other text (cut, malformed, a
+    bare JSON string or number) is kept as it is, so a reader never mistakes one for the
+    other."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text
+    return parsed if isinstance(parsed, dict | list) else text
 
 
 @dataclass(frozen=True)
@@ -249,6 +265,7 @@ def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, uuid.UUID):
             value = str(value)
         elif isinstance(value, datetime):
-            value = value.isoformat()
+            # RFC 3339 with the zone; SQLite hands back naive datetimes, which are UTC.
+            value = (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
         out[key] = value
     return out

@@ -217,7 +217,8 @@ class PythonEngine(Engine):
         that directory)."""
         layers = isolation.kernel_isolation()
         paths = isolation.sandbox_paths(tuple(self.settings.python_allowed_packages))
-        argv = interpreter_argv(layers.prefix, isolation.BOOTSTRAP, isolation.interpreter(layers))
+        # The wrapper puts the kernel layers' command (bwrap, or the fixed prefix) first.
+        argv = interpreter_argv((), isolation.BOOTSTRAP, isolation.interpreter(layers))
 
         def wrapper(directory: str) -> tuple[list[str], tuple[int, ...]]:
             return isolation.child_wrapper(layers, paths, directory)

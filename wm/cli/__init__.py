@@ -1,100 +1,124 @@
 """The ``wm`` command line: operate workers, events and dead letters from a shell.
 
-Tables for people by default, ``--json`` (before or after the command) for scripts. An
-expected failure prints one line ``wm: error: …`` and exits 1, a usage error exits 2, and no
-traceback is shown for either. Logging is configured here, once; library code adds no handlers.
+Built on click, with rich for tables and progress. Tables for people by default, ``--json``
+(before or after the command) for scripts. An expected failure -- including a broker, Redis or
+database that cannot be reached -- prints one line ``wm: error: …`` and exits 1, a usage error
+exits 2, and no traceback is shown for either. Each command's module is imported only when
+that command runs (``wm --help`` imports none), and the API behind it on first use. Logging is
+configured here, once; library code adds no handlers.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 
-from wm.cli import access, admin, deadletters, messaging, schedules, workers
-from wm.cli.arguments import Handler, UsageError
-from wm.cli.output import Context
-from wm.config import Settings
-from wm.errors import ConfigurationError, WorkManagerError
+import click
 
-__all__ = ["build_parser", "main"]
+from wm.cli.arguments import CONTEXT_SETTINGS, Group
+from wm.errors import WorkManagerError
+
+__all__ = ["COMMANDS", "cli", "main"]
 
 #: Exit codes: an expected failure, and an interrupted command (128 + SIGINT).
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_OWN_LOGGERS = ("wm", "engines")
+
+#: Every top-level command: its module and object, and the one-line help ``wm --help`` shows
+#: without importing the module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "status": ("wm.cli.status:status", "one screen: nodes, workers by state, queues, dead letters"),
+    "worker": ("wm.cli.workers:worker", "create and operate workers"),
+    "schedule": ("wm.cli.schedules:schedule", "send events to a worker on a schedule"),
+    "publish": ("wm.cli.messaging:publish", "publish a CloudEvent (or a file of them) to a topic"),
+    "tail": ("wm.cli.tail:tail", "print a topic's events as they arrive (Ctrl-C stops)"),
+    "subscribe": ("wm.cli.messaging:subscribe", "feed a topic into a named durable queue"),
+    "unsubscribe": ("wm.cli.messaging:unsubscribe", "remove a plain subscription and its queue"),
+    "subscriptions": ("wm.cli.messaging:subscriptions", "list subscriptions and queue depths"),
+    "dlq": ("wm.cli.deadletters:dlq", "inspect, replay and purge dead letters"),
+    "db": ("wm.cli.admin:db", "migrate the worker store"),
+    "config": ("wm.cli.admin:config", "print every setting and its current value"),
+    "up": ("wm.cli.admin:up", "run the whole stack embedded on this machine"),
+    "health": ("wm.cli.admin:health", "a node's health (exit 0 healthy, 1 degraded, 2 unhealthy)"),
+    "bench": ("wm.cli.admin:bench", "run the benchmarks (wm bench --help for theirs)"),
+    "api": ("wm.cli.access:api", "serve the admin HTTP API (needs the [api] extra)"),
+    "token": ("wm.cli.access:token", "create, list and revoke admin API tokens"),
+    "audit": ("wm.cli.access:audit", "the admin API's mutating calls, newest last"),
+    "completion": ("wm.cli.admin:completion", "print the shell completion script"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # Every parser accepts --json; SUPPRESS keeps a sub-parser from resetting the global one.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
-    )
-    parser = argparse.ArgumentParser(
-        prog="wm",
-        description="Operate WorkManager: workers, events, dead letters.",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (workers, schedules, messaging, deadletters, admin, access):
-        module.register(commands, common)
-    return parser
+class LazyGroup(Group):
+    """The root: a command's module is imported when that command is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, _, attribute = COMMANDS[cmd_name][0].partition(":")
+        command: click.Command = getattr(importlib.import_module(module), attribute)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help) for name, (_, help) in COMMANDS.items()])
+
+
+@click.group(
+    cls=LazyGroup,
+    context_settings=CONTEXT_SETTINGS,
+    epilog="Run 'wm COMMAND -h' for a command's options. Settings come from WM_* variables: "
+    "wm config lists them.",
+)
+@click.version_option(package_name="workmanager", prog_name="wm", message="%(prog)s %(version)s")
+def cli() -> None:
+    """Operate WorkManager: workers, events, dead letters."""
+    _configure_logging()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the process exit code."""
+    from wm.cli.output import Output
+
+    output = Output()
     try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_FAILURE
-    try:
-        return _run(args)
-    except UsageError as exc:
-        return _usage_error(args.command_parser, exc)
-    except WorkManagerError as exc:
-        return _fail(str(exc) or type(exc).__name__)
-    except KeyboardInterrupt:
+        code = cli.main(
+            args=list(argv) if argv is not None else None,
+            prog_name="wm",
+            standalone_mode=False,
+            obj=output,
+        )
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except (KeyboardInterrupt, click.Abort):
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``wm worker list | head``): quiet, like other shell tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
+    except WorkManagerError as exc:
+        return _fail(str(exc) or type(exc).__name__)
+    except Exception as exc:
+        from wm.cli.failures import describe
+
+        described = describe(exc, output.__dict__.get("settings"))
+        if described is None:
+            raise
+        return _fail(described)
+    return code if isinstance(code, int) else 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
-    _configure_logging(settings)
-    handler: Handler = args.handler
-    return handler(Context(settings, as_json=args.json), args)
+def _configure_logging() -> None:
+    from wm.ops.logs import configure
 
-
-def _configure_logging(settings: Settings) -> None:
-    """WM_LOG_LEVEL sets WorkManager's own loggers; other libraries (Celery, kombu, Alembic)
-    speak only from WARNING, unless the level is DEBUG."""
-    level = settings.log_level.upper()
-    if level not in _LOG_LEVELS:
-        raise ConfigurationError(
-            f"WM_LOG_LEVEL={settings.log_level!r} is malformed: expected one of "
-            f"{', '.join(_LOG_LEVELS)}"
-        )
-    own: int = logging.getLevelName(level)
-    others = own if level == "DEBUG" else max(own, logging.WARNING)
-    logging.basicConfig(level=others, format=_LOG_FORMAT, stream=sys.stderr)
-    for name in _OWN_LOGGERS:
-        logging.getLogger(name).setLevel(own)
-
-
-def _usage_error(parser: argparse.ArgumentParser, exc: UsageError) -> int:
-    try:
-        parser.error(str(exc))
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else EXIT_FAILURE
-    return EXIT_FAILURE
+    configure(click.get_current_context().find_root().obj.settings)
 
 
 def _fail(message: str) -> int:

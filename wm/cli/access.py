@@ -3,106 +3,134 @@ they did."""
 
 from __future__ import annotations
 
-import argparse
+import re
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import click
 
 from wm.cli.admin import component
-from wm.cli.arguments import add_command, add_group, positive_int
-from wm.cli.output import Context
-from wm.store.access import Audit, Tokens
+from wm.cli.arguments import POSITIVE_INT, Command, Group, iso_time, pass_output
+from wm.cli.output import Output, labelled
 from wm.views import Role
 
 if TYPE_CHECKING:
-    from wm.cli.arguments import Commands
+    from wm.views import AuditInfo
 
 #: Audit entries ``wm audit`` shows unless told otherwise.
 DEFAULT_AUDIT_LIMIT = 50
+#: Highest TCP port number.
+MAX_PORT = 65535
+#: A worker id in an audited call (``… ref=3f2a…``): shown with the worker's name beside it.
+WORKER_REF = re.compile(r"\bref=([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\b")
 
 
-def register(commands: Commands, common: argparse.ArgumentParser) -> None:
-    api = add_command(
-        commands,
-        "api",
-        run_api,
-        common,
-        "serve the admin HTTP API (needs the [api] extra; README, Admin HTTP API)",
-    )
-    api.add_argument("--bind", help="address to listen on (default: $WM_API_BIND, 127.0.0.1)")
-    api.add_argument("--port", type=int, help="port (default: $WM_API_PORT, 8080)")
-    api.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
-    api.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
-    api.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve plain HTTP beyond loopback (only behind a TLS-terminating proxy)",
-    )
-    tokens = add_group(commands, "token", common, "create, list and revoke admin API tokens")
-    create = add_command(
-        tokens, "create", create_token, common, "create a token; its secret is printed once"
-    )
-    create.add_argument("--name", required=True, help="who or what uses it (unique in force)")
-    create.add_argument(
-        "--role",
-        required=True,
-        choices=[r.value for r in Role],
-        help="viewer reads; operator also runs lifecycle, code, publish, replay; admin also "
-        "deletes workers and purges dead letters",
-    )
-    create.add_argument(
-        "--expires-days", type=positive_int, metavar="N", help="expire after N days (default never)"
-    )
-    listing = add_command(tokens, "list", list_tokens, common, "list tokens (never their secrets)")
-    listing.add_argument("--all", action="store_true", help="include revoked tokens")
-    revoke = add_command(tokens, "revoke", revoke_token, common, "revoke a token at once")
-    revoke.add_argument("token", metavar="ID_OR_NAME")
-    audit = add_command(
-        commands, "audit", show_audit, common, "the admin API's mutating calls, newest last"
-    )
-    audit.add_argument("--token", metavar="ID_OR_NAME", help="only this token's calls")
-    audit.add_argument(
-        "--since", type=datetime.fromisoformat, metavar="TIME", help="ISO 8601, e.g. 2026-11-24"
-    )
-    audit.add_argument("--limit", type=positive_int, default=DEFAULT_AUDIT_LIMIT)
+@click.command(cls=Command)
+@click.option(
+    "--bind",
+    metavar="ADDRESS",
+    show_default="$WM_API_BIND, 127.0.0.1",
+    help="Address to listen on.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, MAX_PORT),
+    metavar="PORT",
+    show_default="$WM_API_PORT, 8080",
+    help="Port to listen on.",
+)
+@click.option(
+    "--tls-cert",
+    metavar="PEM",
+    show_default="$WM_API_TLS_CERT",
+    help="Serve HTTPS with this certificate.",
+)
+@click.option(
+    "--tls-key",
+    metavar="PEM",
+    show_default="$WM_API_TLS_KEY",
+    help="The certificate's private key.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Serve plain HTTP beyond loopback (only behind a TLS-terminating proxy).",
+)
+@pass_output
+def api(
+    out: Output,
+    bind: str | None,
+    port: int | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    insecure: bool,
+) -> int:
+    """Serve the admin HTTP API until Ctrl-C (needs the [api] extra).
 
-
-def run_api(ctx: Context, args: argparse.Namespace) -> int:
-    changes = {
-        "api_bind": args.bind,
-        "api_port": args.port,
-        "api_tls_cert": args.tls_cert,
-        "api_tls_key": args.tls_key,
-    }
-    settings = ctx.settings.replace(**{k: v for k, v in changes.items() if v is not None})
-    component("wm.ops.api", extra="api").serve(settings, insecure=args.insecure)
+    README, Admin HTTP API.
+    """
+    changes = {"api_bind": bind, "api_port": port, "api_tls_cert": tls_cert, "api_tls_key": tls_key}
+    settings = out.settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    component("wm.ops.api", extra="api").serve(settings, insecure=insecure)
     return 0
 
 
-def create_token(ctx: Context, args: argparse.Namespace) -> int:
-    lifetime = timedelta(days=args.expires_days) if args.expires_days else None
-    info, secret = Tokens(ctx.settings).create(args.name, args.role, expires_in=lifetime)
-    if ctx.as_json:
-        ctx.json({**info.to_json(), "token": secret})
+@click.group(cls=Group)
+def token() -> None:
+    """Create, list and revoke admin API tokens."""
+
+
+@token.command("create")
+@click.option("--name", required=True, help="Who or what uses it (unique among tokens in force).")
+@click.option(
+    "--role",
+    required=True,
+    type=click.Choice([r.value for r in Role]),
+    help="Viewer reads; operator also runs lifecycle, code, publish, replay; admin also "
+    "deletes workers and purges dead letters.",
+)
+@click.option(
+    "--expires-days",
+    type=POSITIVE_INT,
+    metavar="N",
+    show_default="never",
+    help="Expire after N days.",
+)
+@pass_output
+def create_token(out: Output, name: str, role: str, expires_days: int | None) -> int:
+    """Create a token; its secret is printed once."""
+    from wm.store.access import Tokens
+
+    lifetime = timedelta(days=expires_days) if expires_days else None
+    info, secret = Tokens(out.settings).create(name, role, expires_in=lifetime)
+    if out.as_json:
+        out.json({**info.to_json(), "token": secret})
         return 0
-    ctx.fields(
+    out.fields(
         [
             ("id", info.id),
             ("name", info.name),
             ("role", info.role.value),
             ("expires", info.expires_at or "never"),
+            ("token", secret),
         ]
     )
-    ctx.line(f"token: {secret}")
-    ctx.line("(shown once: only its hash is stored)")
+    out.note("The token is shown once: only its hash is stored.")
     return 0
 
 
-def list_tokens(ctx: Context, args: argparse.Namespace) -> int:
-    found = Tokens(ctx.settings).list(include_revoked=args.all)
-    if ctx.as_json:
-        ctx.json([t.to_json() for t in found])
+@token.command("list")
+@click.option("--all", "include_revoked", is_flag=True, help="Include revoked tokens.")
+@pass_output
+def list_tokens(out: Output, include_revoked: bool) -> int:
+    """List tokens, oldest first (never their secrets)."""
+    from wm.store.access import Tokens
+
+    found = Tokens(out.settings).list(include_revoked=include_revoked)
+    if out.as_json:
+        out.json([t.to_json() for t in found])
         return 0
-    ctx.table(
+    out.table(
         ["ID", "NAME", "ROLE", "CREATED", "EXPIRES", "LAST USED", "REVOKED"],
         (
             [t.id, t.name, t.role.value, t.created_at, t.expires_at, t.last_used_at, t.revoked_at]
@@ -113,34 +141,67 @@ def list_tokens(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
-def revoke_token(ctx: Context, args: argparse.Namespace) -> int:
-    info = Tokens(ctx.settings).revoke(args.token)
-    if ctx.as_json:
-        ctx.json(info.to_json())
+@token.command("revoke")
+@click.argument("reference", metavar="ID_OR_NAME")
+@pass_output
+def revoke_token(out: Output, reference: str) -> int:
+    """Revoke a token at once."""
+    from wm.store.access import Tokens
+
+    info = Tokens(out.settings).revoke(reference)
+    if out.as_json:
+        out.json(info.to_json())
     else:
-        ctx.line(f"revoked token {info.id} ({info.name})")
+        out.line(f"revoked token {labelled(info.id, info.name)}")
     return 0
 
 
-def show_audit(ctx: Context, args: argparse.Namespace) -> int:
-    entries = Audit(ctx.settings).list(token=args.token, since=args.since, limit=args.limit)
-    if ctx.as_json:
-        ctx.json([e.to_json() for e in entries])
+@click.command(cls=Command)
+@click.option("--token", "reference", metavar="ID_OR_NAME", help="Only this token's calls.")
+@click.option(
+    "--since",
+    metavar="TIME",
+    callback=iso_time,
+    help="Only calls at or after this time (ISO 8601).",
+)
+@click.option(
+    "--limit",
+    type=POSITIVE_INT,
+    default=DEFAULT_AUDIT_LIMIT,
+    metavar="N",
+    help="Show the newest N calls.",
+)
+@pass_output
+def audit(out: Output, reference: str | None, since: datetime | None, limit: int) -> int:
+    """The admin API's mutating calls, newest last."""
+    from wm.store.access import Audit
+
+    entries = Audit(out.settings).list(token=reference, since=since, limit=limit)
+    if out.as_json:
+        out.json([e.to_json() for e in entries])
         return 0
-    ctx.table(
+    names = out.manager.worker_names(
+        {m for e in entries for m in WORKER_REF.findall(e.action or "")}
+    )
+    out.table(
         ["AT", "TOKEN", "ROLE", "FROM", "CALL", "STATUS", "RESULT"],
-        (
-            [
-                e.at,
-                e.token_name or "-",
-                e.role or "-",
-                e.remote,
-                e.action or f"{e.method} {e.path}",
-                e.status_code if e.status_code is not None else "unfinished",
-                e.result,
-            ]
-            for e in entries
-        ),
+        (_audit_row(e, names) for e in entries),
         empty="no audit entries",
+        wrap=("TOKEN", "CALL"),
     )
     return 0
+
+
+def _audit_row(e: AuditInfo, names: dict[str, str | None]) -> list[Any]:
+    def named(found: re.Match[str]) -> str:
+        return f"ref={labelled(found[1], names.get(found[1]))}"
+
+    return [
+        e.at,
+        labelled(e.token_id, e.token_name),
+        e.role,
+        e.remote,
+        WORKER_REF.sub(named, e.action) if e.action else f"{e.method} {e.path}",
+        e.status_code if e.status_code is not None else "unfinished",
+        e.result,
+    ]

@@ -1,104 +1,67 @@
-"""``wm db …``, ``wm config``, and the commands other modules implement: ``wm up``, ``wm bench``."""
+"""``wm db …``, ``wm config``, ``wm health``, ``wm completion``, and the commands other modules
+implement: ``wm up``, ``wm bench``."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
-from typing import TYPE_CHECKING, Any
+import os
+from typing import Any
 
-from kombu.utils.url import maybe_sanitize_url
+import click
 
-from wm import store
-from wm.cli.arguments import add_command, add_group
-from wm.cli.output import Context
-from wm.config import Settings, current_values, settings_table
+from wm.cli.arguments import POSITIVE_INT, Command, Group, pass_output
+from wm.cli.output import Output
+from wm.config import current_values, settings_table
 from wm.errors import WorkManagerError
 
-if TYPE_CHECKING:
-    from wm.cli.arguments import Commands
-
-#: Widest value ``wm config`` prints in its table; ``wm config --json`` shows them whole.
-CONFIG_CELL_CHARS = 40
-
-
-def register(commands: Commands, common: argparse.ArgumentParser) -> None:
-    db = add_group(commands, "db", common, "migrate the worker store")
-    add_command(db, "upgrade", db_upgrade, common, "apply every pending migration")
-    add_command(db, "current", db_current, common, "print the current and the head revision")
-    add_command(
-        commands,
-        "config",
-        show_config,
-        common,
-        "print every setting: variable, default, current value, meaning",
-    )
-    up = add_command(
-        commands,
-        "up",
-        run_up,
-        common,
-        "run the whole stack embedded on this machine (Redis, SQLite, a node)",
-    )
-    up.add_argument("--demo", action="store_true", help="also deploy a demo worker")
-    up.add_argument(
-        "--events",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --demo: stop after N demo events (default: run until Ctrl-C)",
-    )
-    up.add_argument(
-        "--concurrency",
-        type=int,
-        default=2,
-        metavar="N",
-        help="Celery processes (or threads) of the node (default 2)",
-    )
-    up.add_argument(
-        "--pool",
-        choices=("prefork", "threads"),
-        default="prefork",
-        help="the node's Celery pool (default prefork; threads suit I/O-bound stub, native "
-        "and .NET workers: README, Benchmarks, pool phase)",
-    )
-    health = add_command(
-        commands,
-        "health",
-        show_health,
-        common,
-        "a node's health (exit 0 healthy, 1 degraded, 2 unhealthy)",
-    )
-    health.add_argument(
-        "--node",
-        metavar="URL",
-        help="the node's health endpoint (default: http://127.0.0.1:$WM_HEALTH_PORT/health)",
-    )
-    # Everything after ``bench`` is the benchmark's own command line, options included.
-    bench = commands.add_parser(
-        "bench",
-        add_help=False,
-        prefix_chars="\x00",
-        help="run the benchmarks (wm bench --help for theirs)",
-    )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(handler=run_bench, command_parser=bench)
+#: Narrowest a DEFAULT, CURRENT or MEANING cell of ``wm config`` gets before the VARIABLE
+#: column folds too, and the space between two columns of a table.
+CONFIG_MIN_CELL_CHARS = 20
+COLUMN_GAP_CHARS = 3
+#: ``wm health``'s exit code by status; anything else counts as unhealthy.
+HEALTH_EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+UNHEALTHY_EXIT = HEALTH_EXIT["unhealthy"]
+#: Shells ``wm completion`` writes a script for (click's own completion classes).
+SHELLS = ("bash", "zsh", "fish")
+#: The program name and the variable the completion scripts call ``wm`` with: click's
+#: convention for a program named ``wm``.
+PROG_NAME = "wm"
+COMPLETE_VAR = "_WM_COMPLETE"
 
 
-def db_upgrade(ctx: Context, args: argparse.Namespace) -> int:
-    store.upgrade(ctx.settings)
-    revision = store.current_revision(ctx.settings)
-    if ctx.as_json:
-        ctx.json({"current": revision})
+# -- wm db ---------------------------------------------------------------------------------------
+
+
+@click.group(cls=Group)
+def db() -> None:
+    """Migrate the worker store (WM_DATABASE_URL)."""
+
+
+@db.command("upgrade")
+@pass_output
+def db_upgrade(out: Output) -> int:
+    """Apply every pending migration."""
+    from wm import store
+
+    store.upgrade(out.settings)
+    revision = store.current_revision(out.settings)
+    if out.as_json:
+        out.json({"current": revision})
     else:
-        ctx.line(f"database at revision {revision}")
+        out.line(f"database at revision {revision}")
     return 0
 
 
-def db_current(ctx: Context, args: argparse.Namespace) -> int:
-    current = store.current_revision(ctx.settings)
-    head = store.head_revision(ctx.settings)
-    if ctx.as_json:
-        ctx.json({"current": current, "head": head, "up_to_date": current == head})
+@db.command("current")
+@pass_output
+def db_current(out: Output) -> int:
+    """Print the current and the head revision."""
+    from wm import store
+
+    current = store.current_revision(out.settings)
+    head = store.head_revision(out.settings)
+    if out.as_json:
+        out.json({"current": current, "head": head, "up_to_date": current == head})
         return 0
     if current is None:
         state = "never migrated: run wm db upgrade"
@@ -106,75 +69,144 @@ def db_current(ctx: Context, args: argparse.Namespace) -> int:
         state = "up to date"
     else:
         state = "behind: run wm db upgrade"
-    ctx.fields([("current", current), ("head", head), ("state", state)])
+    out.fields([("current", current), ("head", head), ("state", state)])
     return 0
 
 
-def show_config(ctx: Context, args: argparse.Namespace) -> int:
-    current = _current_values(ctx.settings)
+# -- wm config -----------------------------------------------------------------------------------
+
+
+@click.command(cls=Command)
+@pass_output
+def config(out: Output) -> int:
+    """Print every setting: variable, default, current value, meaning.
+
+    Passwords in URLs are masked.
+    """
+    current = _current_values(out)
     rows = [(env, default, current[env], meaning) for env, default, meaning in settings_table()]
-    if ctx.as_json:
-        ctx.json(
+    if out.as_json:
+        out.json(
             [
                 {"variable": env, "default": default, "current": value, "meaning": meaning}
                 for env, default, value, meaning in rows
             ]
         )
         return 0
-    ctx.table(
+    out.table(
         ["VARIABLE", "DEFAULT", "CURRENT", "MEANING"],
         rows,
         empty="no settings",
-        limit=CONFIG_CELL_CHARS,
+        wrap=_config_wrap(out, [env for env, *_ in rows]),
     )
     return 0
 
 
-def _current_values(settings: Settings) -> dict[str, str]:
+def _config_wrap(out: Output, variables: list[str]) -> tuple[str, ...]:
+    """The columns that wrap: the variable's name stays whole while the three others keep
+    ``CONFIG_MIN_CELL_CHARS`` each; on a narrower terminal it folds like them."""
+    whole = max(map(len, variables)) + 3 * (CONFIG_MIN_CELL_CHARS + COLUMN_GAP_CHARS)
+    return (
+        ("DEFAULT", "CURRENT") if out.console.width >= whole else ("VARIABLE", "DEFAULT", "CURRENT")
+    )
+
+
+def _current_values(out: Output) -> dict[str, str]:
     """Each variable's value in effect, shown like its default; passwords in URLs masked."""
+    from kombu.utils.url import maybe_sanitize_url
+
     return {
         env: maybe_sanitize_url(shown) if "://" in shown else shown
-        for env, shown in current_values(settings).items()
+        for env, shown in current_values(out.settings).items()
     }
 
 
-#: ``wm health``'s exit code by status.
-HEALTH_EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+# -- wm up ---------------------------------------------------------------------------------------
 
 
-def show_health(ctx: Context, args: argparse.Namespace) -> int:
-    url = args.node
-    if url is None:
-        if not ctx.settings.health_port:
-            raise WorkManagerError(
-                "no node to ask: pass --node URL, or set WM_HEALTH_PORT to a local node's port"
-            )
-        url = f"http://127.0.0.1:{ctx.settings.health_port}/health"
+@click.command(cls=Command)
+@click.option("--demo", is_flag=True, help="Also deploy a demo worker and send it events.")
+@click.option(
+    "--events",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="With --demo: stop after N demo events (0 runs until Ctrl-C).",
+)
+@click.option(
+    "--concurrency",
+    type=POSITIVE_INT,
+    default=2,
+    metavar="N",
+    help="Celery processes (or threads) of the node.",
+)
+@click.option(
+    "--pool",
+    type=click.Choice(("prefork", "threads")),
+    default="prefork",
+    help="The node's Celery pool; threads suit I/O-bound stub, native and .NET workers "
+    "(README, Benchmarks, pool phase).",
+)
+@pass_output
+def up(out: Output, demo: bool, events: int, concurrency: int, pool: str) -> int:
+    """Run the whole stack embedded on this machine (Redis, SQLite, a node).
+
+    Runs in the foreground until Ctrl-C. With --json it prints one JSON object, the
+    environment it wrote, once the system is up.
+    """
+    return int(
+        component("wm.local.up").run(
+            demo=demo, events=events, concurrency=concurrency, pool=pool, as_json=out.as_json
+        )
+    )
+
+
+# -- wm health -----------------------------------------------------------------------------------
+
+
+@click.command(cls=Command)
+@click.option(
+    "--node",
+    metavar="URL",
+    show_default="http://127.0.0.1:$WM_HEALTH_PORT/health",
+    help="The node's health endpoint.",
+)
+@pass_output
+def health(out: Output, node: str | None) -> int:
+    """A node's health: exit 0 healthy, 1 degraded, 2 unhealthy."""
+    url = node or _local_health_url(out)
     _, found = component("wm.ops.health").fetch(url)
     status = str(found.get("status", "unhealthy"))
-    if ctx.as_json:
-        ctx.json(found)
+    if out.as_json:
+        out.json(found)
     else:
-        checks = found.get("checks", {})
-        ctx.fields(
-            [
-                ("node", found.get("node")),
-                ("status", status),
-                *[
-                    (name, "ok" if check["ok"] else f"FAILED: {check.get('error')}")
-                    for name, check in checks.items()
-                ],
-                ("recovery", found.get("recovery", {}).get("state")),
-                ("consuming", "yes" if found.get("consuming") else "no"),
-                *[
-                    (mime_type, _facts(facts))
-                    for mime_type, facts in found.get("engines", {}).items()
-                ],
-            ]
-        )
+        out.fields(_health_fields(found, status))
         for reason in found.get("reasons", []):
-            ctx.line(f"- {reason}")
-    return HEALTH_EXIT.get(status, 2)
+            out.line(f"- {reason}")
+    return HEALTH_EXIT.get(status, UNHEALTHY_EXIT)
+
+
+def _local_health_url(out: Output) -> str:
+    if not out.settings.health_port:
+        raise WorkManagerError(
+            "no node to ask: pass --node URL, or set WM_HEALTH_PORT to a local node's port"
+        )
+    return f"http://127.0.0.1:{out.settings.health_port}/health"
+
+
+def _health_fields(found: dict[str, Any], status: str) -> list[tuple[str, Any]]:
+    checks = found.get("checks", {})
+    return [
+        ("node", found.get("node")),
+        ("status", status),
+        *[
+            (name, "ok" if check["ok"] else f"FAILED: {check.get('error')}")
+            for name, check in checks.items()
+        ],
+        ("recovery", found.get("recovery", {}).get("state")),
+        ("consuming", "yes" if found.get("consuming") else "no"),
+        *[(mime_type, _facts(facts)) for mime_type, facts in found.get("engines", {}).items()],
+    ]
 
 
 def _facts(facts: dict[str, Any]) -> str:
@@ -188,16 +220,60 @@ def _facts(facts: dict[str, Any]) -> str:
     return "; ".join(shown)
 
 
-def run_up(ctx: Context, args: argparse.Namespace) -> int:
-    return int(
-        component("wm.local.up").run(
-            demo=args.demo, events=args.events, concurrency=args.concurrency, pool=args.pool
-        )
-    )
+# -- wm bench ------------------------------------------------------------------------------------
 
 
-def run_bench(ctx: Context, args: argparse.Namespace) -> int:
-    return int(component("wm.local.bench").main(list(args.bench_args)))
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("bench_args", nargs=-1, type=click.UNPROCESSED)
+def bench(bench_args: tuple[str, ...]) -> int:
+    """Run the benchmarks: every argument, -h and --json included, is the benchmark's own
+    (wm bench --help)."""
+    args = list(bench_args)
+    root = click.get_current_context().find_root().obj
+    if getattr(root, "as_json", False) and "--json" not in args:
+        args.append("--json")  # ``wm --json bench …`` means the benchmark's JSON
+    try:
+        return int(component("wm.local.bench").main(args))
+    except SystemExit as exc:  # its parser's --help (0) and usage errors (2): an exit code
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        raise
+
+
+# -- wm completion -------------------------------------------------------------------------------
+
+
+@click.command(cls=Command)
+@click.argument("shell", type=click.Choice(SHELLS), required=False)
+@pass_output
+def completion(out: Output, shell: str | None) -> int:
+    """Print the shell completion script (SHELL: default the one $SHELL names, else bash).
+
+    \b
+    bash: eval "$(wm completion bash)"   in ~/.bashrc
+    zsh:  eval "$(wm completion zsh)"    in ~/.zshrc
+    fish: wm completion fish > ~/.config/fish/completions/wm.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    shell = shell or _login_shell()
+    complete = get_completion_class(shell)
+    assert complete is not None, shell  # click ships a class for every name in SHELLS
+    root = click.get_current_context().find_root().command
+    script = complete(root, {}, PROG_NAME, COMPLETE_VAR).source()
+    if out.as_json:
+        out.json({"shell": shell, "script": script})
+    else:
+        out.line(script.rstrip("\n"))
+    return 0
+
+
+def _login_shell() -> str:
+    name = os.path.basename(os.environ.get("SHELL", ""))
+    return name if name in SHELLS else SHELLS[0]
 
 
 def component(name: str, *, extra: str | None = None) -> Any:

@@ -1,56 +1,118 @@
-"""How a command is registered, and the argument types and inputs several commands share."""
+"""How commands are declared on click, and the argument types and inputs several commands share.
+
+Every command and group made through :class:`Group` accepts ``--json`` (so it works before or
+after the command's name) and gets the :class:`~wm.cli.output.Output` through
+:func:`pass_output`. Modules of this package import only click and light parts of ``wm`` at
+their top: ``wm --help`` and completion load them all, and must stay fast.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeVar
+
+import click
 
 from wm.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from wm.cli.output import Context
+F = TypeVar("F", bound=Callable[..., Any])
 
-    #: The sub-command list of a parser, where commands are added.
-    Commands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+#: What every command's help shows: defaults, ``-h``, and text up to 100 columns wide.
+CONTEXT_SETTINGS: dict[str, Any] = {
+    "show_default": True,
+    "help_option_names": ["-h", "--help"],
+    "max_content_width": 100,
+}
 
-#: A command's handler: it gets the context and the parsed arguments, returns the exit code.
-Handler = Callable[["Context", argparse.Namespace], int]
-
-
-class UsageError(InvalidArgument):
-    """Raised by a handler when arguments conflict in a way argparse cannot express.
-
-    Reported like argparse's own usage errors: the command's usage, one line, exit code 2.
-    """
+#: Raised by a command when arguments conflict in a way the option types cannot express:
+#: reported with the command's usage, exit code 2.
+UsageError = click.UsageError
 
 
-def add_command(
-    commands: Commands, name: str, handler: Handler, common: argparse.ArgumentParser, help: str
-) -> argparse.ArgumentParser:
-    """Add a leaf command; the parser records its handler (the dispatch table) and itself."""
-    parser = commands.add_parser(name, parents=[common], help=help, description=help)
-    parser.set_defaults(handler=handler, command_parser=parser)
-    return parser
+def _set_json(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        from wm.cli.output import Output
+
+        root = ctx.find_root()
+        if not isinstance(root.obj, Output):
+            root.obj = Output()
+        root.obj.as_json = True
 
 
-def add_group(
-    commands: Commands, name: str, common: argparse.ArgumentParser, help: str
-) -> Commands:
-    """Add a command that only groups sub-commands (``wm worker …``, ``wm dlq …``)."""
-    parser = commands.add_parser(name, parents=[common], help=help, description=help)
-    return parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+def json_option() -> click.Option:
+    return click.Option(
+        ["--json"],
+        is_flag=True,
+        expose_value=False,
+        is_eager=True,
+        callback=_set_json,
+        help="Print JSON for scripts (the Python API's fields).",
+    )
 
 
-def key_value(text: str) -> tuple[str, str]:
+class Command(click.Command):
+    """A leaf command; it accepts ``--json``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(json_option())
+
+
+class Group(click.Group):
+    """A group whose commands and sub-groups accept ``--json``, listed in the order declared."""
+
+    command_class = Command
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(json_option())
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
+Group.group_class = Group
+
+
+def pass_output(function: F) -> F:
+    """Hand the command the :class:`~wm.cli.output.Output` of this run as first argument."""
+    from functools import update_wrapper
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from wm.cli.output import Output
+
+        root = click.get_current_context().find_root()
+        if not isinstance(root.obj, Output):
+            root.obj = Output()
+        return function(root.obj, *args, **kwargs)
+
+    return update_wrapper(run, function)  # type: ignore[return-value]
+
+
+class KeyValue(click.ParamType[tuple[str, str]]):
     """``KEY=VALUE`` of ``--setting`` and ``--extension``."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value
+
+    name = "KEY=VALUE"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return (str(value[0]), str(value[1]))
+        key, sep, text = str(value).partition("=")
+        if not sep or not key.strip():
+            self.fail(f"expected KEY=VALUE, got {value!r}", param, ctx)
+        return key.strip(), text
+
+
+KEY_VALUE = KeyValue()
+POSITIVE_INT = click.IntRange(min=1)
+POSITIVE_FLOAT = click.FloatRange(min=0, min_open=True)
+NON_NEGATIVE_FLOAT = click.FloatRange(min=0)
 
 
 def number_or_text(value: str) -> Any:
@@ -60,26 +122,6 @@ def number_or_text(value: str) -> Any:
     except ValueError:
         return value
     return parsed if isinstance(parsed, int | float) and not isinstance(parsed, bool) else value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def read_bytes(path: str) -> bytes:
@@ -102,3 +144,16 @@ def parse_json(text: str | bytes, what: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise InvalidArgument(f"{what} is not valid JSON: {exc}") from exc
+
+
+def iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    """An option's ISO 8601 time (``2026-11-24``, ``2026-11-24T09:00:00+01:00``), read as
+    :meth:`datetime.fromisoformat` reads it."""
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not an ISO 8601 time (e.g. 2026-11-24T09:00:00+00:00)"
+        ) from None

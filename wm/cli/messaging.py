@@ -1,243 +1,300 @@
-"""``wm publish``, ``wm subscribe``/``unsubscribe``/``subscriptions`` and ``wm tail``."""
+"""``wm publish`` (one event or a file of them), ``wm tail`` and the plain subscriptions."""
 
 from __future__ import annotations
 
-import argparse
+import json
 import logging
-import secrets
-import signal
 import time
-from types import FrameType
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import click
+
 from wm.cli.arguments import (
+    KEY_VALUE,
+    Command,
     UsageError,
-    add_command,
-    key_value,
     parse_json,
-    positive_float,
-    positive_int,
+    pass_output,
     read_bytes,
     read_json,
 )
-from wm.cli.output import Context
-from wm.dataplane.app import broker_errors
-from wm.dataplane.queues import subscription_queue
-from wm.errors import EventDecodeError
-from wm.events import CloudEvent, decode, encode, event_to_dict, make_event
+from wm.cli.output import Output, labelled
+from wm.errors import InvalidArgument, WorkManagerError
 
 if TYPE_CHECKING:
-    from wm.cli.arguments import Commands
+    from wm.events import CloudEvent
 
 logger = logging.getLogger(__name__)
-#: How long one wait for a message lasts while tailing, in seconds (bounds Ctrl-C latency).
-TAIL_POLL_S = 1.0
-#: Flags that build an event, which ``--event-file`` replaces.
-_EVENT_FLAGS = ("type", "source", "subject", "data", "data_file", "id", "correlation_id")
-#: Attributes of the one-line human form of ``wm tail``.
-_TAIL_COLUMNS = ("time", "type", "id", "subject", "correlationid")
+#: Options that build one event, which ``--event-file`` and ``--events-file`` replace.
+_EVENT_FLAGS = {
+    "type": "--type",
+    "source": "--source",
+    "subject": "--subject",
+    "data": "--data",
+    "data_file": "--data-file",
+    "id": "--id",
+    "correlation_id": "--correlation-id",
+    "extensions": "--extension",
+}
+
+# -- publish ----------------------------------------------------------------------------------
 
 
-def register(commands: Commands, common: argparse.ArgumentParser) -> None:
-    _publish_parser(commands, common)
-    subscribe = add_command(
-        commands,
-        "subscribe",
-        subscribe_topic,
-        common,
-        "feed a topic into a named durable queue any kombu client can read",
-    )
-    subscribe.add_argument("topic")
-    subscribe.add_argument("name")
-    unsubscribe = add_command(
-        commands,
-        "unsubscribe",
-        unsubscribe_topic,
-        common,
-        "remove a plain subscription and its queue",
-    )
-    unsubscribe.add_argument("topic")
-    unsubscribe.add_argument("name")
-    unsubscribe.add_argument(
-        "--keep-queue", action="store_true", help="keep the queue and what it holds"
-    )
-    listing = add_command(
-        commands,
-        "subscriptions",
-        list_subscriptions,
-        common,
-        "list subscriptions (workers and plain) with their queue depth",
-    )
-    listing.add_argument("--topic")
-    tail = add_command(
-        commands, "tail", tail_topic, common, "print a topic's events as they arrive (Ctrl-C stops)"
-    )
-    tail.add_argument("topic")
-    tail.add_argument("--count", type=positive_int, help="stop after this many events")
-    tail.add_argument(
-        "--timeout-s", type=positive_float, help="stop when no event arrived for this long"
-    )
+@click.command(cls=Command)
+@click.option(
+    "--event-file",
+    metavar="PATH",
+    help="One structured-mode CloudEvent JSON file; - reads standard input.",
+)
+@click.option(
+    "--events-file",
+    metavar="PATH",
+    help="Many events: JSON Lines (one structured-mode CloudEvent per line) or one JSON array; "
+    "- reads standard input. The whole file is checked first: one bad event and nothing is sent.",
+)
+@click.option("--type", help="Event type (also the default topic).")
+@click.option("--source", help="Event source, e.g. /my/app.")
+@click.option("--subject", help="Event subject.")
+@click.option("--data", metavar="JSON", help="Event data as JSON text.")
+@click.option(
+    "--data-file", metavar="PATH", help="Event data from a JSON file; - reads standard input."
+)
+@click.option("--topic", help="Topic to publish to. Default: each event's type.")
+@click.option("--id", help="Event id. Default: a new UUID.")
+@click.option("--correlation-id", help="Sets the correlationid extension.")
+@click.option(
+    "--extension",
+    "extensions",
+    multiple=True,
+    type=KEY_VALUE,
+    help="An extension attribute (repeatable).",
+)
+@pass_output
+def publish(
+    out: Output, event_file: str | None, events_file: str | None, topic: str | None, **flags: Any
+) -> int:
+    """Publish a CloudEvent (or a file of them) to a topic.
 
+    One event: build it with --type and --source (and the other event options) or read it
+    with --event-file. Many: --events-file; every event goes to --topic, or else to its own
+    type. A line that is not a valid CloudEvent is reported by its number before anything is
+    published, so a file is never half sent.
+    """
+    if event_file is not None and events_file is not None:
+        raise UsageError("give --event-file (one event) or --events-file (many), not both")
+    if events_file is not None:
+        _refuse_event_flags("--events-file", flags)
+        return _publish_many(out, _read_events(events_file, topic))
+    if event_file is not None:
+        _refuse_event_flags("--event-file", flags)
+        from wm.events import decode
 
-def _publish_parser(commands: Commands, common: argparse.ArgumentParser) -> None:
-    publish = add_command(
-        commands, "publish", publish_event, common, "publish a CloudEvent to a topic"
-    )
-    publish.add_argument(
-        "--event-file",
-        metavar="PATH",
-        help="a structured-mode CloudEvent JSON file; - reads standard input",
-    )
-    publish.add_argument("--type", help="event type (also the default topic)")
-    publish.add_argument("--source", help="event source, e.g. /my/app")
-    publish.add_argument("--subject")
-    data = publish.add_mutually_exclusive_group()
-    data.add_argument("--data", metavar="JSON", help="event data as JSON text")
-    data.add_argument("--data-file", metavar="PATH", help="event data from a JSON file")
-    publish.add_argument("--topic", help="default: the event type")
-    publish.add_argument("--id", help="default: a new UUID")
-    publish.add_argument("--correlation-id", help="sets the correlationid extension")
-    publish.add_argument(
-        "--extension",
-        action="append",
-        type=key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="an extension attribute",
-    )
-
-
-def publish_event(ctx: Context, args: argparse.Namespace) -> int:
-    event = _event_from_file(args) if args.event_file else _event_from_flags(args)
-    topic = args.topic or event.get_type()
-    reached = ctx.manager.publish(event, topic)
-    if ctx.as_json:
-        ctx.json({"id": event.get_id(), "topic": topic, "reached": reached})
-    elif reached:
-        ctx.line(f"published {event.get_id()} to {topic}: reached {reached} subscription(s)")
+        event = decode(read_bytes(event_file))
     else:
-        ctx.line(
+        event = _event_from_flags(**flags)
+    _publish_one(out, event, topic or event.get_type())
+    return 0
+
+
+def _refuse_event_flags(file_option: str, flags: dict[str, Any]) -> None:
+    given = [option for name, option in _EVENT_FLAGS.items() if flags[name] not in (None, ())]
+    if given:
+        raise UsageError(f"{file_option} holds the whole event; drop {', '.join(given)}")
+
+
+def _event_from_flags(
+    *,
+    type: str | None,
+    source: str | None,
+    subject: str | None,
+    data: str | None,
+    data_file: str | None,
+    id: str | None,
+    correlation_id: str | None,
+    extensions: tuple[tuple[str, str], ...],
+) -> CloudEvent:
+    from wm.events import make_event
+
+    if not type or not source:
+        raise UsageError("give --type and --source, or --event-file, or --events-file")
+    if data is not None and data_file is not None:
+        raise UsageError("give the data with --data or --data-file, not both")
+    value: Any = None
+    if data is not None:
+        value = parse_json(data, "--data")
+    elif data_file is not None:
+        value = read_json(data_file, "--data-file")
+    attributes = dict(extensions)
+    if correlation_id:
+        attributes["correlationid"] = correlation_id
+    return make_event(type, source, value, id=id, subject=subject, extensions=attributes)
+
+
+def _publish_one(out: Output, event: CloudEvent, topic: str) -> None:
+    reached = out.manager.publish(event, topic)
+    if out.as_json:
+        out.json({"id": event.get_id(), "topic": topic, "reached": reached})
+    elif reached:
+        out.line(f"published {event.get_id()} to {topic}: reached {reached} subscription(s)")
+    else:
+        out.line(
             f"published {event.get_id()} to {topic}: reached 0 subscriptions "
             "(dropped: topic has no subscriber)"
         )
+
+
+def _read_events(path: str, topic: str | None) -> list[tuple[CloudEvent, str]]:
+    """Every event of the file with the topic it goes to, all checked before any is sent."""
+    where = "standard input" if path == "-" else path
+    try:
+        text = read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{where} is not UTF-8 text: {exc}") from exc
+    if text.lstrip().startswith("["):
+        items = parse_json(text, where)
+        if not isinstance(items, list):
+            raise InvalidArgument(f"{where} is not one JSON array of CloudEvents")
+        numbered = [(f"{where} item {n}", json.dumps(item)) for n, item in enumerate(items, 1)]
+    else:
+        lines = enumerate(text.splitlines(), 1)
+        numbered = [(f"{where} line {n}", line) for n, line in lines if line.strip()]
+    return [_checked(what, raw, topic) for what, raw in numbered]
+
+
+def _checked(what: str, raw: str, topic: str | None) -> tuple[CloudEvent, str]:
+    from wm.events import decode
+    from wm.names import check_name
+
+    try:
+        event = decode(raw)
+        return event, check_name("topic", topic or event.get_type())
+    except WorkManagerError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from exc
+
+
+@dataclass
+class _Tally:
+    """What a bulk publish did, for its summary."""
+
+    published: int = 0
+    reached: int = 0
+    dropped: int = 0
+    topics: Counter[str] = field(default_factory=Counter)
+    elapsed_s: float = 0.0
+
+    def add(self, topic: str, reached: int) -> None:
+        self.published += 1
+        self.reached += reached
+        self.dropped += reached == 0
+        self.topics[topic] += 1
+
+    @property
+    def per_s(self) -> float:
+        return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def _publish_many(out: Output, events: list[tuple[CloudEvent, str]]) -> int:
+    tally = _Tally()
+    started = time.monotonic()
+    with out.progress("publishing", len(events)) as advance:
+        for event, topic in events:
+            try:
+                reached = out.manager.publish(event, topic)
+            except WorkManagerError as exc:
+                raise WorkManagerError(f"{exc} ({_sent(tally, events)})") from exc
+            except KeyboardInterrupt:
+                out.note(f"interrupted: {_sent(tally, events)}")
+                raise
+            tally.add(topic, reached)
+            advance(1)
+    tally.elapsed_s = time.monotonic() - started
+    _print_tally(out, tally)
     return 0
 
 
-def _event_from_file(args: argparse.Namespace) -> CloudEvent:
-    given = [
-        f"--{name.replace('_', '-')}" for name in _EVENT_FLAGS if getattr(args, name) is not None
-    ]
-    if args.extension:
-        given.append("--extension")
-    if given:
-        raise UsageError(f"--event-file holds the whole event; drop {', '.join(given)}")
-    return decode(read_bytes(args.event_file))
+def _sent(tally: _Tally, events: list[Any]) -> str:
+    return f"{tally.published} of {len(events)} events were published, the rest were not"
 
 
-def _event_from_flags(args: argparse.Namespace) -> CloudEvent:
-    if not args.type or not args.source:
-        raise UsageError("give --type and --source, or --event-file")
-    data: Any = None
-    if args.data is not None:
-        data = parse_json(args.data, "--data")
-    elif args.data_file is not None:
-        data = read_json(args.data_file, "--data-file")
-    extensions = dict(args.extension)
-    if args.correlation_id:
-        extensions["correlationid"] = args.correlation_id
-    return make_event(
-        args.type, args.source, data, id=args.id, subject=args.subject, extensions=extensions
+def _print_tally(out: Output, tally: _Tally) -> None:
+    if out.as_json:
+        out.json(
+            {
+                "published": tally.published,
+                "reached": tally.reached,
+                "dropped": tally.dropped,
+                "topics": dict(tally.topics),
+                "elapsed_s": round(tally.elapsed_s, 3),
+                "events_per_s": round(tally.per_s, 1),
+            }
+        )
+        return
+    events = "event" if tally.published == 1 else "events"
+    text = (
+        f"published {tally.published} {events} to {len(tally.topics)} topic(s), reached "
+        f"{tally.reached} subscription(s), in {tally.elapsed_s:.2f} s ({tally.per_s:.0f}/s)"
     )
+    if tally.dropped:
+        text += f"; {tally.dropped} dropped: their topic has no subscriber"
+    out.line(text)
 
 
-def subscribe_topic(ctx: Context, args: argparse.Namespace) -> int:
-    queue = ctx.manager.subscribe(args.topic, args.name)
-    if ctx.as_json:
-        ctx.json({"topic": args.topic, "name": args.name, "queue": queue})
+# -- subscriptions ----------------------------------------------------------------------------
+
+
+@click.command(cls=Command)
+@click.argument("topic")
+@click.argument("name")
+@pass_output
+def subscribe(out: Output, topic: str, name: str) -> int:
+    """Feed a topic into a named durable queue any kombu client can read."""
+    queue = out.manager.subscribe(topic, name)
+    if out.as_json:
+        out.json({"topic": topic, "name": name, "queue": queue})
     else:
-        ctx.line(f"subscribed: topic {args.topic} feeds queue {queue}")
+        out.line(f"subscribed: topic {topic} feeds queue {queue}")
     return 0
 
 
-def unsubscribe_topic(ctx: Context, args: argparse.Namespace) -> int:
-    ctx.manager.unsubscribe(args.topic, args.name, delete_queue=not args.keep_queue)
-    if ctx.as_json:
-        ctx.json({"topic": args.topic, "name": args.name, "queue_deleted": not args.keep_queue})
+@click.command(cls=Command)
+@click.argument("topic")
+@click.argument("name")
+@click.option("--keep-queue", is_flag=True, help="Keep the queue and what it holds.")
+@pass_output
+def unsubscribe(out: Output, topic: str, name: str, keep_queue: bool) -> int:
+    """Remove a plain subscription and its queue."""
+    out.manager.unsubscribe(topic, name, delete_queue=not keep_queue)
+    if out.as_json:
+        out.json({"topic": topic, "name": name, "queue_deleted": not keep_queue})
     else:
-        ctx.line(f"unsubscribed {args.name} from topic {args.topic}")
+        out.line(f"unsubscribed {name} from topic {topic}")
     return 0
 
 
-def list_subscriptions(ctx: Context, args: argparse.Namespace) -> int:
-    found = ctx.manager.list_subscriptions(args.topic)
-    if ctx.as_json:
-        ctx.json(found)
+@click.command(cls=Command)
+@click.option("--topic", help="Only subscriptions of this topic.")
+@pass_output
+def subscriptions(out: Output, topic: str | None) -> int:
+    """List subscriptions (workers' and plain) with their queue depth."""
+    found = out.manager.list_subscriptions(topic)
+    if out.as_json:
+        out.json(found)
         return 0
-    ctx.table(
+    names = out.manager.worker_names(s["worker_id"] for s in found)
+    out.table(
         ["TOPIC", "QUEUE", "WORKER", "DEPTH"],
-        ([s["topic"], s["queue"], s["worker_id"], s["depth"]] for s in found),
+        (
+            [
+                s["topic"],
+                s["queue"],
+                labelled(s["worker_id"], names.get(s["worker_id"])),
+                s["depth"],
+            ]
+            for s in found
+        ),
         empty="no subscriptions",
+        wrap=("QUEUE",),
     )
     return 0
-
-
-def tail_topic(ctx: Context, args: argparse.Namespace) -> int:
-    """Read a topic through a temporary subscription, removed again however tail ends."""
-    name = f"tail-{secrets.token_hex(4)}"
-    queue = ctx.manager.subscribe(args.topic, name)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        _consume(ctx, queue, args.count, args.timeout_s)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        ctx.manager.unsubscribe(args.topic, name)
-    return 0
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-def _consume(ctx: Context, queue: str, count: int | None, timeout_s: float | None) -> None:
-    seen = 0
-    # A kombu Connection to WM_BROKER_URL with the transport options publishers use.
-    with broker_errors(ctx.settings), ctx.manager.bus.app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(subscription_queue(queue))
-        try:
-            while count is None or seen < count:
-                message = _next_message(simple, timeout_s)
-                if message is None:
-                    return
-                _print_event(ctx, message.body)
-                message.ack()
-                seen += 1
-        finally:
-            simple.close()
-
-
-def _next_message(simple: Any, timeout_s: float | None) -> Any:
-    """The next message, or None once ``timeout_s`` passed without one (None: wait forever)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        wait = TAIL_POLL_S if deadline is None else min(TAIL_POLL_S, deadline - time.monotonic())
-        if wait <= 0:
-            return None
-        try:
-            return simple.get(block=True, timeout=wait)
-        except simple.Empty:
-            continue
-
-
-def _print_event(ctx: Context, body: str | bytes) -> None:
-    try:
-        event = decode(body)
-    except EventDecodeError as exc:
-        logger.warning("skipped a message that is not a CloudEvent: %s", exc)
-        return
-    if ctx.as_json:
-        ctx.line(encode(event))
-        return
-    wire = event_to_dict(event)
-    ctx.line("  ".join(str(wire.get(key) or "-") for key in _TAIL_COLUMNS))

@@ -1,46 +1,110 @@
-"""What a handler works with: the settings, the API objects, and output in the chosen format --
-aligned tables and ``key: value`` blocks for people, JSON for scripts."""
+"""What a command works with: the settings, the API objects, and output in the chosen format.
+
+For people: rich tables that fit the terminal and wrap long cells, ``key: value`` blocks,
+progress bars on a terminal, colour only on a terminal (and never with ``NO_COLOR``). For
+scripts (``--json``): JSON with the Python API's fields, times in RFC 3339 with their zone,
+nested JSON as JSON. The API objects and rich are imported on first use, so a command that
+fails early, or prints help, starts fast.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import sys
-from collections.abc import Iterable, Sequence
-from datetime import datetime
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import UTC, datetime
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wm.config import Settings
-from wm.dataplane.deadletters import DeadLetters
-from wm.manager import WorkManager
+if TYPE_CHECKING:
+    from rich.console import Console
 
-#: Widest a table cell is printed, in characters (a SHA-256 fits); ``--json`` shows all.
-MAX_CELL_CHARS = 64
-#: Spaces between table columns.
+    from wm.config import Settings
+    from wm.dataplane.deadletters import DeadLetters
+    from wm.manager import WorkManager
+
+#: Width a table is laid out to when standard output is not a terminal and ``COLUMNS`` is
+#: unset: wide enough that every row stays on one line for ``grep`` and ``awk``.
+PIPE_WIDTH = 1000
+#: Narrowest an identifier column gets on a small terminal: a short id (12 characters) stays whole.
+MIN_ID_CHARS = 12
+#: Narrowest a column of free text (an error, a reason) gets, and any other column.
+MIN_WRAP_CHARS = 16
+MIN_CELL_CHARS = 6
+#: Spaces between two table columns (rich's padding, one on each side), plus one for the
+#: invisible column rule of a table with a header rule.
 COLUMN_GAP = 2
+#: Spaces at the end of a line, before any closing ANSI style codes.
+_TRAILING_SPACE = re.compile(r" +((?:\x1b\[[0-9;]*m)*)$")
 
 
-class Context:
-    """Built once per command, after the settings loaded; API objects are made on first use."""
+class Output:
+    """Made once per command run; the settings and API objects are made on first use."""
 
-    def __init__(self, settings: Settings, *, as_json: bool) -> None:
-        self.settings = settings
+    def __init__(self, *, as_json: bool = False, settings: Settings | None = None) -> None:
         self.as_json = as_json
+        if settings is not None:
+            self.settings = settings
+
+    @cached_property
+    def settings(self) -> Settings:
+        from wm.config import Settings
+
+        return Settings.from_env()
 
     @cached_property
     def manager(self) -> WorkManager:
+        from wm.manager import WorkManager
+
         return WorkManager(self.settings, actor="cli")
 
     @cached_property
     def dead_letters(self) -> DeadLetters:
+        from wm.dataplane.deadletters import DeadLetters
+
         return DeadLetters(self.settings, self.manager.bus)
 
+    # -- consoles ----------------------------------------------------------------------------
+
+    @cached_property
+    def console(self) -> Console:
+        from rich.console import Console
+
+        tty = sys.stdout.isatty()
+        width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+        return Console(width=width, highlight=False, soft_wrap=False, emoji=False)
+
+    @cached_property
+    def err_console(self) -> Console:
+        from rich.console import Console
+
+        return Console(stderr=True, highlight=False, emoji=False)
+
+    @property
+    def interactive(self) -> bool:
+        """Progress and live views only for a person at a terminal, not with ``--json``."""
+        return not self.as_json and sys.stderr.isatty()
+
+    # -- output ------------------------------------------------------------------------------
+
     def json(self, value: Any) -> None:
-        self.line(json.dumps(value, indent=2))
+        self.line(json.dumps(value, indent=2, default=jsonable, ensure_ascii=False))
+
+    def json_line(self, value: Any) -> None:
+        """One compact JSON document per line (``wm tail --json``)."""
+        self.line(json.dumps(value, default=jsonable, ensure_ascii=False))
 
     def line(self, text: str = "") -> None:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
+
+    def note(self, text: str) -> None:
+        """A remark for the person, on standard error: never mixed into the output."""
+        self.err_console.print(text, style="dim", markup=False)
 
     def raw(self, data: bytes) -> None:
         sys.stdout.flush()
@@ -53,37 +117,157 @@ class Context:
         rows: Iterable[Sequence[Any]],
         *,
         empty: str,
-        limit: int = MAX_CELL_CHARS,
+        wrap: Sequence[str] = (),
     ) -> None:
-        """Columns aligned to their widest cell, each cut at ``limit`` but the last (free text);
-        ``empty`` is printed instead of no rows."""
-        cells = [
-            [*(cell(v, limit=limit) for v in row[:-1]), cell(row[-1], limit=None)] for row in rows
-        ]
+        """A table as wide as the terminal: the columns in ``wrap`` (and the last one) wrap
+        their long cells, the others keep one line and are cut with ``…`` only when the
+        terminal is too narrow. ``empty`` is printed instead of no rows."""
+        from rich import box
+        from rich.table import Table
+
+        cells = [[cell(value) for value in row] for row in rows]
         if not cells:
             self.line(empty)
             return
-        lines = [list(headers), *cells]
-        widths = [max(map(len, column)) + COLUMN_GAP for column in zip(*lines, strict=True)]
-        for row in lines:
-            self.line("".join(text.ljust(w) for text, w in zip(row, widths, strict=True)).rstrip())
+        wraps = [header in wrap or i == len(headers) - 1 for i, header in enumerate(headers)]
+        # A rule under the header on a terminal; plain columns for grep and awk.
+        boxed = self.console.is_terminal
+        widths = column_widths(
+            [max(len(text) for text in column) for column in zip(headers, *cells, strict=True)],
+            [_floor(header, wrapping) for header, wrapping in zip(headers, wraps, strict=True)],
+            wraps,
+            self.console.width - (COLUMN_GAP + boxed) * (len(headers) - 1),
+        ) or [None] * len(headers)
+        table = Table(
+            box=box.SIMPLE_HEAD if boxed else None,
+            show_edge=False,
+            pad_edge=False,
+            header_style="bold",
+        )
+        for header, wrapping, width in zip(headers, wraps, widths, strict=True):
+            table.add_column(
+                header,
+                width=width,
+                no_wrap=not wrapping,
+                overflow="fold" if wrapping else "ellipsis",
+            )
+        for row in cells:
+            table.add_row(*row)
+        self.show(table)
 
     def fields(self, pairs: Sequence[tuple[str, Any]]) -> None:
-        """One ``key: value`` line per pair, values aligned."""
-        width = max(len(key) for key, _ in pairs) + 1
+        """One ``key: value`` line per pair, values aligned and wrapped; nested values as JSON."""
+        from rich.table import Table
+
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(style="bold", no_wrap=True)
+        grid.add_column(overflow="fold")
         for key, value in pairs:
-            shown = json.dumps(value) if isinstance(value, dict | list) else cell(value, limit=None)
-            self.line(f"{key + ':':<{width}} {shown}")
+            shown = json.dumps(value, default=jsonable) if isinstance(value, dict | list) else value
+            grid.add_row(f"{key}:", cell(shown))
+        self.show(grid)
+
+    def show(self, renderable: Any) -> None:
+        """Print a rich renderable without the spaces rich pads lines to its full width."""
+        with self.console.capture() as captured:
+            self.console.print(renderable)
+        for text in captured.get().splitlines():
+            self.line(_TRAILING_SPACE.sub(r"\1", text))
+
+    @contextlib.contextmanager
+    def progress(self, what: str, total: int | None) -> Iterator[Callable[[int], None]]:
+        """A progress bar on standard error at a terminal (nothing otherwise); yields the
+        function that advances it."""
+        if not self.interactive:
+            yield lambda advance: None
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.err_console,
+            transient=False,
+        ) as bar:
+            task = bar.add_task(what, total=total)
+            yield lambda advance: bar.advance(task, advance)
 
 
-def cell(value: Any, *, limit: int | None = MAX_CELL_CHARS) -> str:
-    """A value as a table cell: ``-`` for nothing, times to the second, long text cut."""
+def _floor(header: str, wrapping: bool) -> int:
+    """The narrowest a column gets when the terminal is too narrow for every column whole."""
+    if wrapping:
+        return MIN_WRAP_CHARS
+    return max(len(header), MIN_ID_CHARS if header.endswith("ID") else MIN_CELL_CHARS)
+
+
+def column_widths(
+    natural: Sequence[int], floors: Sequence[int], wraps: Sequence[bool], room: int
+) -> list[int | None] | None:
+    """Each column's width in ``room``: its widest cell when they all fit. Otherwise each
+    starts at its floor, the columns that keep one line (ids, names, states) grow first to
+    their widest cell, and what is left goes to the wrapping ones in proportion to what they
+    lack. None when not even the floors fit (rich then squeezes the table as best it can).
+
+    rich's own layout shrinks the wrapping columns first, to nothing if need be: the error
+    text an operator looks for would vanish before an id is cut.
+    """
+    if sum(natural) <= room:
+        return [None] * len(natural)
+    widths = [min(f, n) for f, n in zip(floors, natural, strict=True)]
+    spare = room - sum(widths)
+    if spare < 0:
+        return None
+    for wrapping in (False, True):
+        wanted = [
+            n - w if wrap == wrapping else 0
+            for n, w, wrap in zip(natural, widths, wraps, strict=True)
+        ]
+        total = sum(wanted)
+        if not total:
+            continue
+        given = [want * min(spare, total) // total for want in wanted]
+        widths = [w + g for w, g in zip(widths, given, strict=True)]
+        spare -= sum(given)
+    return list(widths)
+
+
+def cell(value: Any) -> str:
+    """A value as a table cell: ``-`` for nothing, times in UTC to the second."""
     if value is None or value == "":
-        text = "-"
-    elif isinstance(value, datetime):
-        text = value.strftime("%Y-%m-%d %H:%M:%S")
-    else:
-        text = str(value)
-    if limit is not None and len(text) > limit:
-        text = text[: limit - 1] + "…"
-    return text
+        return "-"
+    if isinstance(value, datetime):
+        return aware(value).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return str(value)
+
+
+def aware(at: datetime) -> datetime:
+    """A datetime with its zone; a naive one (SQLite hands those back) is UTC."""
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
+
+
+def jsonable(value: Any) -> Any:
+    """``json.dumps``' fallback: times in RFC 3339 with their zone, ids as text."""
+    if isinstance(value, datetime):
+        return aware(value).isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def labelled(identifier: Any, name: str | None) -> str:
+    """``name (3f2a…)`` when a name is known, else the id itself: how tables show a worker."""
+    if identifier is None:
+        return "-"
+    return f"{name} ({identifier})" if name else str(identifier)

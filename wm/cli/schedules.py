@@ -2,104 +2,158 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from wm.cli.arguments import UsageError, add_command, add_group, positive_float, positive_int
-from wm.cli.output import Context
-from wm.manager import DEFAULT_MAX_CATCH_UP
-from wm.schedules import MISSED
+import click
+
+from wm.cli.arguments import (
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Group,
+    UsageError,
+    iso_time,
+    pass_output,
+)
+from wm.cli.output import Output, cell, labelled
 
 if TYPE_CHECKING:
-    from wm.cli.arguments import Commands
+    from wm.views import ScheduleInfo
+
+#: ``wm.schedules.MISSED`` and ``wm.manager.DEFAULT_MAX_CATCH_UP``, repeated here because
+#: importing them would load croniter and the database layer for every ``wm`` command and for
+#: completion; tests/test_cli_admin.py checks that they agree.
+MISSED = ("skip", "catch_up")
+DEFAULT_MAX_CATCH_UP = 10
 
 
-def register(commands: Commands, common: argparse.ArgumentParser) -> None:
-    schedules = add_group(
-        commands, "schedule", common, "send events to a worker on a schedule (celery beat)"
-    )
-    add = add_command(
-        schedules, "add", add_schedule, common, "add a cron or interval schedule to a worker"
-    )
-    add.add_argument("worker", help="worker id, or the name of a live worker")
-    when = add.add_mutually_exclusive_group(required=True)
-    when.add_argument("--cron", metavar="EXPR", help="e.g. '0 9 * * 1-5' (five fields)")
-    when.add_argument(
-        "--every", type=positive_float, metavar="SECONDS", help="fire every SECONDS seconds"
-    )
-    add.add_argument("--tz", default="UTC", help="IANA time zone of --cron (default UTC)")
-    add.add_argument("--type", required=True, help="type of the event each firing sends")
-    add.add_argument("--data", metavar="JSON", help="the event's data, as JSON")
-    add.add_argument(
-        "--missed",
-        choices=MISSED,
-        default="skip",
-        help="firings missed while no beat ran: send only the latest (skip, default) or "
-        "the latest --max-catch-up of them (catch_up)",
-    )
-    add.add_argument("--max-catch-up", type=positive_int, default=DEFAULT_MAX_CATCH_UP)
-    add.add_argument(
-        "--until", type=datetime.fromisoformat, metavar="TIME", help="ISO 8601 with a zone"
-    )
-    listing = add_command(schedules, "list", list_schedules, common, "list schedules")
-    listing.add_argument("--worker", help="only this worker's")
-    remove = add_command(schedules, "remove", remove_schedule, common, "remove a schedule")
-    remove.add_argument("id")
+@click.group(cls=Group)
+def schedule() -> None:
+    """Send events to a worker on a schedule (celery beat).
+
+    WORKER: a worker's id, a unique prefix of it (6+ characters), or a live worker's name.
+    """
 
 
-def add_schedule(ctx: Context, args: argparse.Namespace) -> int:
+@schedule.command("add")
+@click.argument("worker_ref", metavar="WORKER")
+@click.option("--cron", metavar="EXPR", help="Five cron fields, e.g. '0 9 * * 1-5'.")
+@click.option("--every", type=POSITIVE_FLOAT, metavar="SECONDS", help="Fire every SECONDS.")
+@click.option("--tz", default="UTC", metavar="ZONE", help="IANA time zone of --cron.")
+@click.option(
+    "--type",
+    "event_type",
+    required=True,
+    metavar="TYPE",
+    help="Type of the event each firing sends.",
+)
+@click.option("--data", metavar="JSON", help="The event's data, as JSON.")
+@click.option(
+    "--missed",
+    type=click.Choice(MISSED),
+    default="skip",
+    help="Firings missed while no beat ran: send only the latest (skip) or the latest "
+    "--max-catch-up of them (catch_up).",
+)
+@click.option(
+    "--max-catch-up",
+    type=POSITIVE_INT,
+    default=DEFAULT_MAX_CATCH_UP,
+    metavar="N",
+    help="With --missed catch_up: most missed firings sent.",
+)
+@click.option(
+    "--until", metavar="TIME", callback=iso_time, help="Last firing time, ISO 8601 with a zone."
+)
+@pass_output
+def add_schedule(
+    out: Output,
+    worker_ref: str,
+    cron: str | None,
+    every: float | None,
+    tz: str,
+    event_type: str,
+    data: str | None,
+    missed: str,
+    max_catch_up: int,
+    until: datetime | None,
+) -> int:
+    """Add a cron or an interval schedule (exactly one of --cron, --every) to a worker."""
+    if (cron is None) == (every is None):
+        raise UsageError("give exactly one of --cron, --every")
+    info = out.manager.add_schedule(
+        worker_ref,
+        event_type=event_type,
+        cron=cron,
+        every_s=every,
+        timezone=tz,
+        data=_data(data),
+        missed=missed,
+        max_catch_up=max_catch_up,
+        until=until,
+    )
+    if out.as_json:
+        out.json(info.to_json())
+        return 0
+    names = out.manager.worker_names([info.worker_id])
+    worker = labelled(info.worker_id, names.get(str(info.worker_id)))
+    out.line(f"schedule {info.id} for worker {worker}: next firing {_time(info.next_fire_at)}")
+    return 0
+
+
+def _data(text: str | None) -> Any:
+    if text is None:
+        return None
     try:
-        data = json.loads(args.data) if args.data is not None else None
+        return json.loads(text)
     except ValueError as exc:
         raise UsageError(f"--data is not JSON: {exc}") from None
-    info = ctx.manager.add_schedule(
-        args.worker,
-        event_type=args.type,
-        cron=args.cron,
-        every_s=args.every,
-        timezone=args.tz,
-        data=data,
-        missed=args.missed,
-        max_catch_up=args.max_catch_up,
-        until=args.until,
-    )
-    if ctx.as_json:
-        ctx.json(info.to_json())
-    else:
-        ctx.line(f"schedule {info.id}: next firing {info.next_fire_at}")
-    return 0
 
 
-def list_schedules(ctx: Context, args: argparse.Namespace) -> int:
-    found = ctx.manager.list_schedules(args.worker)
-    if ctx.as_json:
-        ctx.json([s.to_json() for s in found])
+def _time(at: datetime | None) -> str:
+    return "none (--until has passed)" if at is None else cell(at)
+
+
+@schedule.command("list")
+@click.option("--worker", "worker_ref", metavar="WORKER", help="Only this worker's schedules.")
+@pass_output
+def list_schedules(out: Output, worker_ref: str | None) -> int:
+    """List the schedules of live workers, oldest first."""
+    found = out.manager.list_schedules(worker_ref)
+    if out.as_json:
+        out.json([s.to_json() for s in found])
         return 0
-    ctx.table(
+    names = out.manager.worker_names([s.worker_id for s in found])
+    out.table(
         ["ID", "WORKER", "WHEN", "TYPE", "MISSED", "LAST", "NEXT"],
-        (
-            [
-                s.id,
-                s.worker_id,
-                f"cron {s.cron} ({s.timezone})" if s.cron else f"every {s.every_s:g} s",
-                s.event_type,
-                s.missed,
-                s.last_fired_at,
-                s.next_fire_at,
-            ]
-            for s in found
-        ),
+        (_row(s, names) for s in found),
         empty="no schedules",
+        wrap=("WORKER", "WHEN"),
     )
     return 0
 
 
-def remove_schedule(ctx: Context, args: argparse.Namespace) -> int:
-    ctx.manager.remove_schedule(args.id)
-    if ctx.as_json:
-        ctx.json({"removed": args.id})
+def _row(s: ScheduleInfo, names: dict[str, str | None]) -> list[Any]:
+    return [
+        s.id,
+        labelled(s.worker_id, names.get(str(s.worker_id))),
+        f"cron {s.cron} ({s.timezone})" if s.cron else f"every {s.every_s:g} s",
+        s.event_type,
+        s.missed,
+        s.last_fired_at,
+        s.next_fire_at,
+    ]
+
+
+@schedule.command("remove")
+@click.argument("schedule_id", metavar="SCHEDULE")
+@pass_output
+def remove_schedule(out: Output, schedule_id: str) -> int:
+    """Remove a schedule (by id or a unique prefix); firings already sent stay queued."""
+    out.manager.remove_schedule(schedule_id)
+    if out.as_json:
+        out.json({"removed": schedule_id})
     else:
-        ctx.line(f"removed schedule {args.id}")
+        out.line(f"removed schedule {schedule_id}")
     return 0

@@ -2,166 +2,155 @@
 
 from __future__ import annotations
 
-import argparse
 import base64
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import click
 
 from wm.cli.arguments import (
-    add_command,
-    add_group,
-    key_value,
+    KEY_VALUE,
+    NON_NEGATIVE_FLOAT,
+    POSITIVE_INT,
+    Group,
     number_or_text,
-    positive_int,
+    pass_output,
     read_bytes,
 )
-from wm.cli.output import Context
-from wm.codesource import decode_base64
+from wm.cli.output import Output, cell
 from wm.lifecycle import Status
-from wm.views import WorkerInfo
 
 if TYPE_CHECKING:
-    from wm.cli.arguments import Commands
+    from wm.dataplane.workerdetails import DeliveryCounts, LastError, WorkerDetails
+    from wm.views import WorkerInfo
 
-_WORKER_HELP = "worker id, or the name of a live worker"
+
+@click.group(cls=Group)
+def worker() -> None:
+    """Create and operate workers.
+
+    WORKER: a worker's id, a unique prefix of it (6+ characters), or a live worker's name.
+    """
 
 
-def register(commands: Commands, common: argparse.ArgumentParser) -> None:
-    workers = add_group(commands, "worker", common, "create and operate workers")
-    _create_parser(workers, common)
-    listing = add_command(workers, "list", list_workers, common, "list workers (not deleted)")
-    listing.add_argument("--topic")
-    listing.add_argument("--group")
-    listing.add_argument("--status", choices=[str(s) for s in Status])
-    for name, handler, help in (
-        ("show", show, "show one worker"),
+def _code_options(function: Any) -> Any:
+    for option in reversed(
         (
-            "suspend",
-            suspend,
-            "pause consuming on every node; queue and loaded engines stay (idempotent)",
-        ),
-        ("resume", resume, "consume again what accumulated while suspended"),
-        ("delete", delete, "delete the worker and its queue; versions and history stay"),
-        ("history", history, "list the worker's code versions"),
-        ("transitions", transitions, "list the worker's state changes"),
+            click.option("--file", metavar="PATH", help="Code file; - reads standard input."),
+            click.option("--base64", "base64_text", metavar="TEXT", help="Code as base64."),
+            click.option("--url", help="Fetch the code (https, SSRF-guarded)."),
+            click.option("--sha256", metavar="HEX", help="Refuse code with another SHA-256."),
+        )
     ):
-        add_command(workers, name, handler, common, help).add_argument("worker", help=_WORKER_HELP)
-    starting = add_command(
-        workers, "start", start, common, "start consuming the worker's topic (idempotent)"
-    )
-    starting.add_argument("worker", help=_WORKER_HELP)
-    starting.add_argument(
-        "--delay",
-        type=float,
-        metavar="SECONDS",
-        help="start this much later: the worker is pending until then",
-    )
-    stopping = add_command(
-        workers,
-        "stop",
-        stop,
-        common,
-        "stop consuming, wait for deliveries in flight, unload the engine; the queue keeps "
-        "what arrives (idempotent)",
-    )
-    stopping.add_argument("worker", help=_WORKER_HELP)
-    stopping.add_argument(
-        "--grace",
-        type=float,
-        metavar="SECONDS",
-        help="wait this long for deliveries in flight, then kill the engine (status killed; "
-        "they run again on start); default: the worker's stop_grace_s, else 30",
-    )
-    update = add_command(
-        workers,
-        "update-code",
-        update_code,
-        common,
-        "add a code version and make it current (hot reload)",
-    )
-    update.add_argument("worker", help=_WORKER_HELP)
-    _code_source(update)
-    update.add_argument("--note", help="why this version exists")
-    rollback = add_command(
-        workers, "rollback", rollback_worker, common, "make an earlier code version current again"
-    )
-    rollback.add_argument("worker", help=_WORKER_HELP)
-    rollback.add_argument("version", type=positive_int)
-    code = add_command(workers, "code", show_code, common, "write a version's code to stdout")
-    code.add_argument("worker", help=_WORKER_HELP)
-    code.add_argument("--version", type=positive_int, help="default: the current version")
+        function = option(function)
+    return function
 
 
-def _create_parser(workers: Commands, common: argparse.ArgumentParser) -> None:
-    create = add_command(workers, "create", create_worker, common, "deploy code as a new worker")
-    create.add_argument("--topic", required=True, help="topic whose events the worker handles")
-    create.add_argument("--mime-type", required=True, help="selects the engine")
-    _code_source(create)
-    create.add_argument("--group", help="members of a group never run at the same time")
-    create.add_argument("--name", help="unique among live workers; usable instead of the id")
-    create.add_argument("--no-start", action="store_true", help="leave it in status created")
-    create.add_argument(
-        "--setting",
-        action="append",
-        type=key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="per-worker setting, e.g. timeout_s=5",
-    )
-
-
-def _code_source(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--file", metavar="PATH", help="code file; - reads standard input")
-    source.add_argument("--base64", metavar="TEXT", help="code as standard base64")
-    source.add_argument("--url", help="fetch the code (https, SSRF-guarded)")
-    parser.add_argument("--sha256", metavar="HEX", help="refuse code with another SHA-256")
-
-
-def _code(args: argparse.Namespace) -> bytes | None:
+def _code(file: str | None, base64_text: str | None, url: str | None) -> bytes | None:
     """Inline code from ``--file`` or ``--base64``; None when the code comes from ``--url``."""
-    if args.file is not None:
-        return read_bytes(args.file)
-    if args.base64 is not None:
-        return decode_base64(args.base64)
+    given = [
+        flag
+        for flag, value in (("--file", file), ("--base64", base64_text), ("--url", url))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise click.UsageError(
+            "give the code with exactly one of --file, --base64, --url"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    if file is not None:
+        return read_bytes(file)
+    if base64_text is not None:
+        from wm.codesource import decode_base64
+
+        return decode_base64(base64_text)
     return None
 
 
-def create_worker(ctx: Context, args: argparse.Namespace) -> int:
-    info = ctx.manager.create_worker(
-        code=_code(args),
-        url=args.url,
-        mime_type=args.mime_type,
-        topic=args.topic,
-        group=args.group,
-        name=args.name,
-        start=not args.no_start,
-        sha256=args.sha256,
-        settings={key: number_or_text(value) for key, value in args.setting},
+@worker.command("create")
+@click.option("--topic", required=True, help="Topic whose events the worker handles.")
+@click.option("--mime-type", required=True, help="Selects the engine, e.g. text/x-python.")
+@_code_options
+@click.option("--group", help="Members of a group never run at the same time.")
+@click.option("--name", help="Unique among live workers; usable instead of the id.")
+@click.option("--no-start", is_flag=True, help="Leave it in status created.")
+@click.option(
+    "--setting",
+    "settings",
+    multiple=True,
+    type=KEY_VALUE,
+    help="Per-worker setting, e.g. timeout_s=5 (repeatable).",
+)
+@pass_output
+def create_worker(
+    out: Output,
+    topic: str,
+    mime_type: str,
+    file: str | None,
+    base64_text: str | None,
+    url: str | None,
+    sha256: str | None,
+    group: str | None,
+    name: str | None,
+    no_start: bool,
+    settings: tuple[tuple[str, str], ...],
+) -> int:
+    """Deploy code as a new worker."""
+    info = out.manager.create_worker(
+        code=_code(file, base64_text, url),
+        url=url,
+        mime_type=mime_type,
+        topic=topic,
+        group=group,
+        name=name,
+        start=not no_start,
+        sha256=sha256,
+        settings={key: number_or_text(value) for key, value in settings},
     )
-    _print_worker(ctx, info)
+    _print_worker(out, info)
     return 0
 
 
-def update_code(ctx: Context, args: argparse.Namespace) -> int:
-    code = _code(args)
+@worker.command("update-code")
+@click.argument("worker_ref", metavar="WORKER")
+@_code_options
+@click.option("--note", help="Why this version exists.")
+@pass_output
+def update_code(
+    out: Output,
+    worker_ref: str,
+    file: str | None,
+    base64_text: str | None,
+    url: str | None,
+    sha256: str | None,
+    note: str | None,
+) -> int:
+    """Add a code version and make it current (hot reload)."""
+    code = _code(file, base64_text, url)
     if code is None:
-        info = ctx.manager.load_code_from_url(
-            args.worker, args.url, sha256=args.sha256, note=args.note
-        )
+        assert url is not None
+        info = out.manager.load_code_from_url(worker_ref, url, sha256=sha256, note=note)
     else:
-        info = ctx.manager.load_code_from_content(
-            args.worker, code, sha256=args.sha256, note=args.note
-        )
-    _print_summary(ctx, info)
+        info = out.manager.load_code_from_content(worker_ref, code, sha256=sha256, note=note)
+    _print_summary(out, info)
     return 0
 
 
-def list_workers(ctx: Context, args: argparse.Namespace) -> int:
-    found = ctx.manager.list_workers(topic=args.topic, group=args.group, status=args.status)
-    if ctx.as_json:
-        ctx.json([info.to_json() for info in found])
+@worker.command("list")
+@click.option("--topic", help="Only workers of this topic.")
+@click.option("--group", help="Only workers of this group.")
+@click.option(
+    "--status",
+    type=click.Choice([str(s) for s in Status]),
+    help="Only workers in this status (deleted ones only so).",
+)
+@pass_output
+def list_workers(out: Output, topic: str | None, group: str | None, status: str | None) -> int:
+    """List workers (not deleted), oldest first."""
+    found = out.manager.list_workers(topic=topic, group=group, status=status)
+    if out.as_json:
+        out.json([info.to_json() for info in found])
         return 0
-    ctx.table(
+    out.table(
         ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "HEALTH", "VERSION", "MIME TYPE"],
         (
             [i.id, i.name, i.topic, i.group, i.status, i.health, i.current_version, i.mime_type]
@@ -172,49 +161,98 @@ def list_workers(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
-def show(ctx: Context, args: argparse.Namespace) -> int:
-    _print_worker(ctx, ctx.manager.get_worker(args.worker))
+@worker.command("show")
+@click.argument("worker_ref", metavar="WORKER")
+@pass_output
+def show(out: Output, worker_ref: str) -> int:
+    """Show one worker, its queue depth, dead letters, last error and recent deliveries."""
+    details = out.manager.worker_details(worker_ref)
+    _print_worker(out, details.worker, details)
     return 0
 
 
-def start(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.start_worker(args.worker, delay_s=args.delay))
+@worker.command("start")
+@click.argument("worker_ref", metavar="WORKER")
+@click.option(
+    "--delay",
+    type=NON_NEGATIVE_FLOAT,
+    metavar="SECONDS",
+    help="Start this much later: the worker is pending until then.",
+)
+@pass_output
+def start(out: Output, worker_ref: str, delay: float | None) -> int:
+    """Start consuming the worker's topic (idempotent)."""
+    _print_summary(out, out.manager.start_worker(worker_ref, delay_s=delay))
     return 0
 
 
-def stop(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.stop_worker(args.worker, grace_s=args.grace))
+@worker.command("stop")
+@click.argument("worker_ref", metavar="WORKER")
+@click.option(
+    "--grace",
+    type=NON_NEGATIVE_FLOAT,
+    metavar="SECONDS",
+    help="Wait this long for deliveries in flight, then kill the engine (status killed; they "
+    "run again on start). Default: the worker's stop_grace_s, else 30.",
+)
+@pass_output
+def stop(out: Output, worker_ref: str, grace: float | None) -> int:
+    """Stop consuming, wait for deliveries in flight, unload the engine.
+
+    The queue keeps what arrives meanwhile (idempotent).
+    """
+    _print_summary(out, out.manager.stop_worker(worker_ref, grace_s=grace))
     return 0
 
 
-def suspend(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.suspend_worker(args.worker))
+@worker.command("suspend")
+@click.argument("worker_ref", metavar="WORKER")
+@pass_output
+def suspend(out: Output, worker_ref: str) -> int:
+    """Pause consuming on every node; queue and loaded engines stay (idempotent)."""
+    _print_summary(out, out.manager.suspend_worker(worker_ref))
     return 0
 
 
-def resume(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.resume_worker(args.worker))
+@worker.command("resume")
+@click.argument("worker_ref", metavar="WORKER")
+@pass_output
+def resume(out: Output, worker_ref: str) -> int:
+    """Consume again what accumulated while suspended."""
+    _print_summary(out, out.manager.resume_worker(worker_ref))
     return 0
 
 
-def delete(ctx: Context, args: argparse.Namespace) -> int:
-    _print_summary(ctx, ctx.manager.delete_worker(args.worker))
+@worker.command("delete")
+@click.argument("worker_ref", metavar="WORKER")
+@pass_output
+def delete(out: Output, worker_ref: str) -> int:
+    """Delete the worker and its queue; versions and history stay."""
+    _print_summary(out, out.manager.delete_worker(worker_ref))
     return 0
 
 
-def rollback_worker(ctx: Context, args: argparse.Namespace) -> int:
-    info = ctx.manager.rollback_worker(args.worker, args.version)
-    _print_summary(ctx, info)
+@worker.command("rollback")
+@click.argument("worker_ref", metavar="WORKER")
+@click.argument("version", type=POSITIVE_INT)
+@pass_output
+def rollback_worker(out: Output, worker_ref: str, version: int) -> int:
+    """Make an earlier code version current again."""
+    _print_summary(out, out.manager.rollback_worker(worker_ref, version))
     return 0
 
 
-def history(ctx: Context, args: argparse.Namespace) -> int:
-    info = ctx.manager.get_worker(args.worker)
-    versions = ctx.manager.get_worker_history(info.id)
-    if ctx.as_json:
-        ctx.json([v.to_json() for v in versions])
+@worker.command("history")
+@click.argument("worker_ref", metavar="WORKER")
+@pass_output
+def history(out: Output, worker_ref: str) -> int:
+    """List the worker's code versions."""
+    info = out.manager.get_worker(worker_ref)
+    versions = out.manager.get_worker_history(info.id)
+    if out.as_json:
+        out.json([v.to_json() for v in versions])
         return 0
-    ctx.table(
+    out.table(
         ["VERSION", "CURRENT", "SOURCE", "SIZE", "SHA256", "CREATED", "NOTE"],
         (
             [
@@ -229,16 +267,21 @@ def history(ctx: Context, args: argparse.Namespace) -> int:
             for v in versions
         ),
         empty="no versions",
+        wrap=("SOURCE",),
     )
     return 0
 
 
-def transitions(ctx: Context, args: argparse.Namespace) -> int:
-    found = ctx.manager.get_worker_transitions(args.worker)
-    if ctx.as_json:
-        ctx.json([t.to_json() for t in found])
+@worker.command("transitions")
+@click.argument("worker_ref", metavar="WORKER")
+@pass_output
+def transitions(out: Output, worker_ref: str) -> int:
+    """List the worker's state changes, oldest first."""
+    found = out.manager.get_worker_transitions(worker_ref)
+    if out.as_json:
+        out.json([t.to_json() for t in found])
         return 0
-    ctx.table(
+    out.table(
         ["AT", "FROM", "TO", "BY", "AFTER", "VERSION", "REASON"],
         (
             [
@@ -266,12 +309,17 @@ def _duration(ms: int | None) -> str | None:
     return f"{ms / 1000:.1f} s" if ms < 120_000 else f"{ms // 60_000} min"
 
 
-def show_code(ctx: Context, args: argparse.Namespace) -> int:
-    info = ctx.manager.get_worker(args.worker)
-    version = args.version or info.current_version
-    code = ctx.manager.get_code(info.id, version)
-    if ctx.as_json:
-        ctx.json(
+@worker.command("code")
+@click.argument("worker_ref", metavar="WORKER")
+@click.option("--version", type=POSITIVE_INT, help="Default: the current version.")
+@pass_output
+def show_code(out: Output, worker_ref: str, version: int | None) -> int:
+    """Write a version's code to standard output."""
+    info = out.manager.get_worker(worker_ref)
+    version = version or info.current_version
+    code = out.manager.get_code(info.id, version)
+    if out.as_json:
+        out.json(
             {
                 "worker_id": str(info.id),
                 "version": version,
@@ -279,15 +327,16 @@ def show_code(ctx: Context, args: argparse.Namespace) -> int:
             }
         )
     else:
-        ctx.raw(code)
+        out.raw(code)
     return 0
 
 
-def _print_worker(ctx: Context, info: WorkerInfo) -> None:
-    if ctx.as_json:
-        ctx.json(info.to_json())
+def _print_worker(out: Output, info: WorkerInfo, details: WorkerDetails | None = None) -> None:
+    """The worker's record; with ``details`` (``worker show``) what an operator looks at next."""
+    if out.as_json:
+        out.json(info.to_json() if details is None else details.to_json())
         return
-    ctx.fields(
+    out.fields(
         [
             ("id", info.id),
             ("name", info.name),
@@ -304,13 +353,52 @@ def _print_worker(ctx: Context, info: WorkerInfo) -> None:
             ("created", info.created_at),
             ("started", info.started_at),
             ("updated", info.updated_at),
+            *([] if details is None else _details(details)),
         ]
     )
 
 
-def _print_summary(ctx: Context, info: WorkerInfo) -> None:
-    if ctx.as_json:
-        ctx.json(info.to_json())
+def _details(details: WorkerDetails) -> list[tuple[str, Any]]:
+    missing = details.unavailable
+    broker = "unavailable (broker)" if "broker" in missing else None
+    redis = "unavailable (redis)" if "redis" in missing else None
+    error = details.last_error
+    return [
+        ("queue", details.queue),
+        ("queued", broker or details.queue_depth),
+        ("dead letters", f"{details.dead_letters} not replayed"),
+        ("last error", error and f"{cell(error.at)} ({error.source}): {_error_text(error)}"),
+        ("last minute", redis or _deliveries(details.deliveries_last_minute)),
+        ("health window", redis or _deliveries(details.deliveries_window)),
+        ("breaker", redis or _breaker(details)),
+        *((f"{service} unavailable", why) for service, why in missing.items()),
+    ]
+
+
+def _error_text(error: LastError) -> str:
+    return f"{error.error_type}: {error.message}" if error.error_type else error.message
+
+
+def _deliveries(counts: DeliveryCounts | None) -> str | None:
+    if counts is None:
+        return None
+    return f"{counts.ok} ok, {counts.failed} failed since {cell(counts.since)}"
+
+
+def _breaker(details: WorkerDetails) -> str | None:
+    found = details.breaker
+    if found is None:
+        return None
+    text = (
+        f"{found.state}: {found.consecutive_failures} failed in a row "
+        f"(threshold {found.threshold or 'off'}), strategy {found.strategy}"
+    )
+    return text + (f", retry at {cell(found.retry_at)}" if found.retry_at else "")
+
+
+def _print_summary(out: Output, info: WorkerInfo) -> None:
+    if out.as_json:
+        out.json(info.to_json())
         return
     who = f"{info.id} ({info.name})" if info.name else str(info.id)
-    ctx.line(f"worker {who}: {info.status}, version {info.current_version}")
+    out.line(f"worker {who}: {info.status}, version {info.current_version}")

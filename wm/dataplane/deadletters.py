@@ -8,11 +8,12 @@ import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from wm import store
@@ -42,6 +43,12 @@ MAX_ERROR_MESSAGE_CHARS = 8192
 FALLBACK_ENVELOPE_CHARS = 65536
 #: Length limit of the short text columns (error type, event id).
 _SHORT_TEXT_CHARS = 255
+#: Dead letters one purge statement deletes: a large purge goes in steps, each its own short
+#: transaction, so it can report progress and never holds one huge lock.
+PURGE_BATCH = 500
+
+#: Told how many more dead letters were replayed or purged (``wm dlq``'s progress bar).
+Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,19 @@ class DeadLetters:
             rows = session.scalars(query.order_by(DeadLetter.last_failure_at).limit(limit)).all()
             return [records.dead_letter_info(r) for r in rows]
 
+    def count(
+        self,
+        *,
+        topic: str | None = None,
+        worker_id: str | None = None,
+        error_type: str | None = None,
+        include_replayed: bool = False,
+    ) -> int:
+        """How many dead letters match (a purge by filter deletes replayed ones too)."""
+        query = self._filtered(topic, worker_id, error_type, include_replayed)
+        with store.session_scope(self.settings) as session:
+            return int(session.scalar(select(func.count()).select_from(query.subquery())) or 0)
+
     def get(self, letter_id: str) -> DeadLetterInfo:
         """The dead letter with this id or short id (a unique prefix of 6 characters or more)."""
         with store.session_scope(self.settings) as session:
@@ -182,11 +202,12 @@ class DeadLetters:
         *,
         to_version: str = "current",
         rate_per_s: float = 50.0,
+        progress: Progress | None = None,
     ) -> int:
         """Send dead letters back to their worker's queue, at most ``rate_per_s`` per second.
 
         ``to_version`` is ``current`` (the worker's current code) or ``same`` (the version
-        that failed).
+        that failed). ``progress`` is told of each letter sent.
         """
         if to_version not in ("current", "same"):
             raise InvalidArgument("to_version must be 'current' or 'same'")
@@ -201,6 +222,8 @@ class DeadLetters:
             except WorkManagerError as exc:
                 raise type(exc)(f"{exc} ({sent} of {len(letter_ids)} replayed before)") from exc
             sent += 1
+            if progress is not None:
+                progress(1)
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
         return sent
 
@@ -224,17 +247,37 @@ class DeadLetters:
         topic: str | None = None,
         worker_id: str | None = None,
         error_type: str | None = None,
+        progress: Progress | None = None,
     ) -> int:
+        """Delete the dead letters named (by id or short id, each of which must exist: a
+        typo deletes nothing) and matching every filter given, :data:`PURGE_BATCH` at a
+        time; ``progress`` is told of each batch deleted."""
         if letter_ids is None and topic is None and worker_id is None and error_type is None:
             raise InvalidArgument("purge needs dead-letter ids or at least one filter")
+        selected = self._purge_selection(letter_ids, topic, worker_id, error_type)
+        purged = 0
+        for start in range(0, len(selected), PURGE_BATCH):
+            batch = selected[start : start + PURGE_BATCH]
+            with store.session_scope(self.settings) as session:
+                result = session.execute(delete(DeadLetter).where(DeadLetter.id.in_(batch)))
+                purged += int(getattr(result, "rowcount", 0) or 0)
+            if progress is not None:
+                progress(len(batch))
+        return purged
+
+    def _purge_selection(
+        self,
+        letter_ids: builtins.list[str] | None,
+        topic: str | None,
+        worker_id: str | None,
+        error_type: str | None,
+    ) -> builtins.list[str]:
         with store.session_scope(self.settings) as session:
-            query = delete(DeadLetter)
-            if letter_ids is not None:  # each must exist: a typo deletes nothing
+            query = _where(select(DeadLetter.id), topic, worker_id, error_type)
+            if letter_ids is not None:
                 ids = [_row(session, letter_id).id for letter_id in letter_ids]
                 query = query.where(DeadLetter.id.in_(ids))
-            query = _where(query, topic, worker_id, error_type)
-            result = session.execute(query)
-            return int(getattr(result, "rowcount", 0) or 0)
+            return builtins.list(session.scalars(query.order_by(DeadLetter.id)))
 
     @staticmethod
     def _filtered(

@@ -74,11 +74,13 @@ def running_queues(settings: Settings) -> dict[str, str]:
     return {queue: str(worker_id) for queue, worker_id in rows}
 
 
-def maintain(settings: Settings, bus: Bus, running: Mapping[str, str]) -> None:
+def maintain(
+    settings: Settings, bus: Bus, running: Mapping[str, str], node: str | None = None
+) -> None:
     """One node per reconcile period repairs derived state: the routing table, lifecycle
     events left in the outbox, deliveries the broker lost (``wm.dataplane.sweep``),
     circuit-breaker back-offs whose end was lost with a node, and every worker's health."""
-    if not Ledger(settings).claim_sweep(settings.reconcile_interval_s):
+    if not Ledger(settings).claim_sweep(settings.reconcile_interval_s, node):
         return
     bus.rebuild_routes()
     workerhealth.judge_all(settings, bus)
@@ -208,7 +210,7 @@ class Reconciler(bootsteps.StartStopStep):
             if starting:
                 consumed = [queue.name for queue in parent.task_consumer.queues]
                 merge_levels(self.settings, parent.app, consumed)
-            maintain(self.settings, Bus(self.settings, parent.app), running)
+            maintain(self.settings, Bus(self.settings, parent.app), running, parent.hostname)
         except Exception:
             logger.exception(
                 "reconcile failed; next try in %ss", self.settings.reconcile_interval_s

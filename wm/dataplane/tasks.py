@@ -26,7 +26,7 @@ from celery import Task, shared_task
 from celery.exceptions import Reject, Retry
 
 from wm.config import Settings
-from wm.dataplane import breaker, outbox, quota, tracing
+from wm.dataplane import breaker, logcontext, outbox, quota, tracing
 from wm.dataplane.bus import ordered, send_plain
 from wm.dataplane.deadletters import Failure
 from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery, Runtime
@@ -134,25 +134,26 @@ def deliver(
 ) -> None:
     rt = runtime(self)
     waits = LockWaits(lock_waits, waiting_since)
-    try:
-        _deliver(self, rt, worker_id, payload, pin_version, first_failure_at, waits, seq)
-    except (Retry, DeadLettered):
-        raise
-    except Reject as exc:
-        if exc.requeue:
+    with logcontext.scope(worker_id=worker_id):
+        try:
+            _deliver(self, rt, worker_id, payload, pin_version, first_failure_at, waits, seq)
+        except (Retry, DeadLettered):
             raise
-        # Celery turns a retry it could not publish into a dropping Reject: keep the message.
-        time.sleep(REQUEUE_PAUSE_S)
-        raise Reject(str(exc.reason), requeue=True) from exc
-    except (BrokerUnavailable, DatabaseError) as exc:
-        logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
-        time.sleep(REQUEUE_PAUSE_S)
-        raise Reject(str(exc), requeue=True) from exc
-    except Exception as exc:
-        # Never acknowledge a message this task could not settle: requeue it.
-        logger.exception("unexpected failure delivering to %s; requeueing", worker_id)
-        time.sleep(REQUEUE_PAUSE_S)
-        raise Reject(str(exc), requeue=True) from exc
+        except Reject as exc:
+            if exc.requeue:
+                raise
+            # Celery turns a retry it could not publish into a dropping Reject: keep the message.
+            time.sleep(REQUEUE_PAUSE_S)
+            raise Reject(str(exc.reason), requeue=True) from exc
+        except (BrokerUnavailable, DatabaseError) as exc:
+            logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
+            time.sleep(REQUEUE_PAUSE_S)
+            raise Reject(str(exc), requeue=True) from exc
+        except Exception as exc:
+            # Never acknowledge a message this task could not settle: requeue it.
+            logger.exception("unexpected failure delivering to %s; requeueing", worker_id)
+            time.sleep(REQUEUE_PAUSE_S)
+            raise Reject(str(exc), requeue=True) from exc
 
 
 def _deliver(
@@ -166,6 +167,7 @@ def _deliver(
     seq: int | None,
 ) -> None:
     number = max(1, int(task.request.retries or 0) - waits.count + 1)
+    logcontext.bind(attempt=number)
     try:
         event = decode(payload)
     except EventDecodeError as exc:
@@ -176,6 +178,7 @@ def _deliver(
         worker_id, rt.outcomes.key(worker_id, key_of(event)), failures_key(worker_id)
     )
     attempt = Attempt(worker_id, payload, meta, number, first_failure_at)
+    _bind_log_fields(event, meta)
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
         _park(rt, attempt.failure(error, event))
@@ -189,6 +192,14 @@ def _deliver(
     delivery.prefetched, delivery.prefetched_outcome = True, outcome
     with quota.slot(rt, meta):  # a worker with max_events: one of its slots, or requeued
         _run(task, rt, attempt, delivery, waits, bool(failures), Turn.of(rt, delivery, seq))
+
+
+def _bind_log_fields(event: CloudEvent, meta: WorkerMeta | None) -> None:
+    """The lines logged about this delivery from here on name its event and worker."""
+    correlation_id = event.get_extension(logcontext.CORRELATION_EXTENSION)
+    logcontext.bind(event_id=event.get_id(), correlation_id=correlation_id)
+    if meta is not None:
+        logcontext.bind(worker=meta.name or meta.id, topic=meta.topic)
 
 
 @dataclass(frozen=True)
@@ -319,7 +330,7 @@ def _failed(
         _park(rt, failure, turn, meta)
     notify("retried", meta)
     delay_s = backoff_s(rt.settings, meta, attempt.number)
-    logger.info(
+    logger.warning(
         "retrying event %s for worker %s in %.2fs (attempt %d of %d): %s",
         delivery.event.get_id(),
         meta.id,
@@ -413,14 +424,16 @@ def backoff_s(settings: Settings, meta: WorkerMeta, attempts: int) -> float:
 def breaker_retry(self: Task, worker_id: str, trips: int) -> None:
     """A worker's circuit-breaker back-off is over: run it again, half-open."""
     rt = runtime(self)
-    breaker.half_open(rt.settings, rt.bus, worker_id, trips)
+    with logcontext.scope(worker_id=worker_id):
+        breaker.half_open(rt.settings, rt.bus, worker_id, trips)
 
 
 @shared_task(bind=True, name=breaker.START_TASK, acks_late=True, reject_on_worker_lost=True)
 def start_due(self: Task, worker_id: str, actor: str, due: float) -> None:
     """A delayed start's wait is over: run the worker."""
     rt = runtime(self)
-    breaker.start_due(rt.settings, rt.bus, worker_id, actor, due)
+    with logcontext.scope(worker_id=worker_id):
+        breaker.start_due(rt.settings, rt.bus, worker_id, actor, due)
 
 
 @shared_task(name="wm.noop", acks_late=True, reject_on_worker_lost=True)

@@ -17,14 +17,18 @@ own (``wm.local.rig``) and deletes them when it ends.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import json
+import statistics
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from celery import Celery
 from kombu.connection import Connection
@@ -34,9 +38,17 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS
 from wm.engine import WorkerSpec, engine_class
+from wm.errors import BrokerUnavailable
 from wm.events import make_event
-from wm.local import drain, pools, roundtrip, scale
-from wm.local.rig import BROKERS, DEFAULT_AMQP_URL, PYTHON_ANSWER, EngineWorker, Rig
+from wm.local import drain, pools, roundtrip, scale, startup
+from wm.local.rig import (
+    BROKERS,
+    DEFAULT_AMQP_URL,
+    PYTHON_ANSWER,
+    EngineWorker,
+    Rig,
+    percentile,
+)
 from wm.local.up import embedded_redis
 from wm.state.connection import redis_for
 from wm.state.locks import GroupLocks
@@ -51,6 +63,26 @@ TARGETS = {
 }
 NATIVE, PYTHON = "application/x-native-dll", "text/x-python"
 DOTNET_DLL, CSHARP = "application/x-dotnet-dll", "text/x-csharp"
+#: What ``wm bench --help`` says: plain text (the module's docstring is for its readers).
+DESCRIPTION = """\
+Times WorkManager's delivery against a bare Celery task, in one run, on the
+same broker and concurrency: events/s, p50/p99 publish-to-done latency and the
+ratio to bare Celery, then the Python engine's round trip per message (host,
+sandboxed child, host). --native-zip, --dotnet-package and --csharp-file add a
+native, a .NET and a C# worker to the phases and time their engines' round
+trips too.
+
+The first phase times both sides from Celery's task events, on the embedded
+Redis (or on WM_BROKER_URL and WM_REDIS_URL when set). The drain
+(--drain-repeats), round-trip (--round-trips), scale (--scale-workers) and pool
+(--pools) phases run on the broker --broker names, with task events off as on a
+node. Each phase makes names, a node and exchanges of its own and deletes them
+when it ends.
+
+A progress bar shows on standard error at a terminal, and a summary line ends
+the run. With --json the tables go to standard error and standard output gets
+one JSON object of the results.
+"""
 
 
 @dataclass
@@ -64,9 +96,13 @@ class Result:
     def rate(self) -> float:
         return self.count / self.seconds if self.seconds else 0.0
 
-    def percentile(self, q: float) -> float:
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+    @property
+    def p50(self) -> float:
+        return percentile(self.latencies_ms, 50)
+
+    @property
+    def p99(self) -> float:
+        return percentile(self.latencies_ms, 99)
 
 
 class TaskClock:
@@ -120,11 +156,36 @@ class TaskClock:
         return Result(name, count, last - first, latencies)
 
 
+#: Advances the progress bar: the step that begins now (``wm.local.bench._progress``).
+Begin = Callable[[str], None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the phases the command line asks for; prints a summary line (or, with --json,
+    one JSON object) at the end."""
+    args = _arguments(argv)
+    started = time.monotonic()
+    stdout = sys.stdout
+    shown = not args.json and sys.stderr.isatty()
+    with (
+        contextlib.redirect_stdout(sys.stderr if args.json else stdout),
+        _progress(sum(steps for _, steps in _phases(args)), shown) as begin,
+    ):
+        found = _bench(args, begin)
+    found["phases"] = [name for name, _ in _phases(args)]
+    found["seconds"] = round(time.monotonic() - started, 1)
+    _summary(stdout, found, args.json)
+    return 0
+
+
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The parsed command line; a usage error (exit 2) for options that do not fit."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.broker == "amqp":
         args.broker_url = args.broker_url or DEFAULT_AMQP_URL
+        if not args.broker_url.startswith(("amqp://", "amqps://")):
+            parser.error(f"--broker-url {args.broker_url!r} is no amqp:// URL")
         _check_rabbitmq(args.broker_url)
     elif args.broker_url is not None:
         parser.error("--broker-url names RabbitMQ for --broker amqp")
@@ -136,6 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--pool-repeats must be 1 or more")
     if args.scale_workers and min(args.scale_nodes, args.scale_deliveries, args.scale_repeats) < 1:
         parser.error("--scale-nodes, --scale-deliveries and --scale-repeats must be 1 or more")
+    return args
+
+
+def _bench(args: argparse.Namespace, begin: Begin) -> dict[str, Any]:
+    """Every phase asked for; what the JSON answer holds of them."""
+    found: dict[str, Any] = {"task_events": None, "engine_round_trips": []}
     with tempfile.TemporaryDirectory(prefix="wm-bench-") as tmp:
         home = Path(tmp)
         with embedded_redis(home) as settings:
@@ -143,49 +210,129 @@ def main(argv: Sequence[str] | None = None) -> int:
             store.upgrade(settings)
             # both sides are timed from task events: on for the node and the publishers
             if args.events:
-                results = _run(settings.replace(task_events=True), home, args)
-                _report(results, args)
-            _broker_phases(settings, home, args)
-            _scale_phase(settings, home, args)
-            _pools_phase(settings, home, args)
+                found["task_events"] = _task_event_phase(
+                    settings.replace(task_events=True), home, args, begin
+                )
+            _broker_phases(settings, home, args, begin)
+            _scale_phase(settings, home, args, begin)
+            _pools_phase(settings, home, args, begin)
+            if args.startup_repeats:
+                begin("start-up phase")
+                found["startup"] = startup.report(args.startup_repeats, settings.redis_url)
     if args.engine_messages:
-        _engine_round_trips(args)
-    return 0
+        found["engine_round_trips"] = _engine_round_trips(args, begin)
+    return found
+
+
+def _phases(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The phases this command line runs, each with its steps on the progress bar: one per
+    scenario or engine worker timed, one for a phase timed by another module."""
+    engines = 1 + bool(args.native_zip) + len(_dotnet_workers(args))
+    phases = [
+        ("task events", 3 + engines if args.events else 0),
+        ("drain", 1 if args.drain_repeats else 0),
+        ("round trips", 1 if args.round_trips else 0),
+        ("scale", 1 if args.scale_workers else 0),
+        ("pools", 1 if args.pools else 0),
+        ("start-up", 1 if args.startup_repeats else 0),
+        ("engine round trips", len(ENGINE_WORKERS) + engines - 1 if args.engine_messages else 0),
+    ]
+    return [(name, steps) for name, steps in phases if steps]
+
+
+@contextlib.contextmanager
+def _progress(total: int, shown: bool) -> Iterator[Begin]:
+    """A rich progress bar on standard error (when ``shown``) over ``total`` steps; yields the
+    function that names the step beginning now and counts the one before it done. At a
+    terminal the tables printed meanwhile appear above the bar."""
+    if not shown or not total:
+        yield lambda step: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        redirect_stdout=sys.stdout.isatty(),
+    ) as bar:
+        task = bar.add_task("wm bench", total=total)
+        begun = [0]
+
+        def begin(step: str) -> None:
+            bar.update(task, description=step, completed=begun[0])
+            begun[0] += 1
+
+        yield begin
+        bar.update(task, description="wm bench", completed=total)
+
+
+def _summary(stream: TextIO, found: dict[str, Any], as_json: bool) -> None:
+    """The last word: one JSON object, or one line for people."""
+    if as_json:
+        print(json.dumps(found, indent=2), file=stream, flush=True)
+        return
+    phases = ", ".join(found["phases"]) or "no phase"
+    print(f"\nwm bench: {phases} in {found['seconds']:.0f} s", file=stream, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wm bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="wm bench", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="Print one JSON object of the results on standard output; the tables go to "
+        "standard error.",
+    )
     parser.add_argument(
         "--events",
+        metavar="N",
         type=int,
         default=2000,
-        help="events per scenario (0 skips the task-event phase)",
+        help="Events per scenario of the task-event phase (0 skips that phase).",
     )
-    parser.add_argument("--concurrency", type=int, default=2, help="Celery processes")
-    parser.add_argument("--timeout-s", type=float, default=600, help="per scenario")
+    parser.add_argument(
+        "--concurrency", metavar="N", type=int, default=2, help="Celery processes per node."
+    )
+    parser.add_argument(
+        "--timeout-s",
+        metavar="S",
+        type=float,
+        default=600,
+        help="Longest a scenario may take, in seconds.",
+    )
     parser.add_argument(
         "--engine-messages",
+        metavar="N",
         type=int,
         default=5000,
-        help="messages for the Python engine round trip (0 skips it)",
+        help="Messages of the Python engine's round trip (0 skips it).",
     )
     parser.add_argument(
         "--native-zip",
+        metavar="ZIP",
         type=Path,
-        help="a native worker zip (make -C native_abi builds build/c-example.zip): adds a native "
-        "worker scenario and the native engine's round trip",
+        help="A native worker zip (make -C native_abi builds build/c-example.zip): adds a "
+        "native worker scenario and the native engine's round trip.",
     )
     parser.add_argument(
         "--dotnet-package",
+        metavar="NUPKG",
         type=Path,
-        help="a nupkg of engines/dotnet/examples/CommandWorker.cs (see the README): adds a .NET "
-        "DLL worker scenario and the .NET engine's round trip",
+        help="A nupkg of engines/dotnet/examples/CommandWorker.cs (see the README): adds a .NET "
+        "DLL worker scenario and the .NET engine's round trip.",
     )
     parser.add_argument(
         "--csharp-file",
+        metavar="CS",
         type=Path,
         help="C# source of a command worker with an 'echo' command (such as "
-        "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip",
+        "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip.",
     )
     _add_broker_phases(parser)
     _add_scale_phase(parser)
@@ -194,78 +341,119 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="EVENTS",
-        help="also run the pool phase: EVENTS queued events per workload drained under "
-        "prefork, threads and several nodes (wm.local.pools)",
+        help="Also run the pool phase: EVENTS queued events per workload drained under "
+        "prefork, threads and several nodes (0 skips it).",
     )
     parser.add_argument(
-        "--pool-repeats", type=int, default=2, help="interleaved rounds of the pool phase"
+        "--pool-repeats",
+        metavar="R",
+        type=int,
+        default=2,
+        help="Interleaved rounds of the pool phase.",
+    )
+    parser.add_argument(
+        "--startup-repeats",
+        metavar="R",
+        type=int,
+        default=0,
+        help="Start-up phase: time `wm --help` and `wm worker list` R times each, as new "
+        "processes, against an empty interpreter and the import of the libraries `wm worker "
+        "list` needs (0: skip).",
     )
     return parser
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's paragraphs, and shows an option's default where it has one
+    (not for a flag or an option that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == 0:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale-workers",
+        metavar="W",
         type=int,
         default=0,
-        help="also run the scale phase (wm.local.scale): this many stub workers against one, "
-        "on the broker --broker names (0 skips it)",
+        help="Also run the scale phase: this many stub workers against one, on the broker "
+        "--broker names (0 skips it).",
     )
-    parser.add_argument("--scale-topics", type=int, default=100, help="topics of the workers")
-    parser.add_argument("--scale-nodes", type=int, default=3, help="nodes of the scale phase")
+    parser.add_argument(
+        "--scale-topics",
+        metavar="T",
+        type=int,
+        default=100,
+        help="Topics of the scale phase's workers.",
+    )
+    parser.add_argument(
+        "--scale-nodes", metavar="N", type=int, default=3, help="Nodes of the scale phase."
+    )
     parser.add_argument(
         "--scale-deliveries",
+        metavar="K",
         type=int,
         default=5,
-        help="deliveries per worker in each throughput run of the scale phase",
+        help="Deliveries per worker in each throughput run of the scale phase.",
     )
     parser.add_argument(
-        "--scale-repeats", type=int, default=2, help="interleaved throughput runs per side"
+        "--scale-repeats",
+        metavar="R",
+        type=int,
+        default=2,
+        help="Interleaved throughput runs per side of the scale phase.",
     )
 
 
 def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-repeats",
+        metavar="R",
         type=int,
         default=0,
-        help="also run the drain phase (queues filled first, then timed), this many "
-        "interleaved repetitions",
+        help="Also run the drain phase (queues filled first, then timed), this many "
+        "interleaved repetitions (0 skips it).",
     )
     parser.add_argument(
         "--round-trips",
+        metavar="N",
         type=int,
         default=0,
-        help="also run the round-trip phase (one event at a time, publish → answer): this "
-        "many round trips per side in each block (0 skips it)",
+        help="Also run the round-trip phase (one event at a time, publish → answer): this "
+        "many round trips per side in each block (0 skips it).",
     )
     parser.add_argument(
         "--round-trip-repeats",
+        metavar="R",
         type=int,
         default=3,
-        help="interleaved blocks per side of the round-trip phase",
+        help="Interleaved blocks per side of the round-trip phase.",
     )
     parser.add_argument(
         "--drain-task-events",
         action="store_true",
-        help="run the drain and round-trip phases with Celery task events on (off by "
-        "default, as on a node)",
+        help="Run the drain, round-trip, scale and pool phases with Celery task events on "
+        "(off by default, as on a node).",
     )
     parser.add_argument(
         "--broker",
         choices=BROKERS,
         default="redis",
-        help="the broker of the drain and round-trip phases: the embedded Redis, or RabbitMQ "
-        "(the state store stays on the embedded Redis)",
+        help="The broker of the drain, round-trip, scale and pool phases: the embedded Redis, "
+        "or RabbitMQ (the state store stays on the embedded Redis).",
     )
     parser.add_argument(
         "--broker-url",
+        metavar="URL",
         help=f"RabbitMQ for --broker amqp (default {DEFAULT_AMQP_URL}); the bench's queues "
-        "and exchanges there are its own and deleted when it ends",
+        "and exchanges there are its own and deleted when it ends.",
     )
 
 
-def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace) -> None:
+def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace, begin: Begin) -> None:
     """The drain and round-trip phases, on the broker ``--broker`` names."""
     if not (args.drain_repeats or args.round_trips):
         return
@@ -275,30 +463,34 @@ def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace) -> 
     # the .NET example answers to its fixed type ``orders.done``, not a topic of the bench's
     engines = [e for e in _engine_workers(args, answering=True) if e.processed]
     if args.drain_repeats:
+        begin("drain phase")
         drain.run(settings, home, args.events, args.drain_repeats, args.concurrency, engines)
     if args.round_trips:
+        begin("round-trip phase")
         roundtrip.run(
             settings, home, args.round_trips, args.round_trip_repeats, args.concurrency, engines
         )
 
 
-def _pools_phase(settings: Settings, home: Path, args: argparse.Namespace) -> None:
+def _pools_phase(settings: Settings, home: Path, args: argparse.Namespace, begin: Begin) -> None:
     """The pool phase, on the broker ``--broker`` names."""
     if not args.pools:
         return
     if args.broker == "amqp":
         settings = settings.replace(broker_url=args.broker_url)
+    begin("pool phase")
     pools.run(
         settings.replace(task_events=args.drain_task_events), home, args.pools, args.pool_repeats
     )
 
 
-def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace) -> None:
+def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace, begin: Begin) -> None:
     """The scale phase, on the broker ``--broker`` names."""
     if not args.scale_workers:
         return
     if args.broker == "amqp":
         settings = settings.replace(broker_url=args.broker_url)
+    begin("scale phase")
     scale.run(
         settings.replace(task_events=args.drain_task_events),
         home,
@@ -313,31 +505,36 @@ def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace) -> No
 
 def _check_rabbitmq(url: str) -> None:
     """Refuse to start unless RabbitMQ answers at ``url``."""
-    if not url.startswith(("amqp://", "amqps://")):
-        raise SystemExit(f"wm bench: --broker-url {url!r} is no amqp:// URL")
     try:
         with Connection(url, connect_timeout=5) as connection:
             connection.ensure_connection(max_retries=1)
     except BROKER_ERRORS as exc:
-        raise SystemExit(
-            f"wm bench: RabbitMQ at {maybe_sanitize_url(url)} is unreachable ({exc}); start "
-            "it or pass --broker-url"
+        raise BrokerUnavailable(
+            f"RabbitMQ at --broker-url {maybe_sanitize_url(url)} is unreachable ({exc}); start "
+            "it or pass another --broker-url"
         ) from exc
 
 
-def _engine_round_trips(args: argparse.Namespace) -> None:
-    _engine_round_trip(args.engine_messages)
+def _engine_round_trips(args: argparse.Namespace, begin: Begin) -> list[dict[str, Any]]:
+    """Each engine's round trip in this process: the Python engine's, then the native and
+    .NET engines' the options name; their figures (in µs) for the JSON answer."""
+    found = _engine_round_trip(args.engine_messages, begin)
     messages = args.engine_messages * 10
     if args.native_zip:  # encode, the C call, decode, FreeResult
         payload = {"n": 1, "text": "a small payload"}
         code = args.native_zip.read_bytes()
-        _in_process_round_trip(NATIVE, code, messages, payload, "30 µs", 1000)
+        begin(f"{NATIVE} round trip")
+        found.append(_in_process_round_trip(NATIVE, code, messages, payload, "30 µs", 1000))
     for mime_type, path in _dotnet_workers(args):
         # the event as strings, ProcessAsync (JSON parsed and written in .NET), the answer
         # as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
         # quickly compiled code before it optimizes them: the steady state is timed
         payload = {"command": "upper", "text": "a small payload"}
-        _in_process_round_trip(mime_type, path.read_bytes(), messages, payload, "20 µs", 60000)
+        begin(f"{mime_type} round trip")
+        found.append(
+            _in_process_round_trip(mime_type, path.read_bytes(), messages, payload, "20 µs", 60000)
+        )
+    return found
 
 
 def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
@@ -348,8 +545,28 @@ def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
     ]
 
 
-def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Result]:
+def _task_event_phase(
+    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
+) -> dict[str, Any]:
+    """The first phase, printed; its figures for the JSON answer."""
+    results, node = _run(settings, home, args, begin)
+    lock_round_trips = _lock_round_trips(settings)
+    print(f"lock acquire+release: {lock_round_trips} Redis round trips")
+    return {
+        "events": args.events,
+        "concurrency": args.concurrency,
+        "node": node,
+        "scenarios": _report(results, args),
+        "lock_round_trips": lock_round_trips,
+    }
+
+
+def _run(
+    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
+) -> tuple[list[Result], str]:
+    """Each scenario timed from task events; and how the node runs them."""
     with Rig(settings) as rig:
+        begin("task events: bare celery")
         workers = _workers(rig, args)
         bare = rig.queue("bare")
         clock = TaskClock(rig.app)
@@ -357,17 +574,18 @@ def _run(settings: Settings, home: Path, args: argparse.Namespace) -> list[Resul
         results = []
         try:
             with rig.node(home, args.concurrency, [bare]):
-                print(rig.describe_node())
+                node = rig.describe_node()
+                print(node)
                 _warm_up(rig, bare, workers)
                 send_bare = functools.partial(drain.send_bare, rig, bare, args.events)
                 results.append(clock.measure("bare celery", args.events, send_bare, args.timeout_s))
                 for name, worker in workers.items():
+                    begin(f"task events: {name}")
                     send = functools.partial(drain.publish, rig.manager, worker.topic, args.events)
                     results.append(clock.measure(name, args.events, send, args.timeout_s))
         finally:
             clock.stop()
-    print(f"lock acquire+release: {_lock_round_trips(settings)} Redis round trips")
-    return results
+    return results, node
 
 
 def _workers(rig: Rig, args: argparse.Namespace) -> dict[str, WorkerInfo]:
@@ -427,23 +645,27 @@ ENGINE_WORKERS = {
 }
 
 
-def _engine_round_trip(messages: int) -> None:
+def _engine_round_trip(messages: int, begin: Begin) -> list[dict[str, Any]]:
     """Time ``PythonEngine.process`` on the host: framing, two pipe hops, the worker call."""
     engine = engine_class(PYTHON)(Settings.from_env())
     event = make_event("bench.in", "/bench", {"n": 1, "text": "a small payload"})
     print(f"\nPython engine round trip, {messages} messages (target: median ≤ 0.5 ms)\n")
+    found = []
     try:
         for name, code in ENGINE_WORKERS.items():
+            begin(f"{PYTHON} round trip: {name}")
             engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
             median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, 200)
             print(f"{name:<18} median {median / 1e3:.3f} ms  p99 {p99 / 1e3:.3f} ms")
+            found.append(_round_trip(PYTHON, name, messages, median, p99))
     finally:
         engine.close()
+    return found
 
 
 def _in_process_round_trip(
     mime_type: str, code: bytes, messages: int, data: dict[str, Any], target: str, warm_up: int
-) -> None:
+) -> dict[str, Any]:
     """Time an in-process engine's ``process`` on one event carrying ``data``."""
     engine = engine_class(mime_type)(Settings.from_env())
     event = make_event("bench.in", "/bench", data, extensions={"correlationid": "c"})
@@ -454,6 +676,19 @@ def _in_process_round_trip(
     finally:
         engine.close()
     print(f"{'in-process':<18} median {median:.1f} µs  p99 {p99:.1f} µs")
+    return _round_trip(mime_type, "in-process", messages, median, p99)
+
+
+def _round_trip(
+    mime_type: str, worker: str, messages: int, median_us: float, p99_us: float
+) -> dict[str, Any]:
+    return {
+        "engine": mime_type,
+        "worker": worker,
+        "messages": messages,
+        "median_us": round(median_us, 2),
+        "p99_us": round(p99_us, 2),
+    }
 
 
 def _time_calls(call: Callable[[], object], count: int, warm_up: int) -> tuple[float, float]:
@@ -465,24 +700,36 @@ def _time_calls(call: Callable[[], object], count: int, warm_up: int) -> tuple[f
         started = time.perf_counter_ns()
         call()
         samples.append((time.perf_counter_ns() - started) / 1e3)
-    timing = Result("calls", count, sum(samples) / 1e6, samples)
-    return timing.percentile(0.5), timing.percentile(0.99)
+    return (statistics.median(samples) if samples else 0.0), percentile(samples, 99)
 
 
-def _report(results: list[Result], args: argparse.Namespace) -> None:
+def _report(results: list[Result], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The task-event phase's table; its rows for the JSON answer."""
     bare = results[0].rate
     print(
         f"\n{args.events} events per scenario, concurrency {args.concurrency}, on Redis, timed "
         "from task events (on for this phase)\n"
     )
     print(f"{'scenario':<15}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}  target")
+    rows = []
     for result in results:
         ratio = result.rate / bare if bare else 0.0
         target = TARGETS.get(result.name)
-        verdict = (
-            "" if target is None else (f"≥ {target}× " + ("met" if ratio >= target else "MISSED"))
-        )
+        met = None if target is None else ratio >= target
+        verdict = "" if target is None else f"≥ {target}× " + ("met" if met else "MISSED")
         print(
-            f"{result.name:<15}{result.rate:>10.0f}{result.percentile(0.5):>9.1f}"
-            f"{result.percentile(0.99):>9.1f}{ratio:>7.2f}×  {verdict}"
+            f"{result.name:<15}{result.rate:>10.0f}{result.p50:>9.1f}"
+            f"{result.p99:>9.1f}{ratio:>7.2f}×  {verdict}"
         )
+        rows.append(
+            {
+                "scenario": result.name,
+                "events_per_s": round(result.rate, 1),
+                "p50_ms": round(result.p50, 2),
+                "p99_ms": round(result.p99, 2),
+                "ratio": round(ratio, 3),
+                "target": target,
+                "met": met,
+            }
+        )
+    return rows

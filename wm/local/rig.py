@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+import statistics
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -331,3 +332,11 @@ def mismatches(options: dict[str, dict[str, str]]) -> list[str]:
             if bare.get(key) != deliver.get(key):
                 found.append(f"{name} {key}={bare.get(key)}, {DELIVER_TASK} {deliver.get(key)}")
     return found
+
+
+def percentile(samples: Sequence[float], q: int) -> float:
+    """The ``q``-th percentile (1 to 99) of ``samples``, 0.0 for none: the standard library's
+    quantiles, inclusive (the samples are every event timed, not a sample of more)."""
+    if len(samples) < 2:
+        return float(samples[0]) if samples else 0.0
+    return statistics.quantiles(samples, n=100, method="inclusive")[q - 1]

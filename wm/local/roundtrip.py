@@ -29,7 +29,7 @@ from typing import Any
 from wm.config import Settings
 from wm.dataplane.queues import subscription_queue
 from wm.events import encode, make_event
-from wm.local.rig import EngineWorker, Rig
+from wm.local.rig import EngineWorker, Rig, percentile
 
 #: Untimed round trips per side before the first block: consumers up, engine loaded.
 WARM_UP = 20
@@ -55,16 +55,11 @@ class Side:
 
     @property
     def p50(self) -> float:
-        return percentile(self.samples, 0.5)
+        return percentile(self.samples, 50)
 
     @property
     def p99(self) -> float:
-        return percentile(self.samples, 0.99)
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+        return percentile(self.samples, 99)
 
 
 class Caller:
@@ -209,10 +204,10 @@ def report(
     )
     for side in sides:
         spread = [
-            percentile(mine, 0.5) / percentile(theirs, 0.5)
+            percentile(mine, 50) / percentile(theirs, 50)
             for mine, theirs in zip(side.blocks, bare.blocks, strict=True)
         ]
-        blocks = " ".join(f"{percentile(block, 0.5):.2f}" for block in side.blocks)
+        blocks = " ".join(f"{percentile(block, 50):.2f}" for block in side.blocks)
         ratio = side.p50 / bare.p50 if bare.p50 else 0.0
         commands = statistics.median(side.commands)
         if side is bare:

@@ -14,17 +14,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from celery import Celery
+from celery.utils.nodenames import host_format
 from kombu.connection import Connection
+from kombu.utils.url import maybe_sanitize_url
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane.app import make_app
+from wm.dataplane.app import broker_errors, make_app
 from wm.dataplane.queues import DEFAULT_QUEUE
-from wm.errors import WorkManagerError
+from wm.errors import ConfigurationError, WorkManagerError
 from wm.events import make_event
 from wm.local.embedded import EmbeddedRedis, start_redis, stop_redis
 from wm.manager import WorkManager
@@ -36,6 +39,12 @@ HOME = Path(".wm")
 NODE_START_TIMEOUT_S = 60.0
 #: Seconds a stopping node has to finish its tasks before it is killed.
 NODE_STOP_TIMEOUT_S = 30.0
+#: The node's name (``%h``: this host's name, as Celery expands it).
+NODE_NAME = "wm-up@%h"
+#: The variables of the system ``wm up`` runs: written to ``.wm/env`` once it is up.
+DATABASE, BROKER, REDIS = "WM_DATABASE_URL", "WM_BROKER_URL", "WM_REDIS_URL"
+#: Longest reason quoted from an unreachable service's error, in characters.
+REASON_CHARS = 200
 DEMO_TOPIC = "demo.orders"
 DEMO_OUTPUT = "demo.shouted"
 DEMO_CODE = '''\
@@ -53,36 +62,77 @@ class Shout(WorkerBase):
 '''
 
 
-def run(demo: bool = False, events: int = 0, concurrency: int = 2, pool: str = "prefork") -> int:
-    """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code."""
+def run(
+    demo: bool = False,
+    events: int = 0,
+    concurrency: int = 2,
+    pool: str = "prefork",
+    as_json: bool = False,
+) -> int:
+    """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code.
+
+    With ``as_json`` the messages for people go to standard error and standard output gets
+    one JSON object once the system is up (:func:`_announce`), for a script that starts it.
+    """
     home = HOME.resolve()
     home.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, service managers: stop as on Ctrl-C
-    with embedded_redis(home) as settings:
-        store.upgrade(settings)
-        _say(f"database   {settings.database_url} (migrated)")
-        env_file = _write_env(home, settings)
-        _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
-        with celery_node(home, settings, concurrency, pool=pool, beat=True):
-            try:
-                if demo:
-                    _demo(settings, events)
-                else:
-                    _say("ready      Ctrl-C stops everything")
-                    while True:
-                        time.sleep(3600)
-            except KeyboardInterrupt:
-                _say("stopping   …")
-    _say("stopped")
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr if as_json else stdout):
+        if DATABASE in os.environ:
+            check_reachable(Settings.from_env(), [DATABASE])
+        with embedded_redis(home) as settings:
+            store.upgrade(settings)
+            _say(f"database   {_masked(settings.database_url)} (migrated)")
+            with celery_node(home, settings, concurrency, pool=pool, beat=True) as node:
+                # written only now: a file naming a system that never came up would send
+                # the next `set -a; . .wm/env` (and `wm up`) to services that are not there
+                env_file = _write_env(home, settings)
+                _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
+                if as_json:
+                    _announce(stdout, env_file, settings, node)
+                _serve(settings, demo, events)
+        _say("stopped")
     return 0
+
+
+def _serve(settings: Settings, demo: bool, events: int) -> None:
+    """The foreground part: the demo, or a wait for Ctrl-C (SIGTERM acts the same)."""
+    try:
+        if demo:
+            _demo(settings, events)
+        else:
+            _say("ready      Ctrl-C stops everything")
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        _say("stopping   …")
+
+
+def _announce(
+    stream: TextIO, env_file: Path, settings: Settings, node: subprocess.Popen[bytes]
+) -> None:
+    """The ``--json`` answer: what ``.wm/env`` holds (passwords masked) and the node."""
+    variables = {name: _masked(value) for name, value in _env_values(settings).items()}
+    answer = {
+        "env_file": str(env_file),
+        "env": variables,
+        "node": {"name": host_format(NODE_NAME), "pid": node.pid},
+    }
+    print(json.dumps(answer), file=stream, flush=True)
 
 
 @contextlib.contextmanager
 def embedded_redis(home: Path) -> Iterator[Settings]:
-    """Settings for this system; starts the embedded Redis unless WM_*_URL name a broker."""
+    """Settings for this system; starts the embedded Redis unless WM_*_URL name a broker.
+
+    A broker or Redis named in the environment is used only if it answers: a value left by
+    an earlier ``wm up`` (``set -a; . .wm/env``) names an embedded Redis that is gone.
+    """
     settings = Settings.from_env()
-    if "WM_BROKER_URL" in os.environ or "WM_REDIS_URL" in os.environ:
-        _say(f"broker     {settings.broker_url} (from the environment)")
+    if BROKER in os.environ or REDIS in os.environ:
+        check_reachable(settings, [BROKER, REDIS])
+        _say(f"broker     {_masked(settings.broker_url)} (from the environment)")
         yield settings
         return
     server: EmbeddedRedis = start_redis(home / "redis")
@@ -93,12 +143,55 @@ def embedded_redis(home: Path) -> Iterator[Settings]:
         stop_redis(server)
 
 
-def _write_env(home: Path, settings: Settings) -> Path:
-    path = home / "env"
-    path.write_text(
-        f"WM_DATABASE_URL={settings.database_url}\nWM_BROKER_URL={settings.broker_url}\n"
-        f"WM_REDIS_URL={settings.redis_url}\n"
+def check_reachable(settings: Settings, variables: Iterable[str]) -> None:
+    """Raise :class:`ConfigurationError` naming the first of ``variables`` (WM_BROKER_URL,
+    WM_REDIS_URL, WM_DATABASE_URL) whose service does not answer (``wm.ops.health``'s
+    checks, each bounded by its timeout)."""
+    from wm.ops.health import CHECKS
+
+    checks = dict(CHECKS.values())
+    for variable in variables:
+        try:
+            checks[variable](settings)
+        except Exception as exc:  # any failure to answer is the finding, as in wm health
+            raise ConfigurationError(_unreachable(settings, variable, exc)) from exc
+
+
+def _unreachable(settings: Settings, variable: str, exc: Exception) -> str:
+    """One line: the variable, its URL (password masked), the reason, what to do."""
+    url = _masked(getattr(settings, variable[3:].lower()))
+    lines = str(exc).strip().splitlines()
+    reason = " ".join(lines[0].split())[:REASON_CHARS] if lines else type(exc).__name__
+    if variable in os.environ:
+        return (
+            f"{variable}={url} is unreachable ({reason}); unset it to let wm up start its "
+            "own, or start that service"
+        )
+    other = BROKER if variable == REDIS else REDIS
+    return (
+        f"{variable}={url} (its default) is unreachable ({reason}); set it, unset {other} "
+        "to let wm up start its own, or start that service"
     )
+
+
+def _masked(url: str) -> str:
+    return str(maybe_sanitize_url(url))
+
+
+def _env_values(settings: Settings) -> dict[str, str]:
+    return {
+        DATABASE: settings.database_url,
+        BROKER: settings.broker_url,
+        REDIS: settings.redis_url,
+    }
+
+
+def _write_env(home: Path, settings: Settings) -> Path:
+    """Replace ``.wm/env`` in one step, so a shell sourcing it never reads half a file."""
+    path = home / "env"
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text("".join(f"{k}={v}\n" for k, v in _env_values(settings).items()))
+    partial.replace(path)
     return path
 
 
@@ -122,11 +215,11 @@ def celery_node(
     queues: Sequence[str] = (DEFAULT_QUEUE,),
     *,
     app_module: str = "wm.celeryapp",
-    name: str = "wm-up@%h",
+    name: str = NODE_NAME,
     control: Celery | None = None,
     pool: str = "prefork",
     beat: bool = False,
-) -> Iterator[None]:
+) -> Iterator[subprocess.Popen[bytes]]:
     """A Celery node as a child process in its own session; stopped with a warm shutdown.
 
     ``control`` is the app whose pings tell that the node is up (default: one built from
@@ -162,25 +255,41 @@ def celery_node(
             start_new_session=True,
         )
     try:
-        _wait_for_node(control or make_app(settings), node, log_path)
+        _wait_for_node(control or make_app(settings), settings, node, log_path)
         workers = "processes" if pool == "prefork" else pool
         _say(f"node       celery pid {node.pid}, {concurrency} {workers}, log {log_path}")
         if beat:
             _say("beat       in the node: fires the workers' schedules (wm schedule)")
-        yield
+        yield node
     finally:
         _stop_node(node)
 
 
-def _wait_for_node(app: Celery, node: subprocess.Popen[bytes], log_path: Path) -> None:
+def _wait_for_node(
+    app: Celery, settings: Settings, node: subprocess.Popen[bytes], log_path: Path
+) -> None:
+    """Return once the node answers a ping; one line if it exits, is silent, or the broker
+    goes away meanwhile."""
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if node.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-            raise WorkManagerError(f"the Celery node exited with {node.returncode}:\n{tail}")
-        if app.control.ping(timeout=1.0):
-            return
-    raise WorkManagerError(f"the Celery node did not answer within {NODE_START_TIMEOUT_S}s")
+            raise WorkManagerError(
+                f"the Celery node exited with {node.returncode} before it answered "
+                f"({_last_line(log_path)}); its log: {log_path}"
+            )
+        with broker_errors(settings):
+            if app.control.ping(timeout=1.0):
+                return
+    raise WorkManagerError(
+        f"the Celery node did not answer within {NODE_START_TIMEOUT_S}s; its log: {log_path}"
+    )
+
+
+def _last_line(log_path: Path) -> str:
+    """The log's last line that says something (a traceback ends with the error)."""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()]
+    said = [line for line in lines if line]
+    return said[-1][:REASON_CHARS] if said else "its log is empty"
 
 
 def _stop_node(node: subprocess.Popen[bytes]) -> None:

@@ -14,13 +14,12 @@ import base64
 import binascii
 import functools
 import ipaddress
-import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import datetime
 from http import HTTPStatus
 from importlib import metadata
@@ -48,6 +47,7 @@ from starlette.exceptions import HTTPException
 from wm import store
 from wm.config import Settings
 from wm.dataplane.deadletters import DeadLetters
+from wm.dataplane.overview import Overview
 from wm.engine import engine_class
 from wm.errors import (
     BrokerUnavailable,
@@ -649,10 +649,7 @@ def list_letters(
 )
 def get_letter(svc: Svc, letter_id: str) -> dict[str, Any]:
     """One dead letter with the event as it failed."""
-    found = svc.letters.get(letter_id).to_json()
-    with suppress(ValueError):  # a malformed message stays its text
-        found["envelope"] = json.loads(found["envelope"])
-    return found
+    return svc.letters.get(letter_id).to_json()  # the envelope as JSON, or its text
 
 
 @LETTERS.post("/replay", dependencies=[OPERATOR], responses=_errors(404))
@@ -743,6 +740,14 @@ def api_health(svc: Svc, response: Response) -> Health:
         response.status_code = 503
     status: Literal["healthy", "unhealthy"] = "unhealthy" if reasons else "healthy"
     return Health(status=status, reasons=reasons, checks=checks, version=VERSION)
+
+
+@OPERATIONS.get("/v1/status", tags=["health"], dependencies=[VIEWER], responses=_errors(503))
+def cluster_status(svc: Svc) -> Overview:
+    """The cluster at a glance (``wm status``): nodes that answer a ping, workers by status
+    and health, the deepest queues, dead letters per topic, breakers and recovery. A part
+    whose service (broker, Redis) does not answer is null and named in ``unavailable``."""
+    return svc.manager.status()
 
 
 @OPERATIONS.get("/v1/whoami", tags=["tokens"])

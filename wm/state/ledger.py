@@ -33,6 +33,10 @@ from wm.state.ordering import sequence_key
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
 _SWEEP_LOCK = "wm:pending:sweeper"
+#: The node that claimed the latest sweep; kept three periods (the claim itself lasts less
+#: than one), so ``wm status`` names it between sweeps and forgets a node that went away.
+_MAINTAINER = "wm:maintainer"
+MAINTAINER_PERIODS = 3
 _RESTART_CLOCKS = """
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 for i = 1, #members, 500 do
@@ -221,8 +225,18 @@ class Ledger:
             pipe.hdel(self._legacy_bodies(worker_id), *members)
             pipe.execute()
 
-    def claim_sweep(self, period_s: float) -> bool:
-        """One node sweeps at a time, at most once per period."""
+    def claim_sweep(self, period_s: float, node: str | None = None) -> bool:
+        """One node sweeps at a time, at most once per period; the one that claims it is
+        recorded as the maintaining node (:meth:`maintainer`)."""
         with redis_errors(self.settings):
             claimed = self.redis.set(_SWEEP_LOCK, 1, nx=True, px=max(1, int(period_s * 900)))
+            if claimed and node:
+                keep_ms = max(1, int(period_s * 1000 * MAINTAINER_PERIODS))
+                self.redis.set(_MAINTAINER, node, px=keep_ms)
         return bool(claimed)
+
+    def maintainer(self) -> str | None:
+        """The node that swept last, if it did so within the last few periods."""
+        with redis_errors(self.settings):
+            found = self.redis.get(_MAINTAINER)
+        return None if found is None else text(found)

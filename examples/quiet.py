@@ -1,0 +1,3 @@
+# The README's session: the shout worker's second version, which publishes nothing.
+def process(event):
+    return None

@@ -1,0 +1,341 @@
+"""One look at the whole cluster (``wm status``, ``GET /v1/status``): the nodes that answer,
+workers by status and health, the deepest queues, dead letters per topic, circuit breakers
+and recovery. ``wm.dataplane.workerdetails`` looks at one worker the same way.
+
+Each fact is read where it lives: workers and dead letters from the database, the source of
+truth (an unreachable database fails the whole look, which means nothing without it);
+health, breaker counts and the recovery lease from Redis; nodes and queue depths from the
+broker. A part whose service does not answer is left out (None) and named in
+``unavailable`` with the reason, and every broker call is bounded (:data:`BROKER_TIMEOUT_S`,
+the ping's timeout), so one broken service never hangs the look at the others.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+from amqp.exceptions import ChannelError as AmqpChannelError
+from celery import Celery
+from kombu.exceptions import ChannelError
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from wm import store
+from wm.config import Settings
+from wm.dataplane.app import broker_errors
+from wm.dataplane.breaker import DEFAULT_FAILURE_THRESHOLD, STRATEGIES, delay_s
+from wm.dataplane.bus import Bus
+from wm.dataplane.queues import subscription_queue, worker_queue_name
+from wm.errors import BrokerUnavailable
+from wm.lifecycle import Status
+from wm.state.breaker import Breaker, failures_key
+from wm.state.connection import redis_errors, redis_for
+from wm.state.health import HEALTHS, WorkerHealth
+from wm.state.ledger import Ledger
+from wm.store import records
+from wm.store.models import DeadLetter, Worker, WorkerTransition
+
+T = TypeVar("T")
+
+#: Seconds the nodes have to answer the ping.
+PING_TIMEOUT_S = 1.0
+#: Seconds to reach the broker before it counts as unavailable.
+BROKER_TIMEOUT_S = 2.0
+#: Queues the overview lists, deepest first (its total counts every queue).
+DEEPEST_QUEUES = 10
+#: The services a part of the look may miss (keys of ``unavailable``).
+BROKER, REDIS = "broker", "redis"
+#: A worker's circuit breaker: paused for its back-off (``open``), running again one failure
+#: from reopening (``half-open``), past its threshold under a strategy that does not pause
+#: (``tripped``: degrade, replace, stop), ``closed``, or ``off`` (``failure_threshold`` 0).
+OPEN, HALF_OPEN, TRIPPED, CLOSED, OFF = "open", "half-open", "tripped", "closed", "off"
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    worker_id: str
+    name: str | None
+    topic: str
+    queue: str
+    depth: int
+
+
+@dataclass(frozen=True)
+class BreakerInfo:
+    worker_id: str
+    name: str | None
+    status: str
+    state: str
+    #: What reaching the threshold does (the worker's ``recovery`` setting).
+    strategy: str
+    consecutive_failures: int
+    threshold: int
+    #: Times it opened in a row (sets the next back-off); 0 once a delivery succeeds.
+    trips: int
+    #: When an open breaker half-opens (its back-off ends); None in any other state.
+    retry_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    #: Seconds left of the recovery leader lease while a starting node recovers, else None.
+    leader_lease_s: float | None
+    #: The node that maintains the cluster (routing table, sweeps, health) when known.
+    maintaining_node: str | None
+    #: Breakers of live workers that are not closed, or that count failures in a row.
+    breakers: list[BreakerInfo]
+
+
+@dataclass(frozen=True)
+class Overview:
+    at: datetime
+    #: Nodes that answered the ping, by name; None when the broker is unavailable.
+    nodes: list[str] | None
+    #: Live workers (not deleted), and how many are in each status and health.
+    workers: int
+    by_status: dict[str, int]
+    by_health: dict[str, int] | None
+    #: Messages waiting in every worker queue, and the deepest non-empty queues.
+    queued: int | None
+    deepest_queues: list[QueueDepth] | None
+    #: Dead letters not replayed, per topic.
+    dead_letters: dict[str, int]
+    recovery: Recovery | None
+    #: Service → why the parts that need it are None.
+    unavailable: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = jsonable(asdict(self))
+        return data
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with times in RFC 3339 (with their zone) and ids as text, at any depth."""
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    if isinstance(value, datetime):
+        return records.aware(value).isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """What a look needs of one worker."""
+
+    id: str
+    name: str | None
+    topic: str
+    status: str
+    settings: Mapping[str, Any]
+    status_since: datetime | None
+
+    @property
+    def queue(self) -> str:
+        return worker_queue_name(self.topic, self.id)
+
+
+# -- the cluster -------------------------------------------------------------------------------
+
+
+def overview(settings: Settings, bus: Bus, ping_timeout_s: float = PING_TIMEOUT_S) -> Overview:
+    """The cluster at a glance; see the module's docs for what a dead service leaves out."""
+    with store.session_scope(settings) as session:
+        workers = _live_workers(session)
+        letters = _letters_by_topic(session)
+        paused = paused_by_breaker(session, [w.id for w in workers if w.status == Status.PENDING])
+    missing: dict[str, str] = {}
+    health = part(missing, REDIS, lambda: _health_counts(settings, workers))
+    recovery = part(missing, REDIS, lambda: _recovery(settings, workers, paused))
+    looked = part(
+        missing, BROKER, lambda: _nodes_and_depths(settings, bus.app, workers, ping_timeout_s)
+    )
+    nodes, depths = looked if looked is not None else (None, None)
+    return Overview(
+        at=datetime.now(UTC),
+        nodes=nodes,
+        workers=len(workers),
+        by_status=_ordered(Counter(w.status for w in workers), [str(s) for s in Status]),
+        by_health=health,
+        queued=None if depths is None else sum(d.depth for d in depths),
+        deepest_queues=None if depths is None else _deepest(depths),
+        dead_letters=letters,
+        recovery=recovery,
+        unavailable=missing,
+    )
+
+
+def part(missing: dict[str, str], service: str, read: Callable[[], T]) -> T | None:
+    """``read()``, or None when ``service`` does not answer (the reason goes in ``missing``;
+    a service found missing once is not asked again)."""
+    if service in missing:
+        return None
+    try:
+        return read()
+    except BrokerUnavailable as exc:
+        missing[service] = str(exc)
+        return None
+
+
+def _live_workers(session: Session) -> list[LiveWorker]:
+    rows = session.execute(
+        select(
+            Worker.id,
+            Worker.name,
+            Worker.topic,
+            Worker.status,
+            Worker.settings,
+            Worker.status_since,
+        )
+        .where(Worker.status != Status.DELETED.value)
+        .order_by(Worker.created_at, Worker.id)
+    ).all()
+    return [
+        LiveWorker(str(wid), name, topic, status, dict(worker_settings or {}), records.aware(since))
+        for wid, name, topic, status, worker_settings, since in rows
+    ]
+
+
+def _letters_by_topic(session: Session) -> dict[str, int]:
+    rows = session.execute(
+        select(DeadLetter.topic, func.count())
+        .where(DeadLetter.replayed_at.is_(None))
+        .group_by(DeadLetter.topic)
+        .order_by(DeadLetter.topic)
+    ).all()
+    return {topic: int(count) for topic, count in rows}
+
+
+def paused_by_breaker(session: Session, pending: list[str]) -> set[str]:
+    """Of these pending workers, those paused by their breaker (not a delayed start): the
+    breaker moved them to ``pending`` last."""
+    if not pending:
+        return set()
+    rows = session.execute(
+        select(WorkerTransition.worker_id, WorkerTransition.actor)
+        .where(
+            WorkerTransition.worker_id.in_([uuid.UUID(w) for w in pending]),
+            WorkerTransition.to_status == Status.PENDING.value,
+        )
+        .order_by(WorkerTransition.id)
+    ).all()
+    last = {str(wid): actor for wid, actor in rows}
+    return {wid for wid, actor in last.items() if actor == "breaker"}
+
+
+def _health_counts(settings: Settings, workers: list[LiveWorker]) -> dict[str, int]:
+    known = WorkerHealth(settings).known([w.id for w in workers])
+    return _ordered(Counter(known.values()), list(HEALTHS))
+
+
+def _ordered(counts: Counter[str], order: list[str]) -> dict[str, int]:
+    """Non-zero counts in ``order``, then any others by name."""
+    keys = [k for k in order if counts[k]] + sorted(set(counts) - set(order))
+    return {key: counts[key] for key in keys}
+
+
+def _recovery(settings: Settings, workers: list[LiveWorker], paused: set[str]) -> Recovery:
+    from wm.dataplane.node import LEADER_KEY
+
+    with redis_errors(settings):
+        lease_ms = int(redis_for(settings).pttl(LEADER_KEY))
+    return Recovery(
+        leader_lease_s=lease_ms / 1000 if lease_ms > 0 else None,
+        maintaining_node=Ledger(settings).maintainer(),
+        breakers=_breakers(settings, workers, paused),
+    )
+
+
+def _breakers(settings: Settings, workers: list[LiveWorker], paused: set[str]) -> list[BreakerInfo]:
+    """Breakers worth a look: failures counted in a row, or paused by the breaker."""
+    if not workers:
+        return []
+    with redis_errors(settings):
+        pipe = redis_for(settings).pipeline(transaction=False)  # keys in many slots
+        for worker in workers:
+            pipe.get(failures_key(worker.id))
+        counts = [int(found or 0) for found in pipe.execute()]
+    breaker = Breaker(settings)
+    return [
+        breaker_info(worker, count, breaker.trips(worker.id), worker.id in paused)
+        for worker, count in zip(workers, counts, strict=True)
+        if count or worker.id in paused
+    ]
+
+
+def breaker_info(worker: LiveWorker, failures: int, trips: int, paused: bool) -> BreakerInfo:
+    """The state of ``worker``'s breaker (see :data:`OPEN` and the others) from its counts
+    and whether the breaker itself paused it."""
+    limit = int(worker.settings.get("failure_threshold", DEFAULT_FAILURE_THRESHOLD))
+    how = str(worker.settings.get("recovery", STRATEGIES[0]))
+    retry_at = None
+    if worker.status == Status.PENDING and paused:
+        state = OPEN
+        if worker.status_since is not None:
+            pause = delay_s(dict(worker.settings), max(1, trips))
+            retry_at = worker.status_since + timedelta(seconds=pause)
+    elif not limit:
+        state = OFF
+    elif trips and how == STRATEGIES[0] and worker.status in (Status.STARTING, Status.RUNNING):
+        state = HALF_OPEN
+    else:
+        state = TRIPPED if trips else CLOSED
+    return BreakerInfo(
+        worker.id, worker.name, worker.status, state, how, failures, limit, trips, retry_at
+    )
+
+
+def _nodes_and_depths(
+    settings: Settings, app: Celery, workers: list[LiveWorker], ping_timeout_s: float
+) -> tuple[list[str], list[QueueDepth]]:
+    """The nodes that answer a ping, and every worker queue's depth: one connection, each
+    wait bounded."""
+    with broker_errors(settings), connect(app) as conn:
+        replies = app.control.ping(timeout=ping_timeout_s, connection=conn) or []
+        depths = queue_depths(conn, [w.queue for w in workers])
+    nodes = sorted(name for reply in replies for name in reply)
+    return nodes, [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in workers]
+
+
+def connect(app: Celery) -> Any:
+    """A broker connection made now, or the broker's error after one quick attempt (kombu
+    would otherwise retry for as long as Celery's settings allow)."""
+    conn = app.connection_for_write(connect_timeout=BROKER_TIMEOUT_S)
+    try:
+        conn.ensure_connection(
+            max_retries=1, interval_start=0, interval_step=0, timeout=BROKER_TIMEOUT_S
+        )
+    except BaseException:
+        conn.release()
+        raise
+    return conn
+
+
+def queue_depths(conn: Any, queues: Iterable[str]) -> dict[str, int]:
+    """Messages ready in each queue (0 for a queue that does not exist), on ``conn``."""
+    depths: dict[str, int] = {}
+    channel = conn.channel()
+    try:
+        for name in queues:
+            try:
+                declared = subscription_queue(name).bind(channel).queue_declare(passive=True)
+                depths[name] = int(declared.message_count)
+            except (ChannelError, AmqpChannelError):  # no such queue; AMQP closes the channel
+                depths[name] = 0
+                channel = conn.channel()
+    finally:
+        channel.close()
+    return depths
+
+
+def _deepest(depths: list[QueueDepth]) -> list[QueueDepth]:
+    waiting = [d for d in depths if d.depth]
+    return sorted(waiting, key=lambda d: (-d.depth, d.queue))[:DEEPEST_QUEUES]

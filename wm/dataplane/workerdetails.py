@@ -1,0 +1,213 @@
+"""What one worker's own look adds to its record (``wm worker show``): its queue's depth,
+its dead letters not replayed, its last error, its recent deliveries and its circuit breaker.
+
+The last error is the newest of what is recorded about the worker's failures: its newest
+dead letter, its newest move to ``failed`` or ``killed`` or by its breaker (whose reason
+names the error), and its last health probe when that failed. Delivery counts are the
+per-minute counts health keeps in Redis (``wm.state.health``): a process adds its tally
+there at most once a second, with its next delivery's record, so the newest deliveries may
+show a little late. Parts are read as ``wm.dataplane.overview`` reads them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from wm import store
+from wm.config import Settings
+from wm.dataplane.app import broker_errors
+from wm.dataplane.bus import Bus
+from wm.dataplane.overview import (
+    BROKER,
+    REDIS,
+    BreakerInfo,
+    LiveWorker,
+    breaker_info,
+    connect,
+    jsonable,
+    part,
+    paused_by_breaker,
+    queue_depths,
+)
+from wm.lifecycle import Status
+from wm.state.breaker import Breaker, failures_key
+from wm.state.connection import redis_errors, redis_for, text
+from wm.state.health import WINDOW_MIN, ProbeFacts, counts_key, probe_key
+from wm.store import records
+from wm.store.models import DeadLetter, WorkerTransition
+from wm.views import WorkerInfo
+
+#: Transitions whose reason is an error worth showing as a worker's last one: these moves,
+#: and the breaker's.
+_FAILING = (Status.FAILED.value, Status.KILLED.value)
+_BREAKER_MOVES = (Status.PENDING.value, Status.STOPPED.value)
+
+
+@dataclass(frozen=True)
+class DeliveryCounts:
+    """Delivery attempts of a worker counted since ``since`` (Redis keeps them per clock
+    minute, so a window starts at a minute's start)."""
+
+    since: datetime
+    ok: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class LastError:
+    at: datetime
+    #: Where it was recorded: ``dead letter``, ``transition`` or ``probe``.
+    source: str
+    message: str
+    error_type: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerDetails:
+    worker: WorkerInfo
+    queue: str
+    #: Messages waiting in the queue; None when the broker is unavailable.
+    queue_depth: int | None
+    #: Dead letters of the worker not replayed.
+    dead_letters: int
+    last_error: LastError | None
+    #: Deliveries since the previous clock minute began, and within the health window.
+    deliveries_last_minute: DeliveryCounts | None
+    deliveries_window: DeliveryCounts | None
+    breaker: BreakerInfo | None
+    unavailable: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The worker's own fields, then these."""
+        extras = jsonable({k: v for k, v in asdict(self).items() if k != "worker"})
+        return {**self.worker.to_json(), **extras}
+
+
+def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDetails:
+    """What ``wm worker show`` adds to ``info``; a service that does not answer leaves its
+    parts None (see ``wm.dataplane.overview``)."""
+    live = LiveWorker(
+        str(info.id),
+        info.name,
+        info.topic,
+        info.status,
+        dict(info.settings),
+        records.aware(info.status_since),
+    )
+    with store.session_scope(settings) as session:
+        letters, errors = _letters_of(session, info.id)
+        paused = bool(
+            paused_by_breaker(session, [live.id] if live.status == Status.PENDING else [])
+        )
+    missing: dict[str, str] = {}
+    facts = part(missing, REDIS, lambda: _redis_facts(settings, live, paused))
+    depth = part(missing, BROKER, lambda: _depth(settings, bus.app, live.queue))
+    if facts is not None and facts.probe is not None and not facts.probe.ok:
+        at = datetime.fromtimestamp(facts.probe.at, UTC)
+        errors.append(LastError(at, "probe", facts.probe.error))
+    return WorkerDetails(
+        worker=info,
+        queue=live.queue,
+        queue_depth=depth,
+        dead_letters=letters,
+        last_error=max(errors, key=lambda e: e.at, default=None),
+        deliveries_last_minute=None if facts is None else facts.last_minute,
+        deliveries_window=None if facts is None else facts.window,
+        breaker=None if facts is None else facts.breaker,
+        unavailable=missing,
+    )
+
+
+def _letters_of(session: Session, wid: uuid.UUID) -> tuple[int, list[LastError]]:
+    """The worker's dead letters not replayed, and the newest errors the database holds."""
+    count = session.scalar(
+        select(func.count())
+        .select_from(DeadLetter)
+        .where(DeadLetter.worker_id == wid, DeadLetter.replayed_at.is_(None))
+    )
+    found = [_newest_letter(session, wid), _newest_failing_move(session, wid)]
+    return int(count or 0), [error for error in found if error is not None]
+
+
+def _newest_letter(session: Session, wid: uuid.UUID) -> LastError | None:
+    letter = session.scalars(
+        select(DeadLetter)
+        .where(DeadLetter.worker_id == wid)
+        .order_by(DeadLetter.last_failure_at.desc())
+        .limit(1)
+    ).first()
+    if letter is None:
+        return None
+    at = records.aware(letter.last_failure_at)
+    return LastError(at, "dead letter", letter.error_message, letter.error_type)
+
+
+def _newest_failing_move(session: Session, wid: uuid.UUID) -> LastError | None:
+    """The reason of the worker's newest move to failed or killed, or by its breaker."""
+    by_breaker = (WorkerTransition.actor == "breaker") & WorkerTransition.to_status.in_(
+        _BREAKER_MOVES
+    )
+    moved = session.scalars(
+        select(WorkerTransition)
+        .where(
+            WorkerTransition.worker_id == wid, WorkerTransition.to_status.in_(_FAILING) | by_breaker
+        )
+        .order_by(WorkerTransition.id.desc())
+        .limit(1)
+    ).first()
+    return None if moved is None else LastError(records.aware(moved.at), "transition", moved.reason)
+
+
+@dataclass(frozen=True)
+class _RedisFacts:
+    last_minute: DeliveryCounts
+    window: DeliveryCounts
+    breaker: BreakerInfo
+    probe: ProbeFacts | None
+
+
+def _redis_facts(settings: Settings, worker: LiveWorker, paused: bool) -> _RedisFacts:
+    """Delivery counts, breaker and last probe of one worker: two round trips."""
+    with redis_errors(settings):
+        pipe = redis_for(settings).pipeline(transaction=False)  # keys in many slots
+        pipe.hgetall(counts_key(worker.id))
+        pipe.get(failures_key(worker.id))
+        pipe.hgetall(probe_key(worker.id))
+        counts, failures, probe = pipe.execute()
+    trips = Breaker(settings).trips(worker.id)
+    minute = int(time.time() // 60)
+    return _RedisFacts(
+        last_minute=delivery_counts(counts, minute - 1),
+        window=delivery_counts(counts, minute - WINDOW_MIN + 1),
+        breaker=breaker_info(worker, int(failures or 0), trips, paused),
+        probe=ProbeFacts.parse(probe),
+    )
+
+
+def delivery_counts(counts: Mapping[Any, Any] | None, since_minute: int) -> DeliveryCounts:
+    """Sum the per-minute counts of ``wm.state.health`` (fields ``<minute>:ok`` and
+    ``<minute>:failed``) from minute ``since_minute`` (minutes since the epoch) on."""
+    ok = failed = 0
+    for field, value in (counts or {}).items():
+        minute, _, kind = text(field).partition(":")
+        if int(minute) < since_minute:
+            continue
+        if kind == "ok":
+            ok += int(value)
+        elif kind == "failed":
+            failed += int(value)
+    return DeliveryCounts(datetime.fromtimestamp(since_minute * 60, UTC), ok, failed)
+
+
+def _depth(settings: Settings, app: Celery, queue: str) -> int:
+    with broker_errors(settings), connect(app) as conn:
+        return queue_depths(conn, [queue])[queue]
