@@ -11,51 +11,19 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
+from tests.cli_env import GUARD_S, ROOT, one_error_line, wm, wm_json
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, store
 from wm.config import settings_table
 from wm.dataplane.deadletters import DeadLetters, Failure
 from wm.events import encode, key_of, make_event
 
-ROOT = Path(__file__).resolve().parent.parent
 LIFECYCLE = "workmanager.lifecycle"
 LIFECYCLE_TYPE = "com.virtufin.workmanager.lifecycle."
-#: Longest one command or wait may take, in seconds: a guard against hangs, not a timing test.
-GUARD_S = 60.0
-
-
-class Result(NamedTuple):
-    code: int
-    raw: bytes
-    err: str
-
-    @property
-    def out(self) -> str:
-        return self.raw.decode()
-
-
-def wm(env: dict[str, str], *args: str, stdin: bytes | None = None, expect: int = 0) -> Result:
-    """Run ``wm`` as a separate process and check its exit code."""
-    done = subprocess.run(
-        [sys.executable, "-m", "wm.cli", *args],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        timeout=GUARD_S,
-        cwd=ROOT,
-        check=False,
-    )
-    result = Result(done.returncode, done.stdout, done.stderr.decode())
-    assert result.code == expect, f"wm {' '.join(args)} exited {result.code}:\n{result.err}"
-    return result
-
-
-def wm_json(env: dict[str, str], *args: str, stdin: bytes | None = None) -> Any:
-    return json.loads(wm(env, "--json", *args, stdin=stdin).out)
 
 
 def create(env: dict[str, str], tmp_path: Path, *extra: str, topic: str = "orders") -> Any:
@@ -64,14 +32,6 @@ def create(env: dict[str, str], tmp_path: Path, *extra: str, topic: str = "order
     return wm_json(
         env, "worker", "create", "--topic", topic, "--mime-type", STUB, "--file", str(path), *extra
     )
-
-
-def one_error_line(result: Result) -> str:
-    """The single ``wm: error:`` line a failed command prints (no traceback, nothing else)."""
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("wm: error: "), result.err
-    return lines[0]
 
 
 def drain_env(env: dict[str, str], queue: str, count: int) -> list[dict[str, Any]]:

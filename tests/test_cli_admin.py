@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from tests.cli_env import one_error_line, wm, wm_json
 from tests.helpers import plain, run_in_terminal
-from tests.test_cli import create, one_error_line, wm, wm_json
+from tests.test_cli import create
 from wm import Settings, store
 from wm.config import settings_table
 
@@ -342,3 +343,8 @@ def test_schedule_constants_agree_with_their_sources() -> None:
 
     assert schedules.MISSED == MISSED
     assert schedules.DEFAULT_MAX_CATCH_UP == DEFAULT_MAX_CATCH_UP
+
+
+def test_api_refuses_json_rather_than_ignoring_it(env: dict[str, str]) -> None:
+    assert "No such option '--json'" in wm(env, "api", "--json", expect=2).err
+    assert "WM_LOG_FORMAT=json" in wm(env, "--json", "api", expect=2).err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from tests.cli_env import wm, wm_json
 from tests.conftest import (
     CLI_BROKER_DB,
     CLI_STATE_DB,
@@ -34,36 +34,12 @@ from wm.dataplane.deadletters import DeadLetters, Failure
 from wm.events import encode, key_of, make_event
 from wm.store.models import DeadLetter
 
-ROOT = Path(__file__).resolve().parent.parent
-#: Longest one command may take, in seconds: a guard against hangs, not a timing test.
-GUARD_S = 60.0
 #: An error message longer than any terminal here: made of numbered words, so a test can tell
 #: it was wrapped whole (every word shown) rather than cut.
 LONG_ERROR = " ".join(f"word{n:02d}" for n in range(40))
 #: Letters a replay sends in the progress test, and its rate (letters per second): slow
 #: enough that the bar is drawn part-way several times (rich refreshes 10 times a second).
 REPLAYED, REPLAY_RATE = 21, "10"
-
-
-def wm(env: dict[str, str], *args: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
-    """Run ``wm`` through pipes (no terminal) and check its exit code."""
-    done = subprocess.run(
-        [sys.executable, "-m", "wm.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=GUARD_S,
-        cwd=ROOT,
-        check=False,
-    )
-    assert done.returncode == expect, (
-        f"wm {' '.join(args)} exited {done.returncode}:\n{done.stderr}"
-    )
-    return done
-
-
-def wm_json(env: dict[str, str], *args: str) -> Any:
-    return json.loads(wm(env, "--json", *args).stdout)
 
 
 def in_terminal(env: dict[str, str], *args: str, columns: int) -> list[str]:
@@ -204,7 +180,7 @@ def test_json_names_workers_and_gives_the_event_as_an_object(any_settings: Setti
 
 def test_show_prints_the_fields_then_the_event_pretty(settings: Settings) -> None:
     letters = make_letters(settings)
-    out = wm(env_of(settings), "dlq", "show", letters.crash).stdout
+    out = wm(env_of(settings), "dlq", "show", letters.crash).out
     fields, _, event = out.partition("\nevent:\n")
     assert re.search(r"^worker: +flaky \(" + letters.flaky + r"\)", fields, re.M), fields
     assert json.loads(event)["data"] == {"n": 1}
@@ -258,8 +234,8 @@ def test_replay_without_a_terminal_prints_only_the_summary(settings: Settings) -
     letters = make_letters(settings, timeouts=3)
     env = env_of(settings)
     done = wm(env, "dlq", "replay", *letters.timeouts[:2], "--rate", "100")
-    assert done.stderr == ""  # no progress bar through a pipe
-    assert re.fullmatch(r"replayed 2 of 2 dead letter\(s\) in [\d.]+ s\n", done.stdout)
+    assert done.err == ""  # no progress bar through a pipe
+    assert re.fullmatch(r"replayed 2 of 2 dead letter\(s\) in [\d.]+ s\n", done.out)
 
     replayed = wm_json(env, "dlq", "replay", "--worker", letters.flaky, "--error-type",
                        "WorkerTimeout", "--rate", "100")  # fmt: skip
@@ -268,8 +244,8 @@ def test_replay_without_a_terminal_prints_only_the_summary(settings: Settings) -
 
     # A deleted worker's letter cannot be replayed: one error line saying why and how far.
     failed = wm(env, "dlq", "replay", letters.orphan, expect=1)
-    assert failed.stderr.startswith("wm: error: ") and "purge it instead" in failed.stderr
-    assert "0 of 1 replayed before" in failed.stderr and len(failed.stderr.splitlines()) == 1
+    assert failed.err.startswith("wm: error: ") and "purge it instead" in failed.err
+    assert "0 of 1 replayed before" in failed.err and len(failed.err.splitlines()) == 1
 
 
 # -- purge --------------------------------------------------------------------------------------
@@ -282,15 +258,15 @@ def test_purge_by_filter_without_yes_only_counts(settings: Settings) -> None:
     before = wm_json(env, "dlq", "list", "--all")
 
     refused = wm(env, "dlq", "purge", "--error-type", "WorkerTimeout", expect=1)
-    assert refused.stdout == ""
-    [line] = refused.stderr.splitlines()
+    assert refused.out == ""
+    [line] = refused.err.splitlines()
     assert line.startswith("wm: error: would purge 3 dead letter(s) matching --error-type")
     assert "nothing deleted" in line and "--yes" in line
     assert wm_json(env, "dlq", "list", "--all") == before
 
     done = wm(env, "dlq", "purge", "--error-type", "WorkerTimeout", "--yes")
-    assert re.fullmatch(r"purged 3 dead letter\(s\) in [\d.]+ s\n", done.stdout)
-    assert done.stderr == ""
+    assert re.fullmatch(r"purged 3 dead letter\(s\) in [\d.]+ s\n", done.out)
+    assert done.err == ""
     left = {d["id"] for d in wm_json(env, "dlq", "list", "--all")}
     assert left == {letters.crash, letters.malformed}
 

@@ -5,7 +5,6 @@ person would look at the output."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
@@ -13,77 +12,20 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import pytest
 
-from tests.conftest import CLI_BROKER_DB, CLI_STATE_DB, REDIS_HOST, flush_redis
+from tests.cli_env import GUARD_S, ROOT, one_error_line, wm, wm_json
 from tests.helpers import STUB, Terminal, drain, plain, run_in_terminal, stub
 from wm import Settings, WorkManager, store
-from wm.config import settings_table
 from wm.events import LIFECYCLE_TOPIC, encode, lifecycle_event, make_event
 
-ROOT = Path(__file__).resolve().parent.parent
-#: Longest one command or wait may take, in seconds: a guard against hangs, not a timing test.
-GUARD_S = 60.0
 #: Events in a bulk publish.
 BULK = 50
 #: Width of the narrow pseudo-terminal of the tail tests, in columns.
 NARROW = 60
-
-
-class Result(NamedTuple):
-    code: int
-    out: str
-    err: str
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """A migrated SQLite store and empty Redis databases; no WorkManager setting of this
-    process leaks into the commands."""
-    ours = {variable for variable, _, _ in settings_table()}
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("WM_") and k not in ours}
-    environment.update(
-        WM_DATABASE_URL=f"sqlite:///{tmp_path / 'wm.db'}",
-        WM_BROKER_URL=f"{REDIS_HOST}/{CLI_BROKER_DB}",
-        WM_REDIS_URL=f"{REDIS_HOST}/{CLI_STATE_DB}",
-        WM_LOG_LEVEL="WARNING",
-    )
-    flush_redis(CLI_BROKER_DB, CLI_STATE_DB)
-    store.upgrade(Settings.from_env(environment))
-    store.dispose_engines()
-    yield environment
-    flush_redis(CLI_BROKER_DB, CLI_STATE_DB)
-
-
-def wm(env: dict[str, str], *args: str, stdin: bytes | None = None, expect: int = 0) -> Result:
-    """Run ``wm`` as a separate process, without a terminal, and check its exit code."""
-    done = subprocess.run(
-        [sys.executable, "-m", "wm.cli", *args],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        timeout=GUARD_S,
-        cwd=ROOT,
-        check=False,
-    )
-    result = Result(done.returncode, done.stdout.decode(), done.stderr.decode())
-    assert result.code == expect, f"wm {' '.join(args)} exited {result.code}:\n{result.err}"
-    return result
-
-
-def wm_json(env: dict[str, str], *args: str, stdin: bytes | None = None) -> Any:
-    return json.loads(wm(env, "--json", *args, stdin=stdin).out)
-
-
-def one_error_line(result: Result) -> str:
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("wm: error: "), result.err
-    return lines[0]
 
 
 def depths(env: dict[str, str]) -> dict[str, int]:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_env import wm, wm_json
 from tests.helpers import plain, run_in_terminal
-from tests.test_cli import create, wm, wm_json
+from tests.test_cli import create
 
 WM = [sys.executable, "-m", "wm.cli"]
 

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from wm.cli.admin import component
-from wm.cli.arguments import POSITIVE_INT, Command, Group, iso_time, pass_output
+from wm.cli.arguments import (
+    POSITIVE_INT,
+    Command,
+    Group,
+    UsageError,
+    iso_time,
+    pass_output,
+)
 from wm.cli.output import Output, labelled
 from wm.views import Role
 
@@ -25,7 +32,7 @@ MAX_PORT = 65535
 WORKER_REF = re.compile(r"\bref=([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\b")
 
 
-@click.command(cls=Command)
+@click.command()
 @click.option(
     "--bind",
     metavar="ADDRESS",
@@ -67,8 +74,10 @@ def api(
 ) -> int:
     """Serve the admin HTTP API until Ctrl-C (needs the [api] extra).
 
-    README, Admin HTTP API.
+    README, Admin HTTP API. It prints no JSON: for JSON log lines, set WM_LOG_FORMAT=json.
     """
+    if out.as_json:
+        raise UsageError("wm api prints no JSON; for JSON log lines set WM_LOG_FORMAT=json")
     changes = {"api_bind": bind, "api_port": port, "api_tls_cert": tls_cert, "api_tls_key": tls_key}
     settings = out.settings.replace(**{k: v for k, v in changes.items() if v is not None})
     component("wm.ops.api", extra="api").serve(settings, insecure=insecure)
