@@ -36,27 +36,23 @@ WORKER_REF = re.compile(r"\bref=([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}
 @click.option(
     "--bind",
     metavar="ADDRESS",
-    show_default="$WM_API_BIND, 127.0.0.1",
-    help="Address to listen on.",
+    help="Address to listen on. [default: $WM_API_BIND, 127.0.0.1]",
 )
 @click.option(
     "--port",
     type=click.IntRange(1, MAX_PORT),
     metavar="PORT",
-    show_default="$WM_API_PORT, 8080",
-    help="Port to listen on.",
+    help="Port to listen on. [default: $WM_API_PORT, 8080]",
 )
 @click.option(
     "--tls-cert",
     metavar="PEM",
-    show_default="$WM_API_TLS_CERT",
-    help="Serve HTTPS with this certificate.",
+    help="Serve HTTPS with this certificate. [default: $WM_API_TLS_CERT]",
 )
 @click.option(
     "--tls-key",
     metavar="PEM",
-    show_default="$WM_API_TLS_KEY",
-    help="The certificate's private key.",
+    help="The certificate's private key. [default: $WM_API_TLS_KEY]",
 )
 @click.option(
     "--insecure",
@@ -102,8 +98,7 @@ def token() -> None:
     "--expires-days",
     type=POSITIVE_INT,
     metavar="N",
-    show_default="never",
-    help="Expire after N days.",
+    help="Expire after N days. [default: never]",
 )
 @pass_output
 def create_token(out: Output, name: str, role: str, expires_days: int | None) -> int:

@@ -168,8 +168,7 @@ def up(out: Output, demo: bool, events: int, concurrency: int, pool: str) -> int
 @click.option(
     "--node",
     metavar="URL",
-    show_default="http://127.0.0.1:$WM_HEALTH_PORT/health",
-    help="The node's health endpoint.",
+    help="The node's health endpoint. [default: http://127.0.0.1:$WM_HEALTH_PORT/health]",
 )
 @pass_output
 def health(out: Output, node: str | None) -> int:
