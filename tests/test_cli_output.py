@@ -8,11 +8,13 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import click
 import pytest
 
 from tests.cli_env import wm, wm_json
-from tests.helpers import plain, run_in_terminal
+from tests.helpers import plain, run_in_terminal, stub
 from tests.test_cli import create
+from wm.cli import COMMANDS, cli
 
 WM = [sys.executable, "-m", "wm.cli"]
 
@@ -84,3 +86,22 @@ def test_json_times_are_rfc3339_with_a_zone(env: dict[str, str], tmp_path: Path)
         assert datetime.fromisoformat(made[key]).utcoffset() is not None, made[key]
     for transition in wm_json(env, "worker", "transitions", "zoned"):
         assert datetime.fromisoformat(transition["at"]).utcoffset() is not None
+
+
+def test_cells_are_data_not_markup(env: dict[str, str], tmp_path: Path) -> None:
+    # A cell's square brackets are the operator's text, never a rich style tag.
+    shown = wm(env, "config").out
+    assert "`[worker=… event=… correlation=… attempt=…]`" in shown
+    made = create(env, tmp_path, "--name", "brackets")
+    code = tmp_path / "v2.json"
+    code.write_bytes(stub(output_type="v2"))
+    wm(env, "worker", "update-code", "brackets", "--file", str(code), "--note", "[/x] [true]")
+    assert "[/x] [true]" in wm(env, "worker", "history", made["id"]).out
+
+
+def test_the_listed_help_is_each_command_s_own() -> None:
+    # ``wm --help`` lists COMMANDS without importing the commands: it must not drift.
+    context = click.Context(cli)
+    for name, (_, listed) in COMMANDS.items():
+        command = cli.get_command(context, name)
+        assert command is not None and command.get_short_help_str(limit=1000) == listed, name

@@ -93,3 +93,12 @@ def test_urls_can_come_from_files(tmp_path: Path) -> None:
         Settings.from_env({"WM_REDIS_URL_FILE": "/nowhere"})
     with pytest.raises(ConfigurationError, match="unknown setting WM_MAX_RETRIES_FILE"):
         Settings.from_env({"WM_MAX_RETRIES_FILE": str(secret)})
+
+
+def test_a_url_is_given_itself_or_by_its_file() -> None:
+    from wm.config import given
+
+    assert given("WM_BROKER_URL", {"WM_BROKER_URL_FILE": "/run/secrets/broker"})
+    assert given("WM_BROKER_URL", {"WM_BROKER_URL": "redis://x"})
+    assert not given("WM_BROKER_URL", {"WM_REDIS_URL": "redis://x"})
+    assert not given("WM_MAX_RETRIES", {"WM_MAX_RETRIES_FILE": "/x"})

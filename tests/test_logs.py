@@ -163,6 +163,8 @@ def test_fields_reach_every_record_only_inside_a_delivery() -> None:
     handler.addFilter(logs.DeliveryFields())
     library = logging.getLogger("some.library")
     library.addHandler(handler)
+    # Whatever level an earlier test left on the root logger, these records are emitted.
+    library.setLevel(logging.DEBUG)
     try:
         logcontext.bind(worker="nowhere")  # no scope: ignored
         with logcontext.scope(worker_id="w-1"):
@@ -172,6 +174,7 @@ def test_fields_reach_every_record_only_inside_a_delivery() -> None:
         library.warning("outside")
     finally:
         library.removeHandler(handler)
+        library.setLevel(logging.NOTSET)
     inside, explicit, outside = (vars(record) for record in handler.records)
     assert {name: inside.get(name) for name in logcontext.FIELDS} == {
         "worker": None,

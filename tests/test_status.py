@@ -129,7 +129,7 @@ def test_status_and_worker_show_tell_an_operator_what_runs_waits_and_fails(
     for heading in ("Deepest queues", "Dead letters not replayed", "Circuit breakers"):
         assert heading in screen
     assert f"parked ({parked.id})" in screen
-    assert re.search(r"open +1/1 +1 +\d+ (s|min) +flaky", screen), screen
+    assert re.search(r"open +1/1 +1 +[\d.]+ (s|min) +flaky", screen), screen
     assert re.search(r"off +1/- +0 +- +bad", screen), screen
     assert f"({flaky.id})" in screen and "st.bad" in screen  # ids never cut
 

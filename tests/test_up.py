@@ -77,16 +77,22 @@ def test_no_env_file_is_written_for_a_system_that_never_came_up(tmp_path: Path) 
 def test_json_prints_the_environment_once_up_and_people_s_lines_on_stderr(
     tmp_path: Path,
 ) -> None:
-    proc = _run_up(tmp_path, "--json", stderr=subprocess.PIPE)
+    # The database's URL from a file, as a secret is handed over: the node gets the URL.
+    database = f"sqlite:///{tmp_path / 'from-file.db'}"
+    (tmp_path / "db-url").write_text(database + "\n")
+    env = {**_env(), "WM_DATABASE_URL_FILE": str(tmp_path / "db-url")}
+    proc = _run_up(tmp_path, "--json", env=env, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     try:
         first = proc.stdout.readline()  # the process waits in the foreground meanwhile
         answer = json.loads(first)
         env_file = tmp_path / ".wm" / "env"
         assert answer["env_file"] == str(env_file)
+        assert env_file.stat().st_mode & 0o777 == 0o600  # URLs may hold passwords
         written = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
         assert answer["env"] == written
         assert sorted(written) == ["WM_BROKER_URL", "WM_DATABASE_URL", "WM_REDIS_URL"]
+        assert written["WM_DATABASE_URL"] == database
         assert written["WM_BROKER_URL"].startswith("redis://127.0.0.1:")
         assert answer["node"]["name"].startswith("wm-up@")
         assert _alive(answer["node"]["pid"])

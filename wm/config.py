@@ -433,6 +433,19 @@ FROM_FILE = ("WM_DATABASE_URL", "WM_BROKER_URL", "WM_REDIS_URL")
 FILE_SUFFIX = "_FILE"
 
 
+def given(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``name`` is set in ``env`` (default ``os.environ``), itself or by its file."""
+    env = os.environ if env is None else env
+    return name in env or (name in FROM_FILE and name + FILE_SUFFIX in env)
+
+
+def masked(url: str) -> str:
+    """``url`` with its password replaced by ``**``: how a URL is shown or logged."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return str(maybe_sanitize_url(url))
+
+
 def _read_file(env: Mapping[str, str], name: str) -> str | None:
     """``name``'s value: from the environment, or from the file ``<name>_FILE`` names
     (surrounding white space dropped); both at once is refused."""

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
-import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete as sa_delete
@@ -48,51 +45,12 @@ from wm.views import (
     validate_worker_settings,
 )
 
+# The data plane (Celery, kombu) is imported by the methods that use it: reading the store,
+# as ``wm worker list`` does, needs none of it, and the command line starts faster without.
 if TYPE_CHECKING:
-    from wm.dataplane import (
-        breaker,
-        enginecontrol,
-        outbox,
-        overview,
-        queues,
-        quota,
-        workerdetails,
-    )
-    from wm.dataplane import bus as bus_module
+    from wm.dataplane import overview, workerdetails
     from wm.dataplane.bus import Bus
 
-
-def _lazy(name: str) -> ModuleType:
-    """Module ``name``, executed when first used rather than now (importlib's LazyLoader)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.loader is not None, name
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    package, _, attribute = name.rpartition(".")
-    setattr(sys.modules[package], attribute, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-if not TYPE_CHECKING:
-    # The data plane (Celery, kombu) loads when a method first needs it: reading the store
-    # (``wm worker list``) needs none of it, and the command line starts faster without.
-    bus_module, breaker, enginecontrol, outbox, overview, queues, quota, workerdetails = (
-        _lazy(f"wm.dataplane.{name}")
-        for name in (
-            "bus",
-            "breaker",
-            "enginecontrol",
-            "outbox",
-            "overview",
-            "queues",
-            "quota",
-            "workerdetails",
-        )
-    )
 
 logger = logging.getLogger(__name__)
 #: Missed firings a ``catch_up`` schedule sends at most, unless told otherwise.
@@ -117,6 +75,8 @@ class WorkManager:
 
     @property
     def bus(self) -> Bus:
+        from wm.dataplane import bus as bus_module
+
         if self._bus is None:
             self._bus = bus_module.Bus(self.settings)
         return self._bus
@@ -137,6 +97,9 @@ class WorkManager:
         settings: Mapping[str, Any] | None = None,
     ) -> WorkerInfo:
         """Validate everything, persist the worker (status ``created``), optionally start it."""
+        from wm.dataplane import bus as bus_module
+        from wm.dataplane import outbox, queues
+
         check_name("topic", topic)
         if name is not None:
             check_name("worker name", name)
@@ -208,6 +171,8 @@ class WorkManager:
 
     def rollback_worker(self, worker_id: uuid.UUID | str, version: int) -> WorkerInfo:
         """Make an earlier version current again; recorded as a transition and an event."""
+        from wm.dataplane import outbox
+
         wid = self._resolve(worker_id)
 
         def rollback(session: Session) -> None:
@@ -243,6 +208,8 @@ class WorkManager:
 
         With ``delay_s`` the start waits: the worker is ``pending`` now and starts by itself
         after ``delay_s`` seconds (``start`` or ``stop`` meanwhile replace the wait)."""
+        from wm.dataplane import breaker, outbox, quota
+
         wid = self._resolve(worker_id)
         if delay_s is not None:
             if not (math.isfinite(delay_s) and delay_s > 0):
@@ -266,6 +233,8 @@ class WorkManager:
     def suspend_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Stop consuming on every node but keep the queue (messages accumulate) and the
         loaded engines; :meth:`resume_worker` delivers what accumulated. Idempotent."""
+        from wm.dataplane import outbox
+
         wid = self._resolve(worker_id)
         queue = records.transaction(self.settings, lambda session: self._suspend(session, wid))
         outbox.changed(self.settings, self.bus, wid)
@@ -287,6 +256,8 @@ class WorkManager:
         else 30 s) have their engine killed on their node and the worker ends ``killed``
         instead of ``stopped``; those deliveries go back to the queue and run again when the
         worker starts."""
+        from wm.dataplane import breaker, enginecontrol, outbox
+
         if grace_s is not None and not (math.isfinite(grace_s) and grace_s >= 0):
             raise InvalidArgument(
                 f"grace period must be a non-negative number of seconds, not {grace_s}"
@@ -318,6 +289,8 @@ class WorkManager:
 
     def delete_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
         """Delete from any state; the queue goes, versions and transitions stay for audit."""
+        from wm.dataplane import enginecontrol, outbox
+
         wid = self._resolve(worker_id)
         removed = records.transaction(self.settings, lambda s: self._delete(s, wid))
         outbox.changed(self.settings, self.bus, wid)
@@ -340,6 +313,8 @@ class WorkManager:
     ) -> None:
         """Publish ``worker.error``; with ``fail`` also move the worker to ``failed``, which
         stops consumption (its queue keeps the messages until it is started again)."""
+        from wm.dataplane import outbox
+
         wid = self._resolve(worker_id)
         outbox.record_failure(self.settings, self.bus, wid, error_type, error_message, fail=fail)
 
@@ -408,6 +383,8 @@ class WorkManager:
         """The worker with what an operator looks at next: its queue's depth, dead letters
         not replayed, last error, recent deliveries and circuit breaker (a part whose
         service does not answer is None, and named in ``unavailable``)."""
+        from wm.dataplane import workerdetails
+
         info = self.get_worker(worker_id)
         return workerdetails.worker_details(self.settings, self.bus, info)
 
@@ -416,6 +393,8 @@ class WorkManager:
         by status and health, the deepest queues, dead letters per topic, breakers and
         recovery. A part whose service does not answer is None, and named in
         ``unavailable``; an unreachable database raises :class:`~wm.errors.DatabaseError`."""
+        from wm.dataplane import overview
+
         timeout_s = overview.PING_TIMEOUT_S if ping_timeout_s is None else ping_timeout_s
         return overview.overview(self.settings, self.bus, timeout_s)
 
@@ -544,6 +523,9 @@ class WorkManager:
 
         Returns the queue name. Messages are structured-mode CloudEvent JSON.
         """
+        from wm.dataplane import bus as bus_module
+        from wm.dataplane import queues
+
         queue = queues.plain_queue_name(
             check_name("topic", topic), check_name("subscription name", name)
         )
@@ -559,6 +541,8 @@ class WorkManager:
 
     def unsubscribe(self, topic: str, name: str, *, delete_queue: bool = True) -> None:
         """Remove a plain subscription and (by default) its queue with what it holds."""
+        from wm.dataplane import queues
+
         queue = queues.plain_queue_name(topic, name)
 
         def remove(session: Session) -> None:
@@ -598,6 +582,8 @@ class WorkManager:
 
     def flush_outbox(self) -> int:
         """Publish lifecycle events written by committed changes; returns how many were sent."""
+        from wm.dataplane import outbox
+
         return outbox.flush(self.settings, self.bus)
 
     # -- internals -------------------------------------------------------------------------
@@ -619,6 +605,8 @@ class WorkManager:
     def _update_code(
         self, worker_id: uuid.UUID | str, fetched: codesource.FetchedCode, note: str | None
     ) -> WorkerInfo:
+        from wm.dataplane import outbox
+
         info = self._stored(worker_id)
         spec = WorkerSpec(
             str(info.id),
@@ -660,6 +648,8 @@ class WorkManager:
         return self.get_worker(info.id)
 
     def _start(self, session: Session, wid: uuid.UUID) -> str | None:
+        from wm.dataplane import queues
+
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STARTED:
             return None
@@ -676,6 +666,8 @@ class WorkManager:
         return queues.worker_queue_name(worker.topic, str(wid))
 
     def _suspend(self, session: Session, wid: uuid.UUID) -> str | None:
+        from wm.dataplane import queues
+
         worker = records.lock_worker(session, wid)
         if worker.status == Status.SUSPENDED:
             return None
@@ -685,6 +677,8 @@ class WorkManager:
     def _stop(self, session: Session, wid: uuid.UUID) -> tuple[str, dict[str, Any]] | None:
         """Move to ``stopping`` (a worker left there by a stopper that died stays); returns
         the queue to stop consuming and the worker's settings, or None if already stopped."""
+        from wm.dataplane import queues
+
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STOPPED:
             return None

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, overload
 
 from wm.errors import InvalidArgument
 from wm.names import check_name
@@ -259,13 +259,28 @@ class AuditInfo:
         return _jsonable(asdict(self))
 
 
+@overload
+def aware(at: datetime) -> datetime: ...
+@overload
+def aware(at: None) -> None: ...
+def aware(at: datetime | None) -> datetime | None:
+    """``at`` with its zone: SQLite hands back naive datetimes, and WorkManager writes UTC."""
+    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` ready for JSON at any depth: times in RFC 3339 with their zone, ids as
+    text (the Python API's objects, the HTTP API and ``wm --json`` show the same)."""
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    if isinstance(value, datetime):
+        return aware(value).isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, uuid.UUID):
-            value = str(value)
-        elif isinstance(value, datetime):
-            # RFC 3339 with the zone; SQLite hands back naive datetimes, which are UTC.
-            value = (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
-        out[key] = value
-    return out
+    return {key: jsonable(value) for key, value in data.items()}

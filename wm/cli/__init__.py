@@ -11,7 +11,6 @@ configured here, once; library code adds no handlers.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
@@ -27,26 +26,50 @@ EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 
 #: Every top-level command: its module and object, and the one-line help ``wm --help`` shows
-#: without importing the module.
+#: without importing the module (the first line of the command's own help: a test checks).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "status": ("wm.cli.status:status", "one screen: nodes, workers by state, queues, dead letters"),
-    "worker": ("wm.cli.workers:worker", "create and operate workers"),
-    "schedule": ("wm.cli.schedules:schedule", "send events to a worker on a schedule"),
-    "publish": ("wm.cli.messaging:publish", "publish a CloudEvent (or a file of them) to a topic"),
-    "tail": ("wm.cli.tail:tail", "print a topic's events as they arrive (Ctrl-C stops)"),
-    "subscribe": ("wm.cli.messaging:subscribe", "feed a topic into a named durable queue"),
-    "unsubscribe": ("wm.cli.messaging:unsubscribe", "remove a plain subscription and its queue"),
-    "subscriptions": ("wm.cli.messaging:subscriptions", "list subscriptions and queue depths"),
-    "dlq": ("wm.cli.deadletters:dlq", "inspect, replay and purge dead letters"),
-    "db": ("wm.cli.admin:db", "migrate the worker store"),
-    "config": ("wm.cli.admin:config", "print every setting and its current value"),
-    "up": ("wm.cli.admin:up", "run the whole stack embedded on this machine"),
-    "health": ("wm.cli.admin:health", "a node's health (exit 0 healthy, 1 degraded, 2 unhealthy)"),
-    "bench": ("wm.cli.admin:bench", "run the benchmarks (wm bench --help for theirs)"),
-    "api": ("wm.cli.access:api", "serve the admin HTTP API (needs the [api] extra)"),
-    "token": ("wm.cli.access:token", "create, list and revoke admin API tokens"),
-    "audit": ("wm.cli.access:audit", "the admin API's mutating calls, newest last"),
-    "completion": ("wm.cli.admin:completion", "print the shell completion script"),
+    "status": (
+        "wm.cli.status:status",
+        "One screen: nodes, workers by state, queues, dead letters, breakers.",
+    ),
+    "worker": ("wm.cli.workers:worker", "Create and operate workers."),
+    "schedule": (
+        "wm.cli.schedules:schedule",
+        "Send events to a worker on a schedule (celery beat).",
+    ),
+    "publish": ("wm.cli.messaging:publish", "Publish a CloudEvent (or a file of them) to a topic."),
+    "tail": ("wm.cli.tail:tail", "Print a topic's events as they arrive (Ctrl-C stops)."),
+    "subscribe": (
+        "wm.cli.messaging:subscribe",
+        "Feed a topic into a named durable queue any kombu client can read.",
+    ),
+    "unsubscribe": ("wm.cli.messaging:unsubscribe", "Remove a plain subscription and its queue."),
+    "subscriptions": (
+        "wm.cli.messaging:subscriptions",
+        "List subscriptions (workers' and plain) with their queue depth.",
+    ),
+    "dlq": ("wm.cli.deadletters:dlq", "Inspect, replay and purge dead letters."),
+    "db": ("wm.cli.admin:db", "Migrate the worker store (WM_DATABASE_URL)."),
+    "config": (
+        "wm.cli.admin:config",
+        "Print every setting: variable, default, current value, meaning.",
+    ),
+    "up": (
+        "wm.cli.admin:up",
+        "Run the whole stack embedded on this machine (Redis, SQLite, a node).",
+    ),
+    "health": ("wm.cli.admin:health", "A node's health: exit 0 healthy, 1 degraded, 2 unhealthy."),
+    "bench": (
+        "wm.cli.admin:bench",
+        "Run the benchmarks (wm bench --help shows their options).",
+    ),
+    "api": ("wm.cli.access:api", "Serve the admin HTTP API until Ctrl-C (needs the [api] extra)."),
+    "token": ("wm.cli.access:token", "Create, list and revoke admin API tokens."),
+    "audit": ("wm.cli.access:audit", "The admin API's mutating calls, newest last."),
+    "completion": (
+        "wm.cli.admin:completion",
+        "Print the shell completion script (SHELL: default the one $SHELL names, else bash).",
+    ),
 }
 
 
@@ -86,23 +109,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     output = Output()
     try:
+        # Not standalone: click returns an --help's or Exit's code, and prints and ends a
+        # run whose standard output closed (``wm worker list | head``) itself.
         code = cli.main(
             args=list(argv) if argv is not None else None,
             prog_name="wm",
             standalone_mode=False,
             obj=output,
         )
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
     except (KeyboardInterrupt, click.Abort):
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (``wm worker list | head``): quiet, like other shell tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_FAILURE
     except WorkManagerError as exc:
         return _fail(str(exc) or type(exc).__name__)
     except Exception as exc:
@@ -116,9 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _configure_logging() -> None:
+    from wm.cli.arguments import output_of
     from wm.ops.logs import configure
 
-    configure(click.get_current_context().find_root().obj.settings)
+    configure(output_of(click.get_current_context()).settings)
 
 
 def _fail(message: str) -> int:

@@ -11,7 +11,7 @@ import click
 
 from wm.cli.arguments import POSITIVE_INT, Command, Group, pass_output
 from wm.cli.output import Output
-from wm.config import current_values, settings_table
+from wm.config import current_values, masked, settings_table
 from wm.errors import WorkManagerError
 
 #: Narrowest a DEFAULT, CURRENT or MEANING cell of ``wm config`` gets before the VARIABLE
@@ -105,7 +105,8 @@ def config(out: Output) -> int:
 def _config_wrap(out: Output, variables: list[str]) -> tuple[str, ...]:
     """The columns that wrap: the variable's name stays whole while the three others keep
     ``CONFIG_MIN_CELL_CHARS`` each; on a narrower terminal it folds like them."""
-    whole = max(map(len, variables)) + 3 * (CONFIG_MIN_CELL_CHARS + COLUMN_GAP_CHARS)
+    others = 3  # DEFAULT, CURRENT, MEANING
+    whole = max(map(len, variables)) + others * (CONFIG_MIN_CELL_CHARS + COLUMN_GAP_CHARS)
     return (
         ("DEFAULT", "CURRENT") if out.console.width >= whole else ("VARIABLE", "DEFAULT", "CURRENT")
     )
@@ -113,10 +114,8 @@ def _config_wrap(out: Output, variables: list[str]) -> tuple[str, ...]:
 
 def _current_values(out: Output) -> dict[str, str]:
     """Each variable's value in effect, shown like its default; passwords in URLs masked."""
-    from kombu.utils.url import maybe_sanitize_url
-
     return {
-        env: maybe_sanitize_url(shown) if "://" in shown else shown
+        env: masked(shown) if "://" in shown else shown
         for env, shown in current_values(out.settings).items()
     }
 
@@ -228,8 +227,10 @@ def _facts(facts: dict[str, Any]) -> str:
 )
 @click.argument("bench_args", nargs=-1, type=click.UNPROCESSED)
 def bench(bench_args: tuple[str, ...]) -> int:
-    """Run the benchmarks: every argument, -h and --json included, is the benchmark's own
-    (wm bench --help)."""
+    """Run the benchmarks (wm bench --help shows their options).
+
+    Every argument, -h and --json included, is the benchmark's own.
+    """
     args = list(bench_args)
     root = click.get_current_context().find_root().obj
     if getattr(root, "as_json", False) and "--json" not in args:

@@ -13,11 +13,14 @@ import sys
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from wm.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from wm.cli.output import Output
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,17 +36,24 @@ CONTEXT_SETTINGS: dict[str, Any] = {
 UsageError = click.UsageError
 
 
+def output_of(ctx: click.Context) -> Output:
+    """The run's :class:`~wm.cli.output.Output`, kept on the root context (made there when
+    ``cli`` is invoked without ``main``, as click's test runner does)."""
+    from wm.cli.output import Output
+
+    root = ctx.find_root()
+    if not isinstance(root.obj, Output):
+        root.obj = Output()
+    return root.obj
+
+
 def _set_json(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if value:
-        from wm.cli.output import Output
-
-        root = ctx.find_root()
-        if not isinstance(root.obj, Output):
-            root.obj = Output()
-        root.obj.as_json = True
+        output_of(ctx).as_json = True
 
 
 def json_option() -> click.Option:
+    """``--json``, which every command takes, before or after its name."""
     return click.Option(
         ["--json"],
         is_flag=True,
@@ -83,12 +93,7 @@ def pass_output(function: F) -> F:
     from functools import update_wrapper
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        from wm.cli.output import Output
-
-        root = click.get_current_context().find_root()
-        if not isinstance(root.obj, Output):
-            root.obj = Output()
-        return function(root.obj, *args, **kwargs)
+        return function(output_of(click.get_current_context()), *args, **kwargs)
 
     return update_wrapper(run, function)  # type: ignore[return-value]
 

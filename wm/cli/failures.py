@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from wm.config import masked
+
 if TYPE_CHECKING:
     from wm.config import Settings
 
@@ -33,21 +35,25 @@ _SERVICES = (
 )
 
 
+#: The exception classes (by name, in any of those modules) that mean "cannot reach or talk
+#: to the service": connection refused, timed out, authentication, the server went away. A
+#: programming error of a client library (a bad query, an encoding error) is not one of them
+#: and keeps its traceback.
+_UNREACHABLE = frozenset(
+    {"OperationalError", "InterfaceError", "ConnectionError", "TimeoutError", "AuthenticationError"}
+)
+#: Longest reason quoted from the library's message, in characters.
+REASON_CHARS = 300
+
+
 def describe(exc: BaseException, settings: Settings | None) -> str | None:
-    """``<what failed> at <setting>=<URL, password masked> (<reason>); <what to do>``, for an
-    exception of a broker, Redis or database client; None for anything else."""
-    modules = [cls.__module__ for cls in type(exc).__mro__]
+    """``<what failed> at <setting>=<URL, password masked> (<reason>); <what to do>``, for a
+    broker, Redis or database client's failure to reach its service; None for anything else."""
+    classes = [cls for cls in type(exc).__mro__ if cls.__name__ in _UNREACHABLE]
     for prefix, what, variable, advice in _SERVICES:
-        if any(module.startswith(prefix) for module in modules):
-            url = _masked(getattr(settings, variable[3:].lower(), None))
+        if any(cls.__module__.startswith(prefix) for cls in classes):
+            url = getattr(settings, variable[3:].lower(), None)
             reason = " ".join(str(exc).split()) or type(exc).__name__
-            return f"{what} at {variable}={url} failed ({reason[:300]}); {advice}"
+            shown = masked(url) if url else "(unset)"
+            return f"{what} at {variable}={shown} failed ({reason[:REASON_CHARS]}); {advice}"
     return None
-
-
-def _masked(url: str | None) -> str:
-    if not url:
-        return "(unset)"
-    from kombu.utils.url import maybe_sanitize_url
-
-    return str(maybe_sanitize_url(url))

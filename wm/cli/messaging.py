@@ -1,9 +1,8 @@
-"""``wm publish`` (one event or a file of them), ``wm tail`` and the plain subscriptions."""
+"""``wm publish`` (one event or a file of them) and the plain subscriptions."""
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ from wm.errors import InvalidArgument, WorkManagerError
 if TYPE_CHECKING:
     from wm.events import CloudEvent
 
-logger = logging.getLogger(__name__)
 #: Options that build one event, which ``--event-file`` and ``--events-file`` replace.
 _EVENT_FLAGS = {
     "type": "--type",

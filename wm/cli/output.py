@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from wm import views
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -76,13 +78,14 @@ class Output:
 
         tty = sys.stdout.isatty()
         width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
-        return Console(width=width, highlight=False, soft_wrap=False, emoji=False)
+        # No markup: a cell is the operator's data, and ``[/x]`` in an error is no style tag.
+        return Console(width=width, markup=False, highlight=False, soft_wrap=False, emoji=False)
 
     @cached_property
     def err_console(self) -> Console:
         from rich.console import Console
 
-        return Console(stderr=True, highlight=False, emoji=False)
+        return Console(stderr=True, markup=False, highlight=False, emoji=False)
 
     @property
     def interactive(self) -> bool:
@@ -92,21 +95,20 @@ class Output:
     # -- output ------------------------------------------------------------------------------
 
     def json(self, value: Any) -> None:
+        """``value`` as indented JSON on standard output (``--json``)."""
         self.line(json.dumps(value, indent=2, default=jsonable, ensure_ascii=False))
 
-    def json_line(self, value: Any) -> None:
-        """One compact JSON document per line (``wm tail --json``)."""
-        self.line(json.dumps(value, default=jsonable, ensure_ascii=False))
-
     def line(self, text: str = "") -> None:
+        """One line of text on standard output, as it is (no markup, no wrapping)."""
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
 
     def note(self, text: str) -> None:
         """A remark for the person, on standard error: never mixed into the output."""
-        self.err_console.print(text, style="dim", markup=False)
+        self.err_console.print(text, style="dim")
 
     def raw(self, data: bytes) -> None:
+        """Bytes on standard output unchanged (``wm worker code``)."""
         sys.stdout.flush()
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
@@ -133,7 +135,7 @@ class Output:
         # A rule under the header on a terminal; plain columns for grep and awk.
         boxed = self.console.is_terminal
         widths = column_widths(
-            [max(len(text) for text in column) for column in zip(headers, *cells, strict=True)],
+            [max(map(_width, column)) for column in zip(headers, *cells, strict=True)],
             [_floor(header, wrapping) for header, wrapping in zip(headers, wraps, strict=True)],
             wraps,
             self.console.width - (COLUMN_GAP + boxed) * (len(headers) - 1),
@@ -210,6 +212,13 @@ def _floor(header: str, wrapping: bool) -> int:
     return max(len(header), MIN_ID_CHARS if header.endswith("ID") else MIN_CELL_CHARS)
 
 
+def _width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: its widest line, a wide character as two."""
+    from rich.cells import cell_len
+
+    return max((cell_len(line) for line in text.splitlines()), default=0)
+
+
 def column_widths(
     natural: Sequence[int], floors: Sequence[int], wraps: Sequence[bool], room: int
 ) -> list[int | None] | None:
@@ -235,10 +244,28 @@ def column_widths(
         total = sum(wanted)
         if not total:
             continue
-        given = [want * min(spare, total) // total for want in wanted]
+        share = min(spare, total)
+        given = [want * share // total for want in wanted]
+        # the rounding's remainder to the last column that wants more
+        given[max(i for i, want in enumerate(wanted) if want)] += share - sum(given)
         widths = [w + g for w, g in zip(widths, given, strict=True)]
-        spare -= sum(given)
+        spare -= share
     return list(widths)
+
+
+#: From how many seconds on a duration is shown in whole minutes.
+SHOW_MINUTES_FROM_S = 120
+
+
+def duration(seconds: float) -> str:
+    """``850 ms``, ``12.3 s``, ``4 min``: how long, for people."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s" if seconds < SHOW_MINUTES_FROM_S else f"{seconds // 60:.0f} min"
+
+
+#: How a time is shown to people: UTC, to the second.
+TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
 
 
 def cell(value: Any) -> str:
@@ -246,23 +273,17 @@ def cell(value: Any) -> str:
     if value is None or value == "":
         return "-"
     if isinstance(value, datetime):
-        return aware(value).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        return views.aware(value).astimezone(UTC).strftime(TIME_FORMAT)
     return str(value)
 
 
-def aware(at: datetime) -> datetime:
-    """A datetime with its zone; a naive one (SQLite hands those back) is UTC."""
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at
-
-
 def jsonable(value: Any) -> Any:
-    """``json.dumps``' fallback: times in RFC 3339 with their zone, ids as text."""
-    if isinstance(value, datetime):
-        return aware(value).isoformat()
-    if isinstance(value, uuid.UUID):
-        return str(value)
+    """``json.dumps``' fallback: an API object by its ``to_json()``, times in RFC 3339 with
+    their zone, ids as text."""
     if hasattr(value, "to_json"):
         return value.to_json()
+    if isinstance(value, datetime | uuid.UUID):
+        return views.jsonable(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 

@@ -66,6 +66,7 @@ def replace(readme: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Render the reference into the README named by ``argv`` (default ``README.md``)."""
     path = Path(argv[0] if argv else "README.md")
     path.write_text(replace(path.read_text()))
     return 0

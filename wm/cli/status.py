@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from wm.cli.arguments import POSITIVE_FLOAT, Command, pass_output
-from wm.cli.output import Output, labelled
+from wm.cli.output import Output, duration, labelled
 
 if TYPE_CHECKING:
     from wm.dataplane.overview import BreakerInfo, Overview
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 #: Seconds the nodes have to answer the ping: the API's default
 #: (``wm.dataplane.overview.PING_TIMEOUT_S``), not imported so that help starts fast.
 PING_TIMEOUT_S = 1.0
-#: A wait this long or longer is shown in minutes.
-SHOW_MINUTES_FROM_S = 120
 
 
 @click.command(cls=Command)
@@ -171,4 +169,4 @@ def _until(at: datetime, now: datetime) -> str:
     seconds = (at - now).total_seconds()
     if seconds <= 0:
         return "due"
-    return f"{seconds:.0f} s" if seconds < SHOW_MINUTES_FROM_S else f"{seconds // 60:.0f} min"
+    return duration(seconds)

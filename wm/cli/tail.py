@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from wm.cli.arguments import POSITIVE_FLOAT, POSITIVE_INT, Command, pass_output
-from wm.cli.output import Output, labelled
+from wm.cli.output import TIME_FORMAT, Output, labelled
+from wm.views import aware
 
 if TYPE_CHECKING:
     from rich.text import Text
 
 logger = logging.getLogger(__name__)
+#: Signals that end a tail as Ctrl-C does: ``kill``, and the terminal (or ssh) closing.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: How long one wait for a message lasts while tailing, in seconds (bounds Ctrl-C latency).
 TAIL_POLL_S = 1.0
 #: Characters of a UUID-shaped event or correlation id that ``wm tail`` shows (``--full``:
@@ -61,16 +64,21 @@ def tail(out: Output, topic: str, count: int | None, timeout_s: float | None, fu
     Reads through a temporary subscription, removed again however tail ends.
     """
     name = f"tail-{secrets.token_hex(4)}"
-    queue = out.manager.subscribe(topic, name)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Before subscribing: a kill, or the terminal closing, must not leave the queue behind.
+    previous = {number: signal.signal(number, _interrupt) for number in STOP_SIGNALS}
+    subscribed = False
     try:
+        queue = out.manager.subscribe(topic, name)
+        subscribed = True
         out.note(f"listening on {topic} (Ctrl-C stops)")
         _consume(out, queue, count, timeout_s, full)
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        out.manager.unsubscribe(topic, name)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if subscribed:
+            out.manager.unsubscribe(topic, name)
     return 0
 
 
@@ -225,10 +233,10 @@ def _when(value: Any) -> str | None:
         at = datetime.fromisoformat(value)
     except ValueError:
         return value
-    at = (at if at.tzinfo else at.replace(tzinfo=UTC)).astimezone(UTC)
+    at = aware(at).astimezone(UTC)
     if at.date() == datetime.now(UTC).date():
         return at.strftime("%H:%M:%SZ")
-    return at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return at.strftime(TIME_FORMAT)
 
 
 def _short(value: Any, full: bool) -> str | None:

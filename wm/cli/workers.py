@@ -16,7 +16,7 @@ from wm.cli.arguments import (
     pass_output,
     read_bytes,
 )
-from wm.cli.output import Output, cell
+from wm.cli.output import Output, cell, duration
 from wm.lifecycle import Status
 
 if TYPE_CHECKING:
@@ -301,12 +301,8 @@ def transitions(out: Output, worker_ref: str) -> int:
 
 
 def _duration(ms: int | None) -> str | None:
-    """How long the worker was in the state it left: ``850 ms``, ``12.3 s``, ``4 min``."""
-    if ms is None:
-        return None
-    if ms < 1000:
-        return f"{ms} ms"
-    return f"{ms / 1000:.1f} s" if ms < 120_000 else f"{ms // 60_000} min"
+    """How long the worker was in the state it left."""
+    return None if ms is None else duration(ms / 1000)
 
 
 @worker.command("code")

@@ -49,7 +49,7 @@ from wm.schedules import Timing, event_id
 from wm.state.connection import redis_errors, redis_for
 from wm.state.ledger import Ledger
 from wm.store.models import Schedule, Worker
-from wm.store.records import aware
+from wm.views import aware
 
 logger = logging.getLogger(__name__)
 LEADER_KEY = "wm:beat:leader"

@@ -45,6 +45,7 @@ from wm.state.directory import WorkerMeta
 from wm.state.ledger import Ledger
 from wm.store import records
 from wm.store.models import Worker
+from wm.views import aware
 
 logger = logging.getLogger(__name__)
 #: Name of the task that ends a back-off, and of the one that ends a delayed start's wait.
@@ -238,6 +239,6 @@ def sweep_overdue(settings: Settings, bus: Bus, slack_s: float) -> int:
             continue
         trips = max(1, breaker.trips(str(wid)))
         pause = timedelta(seconds=delay_s(dict(worker_settings or {}), trips) + slack_s)
-        if since is None or now - records.aware(since) > pause:
+        if since is None or now - aware(since) > pause:
             opened += half_open(settings, bus, str(wid))
     return opened

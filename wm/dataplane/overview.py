@@ -12,6 +12,7 @@ the ping's timeout), so one broken service never hangs the look at the others.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -37,8 +38,8 @@ from wm.state.breaker import Breaker, failures_key
 from wm.state.connection import redis_errors, redis_for
 from wm.state.health import HEALTHS, WorkerHealth
 from wm.state.ledger import Ledger
-from wm.store import records
 from wm.store.models import DeadLetter, Worker, WorkerTransition
+from wm.views import aware, jsonable
 
 T = TypeVar("T")
 
@@ -114,19 +115,6 @@ class Overview:
         return data
 
 
-def jsonable(value: Any) -> Any:
-    """``value`` with times in RFC 3339 (with their zone) and ids as text, at any depth."""
-    if isinstance(value, dict):
-        return {key: jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(item) for item in value]
-    if isinstance(value, datetime):
-        return records.aware(value).isoformat()
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    return value
-
-
 @dataclass(frozen=True)
 class LiveWorker:
     """What a look needs of one worker."""
@@ -199,7 +187,7 @@ def _live_workers(session: Session) -> list[LiveWorker]:
         .order_by(Worker.created_at, Worker.id)
     ).all()
     return [
-        LiveWorker(str(wid), name, topic, status, dict(worker_settings or {}), records.aware(since))
+        LiveWorker(str(wid), name, topic, status, dict(worker_settings or {}), aware(since))
         for wid, name, topic, status, worker_settings, since in rows
     ]
 
@@ -330,6 +318,8 @@ def queue_depths(conn: Any, queues: Iterable[str]) -> dict[str, int]:
                 depths[name] = int(declared.message_count)
             except (ChannelError, AmqpChannelError):  # no such queue; AMQP closes the channel
                 depths[name] = 0
+                with contextlib.suppress(Exception):  # closed already on AMQP
+                    channel.close()
                 channel = conn.channel()
     finally:
         channel.close()

@@ -33,7 +33,6 @@ from wm.dataplane.overview import (
     LiveWorker,
     breaker_info,
     connect,
-    jsonable,
     part,
     paused_by_breaker,
     queue_depths,
@@ -42,9 +41,8 @@ from wm.lifecycle import Status
 from wm.state.breaker import Breaker, failures_key
 from wm.state.connection import redis_errors, redis_for, text
 from wm.state.health import WINDOW_MIN, ProbeFacts, counts_key, probe_key
-from wm.store import records
 from wm.store.models import DeadLetter, WorkerTransition
-from wm.views import WorkerInfo
+from wm.views import WorkerInfo, aware, jsonable
 
 #: Transitions whose reason is an error worth showing as a worker's last one: these moves,
 #: and the breaker's.
@@ -101,7 +99,7 @@ def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDeta
         info.topic,
         info.status,
         dict(info.settings),
-        records.aware(info.status_since),
+        aware(info.status_since),
     )
     with store.session_scope(settings) as session:
         letters, errors = _letters_of(session, info.id)
@@ -147,7 +145,7 @@ def _newest_letter(session: Session, wid: uuid.UUID) -> LastError | None:
     ).first()
     if letter is None:
         return None
-    at = records.aware(letter.last_failure_at)
+    at = aware(letter.last_failure_at)
     return LastError(at, "dead letter", letter.error_message, letter.error_type)
 
 
@@ -164,7 +162,7 @@ def _newest_failing_move(session: Session, wid: uuid.UUID) -> LastError | None:
         .order_by(WorkerTransition.id.desc())
         .limit(1)
     ).first()
-    return None if moved is None else LastError(records.aware(moved.at), "transition", moved.reason)
+    return None if moved is None else LastError(aware(moved.at), "transition", moved.reason)
 
 
 @dataclass(frozen=True)

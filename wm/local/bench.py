@@ -32,10 +32,9 @@ from typing import Any, TextIO
 
 from celery import Celery
 from kombu.connection import Connection
-from kombu.utils.url import maybe_sanitize_url
 
 from wm import store
-from wm.config import Settings
+from wm.config import Settings, masked
 from wm.dataplane.app import BROKER_ERRORS
 from wm.engine import WorkerSpec, engine_class
 from wm.errors import BrokerUnavailable
@@ -510,7 +509,7 @@ def _check_rabbitmq(url: str) -> None:
             connection.ensure_connection(max_retries=1)
     except BROKER_ERRORS as exc:
         raise BrokerUnavailable(
-            f"RabbitMQ at --broker-url {maybe_sanitize_url(url)} is unreachable ({exc}); start "
+            f"RabbitMQ at --broker-url {masked(url)} is unreachable ({exc}); start "
             "it or pass another --broker-url"
         ) from exc
 

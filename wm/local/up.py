@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,10 +22,9 @@ from typing import TextIO
 from celery import Celery
 from celery.utils.nodenames import host_format
 from kombu.connection import Connection
-from kombu.utils.url import maybe_sanitize_url
 
 from wm import store
-from wm.config import Settings
+from wm.config import FILE_SUFFIX, FROM_FILE, Settings, given, masked
 from wm.dataplane.app import broker_errors, make_app
 from wm.dataplane.queues import DEFAULT_QUEUE
 from wm.errors import ConfigurationError, WorkManagerError
@@ -79,41 +79,41 @@ def run(
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, service managers: stop as on Ctrl-C
     stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr if as_json else stdout):
-        if DATABASE in os.environ:
+        if given(DATABASE):
             check_reachable(Settings.from_env(), [DATABASE])
         with embedded_redis(home) as settings:
             store.upgrade(settings)
-            _say(f"database   {_masked(settings.database_url)} (migrated)")
+            _say(f"database   {masked(settings.database_url)} (migrated)")
             with celery_node(home, settings, concurrency, pool=pool, beat=True) as node:
-                # written only now: a file naming a system that never came up would send
-                # the next `set -a; . .wm/env` (and `wm up`) to services that are not there
-                env_file = _write_env(home, settings)
-                _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
-                if as_json:
-                    _announce(stdout, env_file, settings, node)
-                _serve(settings, demo, events)
+                try:
+                    # written only now: a file naming a system that never came up would send
+                    # the next `set -a; . .wm/env` (and `wm up`) to services that are not there
+                    env_file = _write_env(home, settings)
+                    _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
+                    if as_json:
+                        _announce(stdout, env_file, settings, node)
+                    _serve(settings, demo, events)
+                except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) once up: stop everything
+                    _say("stopping   …")
         _say("stopped")
     return 0
 
 
 def _serve(settings: Settings, demo: bool, events: int) -> None:
     """The foreground part: the demo, or a wait for Ctrl-C (SIGTERM acts the same)."""
-    try:
-        if demo:
-            _demo(settings, events)
-        else:
-            _say("ready      Ctrl-C stops everything")
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        _say("stopping   …")
+    if demo:
+        _demo(settings, events)
+    else:
+        _say("ready      Ctrl-C stops everything")
+        while True:
+            time.sleep(3600)
 
 
 def _announce(
     stream: TextIO, env_file: Path, settings: Settings, node: subprocess.Popen[bytes]
 ) -> None:
     """The ``--json`` answer: what ``.wm/env`` holds (passwords masked) and the node."""
-    variables = {name: _masked(value) for name, value in _env_values(settings).items()}
+    variables = {name: masked(value) for name, value in _env_values(settings).items()}
     answer = {
         "env_file": str(env_file),
         "env": variables,
@@ -130,9 +130,9 @@ def embedded_redis(home: Path) -> Iterator[Settings]:
     an earlier ``wm up`` (``set -a; . .wm/env``) names an embedded Redis that is gone.
     """
     settings = Settings.from_env()
-    if BROKER in os.environ or REDIS in os.environ:
+    if given(BROKER) or given(REDIS):
         check_reachable(settings, [BROKER, REDIS])
-        _say(f"broker     {_masked(settings.broker_url)} (from the environment)")
+        _say(f"broker     {masked(settings.broker_url)} (from the environment)")
         yield settings
         return
     server: EmbeddedRedis = start_redis(home / "redis")
@@ -159,10 +159,10 @@ def check_reachable(settings: Settings, variables: Iterable[str]) -> None:
 
 def _unreachable(settings: Settings, variable: str, exc: Exception) -> str:
     """One line: the variable, its URL (password masked), the reason, what to do."""
-    url = _masked(getattr(settings, variable[3:].lower()))
+    url = masked(getattr(settings, variable[3:].lower()))
     lines = str(exc).strip().splitlines()
     reason = " ".join(lines[0].split())[:REASON_CHARS] if lines else type(exc).__name__
-    if variable in os.environ:
+    if given(variable):
         return (
             f"{variable}={url} is unreachable ({reason}); unset it to let wm up start its "
             "own, or start that service"
@@ -174,10 +174,6 @@ def _unreachable(settings: Settings, variable: str, exc: Exception) -> str:
     )
 
 
-def _masked(url: str) -> str:
-    return str(maybe_sanitize_url(url))
-
-
 def _env_values(settings: Settings) -> dict[str, str]:
     return {
         DATABASE: settings.database_url,
@@ -187,16 +183,21 @@ def _env_values(settings: Settings) -> dict[str, str]:
 
 
 def _write_env(home: Path, settings: Settings) -> Path:
-    """Replace ``.wm/env`` in one step, so a shell sourcing it never reads half a file."""
+    """Replace ``.wm/env`` in one step, so a shell sourcing it never reads half a file;
+    readable by its owner only (the URLs may hold passwords), values quoted for the shell."""
     path = home / "env"
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text("".join(f"{k}={v}\n" for k, v in _env_values(settings).items()))
+    text = "".join(f"{k}={shlex.quote(v)}\n" for k, v in _env_values(settings).items())
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        out.write(text)
     partial.replace(path)
     return path
 
 
 def _child_env(settings: Settings) -> dict[str, str]:
-    env = dict(os.environ)
+    """The node's environment: this one, with the system's URLs in place of any given here
+    (a URL's ``*_FILE`` form too, which the node would refuse beside the URL)."""
+    env = {k: v for k, v in os.environ.items() if k not in {n + FILE_SUFFIX for n in FROM_FILE}}
     env.update(
         WM_DATABASE_URL=settings.database_url,
         WM_BROKER_URL=settings.broker_url,

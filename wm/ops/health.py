@@ -39,10 +39,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import sqlalchemy as sa
 from celery import bootsteps
 from kombu.connection import Connection
-from kombu.utils.url import maybe_sanitize_url
 
 from wm import store
-from wm.config import Settings
+from wm.config import Settings, masked
 from wm.dataplane.node import STATE
 from wm.engine import engine_facts
 from wm.errors import WorkManagerError
@@ -85,7 +84,7 @@ def dependency_checks(settings: Settings) -> tuple[dict[str, dict[str, Any]], li
     checks: dict[str, dict[str, Any]] = {}
     reasons: list[str] = []
     for name, (variable, check) in CHECKS.items():
-        url = maybe_sanitize_url(getattr(settings, variable[3:].lower()))
+        url = masked(getattr(settings, variable[3:].lower()))
         try:
             check(settings)
             checks[name] = {"ok": True, "url": url}

@@ -26,6 +26,8 @@ from wm.errors import ConfigurationError
 if TYPE_CHECKING:
     from wm.config import Settings
 
+#: Values of WM_LOG_LEVEL; the format of a text line; the loggers WM_LOG_LEVEL sets (the
+#: libraries' speak from WARNING).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 OWN_LOGGERS = ("wm", "engines")
@@ -44,6 +46,7 @@ TEXT_FIELDS = {
 
 
 def level_of(settings: Settings) -> int:
+    """WM_LOG_LEVEL as a logging level; a value that names none is refused."""
     level = settings.log_level.upper()
     if level not in LOG_LEVELS:
         raise ConfigurationError(
@@ -63,7 +66,7 @@ def configure(settings: Settings, stream: IO[str] | None = None) -> None:
     plain = logging.Formatter(TEXT_FORMAT)
     handler.setFormatter(json_formatter() if settings.log_format == "json" else TextFields(plain))
     handler.addFilter(DeliveryFields())
-    logging.basicConfig(level=others, handlers=[handler])
+    logging.basicConfig(level=others, handlers=[handler], force=True)
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(own)
 

@@ -26,8 +26,8 @@ from wm.errors import InvalidArgument, TokenNotFound
 from wm.names import check_name
 from wm.store.db import session_scope
 from wm.store.models import ApiToken, AuditEntry
-from wm.store.records import aware, by_prefix
-from wm.views import AuditInfo, Role, TokenInfo
+from wm.store.records import by_prefix
+from wm.views import AuditInfo, Role, TokenInfo, aware
 
 #: A token's last use is written at most this often (each request would otherwise write).
 LAST_USED_RESOLUTION = timedelta(minutes=1)

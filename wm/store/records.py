@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from sqlalchemy import String, Uuid, cast, func, select
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
@@ -37,7 +37,14 @@ from wm.store.models import (
     WorkerTransition,
     WorkerVersion,
 )
-from wm.views import DeadLetterInfo, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
+from wm.views import (
+    DeadLetterInfo,
+    ScheduleInfo,
+    TransitionInfo,
+    VersionInfo,
+    WorkerInfo,
+    aware,
+)
 
 T = TypeVar("T")
 #: How often a change is retried when a concurrent writer got there first.
@@ -134,15 +141,6 @@ def record_transition(
         return
     data = {"from_state": source, "to_state": str(target), **(extra or {})}
     add_outbox(session, kind, worker, data, reason=reason, version=version)
-
-
-@overload
-def aware(at: datetime) -> datetime: ...
-@overload
-def aware(at: None) -> None: ...
-def aware(at: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; WorkManager writes UTC and shows times with it."""
-    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
 
 
 def add_outbox(
