@@ -3,7 +3,7 @@
 Every command and group made through :class:`Group` accepts ``--json`` (so it works before or
 after the command's name) and gets the :class:`~wm.cli.output.Output` through
 :func:`pass_output`. Modules of this package import only click and light parts of ``wm`` at
-their top: ``wm --help`` and completion load them all, and must stay fast.
+their top: a command's module loads before it runs, and completion loads them all.
 """
 
 from __future__ import annotations
