@@ -19,6 +19,7 @@ from wm import codesource, store
 from wm.config import Settings
 from wm.engine import WorkerSpec, engine_class
 from wm.errors import (
+    AmbiguousReference,
     BrokerUnavailable,
     InvalidArgument,
     ScheduleNotFound,
@@ -511,10 +512,29 @@ class WorkManager:
 
         records.transaction(self.settings, remove)
 
-    def worker_id_of(self, reference: str) -> str:
+    def worker_id_of(self, reference: str, *, deleted_names: bool = False) -> str:
         """A worker's id from its id or short id (a deleted worker's too: its dead letters
-        stay reachable) or from a live worker's name."""
-        return str(self._resolve(reference, deleted=True))
+        stay reachable) or from a live worker's name -- with ``deleted_names``, from a deleted
+        worker's name as well, unless several deleted workers had it."""
+        try:
+            return str(self._resolve(reference, deleted=True))
+        except WorkerNotFound:
+            if not deleted_names:
+                raise
+        with store.session_scope(self.settings) as session:
+            gone = session.scalars(
+                select(Worker.id).where(
+                    Worker.name == reference, Worker.status == Status.DELETED.value
+                )
+            ).all()
+        if len(gone) == 1:
+            return str(gone[0])
+        if gone:
+            raise AmbiguousReference(
+                f"{len(gone)} deleted workers were named {reference!r} "
+                f"({', '.join(map(str, gone))}); give the worker's id"
+            )
+        raise WorkerNotFound(f"no worker with id, short id or name {reference!r}")
 
     # -- plain subscriptions ---------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import click
 
 from wm.cli.arguments import POSITIVE_FLOAT, POSITIVE_INT, Group, UsageError, pass_output
 from wm.cli.output import Output, labelled
-from wm.errors import AmbiguousReference, InvalidArgument, WorkerNotFound
+from wm.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from wm.views import DeadLetterInfo
@@ -81,19 +81,8 @@ class Filters:
 
 def _worker_id(out: Output, reference: str) -> str:
     """The id of a worker given by id, short id or name -- a deleted worker's name too, since
-    the tables show it and its letters outlive it (unless several deleted ones had it)."""
-    try:
-        return out.manager.worker_id_of(reference)
-    except WorkerNotFound:
-        gone = [w for w in out.manager.list_workers(status="deleted") if w.name == reference]
-        if len(gone) == 1:
-            return str(gone[0].id)
-        if gone:
-            raise AmbiguousReference(
-                f"{len(gone)} deleted workers were named {reference!r} "
-                f"({', '.join(str(w.id) for w in gone)}); give the worker's id"
-            ) from None
-        raise
+    the tables show it and its letters outlive it."""
+    return out.manager.worker_id_of(reference, deleted_names=True)
 
 
 def _filter_options(function: Any) -> Any:

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -285,6 +285,17 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, datetime | uuid.UUID):
         return views.jsonable(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def unavailable(service: str, missing: Mapping[str, str]) -> str | None:
+    """``unavailable (redis)`` for a part that needs a service that did not answer (the
+    reason is shown once, at the end: :func:`unavailable_reasons`)."""
+    return f"unavailable ({service})" if service in missing else None
+
+
+def unavailable_reasons(missing: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``(redis unavailable, <why>)`` fields, one per service that did not answer."""
+    return [(f"{service} unavailable", why) for service, why in missing.items()]
 
 
 def labelled(identifier: Any, name: str | None) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from wm.cli.arguments import POSITIVE_FLOAT, Command, pass_output
-from wm.cli.output import Output, duration, labelled
+from wm.cli.output import Output, duration, labelled, unavailable, unavailable_reasons
 
 if TYPE_CHECKING:
     from wm.dataplane.overview import BreakerInfo, Overview
@@ -55,19 +55,13 @@ def _summary(found: Overview, ping_timeout: float) -> list[tuple[str, Any]]:
     return [
         ("nodes", _nodes(found.nodes, ping_timeout, missing)),
         ("workers", f"{found.workers}" + _counts(found.by_status, ": ")),
-        ("health", _unavailable("redis", missing) or _counts(found.by_health or {}) or "-"),
+        ("health", unavailable("redis", missing) or _counts(found.by_health or {}) or "-"),
         ("queued", _queued(found, missing)),
         ("dead letters", _letters(found.dead_letters)),
-        ("breakers", _unavailable("redis", missing) or _breaker_counts(found)),
-        ("recovery", _unavailable("redis", missing) or _recovery(found)),
-        *((f"{service} unavailable", why) for service, why in missing.items()),
+        ("breakers", unavailable("redis", missing) or _breaker_counts(found)),
+        ("recovery", unavailable("redis", missing) or _recovery(found)),
+        *unavailable_reasons(missing),
     ]
-
-
-def _unavailable(service: str, missing: Mapping[str, str]) -> str | None:
-    """``unavailable (redis)`` when the part needs a service that did not answer (the
-    reason is shown once, at the end)."""
-    return f"unavailable ({service})" if service in missing else None
 
 
 def _counts(counts: Mapping[str, int], lead: str = "") -> str:
@@ -77,7 +71,7 @@ def _counts(counts: Mapping[str, int], lead: str = "") -> str:
 
 def _nodes(nodes: Sequence[str] | None, ping_timeout: float, missing: Mapping[str, str]) -> str:
     if nodes is None:
-        return _unavailable("broker", missing) or "unavailable"
+        return unavailable("broker", missing) or "unavailable"
     if not nodes:
         return f"none answered the ping within {ping_timeout:g} s"
     return f"{len(nodes)} alive: {', '.join(nodes)}"
@@ -85,7 +79,7 @@ def _nodes(nodes: Sequence[str] | None, ping_timeout: float, missing: Mapping[st
 
 def _queued(found: Overview, missing: Mapping[str, str]) -> str:
     if found.queued is None:
-        return _unavailable("broker", missing) or "unavailable"
+        return unavailable("broker", missing) or "unavailable"
     return f"{found.queued} messages waiting in worker queues" if found.queued else "none"
 
 

@@ -16,7 +16,7 @@ from wm.cli.arguments import (
     pass_output,
     read_bytes,
 )
-from wm.cli.output import Output, cell, duration
+from wm.cli.output import Output, cell, duration, unavailable, unavailable_reasons
 from wm.lifecycle import Status
 
 if TYPE_CHECKING:
@@ -356,8 +356,7 @@ def _print_worker(out: Output, info: WorkerInfo, details: WorkerDetails | None =
 
 def _details(details: WorkerDetails) -> list[tuple[str, Any]]:
     missing = details.unavailable
-    broker = "unavailable (broker)" if "broker" in missing else None
-    redis = "unavailable (redis)" if "redis" in missing else None
+    broker, redis = unavailable("broker", missing), unavailable("redis", missing)
     error = details.last_error
     return [
         ("queue", details.queue),
@@ -367,7 +366,7 @@ def _details(details: WorkerDetails) -> list[tuple[str, Any]]:
         ("last minute", redis or _deliveries(details.deliveries_last_minute)),
         ("health window", redis or _deliveries(details.deliveries_window)),
         ("breaker", redis or _breaker(details)),
-        *((f"{service} unavailable", why) for service, why in missing.items()),
+        *unavailable_reasons(missing),
     ]
 
 

@@ -34,7 +34,7 @@ from wm.dataplane.bus import Bus
 from wm.dataplane.queues import subscription_queue, worker_queue_name
 from wm.errors import BrokerUnavailable
 from wm.lifecycle import Status
-from wm.state.breaker import Breaker, failures_key
+from wm.state.breaker import failures_key, trips_key
 from wm.state.connection import redis_errors, redis_for
 from wm.state.health import HEALTHS, WorkerHealth
 from wm.state.ledger import Ledger
@@ -250,11 +250,11 @@ def _breakers(settings: Settings, workers: list[LiveWorker], paused: set[str]) -
         pipe = redis_for(settings).pipeline(transaction=False)  # keys in many slots
         for worker in workers:
             pipe.get(failures_key(worker.id))
-        counts = [int(found or 0) for found in pipe.execute()]
-    breaker = Breaker(settings)
+            pipe.get(trips_key(worker.id))
+        found = [int(value or 0) for value in pipe.execute()]
     return [
-        breaker_info(worker, count, breaker.trips(worker.id), worker.id in paused)
-        for worker, count in zip(workers, counts, strict=True)
+        breaker_info(worker, count, trips, worker.id in paused)
+        for worker, count, trips in zip(workers, found[::2], found[1::2], strict=True)
         if count or worker.id in paused
     ]
 

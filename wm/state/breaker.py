@@ -38,7 +38,7 @@ def failures_key(worker_id: str) -> str:
     return f"{_FAILURES}{{{worker_id}}}"
 
 
-def _trips_key(worker_id: str) -> str:
+def trips_key(worker_id: str) -> str:
     return f"{_TRIPS}{{{worker_id}}}"
 
 
@@ -55,7 +55,7 @@ class Breaker:
         failure opened it, else 0). With ``threshold`` 0 the breaker is off (never open),
         and the count goes on for the worker's health (``wm.state.health``)."""
         limit = max(0, threshold)
-        keys = (failures_key(worker_id), _trips_key(worker_id))
+        keys = (failures_key(worker_id), trips_key(worker_id))
         with redis_errors(self.settings):
             count, trips = self.redis.eval(_FAILED, 2, *keys, limit, COUNT_TTL_S)
         return bool(limit) and int(count) >= limit, int(trips)
@@ -63,7 +63,7 @@ class Breaker:
     def succeeded(self, worker_id: str) -> None:
         """A delivery succeeded: the breaker is closed, its back-off starts over."""
         with redis_errors(self.settings):
-            self.redis.delete(failures_key(worker_id), _trips_key(worker_id))
+            self.redis.delete(failures_key(worker_id), trips_key(worker_id))
 
     def half_open(self, worker_id: str, threshold: int) -> None:
         """After the back-off: one more failure opens the breaker again."""
@@ -72,7 +72,7 @@ class Breaker:
 
     def trips(self, worker_id: str) -> int:
         with redis_errors(self.settings):
-            return int(self.redis.get(_trips_key(worker_id)) or 0)
+            return int(self.redis.get(trips_key(worker_id)) or 0)
 
 
 def backoff_s(trips: int, base_s: float, max_s: float) -> float:
