@@ -14,7 +14,7 @@ import pytest
 
 from tests.workers import code
 from wm import Settings, WorkManager
-from wm.dataplane.delivery import EngineCache
+from wm.dataplane.enginecache import EngineCache
 from wm.local import pools
 from wm.local.rig import STUB, Rig
 from wm.state.directory import Directory

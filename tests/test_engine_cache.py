@@ -7,7 +7,7 @@ import os
 from tests.helpers import STUB, stub
 from tests.workers import child_pids, code
 from wm import Settings, WorkManager
-from wm.dataplane.delivery import EngineCache, cache_budget_bytes
+from wm.dataplane.enginecache import EngineCache, cache_budget_bytes
 from wm.state.directory import Directory, WorkerMeta
 
 PYTHON = "text/x-python"

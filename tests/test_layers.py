@@ -18,6 +18,7 @@ FLOORS = {
     "wm.events": 1,
     "wm.lifecycle": 1,
     "wm.views": 1,
+    "wm.workersettings": 1,
     "wm.names": 1,
     "wm.schedules": 1,
     "wm.engine": 2,

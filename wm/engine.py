@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from wm.config import Settings
 from wm.errors import EngineNotFound, EngineUnavailable
 from wm.events import CloudEvent
-from wm.views import SettingRule
+from wm.workersettings import SettingRule
 
 logger = logging.getLogger(__name__)
 

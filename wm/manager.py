@@ -29,7 +29,7 @@ from wm.errors import (
     WorkManagerError,
 )
 from wm.events import CloudEvent
-from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, STOP_GRACE_S, Status, check_actor
+from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status, check_actor
 from wm.names import check_name
 from wm.schedules import MISSED, Timing
 from wm.state.breaker import Breaker
@@ -43,8 +43,8 @@ from wm.views import (
     TransitionInfo,
     VersionInfo,
     WorkerInfo,
-    validate_worker_settings,
 )
+from wm.workersettings import WorkerSettings, validate_worker_settings
 
 # The data plane (Celery, kombu) is imported by the methods that use it: reading the store,
 # as ``wm worker list`` does, needs none of it, and the command line starts faster without.
@@ -209,7 +209,8 @@ class WorkManager:
 
         With ``delay_s`` the start waits: the worker is ``pending`` now and starts by itself
         after ``delay_s`` seconds (``start`` or ``stop`` meanwhile replace the wait)."""
-        from wm.dataplane import breaker, outbox, quota
+        from wm.dataplane import outbox, pending
+        from wm.state import quota
 
         wid = self._resolve(worker_id)
         if delay_s is not None:
@@ -217,13 +218,13 @@ class WorkManager:
                 raise InvalidArgument(
                     f"start delay must be a positive number of seconds, not {delay_s}"
                 )
-            if breaker.delay_start(self.settings, self.bus, self.bus.app, wid, delay_s, self.actor):
+            if pending.delay_start(self.settings, self.bus, self.bus.app, wid, delay_s, self.actor):
                 Breaker(self.settings).succeeded(str(wid))
                 quota.reset(self.settings, str(wid))
             return self.get_worker(wid)
         changed = records.transaction(self.settings, lambda s: self._start(s, wid))
         outbox.changed(self.settings, self.bus, wid)
-        breaker.forget_delayed_start(self.settings, str(wid))
+        pending.forget_delayed_start(self.settings, str(wid))
         if changed:
             Ledger(self.settings).restart_clocks(str(wid))
             Breaker(self.settings).succeeded(str(wid))  # started by request: breaker closed
@@ -257,7 +258,7 @@ class WorkManager:
         else 30 s) have their engine killed on their node and the worker ends ``killed``
         instead of ``stopped``; those deliveries go back to the queue and run again when the
         worker starts."""
-        from wm.dataplane import breaker, enginecontrol, outbox
+        from wm.dataplane import enginecontrol, outbox, pending
 
         if grace_s is not None and not (math.isfinite(grace_s) and grace_s >= 0):
             raise InvalidArgument(
@@ -266,13 +267,13 @@ class WorkManager:
         wid = self._resolve(worker_id)
         stopping = records.transaction(self.settings, lambda session: self._stop(session, wid))
         outbox.changed(self.settings, self.bus, wid)
-        breaker.forget_delayed_start(self.settings, str(wid))
+        pending.forget_delayed_start(self.settings, str(wid))
         if stopping is None:
             return self.get_worker(wid)
         queue, settings = stopping
         self.bus.broadcast_cancel(queue)
         if grace_s is None:
-            grace_s = float(settings.get("stop_grace_s", STOP_GRACE_S))
+            grace_s = WorkerSettings.of(settings).stop_grace_s
         running = enginecontrol.wait_idle(self.settings, str(wid), grace_s)
         if running:
             enginecontrol.send(self.settings, enginecontrol.KILL, str(wid))

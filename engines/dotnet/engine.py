@@ -36,7 +36,7 @@ from wm.devkit.transport import GatewayError
 from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EngineUnavailable, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent
-from wm.views import SettingRule
+from wm.workersettings import SettingRule
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from wm.devkit.worker import ERROR_TYPE_SUFFIX
 from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, make_event
-from wm.views import SettingRule
+from wm.workersettings import SettingRule
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("engines.native.worker")

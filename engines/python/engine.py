@@ -24,7 +24,7 @@ from wm.devkit.gateway import GatewayCaller
 from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
 from wm.events import CloudEvent, decode
-from wm.views import SettingRule
+from wm.workersettings import SettingRule
 
 logger = logging.getLogger(__name__)
 

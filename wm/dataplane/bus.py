@@ -41,6 +41,7 @@ from wm.names import check_name
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription, Worker
+from wm.workersettings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class Route:
 
 def ordered(settings: dict[str, Any] | None) -> bool:
     """A worker with these settings orders its events by ``partitionkey``."""
-    return (settings or {}).get("ordering") == "key"
+    return WorkerSettings.of(settings).ordered
 
 
 def send_plain(producer: Any, queue: str, payload: str) -> None:

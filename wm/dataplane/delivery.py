@@ -1,29 +1,26 @@
-"""The consumer side of one delivery (DESIGN.md §5.3): decode → idempotency check → group lock
-→ engine → record outcome → publish outputs. Failure policy lives in ``wm.dataplane.tasks``."""
+"""One attempt to deliver one event to one worker: the core's steps (DESIGN.md §5.3) —
+its recorded outcome, the engine, the outcome's record, the outputs' publish. The pipeline
+(``wm.dataplane.pipeline``) runs them with the features around them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import os
-import signal
-import socket
-import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from celery import Celery
-
-from wm.config import Settings
-from wm.dataplane import enginecontrol, outbox, tracing
-from wm.dataplane.bus import Bus, Route
-from wm.dataplane.deadletters import DeadLetters
+from wm.dataplane import outbox, tracing
+from wm.dataplane.bus import Route
+from wm.dataplane.deadletters import Failure
+from wm.dataplane.message import DeliveryState
 from wm.dataplane.observe import notify
-from wm.dataplane.outputs import OutputPublisher
-from wm.engine import Engine, Outputs, WorkerSpec, engine_class, resident_bytes
-from wm.errors import HopLimitExceeded, InvalidArgument, OutputRefused, WorkerCrashed
+from wm.dataplane.runtime import Runtime
+from wm.engine import Engine, Outputs
+from wm.errors import InvalidArgument, OutputRefused, WorkerExecutionError
 from wm.events import (
     LIFECYCLE_TOPIC,
     CloudEvent,
@@ -35,14 +32,10 @@ from wm.events import (
 from wm.lifecycle import Status
 from wm.names import check_name, reserved_topic
 from wm.state.connection import StatePipeline
-from wm.state.directory import Directory, WorkerMeta
-from wm.state.health import Tally
-from wm.state.ledger import Ledger, Settlement
-from wm.state.locks import GroupLocks, Lease
-from wm.state.ordering import Ordering
-from wm.state.outcomes import Outcomes
-from wm.state.slots import Slots
-from wm.views import OUTPUT_TOPICS
+from wm.state.directory import WorkerMeta
+from wm.state.ledger import Settlement
+from wm.state.locks import Lease
+from wm.workersettings import OUTPUT_TOPICS, WorkerSettings
 
 logger = logging.getLogger(__name__)
 #: Pause before a message goes back to its queue (the platform is down, or the worker does
@@ -55,200 +48,12 @@ FENCE_EXTENSION = "wmfence"
 HOPS_EXTENSION = "wmhops"
 
 
-class EngineCache:
-    """Loaded engines by worker id, reloaded when the worker's version moves.
-
-    Sized by memory, not by a count: a process keeps every worker it serves while they fit.
-    Each engine is charged what loading it added to this process's resident memory plus the
-    resident memory of the processes it keeps (:meth:`Engine.processes`); beyond
-    ``WM_ENGINE_CACHE_MB`` the least recently used are closed, never the one just used.
-    """
-
-    def __init__(self, settings: Settings, directory: Directory) -> None:
-        self.settings = settings
-        self.directory = directory
-        self.budget_bytes = cache_budget_bytes(settings)
-        self._engines: OrderedDict[str, tuple[int, Engine, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        #: Per worker: held while one thread (of a ``-P threads`` pool) loads it.
-        self._loading: dict[str, threading.Lock] = {}
-
-    def __len__(self) -> int:
-        return len(self._engines)
-
-    def processes(self) -> int:
-        """Processes the loaded engines keep (sandboxes, helpers)."""
-        return sum(len(engine.processes()) for _, engine, _ in list(self._engines.values()))
-
-    @property
-    def charged_bytes(self) -> int:
-        """What the loaded engines are charged, together."""
-        return sum(charge for _, _, charge in list(self._engines.values()))
-
-    def engine(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
-        """(engine, temporary): a pinned old version gets a temporary engine to close after."""
-        if version != meta.version:
-            return self._load(meta, version), True
-        with self._lock:
-            cached = self._engines.get(meta.id)
-            if cached is not None and cached[0] == version:
-                self._engines.move_to_end(meta.id)
-                return cached[1], False
-            loading = self._loading.setdefault(meta.id, threading.Lock())
-        with loading:  # the threads that miss together wait for one load, not one each
-            return self._load_cached(meta, version)
-
-    def _load_cached(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
-        with self._lock:
-            cached = self._engines.get(meta.id)
-            if cached is not None and cached[0] == version:  # loaded while this one waited
-                self._engines.move_to_end(meta.id)
-                return cached[1], False
-        engine = cached[1] if cached is not None else None
-        if engine is None:
-            engine = engine_class(meta.mime_type)(self.settings)
-        before = resident_bytes()
-        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
-        charge = max(0, resident_bytes() - before) + sum(map(resident_bytes, engine.processes()))
-        with self._lock:
-            self._engines[meta.id] = (version, engine, charge)
-            self._engines.move_to_end(meta.id)
-            evicted = self._evict()
-        for old in evicted:  # outside the lock: closing may wait for calls in flight
-            old.close()
-        notify("engines", meta, len(self))
-        notify("sandboxes", meta, self.processes())
-        return engine, False
-
-    def _load(self, meta: WorkerMeta, version: int) -> Engine:
-        engine = engine_class(meta.mime_type)(self.settings)
-        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
-        return engine
-
-    def _evict(self) -> list[Engine]:
-        """The least recently used engines beyond the budget, taken out of the cache."""
-        evicted = []
-        total = self.charged_bytes
-        while total > self.budget_bytes and len(self._engines) > 1:
-            worker_id, (_, engine, charge) = self._engines.popitem(last=False)
-            logger.info("unloading worker %s: engines over WM_ENGINE_CACHE_MB", worker_id)
-            evicted.append(engine)
-            total -= charge
-        return evicted
-
-    def loaded(self, worker_id: str) -> Engine | None:
-        with self._lock:
-            cached = self._engines.get(worker_id)
-        return cached[1] if cached is not None else None
-
-    def drop(self, worker_id: str) -> Engine | None:
-        """Take the worker's engine out of the cache (the caller closes it)."""
-        with self._lock:
-            cached = self._engines.pop(worker_id, None)
-        return cached[1] if cached is not None else None
-
-    def close(self) -> None:
-        with self._lock:
-            for _, engine, _ in self._engines.values():
-                engine.close()
-            self._engines.clear()
+def reported_type(error: Exception) -> str:
+    """The type an error is reported as: a worker's own for a ``WorkerExecutionError``."""
+    return error.error_type if isinstance(error, WorkerExecutionError) else type(error).__name__
 
 
-def cache_budget_bytes(settings: Settings) -> int:
-    """``WM_ENGINE_CACHE_MB``, or half the machine's memory shared by the node's processes."""
-    if settings.engine_cache_mb > 0:
-        return settings.engine_cache_mb << 20
-    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    processes = settings.node_concurrency or os.cpu_count() or 1
-    return physical // 2 // processes
-
-
-def _spec(meta: WorkerMeta, version: int) -> WorkerSpec:
-    return WorkerSpec(meta.id, meta.topic, meta.group, version, meta.sha256, None, meta.settings)
-
-
-#: This process is a prefork pool process (set by ``wm.dataplane.node`` after fork): it may
-#: end itself to stop code running inside it, and the node replaces it.
-POOL_CHILD = False
-
-
-class Runtime:
-    """Per-process collaborators of deliveries (created lazily, after fork), and the listener
-    of engine commands (``wm.dataplane.enginecontrol``) for the engines loaded here."""
-
-    def __init__(self, settings: Settings, app: Celery) -> None:
-        self.settings = settings
-        self.bus = Bus(settings, app)
-        self.directory = Directory(settings)
-        self.outcomes = Outcomes(settings)
-        self.ledger = Ledger(settings)
-        self.outputs = OutputPublisher(self.bus)
-        self.locks = GroupLocks(settings)
-        self.slots = Slots(settings)
-        self.ordering = Ordering(settings)
-        self.tally = Tally()
-        self.dead_letters = DeadLetters(settings, self.bus)
-        self.engines = EngineCache(settings, self.directory)
-        self.node = f"{socket.gethostname()}:{os.getpid()}"
-        #: Deliveries running in this process, by worker id.
-        self.in_flight: Counter[str] = Counter()
-        self._flight_lock = threading.Lock()
-        #: When each worker's engine was last killed here (its deliveries begun before were
-        #: interrupted by the stop, not failed).
-        self.killed_at: dict[str, float] = {}
-        self.listener = enginecontrol.Listener(settings, self.command)
-        self.listener.start()
-
-    def begin(self, worker_id: str) -> None:
-        with self._flight_lock:
-            self.in_flight[worker_id] += 1
-
-    def end(self, worker_id: str) -> None:
-        with self._flight_lock:
-            self.in_flight[worker_id] -= 1
-            if self.in_flight[worker_id] <= 0:
-                del self.in_flight[worker_id]
-
-    def interrupted(self, worker_id: str, began: float) -> bool:
-        """A delivery to ``worker_id`` begun at ``began`` was cut short by a stop's kill."""
-        return self.killed_at.get(worker_id, 0.0) >= began
-
-    def command(self, op: str, worker_id: str) -> int | None:
-        """An engine command: ``ask`` how many of the worker's deliveries run here, ``kill``
-        its engine if they do, or ``unload`` it."""
-        if op == enginecontrol.ASK:
-            return self.in_flight[worker_id]
-        if op == enginecontrol.UNLOAD:
-            engine = self.engines.drop(worker_id)
-            if engine is not None:  # closing may wait for a call in flight: not on this thread
-                threading.Thread(target=engine.close, name="wm-unload", daemon=True).start()
-                logger.info("unloaded worker %s (stopped, deleted or replaced)", worker_id)
-            return None
-        if op != enginecontrol.KILL or not self.in_flight[worker_id]:
-            return None
-        self.killed_at[worker_id] = time.time()
-        engine = self.engines.loaded(worker_id)
-        if engine is not None and engine.kill():
-            logger.warning("killed worker %s's engine: its stop's grace period passed", worker_id)
-        elif POOL_CHILD:
-            logger.warning(
-                "worker %s's code runs inside pool process %d and outlived its stop's grace "
-                "period: ending the process (the node starts another)",
-                worker_id,
-                os.getpid(),
-            )
-            os.kill(os.getpid(), signal.SIGKILL)
-        else:
-            logger.error(
-                "worker %s's code runs inside this node's process and cannot be killed apart "
-                "from it; its delivery runs to its time limit (run the node with the prefork "
-                "pool to have it killed)",
-                worker_id,
-            )
-        return None
-
-
-@dataclass
+@dataclass(eq=False)
 class Delivery:
     """One attempt to deliver one event to one worker."""
 
@@ -258,42 +63,52 @@ class Delivery:
     #: The event as the broker delivered it (the pending ledger's entry holds it too).
     payload: str
     delivery_id: str
-    pin_version: int | None = None
+    state: DeliveryState = field(default_factory=DeliveryState)
     attempt: int = 1
     #: The broker delivers this message again (its consumer died without acknowledging it).
     redelivered: bool = False
+    #: What the first round trip read beside the worker's facts: the event's recorded
+    #: outcome and the features' keys (``Feature.facts``), by key, as stored.
+    facts: Mapping[str, Any] = field(default_factory=dict)
     lease: Lease | None = None
-    #: The event's recorded outcome as stored (None: none), when read already; used once.
-    prefetched: bool = False
-    prefetched_outcome: bytes | str | None = None
+    #: The outcome found recorded once the run began (read under the group lock).
+    recorded: list[CloudEvent] | None = None
     #: When the engine part of the run began (``time.time()``; 0: not yet).
     began: float = 0.0
+    #: The node's name (Celery's hostname), as its health records it.
+    node: str = ""
+    #: The failure being judged.
+    error: Exception | None = None
 
     @functools.cached_property
     def key(self) -> str:
         return key_of(self.event)
 
     @property
-    def version(self) -> int:
-        return self.pin_version or self.meta.version
+    def settings(self) -> WorkerSettings:
+        return self.meta.worker_settings
 
-    @functools.cached_property
-    def hops(self) -> int:
-        try:
-            return max(0, int(self.event.get_extension(HOPS_EXTENSION) or 0))
-        except (TypeError, ValueError):
-            return 0
+    @property
+    def version(self) -> int:
+        return self.state.pin_version or self.meta.version
+
+    @property
+    def outcome_key(self) -> str:
+        return self.rt.outcomes.key(self.meta.id, self.key)
 
     @property
     def timeout_s(self) -> float:
         """The per-message time limit of the worker's code."""
-        return float(
-            self.meta.settings.get("timeout_s", self.rt.settings.message_handling_timeout_seconds)
-        )
+        return self.settings.timeout_s_on(self.rt.settings)
 
     @property
     def max_retries(self) -> int:
-        return int(self.meta.settings.get("max_retries", self.rt.settings.max_retries))
+        return self.settings.max_retries_on(self.rt.settings)
+
+    @property
+    def holder(self) -> str:
+        """Who holds a lock or slot for this delivery."""
+        return f"{self.rt.node}:{self.delivery_id}"
 
     @property
     def hold_limit_s(self) -> float:
@@ -307,110 +122,50 @@ class Delivery:
         :attr:`hold_limit_s`, then one more lease until it expires."""
         return self.hold_limit_s + self.rt.locks.lease_ms / 1000
 
-    def run(self) -> list[CloudEvent]:
-        """Process the event, or republish its recorded outcome; returns the outputs.
+    def recorded_outcome(self) -> list[CloudEvent] | None:
+        """The event's outcome recorded by an earlier run (read in the first round trip)."""
+        if self.outcome_key in self.facts:
+            return self.rt.outcomes.parse(self.facts[self.outcome_key])
+        return self.rt.outcomes.get(self.meta.id, self.key)
 
-        A group member whose lock stays held through the hand-off window raises
-        :class:`~wm.errors.LockContention`: the task sends the delivery again with a delay
-        (``wm.dataplane.tasks``), so waiting does not keep a pool process.
-        """
-        if self.prefetched:
-            self.prefetched = False
-            recorded = self.rt.outcomes.parse(self.prefetched_outcome)
-        else:
-            recorded = self.rt.outcomes.get(self.meta.id, self.key)
-        if recorded is not None:
-            notify("duplicate", self.meta)
-            logger.info(
-                "event %s already processed by worker %s; republishing its outcome",
-                self.event.get_id(),
-                self.meta.id,
-            )
-            self.publish(recorded)
-            return recorded
-        if self.hops >= self.rt.settings.max_hops:
-            raise HopLimitExceeded(
-                f"event {self.event.get_id()} already passed through {self.hops} workers "
-                f"(WM_MAX_HOPS={self.rt.settings.max_hops}); a chain of workers may loop"
-            )
-        if self.redelivered:
-            self.count_run()
+    def republish(self, recorded: list[CloudEvent]) -> None:
+        """Publish a recorded outcome again instead of running the code again."""
+        notify("duplicate", self.meta)
+        logger.info(
+            "event %s already processed by worker %s; republishing its outcome",
+            self.event.get_id(),
+            self.meta.id,
+        )
+        self.publish(recorded)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The engine's part: counted among this process's deliveries in flight (a stop asks
+        for them, and may kill what runs past its grace period)."""
         self.began = time.time()
         self.rt.begin(self.meta.id)
         try:
-            engine, temporary = self.rt.engines.engine(self.meta, self.version)
-            try:
-                group = self.meta.group
-                if group:
-                    return self.run_locked(engine, group)
-                limit = int(self.meta.settings.get("max_concurrency") or 0)
-                if not limit:
-                    return self.process(engine)
-                holder = f"{self.rt.node}:{self.delivery_id}"
-                with self.rt.slots.hold(self.meta.id, holder, limit, self.hold_limit_s):
-                    return self.process(engine)
-            finally:
-                if temporary:
-                    engine.close()
-        except BaseException:
-            if self.redelivered:  # the run ended, if not well: it did not take the process down
-                self.rt.ledger.end_run(self.meta.id, self.key)
-            raise
+            yield
         finally:
             self.rt.end(self.meta.id)
 
-    def count_run(self) -> None:
-        """Count this run of a message the broker delivers again because the process that
-        had it died. Runs end with the outcome's record or an error; when they keep ending
-        with their process (a crash in code that shares it, such as in-process native code,
-        or a node killed every time), the event is parked past the worker's attempts."""
-        runs = self.rt.ledger.begin_run(self.meta.id, self.key)
-        if runs > self.max_retries:
-            raise WorkerCrashed(
-                f"the process running worker {self.meta.id} on event {self.event.get_id()} "
-                f"died {runs} times before finishing it; the event is parked instead of run "
-                "again (code that crashes its process, such as in-process native code, "
-                "is contained by isolation 'subprocess')"
-            )
+    def load_engine(self) -> tuple[Engine, bool]:
+        """(engine, temporary): a pinned old version gets a temporary engine to close after."""
+        return self.rt.engines.engine(self.meta, self.version)
 
-    def run_locked(self, engine: Engine, group: str) -> list[CloudEvent]:
-        """Process under the group lock, its lease renewed by a heartbeat meanwhile.
-
-        The lock may come from a holder that died after recording its outcome, or this event
-        may have been processed by another copy while this one waited: a recorded outcome is
-        republished, never run again (it is read as the lock is taken, in the same round trip
-        on one Redis server).
-        """
-        owner = f"{self.rt.node}:{self.delivery_id}"
-        outcome = self.rt.outcomes.key(self.meta.id, self.key)
-        waited = time.monotonic()
-        with tracing.step("lock wait"):
-            self.lease, raw = self.rt.locks.take_reading(group, owner, outcome)
-        notify("lock_wait", self.meta, time.monotonic() - waited)
-        try:
-            with self.rt.locks.keep_alive(self.lease, self.hold_limit_s):
-                recorded = self.rt.outcomes.parse(raw)
-                if recorded is not None:
-                    notify("duplicate", self.meta)
-                    self.publish(recorded)
-                    return recorded
-                return self.process(engine)
-        finally:
-            self.rt.locks.release(self.lease)
-
-    def process(self, engine: Engine) -> list[CloudEvent]:
+    def process(self, engine: Engine, recording: Callable[[StatePipeline], None]) -> None:
         """Run the code, record its outcome (fence-checked in the record's script, or just
-        before it on a Redis Cluster), publish what was recorded.
-        An error the worker answered with is reported as ``worker.error`` once published."""
+        before it on a Redis Cluster) with the features' writes (``recording``), publish
+        what was recorded. An error the worker answered with is reported as
+        ``worker.error`` once published."""
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
         lookups = self.rt.outputs.lookups(outputs)
-        self.rt.tally.add(self.meta.id, ok=True)  # flushed with this record when due
 
         def also(pipe: StatePipeline) -> None:  # after the lookups: their results come first
             lookups(pipe)
-            self.rt.tally.queue_if_due(pipe)  # the process's health tally, once a second
+            recording(pipe)
 
         recorded, found = self.rt.outcomes.record(
             self.meta.id, self.key, outputs, self.settlement(), also, fence
@@ -420,7 +175,9 @@ class Delivery:
             self.publish(outputs, routes, settled=True)
         else:
             self.publish(recorded, settled=True)
-        outputs = recorded
+        self.published(recorded, produced)
+
+    def published(self, outputs: list[CloudEvent], produced: list[CloudEvent]) -> None:
         sent = self.event.get_time()
         if outputs and sent is not None:  # publish → output, on the publisher's clock
             notify("latency", self.meta, max(0.0, time.time() - sent.timestamp()))
@@ -432,7 +189,6 @@ class Delivery:
             outbox.leave_running(
                 self.rt.settings, self.rt.bus, wid, Status.FINISHED, reason, actor="node"
             )
-        return outputs
 
     def execute(self, engine: Engine) -> list[CloudEvent]:
         started = time.monotonic()
@@ -445,28 +201,36 @@ class Delivery:
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the
         fence; an output to a topic the worker may not publish to refuses them all."""
-        stamped = []
         traced = tracing.carrier()  # the delivery's span: the next worker's parent
-        for index, output in enumerate(outputs):
-            self.check_output_topic(output.get_type())
-            extra: dict[str, object] = {
-                "id": derive_id(self.key, self.meta.id, index),
-                HOPS_EXTENSION: self.hops + 1,
-            }
-            for name in PROPAGATED:
-                if traced and name in tracing.TRACE_ATTRIBUTES:
-                    value = traced.get(name)
-                else:
-                    value = self.event.get_extension(name)
-                if value is not None and output.get_extension(name) is None:
-                    extra[name] = value
-            if self.lease is not None:
-                extra[FENCE_EXTENSION] = self.lease.fence
-            stamped.append(with_attributes(output, **extra))
-        return stamped
+        return [self._stamped(index, output, traced) for index, output in enumerate(outputs)]
+
+    def _stamped(self, index: int, output: CloudEvent, traced: Mapping[str, str]) -> CloudEvent:
+        self.check_output_topic(output.get_type())
+        extra: dict[str, object] = {
+            "id": derive_id(self.key, self.meta.id, index),
+            HOPS_EXTENSION: self.hops + 1,
+        }
+        for name in PROPAGATED:
+            if traced and name in tracing.TRACE_ATTRIBUTES:
+                value = traced.get(name)
+            else:
+                value = self.event.get_extension(name)
+            if value is not None and output.get_extension(name) is None:
+                extra[name] = value
+        if self.lease is not None:
+            extra[FENCE_EXTENSION] = self.lease.fence
+        return with_attributes(output, **extra)
+
+    @functools.cached_property
+    def hops(self) -> int:
+        """Workers the event passed through on its way here."""
+        try:
+            return max(0, int(self.event.get_extension(HOPS_EXTENSION) or 0))
+        except (TypeError, ValueError):
+            return 0
 
     def check_output_topic(self, topic: str) -> None:
-        allowed = self.meta.settings.get(OUTPUT_TOPICS)
+        allowed = self.settings.output_topics
         try:
             check_name("output topic", topic)
         except InvalidArgument as exc:
@@ -478,7 +242,7 @@ class Delivery:
             )
         if allowed is not None and topic not in allowed:
             raise OutputRefused(
-                f"output topic {topic!r} is not in the worker's {OUTPUT_TOPICS}: {allowed}"
+                f"output topic {topic!r} is not in the worker's {OUTPUT_TOPICS}: {list(allowed)}"
             )
 
     def emit_error(self, error_type: str, error_message: str) -> None:
@@ -517,4 +281,21 @@ class Delivery:
         """The pending ledger's entry of this delivery (and its count of runs, if kept)."""
         return self.rt.ledger.settlement(
             self.meta.id, self.key, self.payload, ran_again=self.redelivered
+        )
+
+    def failure(self, error: Exception) -> Failure:
+        """What parking this delivery records about ``error``."""
+        return Failure(
+            topic=self.meta.topic,
+            worker_id=self.meta.id,
+            envelope=self.payload,
+            key=self.key,
+            event_id=self.event.get_id(),
+            error_type=type(error).__name__,
+            error_message=str(error),
+            attempts=self.attempt,
+            version=self.version,
+            sha256=self.meta.sha256,
+            fence=self.lease.fence if self.lease else None,
+            first_failure_at=self.state.first_failure_at,
         )

@@ -22,11 +22,10 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import breaker, delivery, outbox, probes, sweep, workerhealth
+from wm.dataplane import outbox, pending, probes, runtime, sweep, workerhealth
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
-from wm.dataplane.tasks import reset_runtime
 from wm.engine import check_engines
 from wm.lifecycle import Status
 from wm.state.connection import redis_for
@@ -89,7 +88,7 @@ def maintain(
     merge_levels(settings, bus.app, [*running, DEFAULT_QUEUE])
     repair_ready(settings, bus.app, running)
     sweep.sweep(settings, bus, running)
-    breaker.sweep_overdue(settings, bus, slack_s=settings.reconcile_interval_s)
+    pending.sweep_overdue(settings, bus, slack_s=settings.reconcile_interval_s)
     probes.send_due(settings, bus)
 
 
@@ -268,10 +267,10 @@ def on_shutting_down(how: str) -> None:
 def on_process_init() -> None:
     """In each pool process after fork: fresh database pools and a fresh runtime."""
     store.dispose_engines()
-    reset_runtime()
-    delivery.POOL_CHILD = True
+    runtime.reset_runtime()
+    runtime.POOL_CHILD = True
 
 
 def on_process_shutdown() -> None:
     """Close the engines (and their sandboxed subprocesses) of a pool process."""
-    reset_runtime()
+    runtime.reset_runtime()

@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session
 from wm import store
 from wm.config import Settings
 from wm.dataplane.app import broker_errors
-from wm.dataplane.breaker import DEFAULT_FAILURE_THRESHOLD, STRATEGIES, delay_s
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import subscription_queue, worker_queue_name
 from wm.errors import BrokerUnavailable
@@ -40,6 +39,7 @@ from wm.state.health import HEALTHS, WorkerHealth
 from wm.state.ledger import Ledger
 from wm.store.models import DeadLetter, Worker, WorkerTransition
 from wm.views import aware, jsonable
+from wm.workersettings import STRATEGIES, WorkerSettings
 
 T = TypeVar("T")
 
@@ -262,13 +262,13 @@ def _breakers(settings: Settings, workers: list[LiveWorker], paused: set[str]) -
 def breaker_info(worker: LiveWorker, failures: int, trips: int, paused: bool) -> BreakerInfo:
     """The state of ``worker``'s breaker (see :data:`OPEN` and the others) from its counts
     and whether the breaker itself paused it."""
-    limit = int(worker.settings.get("failure_threshold", DEFAULT_FAILURE_THRESHOLD))
-    how = str(worker.settings.get("recovery", STRATEGIES[0]))
+    typed = WorkerSettings.of(worker.settings)
+    limit, how = typed.failure_threshold, typed.recovery
     retry_at = None
     if worker.status == Status.PENDING and paused:
         state = OPEN
         if worker.status_since is not None:
-            pause = delay_s(dict(worker.settings), max(1, trips))
+            pause = typed.breaker_delay_s(max(1, trips))
             retry_at = worker.status_since + timedelta(seconds=pause)
     elif not limit:
         state = OFF

@@ -26,15 +26,15 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.app import broker_errors
 from wm.dataplane.bus import Bus
-from wm.dataplane.delivery import Runtime
 from wm.dataplane.observe import notify
 from wm.dataplane.queues import DEFAULT_QUEUE
-from wm.dataplane.tasks import runtime
+from wm.dataplane.runtime import Runtime, runtime
 from wm.errors import BrokerUnavailable, DatabaseError
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
-from wm.state.health import DEFAULT_PROBE_INTERVAL_S, ProbeFacts, Probes
+from wm.state.health import ProbeFacts, Probes
 from wm.store.models import Worker
+from wm.workersettings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ PROBE_SLACK_S = 30.0
 
 
 def probe_interval_s(worker_settings: dict[str, Any]) -> float:
-    return float(worker_settings.get("probe_interval_s", DEFAULT_PROBE_INTERVAL_S))
+    return WorkerSettings.of(worker_settings).probe_interval_s
 
 
 def probe_timeout_s(settings: Settings, worker_settings: dict[str, Any]) -> float:
     """A probe's time limit: the worker's per-message one (``timeout_s``)."""
-    return float(worker_settings.get("timeout_s", settings.message_handling_timeout_seconds))
+    return WorkerSettings.of(worker_settings).timeout_s_on(settings)
 
 
 def lease_s(settings: Settings, worker_settings: dict[str, Any]) -> float:

@@ -82,8 +82,8 @@ from wm.views import (
     TransitionInfo,
     VersionInfo,
     WorkerInfo,
-    validate_worker_settings,
 )
+from wm.workersettings import validate_worker_settings
 
 logger = logging.getLogger(__name__)
 VERSION = metadata.version("workmanager")

@@ -73,8 +73,3 @@ class Breaker:
     def trips(self, worker_id: str) -> int:
         with redis_errors(self.settings):
             return int(self.redis.get(trips_key(worker_id)) or 0)
-
-
-def backoff_s(trips: int, base_s: float, max_s: float) -> float:
-    """The pause after the ``trips``-th opening in a row: base, doubling, capped."""
-    return float(min(max_s, base_s * 2 ** max(0, trips - 1)))

@@ -6,9 +6,10 @@ PostgreSQL and caches again, so a code update reaches every node on its next mes
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sqlalchemy import select
@@ -18,6 +19,7 @@ from wm.config import Settings
 from wm.errors import VersionNotFound
 from wm.state.connection import StateRedis, redis_errors, redis_for
 from wm.store.models import Worker, WorkerVersion
+from wm.workersettings import WorkerSettings
 
 _KEY = "wm:worker:"
 #: A cached entry expires even if an invalidation was lost (e.g. Redis briefly down).
@@ -46,8 +48,13 @@ class WorkerMeta:
     settings: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
 
+    @functools.cached_property
+    def worker_settings(self) -> WorkerSettings:
+        """:attr:`settings` (as stored) typed."""
+        return WorkerSettings.of(self.settings)
+
     def to_json(self) -> str:
-        return json.dumps(self.__dict__)
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
 
 class Directory:

@@ -41,6 +41,7 @@ from typing import Any
 from wm.config import Settings
 from wm.state.breaker import failures_key
 from wm.state.connection import StatePipeline, queue_eval, redis_errors, redis_for, text
+from wm.workersettings import WorkerSettings
 
 HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN = "healthy", "degraded", "unhealthy", "unknown"
 HEALTHS = (HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN)
@@ -199,11 +200,9 @@ def _judge_deliveries(
     if total == 0 and consecutive == 0:
         return Verdict(UNKNOWN, None, 0, 0)
     rate = failed / total if total else 1.0
-    degraded = float(worker_settings.get("health_degraded_rate", DEFAULT_DEGRADED_RATE))
-    unhealthy = float(worker_settings.get("health_unhealthy_rate", DEFAULT_UNHEALTHY_RATE))
-    in_a_row = int(
-        worker_settings.get("health_max_consecutive_failures", DEFAULT_MAX_CONSECUTIVE_FAILURES)
-    )
+    typed = WorkerSettings.of(worker_settings)
+    degraded, unhealthy = typed.health_degraded_rate, typed.health_unhealthy_rate
+    in_a_row = typed.health_max_consecutive_failures
     if (in_a_row and consecutive >= in_a_row) or rate >= unhealthy:
         health = UNHEALTHY
     elif rate >= degraded:
@@ -218,7 +217,7 @@ def probe_health(probe: ProbeFacts, worker_settings: Mapping[str, Any]) -> str:
     make a worker unhealthy, fewer degraded; a passing one healthy."""
     if probe.ok:
         return HEALTHY
-    limit = int(worker_settings.get("max_probe_failures", DEFAULT_MAX_PROBE_FAILURES))
+    limit = WorkerSettings.of(worker_settings).max_probe_failures
     return UNHEALTHY if limit and probe.failures >= limit else DEGRADED
 
 

@@ -1,23 +1,10 @@
-"""The circuit breaker (issue 14): a worker whose deliveries keep failing pauses itself.
+"""``pending``: a worker that waits to run, and its ways out (issue 14).
 
-``failure_threshold`` consecutive failed attempts (per-worker setting, default
-:data:`DEFAULT_FAILURE_THRESHOLD`; 0 turns the breaker off) move the worker from ``running``
-to ``pending``: every node stops consuming its queue, the attempt that tripped it goes back
-to the queue, and nothing is dead-lettered while it waits (deliveries already fetched find it
-not running and go back too). After a back-off (``breaker_base_delay_s`` doubling to
-``breaker_max_delay_s``, default 2 s to 2 min) it goes ``pending → starting → running``
-half-open: one more failure opens it again with the next back-off, a success closes it.
-
-The back-off ends by a task sent with a countdown (:data:`RETRY_TASK`); should that task be
-lost with its node, the maintaining node's sweep (:func:`sweep_overdue`) ends it instead.
-
-What reaching the threshold does is the worker's ``recovery`` strategy (seed 004's decision
-tree, :data:`STRATEGIES`): ``retry`` (the default) is the breaker above; ``stop`` moves the
-worker to ``stopped`` (the failing delivery stays queued for its next start); ``degrade``
-keeps it consuming — retries and dead letters as usual — and publishes the lifecycle event
-``recovery`` once per run of failures (its health shows the failures); ``replace`` unloads
-its engine in every process, so the next delivery loads the pinned version afresh (a new
-sandbox, helper or context), once per run of failures, and goes on consuming.
+Two things park a worker in ``pending``: its circuit breaker (``wm.dataplane.features.
+breaker`` opens it; :func:`half_open` ends the back-off by the task :data:`RETRY_TASK`) and a
+start that must wait (:func:`delay_start`; :func:`start_due` by :data:`START_TASK`). Either
+task may be lost with its node: the maintaining node's :func:`sweep_overdue` ends the wait
+instead. Leaving is ``pending → starting → running``, then every node consumes the queue.
 """
 
 from __future__ import annotations
@@ -27,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from celery import Celery
 from sqlalchemy import select
@@ -35,95 +21,22 @@ from sqlalchemy.orm import Session
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import enginecontrol, outbox
+from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import DEFAULT_QUEUE, worker_queue_name
 from wm.lifecycle import Status
-from wm.state.breaker import Breaker, backoff_s
+from wm.state.breaker import Breaker
 from wm.state.connection import redis_errors, redis_for
-from wm.state.directory import WorkerMeta
 from wm.state.ledger import Ledger
 from wm.store import records
 from wm.store.models import Worker
 from wm.views import aware
+from wm.workersettings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 #: Name of the task that ends a back-off, and of the one that ends a delayed start's wait.
 RETRY_TASK = "wm.breaker_retry"
 START_TASK = "wm.start_due"
-DEFAULT_FAILURE_THRESHOLD = 5
-DEFAULT_BASE_DELAY_S = 2.0
-DEFAULT_MAX_DELAY_S = 120.0
-
-
-#: Recovery strategies; the first is the default.
-STRATEGIES = ("retry", "degrade", "stop", "replace")
-#: Strategies under which the failing delivery goes back to the queue (nothing is parked).
-PAUSING = frozenset({"retry", "stop"})
-
-
-def strategy(meta: WorkerMeta) -> str:
-    return str(meta.settings.get("recovery", STRATEGIES[0]))
-
-
-def threshold(meta: WorkerMeta | dict[str, Any]) -> int:
-    settings = meta.settings if isinstance(meta, WorkerMeta) else meta
-    return int(settings.get("failure_threshold", DEFAULT_FAILURE_THRESHOLD))
-
-
-def delay_s(settings: dict[str, Any], trips: int) -> float:
-    base = float(settings.get("breaker_base_delay_s", DEFAULT_BASE_DELAY_S))
-    ceiling = float(settings.get("breaker_max_delay_s", DEFAULT_MAX_DELAY_S))
-    return backoff_s(trips, base, ceiling)
-
-
-def trip(
-    settings: Settings, bus: Bus, app: Celery, meta: WorkerMeta, trips: int, last_error: str
-) -> None:
-    """The worker reached its ``failure_threshold``: apply its recovery strategy."""
-    how = strategy(meta)
-    if how == "retry":
-        open_breaker(settings, bus, app, meta, trips, last_error)
-        return
-    failures = f"{threshold(meta)} consecutive failed deliveries (last: {last_error})"
-    wid = uuid.UUID(meta.id)
-    if how == "stop":
-        reason = f"recovery 'stop' after {failures}; start it again once fixed"
-        if outbox.leave_running(settings, bus, wid, Status.STOPPED, reason, actor="breaker"):
-            enginecontrol.send(settings, enginecontrol.UNLOAD, meta.id)
-            logger.warning("worker %s stopped by its recovery strategy", meta.id)
-        return
-    if how == "replace":
-        enginecontrol.send(settings, enginecontrol.UNLOAD, meta.id)
-        action = "its engine is loaded afresh from the pinned version on every node"
-    else:
-        action = "it goes on consuming, degraded"
-    reason = f"recovery {how!r} after {failures}: {action}"
-    logger.warning("worker %s: %s", meta.id, reason)
-    data = {"strategy": how, "failures": threshold(meta), "last_error": last_error}
-    records.transaction(settings, lambda s: _recovery_event(s, wid, data, reason))
-    outbox.flush(settings, bus)
-
-
-def _recovery_event(session: Session, wid: uuid.UUID, data: dict[str, Any], reason: str) -> None:
-    worker = records.lock_worker(session, wid)
-    records.add_outbox(session, "recovery", worker, data, reason=reason)
-
-
-def open_breaker(
-    settings: Settings, bus: Bus, app: Celery, meta: WorkerMeta, trips: int, last_error: str
-) -> None:
-    """``running → pending`` (if still running), consumers cancelled, the back-off's end sent."""
-    pause = delay_s(meta.settings, trips)
-    reason = (
-        f"circuit breaker opened after {threshold(meta)} consecutive failed deliveries "
-        f"(last: {last_error}); trying again in {pause:g} s"
-    )
-    wid = uuid.UUID(meta.id)
-    if not outbox.leave_running(settings, bus, wid, Status.PENDING, reason, actor="breaker"):
-        return
-    logger.warning("worker %s paused by its circuit breaker for %g s", meta.id, pause)
-    app.send_task(RETRY_TASK, args=[meta.id, trips], countdown=pause, queue=DEFAULT_QUEUE)
 
 
 def half_open(settings: Settings, bus: Bus, worker_id: str, trips: int | None = None) -> bool:
@@ -204,7 +117,8 @@ def leave_pending(
             return None
         records.move(session, worker, Status.STARTING, reason, actor=actor)
         records.move(session, worker, Status.RUNNING, "started", actor=actor)
-        return worker_queue_name(worker.topic, worker_id), threshold(dict(worker.settings))
+        threshold = WorkerSettings.of(worker.settings).failure_threshold
+        return worker_queue_name(worker.topic, worker_id), threshold
 
     started = records.transaction(settings, start)
     if started is None:
@@ -238,7 +152,8 @@ def sweep_overdue(settings: Settings, bus: Bus, slack_s: float) -> int:
                 opened += start_due(settings, bus, str(wid), "node", None)
             continue
         trips = max(1, breaker.trips(str(wid)))
-        pause = timedelta(seconds=delay_s(dict(worker_settings or {}), trips) + slack_s)
+        pause_s = WorkerSettings.of(worker_settings).breaker_delay_s(trips)
+        pause = timedelta(seconds=pause_s + slack_s)
         if since is None or now - aware(since) > pause:
             opened += half_open(settings, bus, str(wid))
     return opened

@@ -1,0 +1,36 @@
+"""Runs that ended with their process: a message the broker delivers again because the
+process that had it died is counted (``wm.state.ledger``). Runs end with the outcome's record
+or an error; when they keep ending with their process (a crash in code that shares it, such
+as in-process native code, or a node killed every time), the event is parked past the
+worker's attempts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from wm.dataplane.delivery import Delivery
+from wm.dataplane.pipeline import Feature
+from wm.errors import WorkerCrashed
+
+
+class CrashCount(Feature):
+    @contextmanager
+    def around_run(self, delivery: Delivery) -> Iterator[None]:
+        if not delivery.redelivered:
+            yield
+            return
+        ledger, worker_id = delivery.rt.ledger, delivery.meta.id
+        runs = ledger.begin_run(worker_id, delivery.key)
+        if runs > delivery.max_retries:
+            raise WorkerCrashed(
+                f"the process running worker {worker_id} on event {delivery.event.get_id()} "
+                f"died {runs} times before finishing it; the event is parked instead of run "
+                "again (code that crashes its process, such as in-process native code, "
+                "is contained by isolation 'subprocess')"
+            )
+        try:
+            yield
+        except BaseException:  # the run ended, if not well: it did not take the process down
+            ledger.end_run(worker_id, delivery.key)
+            raise

@@ -1,0 +1,164 @@
+"""The delivery pipeline: a small core and the features around it (DESIGN.md §2, §5.3).
+
+The core is decode → recorded outcome? → engine → record → publish (``wm.dataplane.tasks``
+decodes; :class:`Pipeline` and :class:`~wm.dataplane.delivery.Delivery` do the rest). Every
+other concern is a :class:`Feature` in ``wm.dataplane.features``, whose ordered list is the
+only place that names them; the core calls their hooks and never an ``if`` of its own for
+one of them (STYLE.md habit 16). A feature's hooks, each optional:
+
+- :meth:`Feature.facts`: Redis keys read with the worker's facts, in the delivery's first
+  round trip (``Delivery.facts``);
+- :meth:`Feature.admit`: a context around the whole attempt; it may refuse, defer or wait by
+  raising (a :class:`~wm.dataplane.verdicts.Verdict`, or an error for the features to
+  judge), and sees a failure leave it as an exception;
+- :meth:`Feature.around_run`: a context around the engine's part (loading, call, record,
+  publish), entered only when no outcome is recorded yet;
+- :meth:`Feature.around_call`: a context around the call, once the engine is loaded; it may
+  find the outcome recorded meanwhile (``Delivery.recorded``);
+- :meth:`Feature.recording`: its writes, added to the outcome's record (one round trip);
+- :meth:`Feature.failed`: what a failed attempt means: a :class:`Verdict`, or None to let
+  the next feature judge;
+- :meth:`Feature.ended`: told the attempt's verdict (``DONE`` for a success).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from typing import ClassVar
+
+from wm.dataplane.delivery import Delivery
+from wm.dataplane.verdicts import DONE, Park, Verdict
+from wm.engine import Engine
+from wm.errors import BrokerUnavailable, DatabaseError
+from wm.state.connection import StatePipeline
+
+#: Errors of the platform itself: the message goes back to its queue, judged by no feature.
+PLATFORM_ERRORS = (BrokerUnavailable, DatabaseError)
+
+
+class Feature:
+    """One concern around the core. Subclasses override the hooks they need."""
+
+    #: The :class:`~wm.workersettings.WorkerSettings` fields this feature owns.
+    owns: ClassVar[tuple[str, ...]] = ()
+
+    def facts(self, worker_id: str) -> Sequence[str]:
+        return ()
+
+    def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def around_run(self, delivery: Delivery) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def around_call(self, delivery: Delivery, engine: Engine) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def recording(self, delivery: Delivery, pipe: StatePipeline) -> None:
+        return None
+
+    def failed(self, delivery: Delivery, error: Exception) -> Verdict | None:
+        return None
+
+    def ended(self, delivery: Delivery, verdict: Verdict) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _Hooks:
+    """The features that override each hook, in the list's order."""
+
+    facts: tuple[Feature, ...]
+    admit: tuple[Feature, ...]
+    around_run: tuple[Feature, ...]
+    around_call: tuple[Feature, ...]
+    recording: tuple[Feature, ...]
+    failed: tuple[Feature, ...]
+    ended: tuple[Feature, ...]
+
+    @classmethod
+    def of(cls, features: Sequence[Feature]) -> _Hooks:
+        def overriding(name: str) -> tuple[Feature, ...]:
+            base = getattr(Feature, name)
+            return tuple(f for f in features if getattr(type(f), name) is not base)
+
+        return cls(*(overriding(name) for name in cls.__dataclass_fields__))
+
+
+class Pipeline:
+    """Runs one attempt through the core with ``features`` around it, in their order."""
+
+    def __init__(self, features: Sequence[Feature]) -> None:
+        self.features = tuple(features)
+        self._hooks = _Hooks.of(self.features)
+
+    def fact_keys(self, worker_id: str) -> list[str]:
+        return [key for f in self._hooks.facts for key in f.facts(worker_id)]
+
+    def run(self, delivery: Delivery) -> Verdict:
+        """The attempt's verdict; a dead letter is stored before the features hear of it.
+        Platform errors (broker, database out of reach) propagate: nothing was decided."""
+        verdict = self._attempt(delivery)
+        if isinstance(verdict, Park):
+            delivery.rt.dead_letters.park(verdict.failure)
+        for feature in self._hooks.ended:
+            feature.ended(delivery, verdict)
+        return verdict
+
+    def _attempt(self, delivery: Delivery) -> Verdict:
+        """Run the core inside the features' contexts, which see any failure as it leaves."""
+        try:
+            with ExitStack() as stack:
+                for feature in self._hooks.admit:
+                    stack.enter_context(feature.admit(delivery))
+                self._core(delivery)
+        except PLATFORM_ERRORS:
+            raise
+        except Verdict as verdict:  # a feature decided (a refusal, a wait)
+            return verdict
+        except Exception as error:  # every failure is judged by the features
+            delivery.error = error
+            return self.judge(delivery, error)
+        return DONE
+
+    def judge(self, delivery: Delivery, error: Exception) -> Verdict:
+        for feature in self._hooks.failed:
+            verdict = feature.failed(delivery, error)
+            if verdict is not None:
+                return verdict
+        return Park(delivery.failure(error))  # judged by none: parked, never lost
+
+    def _core(self, delivery: Delivery) -> None:
+        recorded = delivery.recorded_outcome()
+        if recorded is not None:
+            delivery.republish(recorded)
+            return
+        with ExitStack() as stack:
+            for feature in self._hooks.around_run:
+                stack.enter_context(feature.around_run(delivery))
+            with delivery.running():
+                engine, temporary = delivery.load_engine()
+                try:
+                    self._call(delivery, engine)
+                finally:
+                    if temporary:
+                        engine.close()
+
+    def _call(self, delivery: Delivery, engine: Engine) -> None:
+        with ExitStack() as stack:
+            for feature in self._hooks.around_call:
+                stack.enter_context(feature.around_call(delivery, engine))
+            if delivery.recorded is not None:  # recorded meanwhile (read under the lock)
+                delivery.republish(delivery.recorded)
+            else:
+                delivery.process(engine, self._recorders(delivery))
+
+    def _recorders(self, delivery: Delivery) -> Callable[[StatePipeline], None]:
+        def add(pipe: StatePipeline) -> None:
+            for feature in self._hooks.recording:
+                feature.recording(delivery, pipe)
+
+        return add

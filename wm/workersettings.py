@@ -1,0 +1,178 @@
+"""Per-worker settings: one frozen, typed value (STYLE.md habit 17).
+
+Stored as the JSON object the operator gave (``workers.settings``: only the keys set), read
+everywhere as :class:`WorkerSettings`, whose fields carry their unit, default and rule. An
+engine adds the settings it reads (``wm.engine.Engine.worker_settings``); they travel in
+:attr:`WorkerSettings.engine`. Anything else is refused at create/update, naming the key.
+
+Each delivery feature (``wm.dataplane.features``) declares the fields it owns; defaults that
+come from the node's environment (``timeout_s``, ``max_retries``, ``retry_base_delay_ms``)
+are None here and resolved against :class:`wm.config.Settings` by the ``*_on`` methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from wm.config import Settings
+from wm.errors import InvalidArgument
+from wm.names import check_name
+
+
+@dataclass(frozen=True)
+class SettingRule:
+    """What one per-worker setting may hold: a non-negative number of ``types``, or with
+    ``text``, a non-empty string (one of ``choices`` when given)."""
+
+    types: tuple[type, ...] = (int,)
+    text: bool = False
+    choices: tuple[str, ...] | None = None
+
+    def check(self, key: str, value: Any) -> Any:
+        if self.text:
+            if not isinstance(value, str) or not value:
+                raise InvalidArgument(f"worker setting {key!r} must be a non-empty string")
+            if self.choices is not None and value not in self.choices:
+                choices = ", ".join(self.choices)
+                raise InvalidArgument(f"worker setting {key!r} must be one of {choices}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, self.types) or value < 0:  # type: ignore[operator]
+            raise InvalidArgument(f"worker setting {key!r} must be a non-negative number")
+        return value
+
+
+NUMBER = SettingRule((int, float))
+COUNT = SettingRule()
+#: Per-worker allow-list: the only topics the worker's outputs may go to.
+OUTPUT_TOPICS = "output_topics"
+#: Recovery strategies (seed 004); the first is the default.
+STRATEGIES = ("retry", "degrade", "stop", "replace")
+#: Strategies under which the failing delivery goes back to the queue (nothing is parked).
+PAUSING = frozenset({"retry", "stop"})
+ORDERINGS = ("none", "key")
+
+
+def _setting(default: Any, rule: SettingRule | None) -> Any:
+    return field(default=default, metadata={"rule": rule})
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Every per-worker knob with its default. None: the node's setting of the same name."""
+
+    #: the code's time limit per message (None: MESSAGE_HANDLING_TIMEOUT_SECONDS)
+    timeout_s: float | None = _setting(None, NUMBER)
+    #: retries before a dead letter (None: WM_MAX_RETRIES)
+    max_retries: int | None = _setting(None, COUNT)
+    #: the first retry's back-off (None: WM_RETRY_BASE_DELAY_MS), doubling each attempt
+    retry_base_delay_ms: int | None = _setting(None, COUNT)
+    #: the circuit breaker: failed attempts in a row that open it (0: off)
+    failure_threshold: int = _setting(5, COUNT)
+    breaker_base_delay_s: float = _setting(2.0, NUMBER)
+    breaker_max_delay_s: float = _setting(120.0, NUMBER)
+    #: what reaching failure_threshold does (:data:`STRATEGIES`)
+    recovery: str = _setting(STRATEGIES[0], SettingRule(text=True, choices=STRATEGIES))
+    #: successful deliveries after which the worker is finished (0: no limit)
+    max_events: int = _setting(0, COUNT)
+    #: deliveries of the worker running at once across the cluster (0: any)
+    max_concurrency: int = _setting(0, COUNT)
+    #: "key": events of one partitionkey one at a time, in publish order
+    ordering: str = _setting("none", SettingRule(text=True, choices=ORDERINGS))
+    #: how long an ordered key waits for a number that never came
+    ordering_gap_s: float = _setting(300.0, NUMBER)
+    #: how long stop waits for deliveries in flight before it kills the engine
+    stop_grace_s: float = _setting(30.0, NUMBER)
+    #: health thresholds: error rates over 5 minutes, and failures in a row (0: never)
+    health_degraded_rate: float = _setting(0.05, NUMBER)
+    health_unhealthy_rate: float = _setting(0.5, NUMBER)
+    health_max_consecutive_failures: int = _setting(3, COUNT)
+    #: the code's health probe: seconds between probes, failed probes that make it unhealthy
+    probe_interval_s: float = _setting(30.0, NUMBER)
+    max_probe_failures: int = _setting(3, COUNT)
+    #: the only topics the outputs may go to (None: any topic that is not reserved)
+    output_topics: tuple[str, ...] | None = _setting(None, None)
+    #: the engine's own settings (its ``worker_settings`` rules), read by the engine
+    engine: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def parse(
+        cls, raw: Mapping[str, Any], engine_rules: Mapping[str, SettingRule] | None = None
+    ) -> WorkerSettings:
+        """Check what an operator gave: known keys, right types, non-negative numbers."""
+        rules = {**CORE_RULES, **(engine_rules or {})}
+        core: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key == OUTPUT_TOPICS:
+                core[key] = _topic_list(value)
+                continue
+            rule = rules.get(key)
+            if rule is None:
+                known = ", ".join(sorted([*rules, OUTPUT_TOPICS]))
+                raise InvalidArgument(f"unknown worker setting {key!r}; known: {known}")
+            (core if key in CORE_RULES else engine)[key] = rule.check(key, value)
+        return cls(**core, engine=MappingProxyType(engine))
+
+    @classmethod
+    def of(cls, stored: Mapping[str, Any] | None) -> WorkerSettings:
+        """The settings as stored (checked when they were written)."""
+        core: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
+        for key, value in (stored or {}).items():
+            if key == OUTPUT_TOPICS:
+                core[key] = tuple(value)
+            else:
+                (core if key in CORE_RULES else engine)[key] = value
+        return cls(**core, engine=MappingProxyType(engine))
+
+    def timeout_s_on(self, env: Settings) -> float:
+        timeout_s = self.timeout_s
+        return float(timeout_s if timeout_s is not None else env.message_handling_timeout_seconds)
+
+    def max_retries_on(self, env: Settings) -> int:
+        return int(self.max_retries if self.max_retries is not None else env.max_retries)
+
+    def retry_base_delay_ms_on(self, env: Settings) -> int:
+        base = self.retry_base_delay_ms
+        return int(base if base is not None else env.retry_base_delay_ms)
+
+    def breaker_delay_s(self, trips: int) -> float:
+        """The circuit breaker's pause after its ``trips``-th opening in a row: base,
+        doubling, capped."""
+        pause = self.breaker_base_delay_s * 2 ** max(0, trips - 1)
+        return float(min(self.breaker_max_delay_s, pause))
+
+    @property
+    def ordered(self) -> bool:
+        """Events with the same ``partitionkey`` run one at a time, in publish order."""
+        return self.ordering == "key"
+
+
+def _topic_list(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise InvalidArgument(f"worker setting {OUTPUT_TOPICS!r} must be a list of topics")
+    return tuple(check_name("output topic", topic) for topic in value)
+
+
+#: The rules of the core's settings, by key (``output_topics`` is checked on its own).
+CORE_RULES: Mapping[str, SettingRule] = MappingProxyType(
+    {
+        f.name: f.metadata["rule"]
+        for f in dataclasses.fields(WorkerSettings)
+        if f.metadata.get("rule") is not None
+    }
+)
+
+
+def validate_worker_settings(
+    raw: Mapping[str, Any], engine_rules: Mapping[str, SettingRule] | None = None
+) -> dict[str, Any]:
+    """Check ``raw`` (:meth:`WorkerSettings.parse`); returns what to store: the keys given."""
+    topics = WorkerSettings.parse(raw, engine_rules).output_topics
+    return {
+        key: list(topics or ()) if key == OUTPUT_TOPICS else value for key, value in raw.items()
+    }
