@@ -11,6 +11,7 @@ behaviour through real node processes and a real broker is covered by the slow t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -20,9 +21,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,10 +42,17 @@ from sqlalchemy import update
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event, store
 from wm.config import current_values
+from wm.dataplane import tasks
 from wm.dataplane.app import celery_settings
 from wm.dataplane.bus import Route
+from wm.dataplane.delivery import Delivery
+from wm.dataplane.features import FEATURES
+from wm.dataplane.message import DeliveryState
+from wm.dataplane.pipeline import Feature, Pipeline
 from wm.dataplane.queues import worker_queue_name
 from wm.dataplane.tasks import reset_runtime
+from wm.dataplane.verdicts import Park, Verdict
+from wm.errors import InvalidArgument
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, encode, event_key
 from wm.lifecycle import Status
 from wm.state.ledger import Ledger
@@ -572,3 +581,116 @@ def test_one_trace_follows_an_event_through_two_workers_in_a_chain(
     assert deliver_first.attributes["workmanager.worker"] == "first"
     _, trace_hex, span_hex, _ = output["traceparent"].split("-")
     assert (int(trace_hex, 16), int(span_hex, 16)) == (trace_id, deliver_second.context.span_id)
+
+
+# -- the task message's format and the pipeline's features ---------------------------------
+
+
+def test_a_message_of_the_first_format_is_still_delivered(
+    node: WorkController, manager: WorkManager, node_settings: Settings, tmp_path: Path
+) -> None:
+    """Release 0.1 sent the retry state as five keyword arguments: a node of this release
+    reads them, and what it sends again carries them in format 2 (one ``state``)."""
+    sink, runs = manager.subscribe("done", "sink"), tmp_path / "runs.jsonl"
+    worker = manager.create_worker(
+        code=stub(output_type="done", fail="boom", fail_runs=1, trace=str(runs)),
+        mime_type=STUB,
+        topic="in",
+        settings={"max_retries": 3, "retry_base_delay_ms": 20},
+    )
+    queue = _consuming(node, worker)
+    event = make_event("in", "/tests", {"n": 1})
+    first_failure_at = time.time() - 60
+    legacy = {
+        "pin_version": 1,
+        "first_failure_at": first_failure_at,
+        "lock_waits": 0,
+        "waiting_since": None,
+        "seq": None,
+    }
+    manager.bus.send(encode(event), [Route(queue, str(worker.id))], kwargs=legacy)
+
+    [output] = drain(node_settings, sink, 1, timeout_s=10)
+    assert output["data"]["input"] == {"n": 1}
+    assert len(runs.read_text().splitlines()) == 2  # failed once, then ran from format 2
+    assert DeadLetters(node_settings).list() == []
+
+
+def test_the_delivery_state_reads_both_formats_and_writes_the_second() -> None:
+    legacy = {"pin_version": 3, "first_failure_at": 1.5, "lock_waits": 2, "waiting_since": 1.0}
+    state = DeliveryState.read(None, {**legacy, "seq": 7})
+    assert state == DeliveryState(3, 7, 1.5, 2, 1.0)
+    assert state.kwargs() == {
+        "state": {
+            "v": 2,
+            "pin_version": 3,
+            "seq": 7,
+            "first_failure_at": 1.5,
+            "lock_waits": 2,
+            "waiting_since": 1.0,
+        }
+    }
+    assert DeliveryState.read(state.wire(), {}) == state
+    assert DeliveryState.read(None, {}) == DeliveryState()
+    with pytest.raises(InvalidArgument, match="unknown delivery state colour"):
+        DeliveryState.read({"v": 2, "colour": "red"}, {})
+
+
+class Quarantine(Feature):
+    """An example feature, as a deployment would add one: events whose data says
+    ``"quarantine": true`` are parked before they run, every verdict is remembered, and a
+    Redis key of the worker is read in the delivery's first round trip."""
+
+    def __init__(self) -> None:
+        self.verdicts: list[tuple[str, str]] = []
+        self.seen: list[object] = []
+
+    def facts_key(self, worker_id: str) -> str:
+        return f"wm:test-quarantine:{{{worker_id}}}"
+
+    def facts(self, worker_id: str) -> Sequence[str]:  # type: ignore[override]
+        return (self.facts_key(worker_id),)
+
+    @contextlib.contextmanager
+    def admit(self, delivery: Delivery) -> Iterator[None]:
+        self.seen.append(delivery.facts[self.facts_key(delivery.meta.id)])
+        data = delivery.event.get_data()
+        if isinstance(data, dict) and data.get("quarantine"):
+            raise Park(delivery.failure(ValueError("quarantined by the example feature")))
+        yield
+
+    def ended(self, delivery: Delivery, verdict: Verdict) -> None:
+        self.verdicts.append((delivery.event.get_id(), type(verdict).__name__))
+
+
+@pytest.fixture
+def quarantine(monkeypatch: pytest.MonkeyPatch) -> Quarantine:
+    """The example feature, one line in the feature list (first: around everything)."""
+    feature = Quarantine()
+    monkeypatch.setattr(tasks, "PIPELINE", Pipeline((feature, *FEATURES)))
+    return feature
+
+
+def test_a_feature_is_one_module_and_one_line_in_the_list(
+    quarantine: Quarantine,
+    node: WorkController,
+    manager: WorkManager,
+    node_settings: Settings,
+) -> None:
+    redis_state = redis.Redis.from_url(node_settings.redis_url)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    _consuming(node, worker)
+    redis_state.set(quarantine.facts_key(str(worker.id)), "seen")
+    good, bad = make_event("in", "/t", {"n": 1}), make_event("in", "/t", {"quarantine": True})
+    manager.publish(good)
+    manager.publish(bad)
+
+    [output] = drain(node_settings, sink, 1, timeout_s=10)
+    assert output["data"]["input"] == {"n": 1}
+    [letter] = eventually(lambda: DeadLetters(node_settings).list(), timeout_s=10)
+    assert (letter.event_id, letter.error_type) == (bad.get_id(), "ValueError")
+    assert "quarantined by the example feature" in letter.error_message
+    eventually(lambda: len(quarantine.verdicts) == 2, timeout_s=5)
+    assert sorted(quarantine.verdicts) == sorted([(good.get_id(), "Done"), (bad.get_id(), "Park")])
+    assert quarantine.seen == [b"seen", b"seen"]

@@ -138,3 +138,30 @@ def test_the_checker_sees_a_circle_and_an_upward_import() -> None:
     assert _cycles(loop) == ["a: a, b, c", "b: a, b, c", "c: a, b, c"]
     assert _floor("wm.state.locks") > _floor("wm.store.models")
     assert _floor("wm.dataplane.tasks") < _floor("wm.manager")
+
+
+FEATURES_PACKAGE = "wm.dataplane.features"
+
+
+def test_features_never_import_each_other(graph: dict[str, set[str]]) -> None:
+    """A feature is one module: it reaches another only through the pipeline's hooks."""
+    tied = sorted(
+        f"{src} imports {dst}"
+        for src, targets in graph.items()
+        if src.startswith(FEATURES_PACKAGE + ".")
+        for dst in targets
+        if dst.startswith(FEATURES_PACKAGE + ".")
+    )
+    assert tied == []
+
+
+def test_the_core_never_imports_a_feature_by_name(graph: dict[str, set[str]]) -> None:
+    """Outside their package only the ordered list (``wm.dataplane.features``) is imported."""
+    named = sorted(
+        f"{src} imports {dst}"
+        for src, targets in graph.items()
+        if not src.startswith(FEATURES_PACKAGE)
+        for dst in targets
+        if dst.startswith(FEATURES_PACKAGE + ".")
+    )
+    assert named == []

@@ -22,6 +22,7 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane import tracing
 from wm.dataplane.app import BROKER_ERRORS, broker_errors, make_app
+from wm.dataplane.message import numbered
 from wm.dataplane.queues import (
     CLOUDEVENT_CONTENT_TYPE,
     DELIVER_TASK,
@@ -352,7 +353,7 @@ class Bus:
             return
         queue = subscription_queue(route.queue)
         if seq is not None:  # its number among the worker's events of its partition key
-            task_options["kwargs"] = {**task_options.get("kwargs", {}), "seq": seq}
+            task_options["kwargs"] = numbered(task_options.get("kwargs"), seq)
         event_id, event_type = about or ("?", "?")
         shown = payload if self.settings.flower_show_data else None
         labels = delivery_labels(

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus, Route
+from wm.dataplane.message import DeliveryState
 from wm.dataplane.queues import worker_queue_name
 from wm.errors import (
     DatabaseError,
@@ -232,9 +233,9 @@ class DeadLetters:
         worker = session.get(Worker, row.worker_id) if row.worker_id else None
         if worker is None or worker.status == Status.DELETED:
             raise WorkerNotFound(f"dead letter {letter_id}: its worker is gone; purge it instead")
-        options: dict[str, Any] = {"kwargs": {}}
+        options: dict[str, Any] = {}
         if to_version == "same" and row.version is not None:
-            options["kwargs"]["pin_version"] = row.version
+            options["kwargs"] = DeliveryState(pin_version=row.version).kwargs()
         route = Route(worker_queue_name(worker.topic, str(worker.id)), str(worker.id))
         self.bus.send(row.envelope, [route], **options)
         row.replay_count += 1

@@ -67,3 +67,10 @@ class DeliveryState:
         if unknown:
             raise InvalidArgument(f"unknown delivery state {', '.join(unknown)}")
         return cls(**given)
+
+
+def numbered(kwargs: Mapping[str, Any] | None, seq: int) -> dict[str, Any]:
+    """A task's keyword arguments (of either format) in format 2, with its number ``seq``."""
+    given = dict(kwargs or {})
+    state = DeliveryState.read(given.pop(STATE_KWARG, None), given)
+    return replace(state, seq=seq).kwargs()
