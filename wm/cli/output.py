@@ -124,14 +124,17 @@ class Output:
         """A table as wide as the terminal: the columns in ``wrap`` (and the last one) wrap
         their long cells, the others keep one line and are cut with ``…`` only when the
         terminal is too narrow. ``empty`` is printed instead of no rows."""
-        from rich import box
-        from rich.table import Table
-
         cells = [[cell(value) for value in row] for row in rows]
         if not cells:
             self.line(empty)
             return
         wraps = [header in wrap or i == len(headers) - 1 for i, header in enumerate(headers)]
+        self.show(self._rich_table(headers, cells, wraps))
+
+    def _rich_table(self, headers: Sequence[str], cells: list[list[str]], wraps: list[bool]) -> Any:
+        from rich import box
+        from rich.table import Table
+
         # A rule under the header on a terminal; plain columns for grep and awk.
         boxed = self.console.is_terminal
         widths = column_widths(
@@ -155,7 +158,7 @@ class Output:
             )
         for row in cells:
             table.add_row(*row)
-        self.show(table)
+        return table
 
     def fields(self, pairs: Sequence[tuple[str, Any]]) -> None:
         """One ``key: value`` line per pair, values aligned and wrapped; nested values as JSON."""

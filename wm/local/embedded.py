@@ -220,14 +220,12 @@ def _wait_unlocked(server: EmbeddedRedis) -> None:
         time.sleep(POLL_INTERVAL_S)
 
 
-def _launch(
-    binary: str, data_dir: Path, port: int, persistent: bool, lock_fd: int, timeout_s: float
-) -> EmbeddedRedis | None:
-    """Run one server; None when another process holds ``port``."""
-    log_path = data_dir / _LOG_NAME
+def _spawn(
+    binary: str, data_dir: Path, port: int, persistent: bool, lock_fd: int, log_path: Path
+) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         try:
-            process = subprocess.Popen(
+            return subprocess.Popen(
                 [binary, *_server_args(data_dir, port, persistent)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -242,6 +240,14 @@ def _launch(
             raise EmbeddedRedisError(
                 f"cannot run redis-server {binary!r}: {exc.strerror}. {INSTALL_HINT}"
             ) from exc
+
+
+def _launch(
+    binary: str, data_dir: Path, port: int, persistent: bool, lock_fd: int, timeout_s: float
+) -> EmbeddedRedis | None:
+    """Run one server; None when another process holds ``port``."""
+    log_path = data_dir / _LOG_NAME
+    process = _spawn(binary, data_dir, port, persistent, lock_fd, log_path)
     server = EmbeddedRedis(
         url=_url(port),
         port=port,

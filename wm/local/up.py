@@ -229,24 +229,7 @@ def celery_node(
     also runs Celery beat in the node (``-B``), which fires the workers' schedules.
     """
     log_path = home / "node.log"
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        app_module,
-        "worker",
-        "-n",
-        name,
-        "-P",
-        pool,
-        "-c",
-        str(concurrency),
-        "--loglevel=INFO",
-        "-Q",
-        ",".join(queues),
-        *(["-B"] if beat else []),
-    ]
+    command = _node_command(app_module, name, pool, concurrency, queues, beat)
     with log_path.open("ab") as log:
         node = subprocess.Popen(
             command,
@@ -264,6 +247,29 @@ def celery_node(
         yield node
     finally:
         _stop_node(node)
+
+
+def _node_command(
+    app_module: str, name: str, pool: str, concurrency: int, queues: Sequence[str], beat: bool
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app_module,
+        "worker",
+        "-n",
+        name,
+        "-P",
+        pool,
+        "-c",
+        str(concurrency),
+        "--loglevel=INFO",
+        "-Q",
+        ",".join(queues),
+        *(["-B"] if beat else []),
+    ]
 
 
 def _wait_for_node(

@@ -117,13 +117,7 @@ def record_transition(
     A change of state also records how long the worker was in the state it left, and
     restarts that clock (``status_since``; ``started_at`` on entering ``running``)."""
     now = datetime.now(UTC)
-    duration_ms = None
-    if source != str(target):
-        if worker.status_since is not None:
-            duration_ms = int((now - aware(worker.status_since)).total_seconds() * 1000)
-        worker.status_since = now
-        if str(target) == Status.RUNNING:
-            worker.started_at = now
+    duration_ms = _restart_clock(worker, source, target, now)
     session.add(
         WorkerTransition(
             worker_id=worker.id,
@@ -141,6 +135,20 @@ def record_transition(
         return
     data = {"from_state": source, "to_state": str(target), **(extra or {})}
     add_outbox(session, kind, worker, data, reason=reason, version=version)
+
+
+def _restart_clock(
+    worker: Worker, source: str | None, target: Status | str, now: datetime
+) -> int | None:
+    """How long the worker was in the state it leaves (ms; None: it stays), its clocks
+    restarted."""
+    if source == str(target):
+        return None
+    left = worker.status_since
+    worker.status_since = now
+    if str(target) == Status.RUNNING:
+        worker.started_at = now
+    return None if left is None else int((now - aware(left)).total_seconds() * 1000)
 
 
 def add_outbox(
