@@ -67,9 +67,6 @@ PAUSED = frozenset({Status.SUSPENDED, Status.PENDING})
 ALREADY_STOPPED = frozenset(
     {Status.CREATED, Status.STOPPED, Status.KILLED, Status.FAILED, Status.FINISHED}
 )
-#: Seconds ``stop`` waits for deliveries in flight before the engine is killed (per-worker
-#: setting ``stop_grace_s``).
-STOP_GRACE_S = 30.0
 
 #: Lifecycle event published when a worker reaches a state (DESIGN.md §4).
 EVENT_ON_ENTER: dict[Status, str] = {

@@ -49,12 +49,6 @@ HEALTHS = (HEALTHY, DEGRADED, UNHEALTHY, UNKNOWN)
 _SEVERITY = {UNKNOWN: 0, HEALTHY: 1, DEGRADED: 2, UNHEALTHY: 3}
 #: Minutes of deliveries the error rate is taken over.
 WINDOW_MIN = 5
-DEFAULT_DEGRADED_RATE = 0.05
-DEFAULT_UNHEALTHY_RATE = 0.5
-DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
-#: seconds between two probes of a worker (worker setting ``probe_interval_s``).
-DEFAULT_PROBE_INTERVAL_S = 30.0
-DEFAULT_MAX_PROBE_FAILURES = 3
 #: seconds the last probe's facts are kept at least (longer for long probe intervals).
 PROBE_FACTS_TTL_S = WINDOW_MIN * 60
 #: seconds a version's "no probe" is remembered (a version's code never changes; the key

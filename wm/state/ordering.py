@@ -22,8 +22,6 @@ from wm.state.connection import redis_errors, redis_for, text
 
 #: The CloudEvents partitioning extension.
 PARTITION_EXTENSION = "partitionkey"
-#: Seconds a key waits for a number that never arrives (per-worker ``ordering_gap_s``).
-GAP_S = 300.0
 #: Longest wait (s) of an event for its turn before it looks again.
 WAIT_MAX_S = 1.0
 GO, WAIT, LATE, SKIP = "go", "wait", "late", "skip"
