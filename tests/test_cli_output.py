@@ -57,7 +57,16 @@ def test_worker_list_loads_no_data_plane(env: dict[str, str]) -> None:
     # Reading the store needs neither Celery nor the data plane: they load on first use.
     imported = _imported(env, "worker", "list")
     assert "sqlalchemy" in imported
-    assert not {"celery", "kombu.messaging", "wm.dataplane.bus", "wm.dataplane.breaker"} & imported
+    assert (
+        not {
+            "celery",
+            "kombu.messaging",
+            "wm.dataplane.bus",
+            "wm.dataplane.pending",
+            "wm.dataplane.features",
+        }
+        & imported
+    )
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ A sorted set per worker (``wm:slots:{<id>}``) holds the deliveries running, each
 the time its slot expires: its time limit plus a grace, so a slot whose holder was killed
 frees itself without a heartbeat. Taking a slot first drops the expired ones. A delivery
 that finds every slot taken raises :class:`~wm.errors.LockContention`: like a group member,
-it waits in the broker (``wm.dataplane.tasks``) and uses up none of its retries.
+it waits in the broker (``wm.dataplane.features.contention``) and uses up none of its retries.
 """
 
 from __future__ import annotations
