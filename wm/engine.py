@@ -64,7 +64,7 @@ class Engine:
 
     #: MIME type the engine is registered for (informational; the entry point decides).
     mime_type: ClassVar[str] = ""
-    #: Per-worker settings this engine reads, beyond the core's (``wm.workersettings.WorkerSettings``).
+    #: Per-worker settings this engine reads, beyond the core's (``WorkerSettings``).
     worker_settings: ClassVar[Mapping[str, SettingRule]] = {}
 
     def __init__(self, settings: Settings) -> None:
