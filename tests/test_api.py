@@ -26,7 +26,7 @@ from schemathesis import GenerationMode, checks
 from tests.conftest import env_of
 from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
 from wm import Settings, store
-from wm.store.access import Tokens
+from wm.control.access import Tokens
 from wm.views import Role
 
 #: Who may call what: the calls only an admin may make, every other read for a viewer,

@@ -249,7 +249,7 @@ def test_tokens_create_list_revoke(env: dict[str, str]) -> None:
 
 
 def test_audit_names_the_token_and_the_worker(env: dict[str, str], tmp_path: Path) -> None:
-    from wm.store.access import Audit, Tokens
+    from wm.control.access import Audit, Tokens
 
     worker = create(env, tmp_path, "--name", "shouter", "--no-start")["id"]
     settings = Settings.from_env(env)
@@ -338,7 +338,7 @@ def test_schedule_usage_errors_exit_2(env: dict[str, str], args: list[str], mess
 
 def test_schedule_constants_agree_with_their_sources() -> None:
     from wm.cli import schedules
-    from wm.manager import DEFAULT_MAX_CATCH_UP
+    from wm.control.schedules import DEFAULT_MAX_CATCH_UP
     from wm.schedules import MISSED
 
     assert schedules.MISSED == MISSED

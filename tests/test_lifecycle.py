@@ -249,7 +249,7 @@ def test_short_ids_name_one_worker_or_list_the_candidates(
         ]
     )
     shim = types.SimpleNamespace(UUID=uuid.UUID, uuid4=lambda: next(ids, None) or uuid.uuid4())
-    monkeypatch.setattr("wm.manager.uuid", shim)  # the ids of the workers created here
+    monkeypatch.setattr("wm.control.lifecycle.uuid", shim)  # the ids of the workers created here
     first = manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)
     manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)
     third = manager.create_worker(code=stub(), mime_type=STUB, topic="t", start=False)

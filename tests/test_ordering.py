@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager
-from wm.dataplane.deadletters import DeadLetters
+from wm.control.deadletters import DeadLetters
 from wm.events import make_event
 from wm.state.ordering import Ordering
 

@@ -18,9 +18,9 @@ import pytest
 from tests.conftest import env_of
 from tests.helpers import STUB, eventually, free_port, plain, run_in_terminal, stub
 from wm import Settings, WorkManager
-from wm.dataplane.deadletters import DeadLetters
+from wm.control.access import Tokens
+from wm.control.deadletters import DeadLetters
 from wm.events import make_event
-from wm.store.access import Tokens
 from wm.views import Role
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,13 +232,13 @@ def test_the_http_api_answers_the_same_status(pg_settings: Settings) -> None:
 
 def test_the_command_waits_for_the_ping_as_long_as_the_api_does() -> None:
     from wm.cli.status import PING_TIMEOUT_S as CLI_DEFAULT
-    from wm.dataplane.overview import PING_TIMEOUT_S
+    from wm.control.overview import PING_TIMEOUT_S
 
     assert CLI_DEFAULT == PING_TIMEOUT_S
 
 
 def test_delivery_counts_start_at_a_minute_and_skip_older_ones() -> None:
-    from wm.dataplane.workerdetails import delivery_counts
+    from wm.control.workerdetails import delivery_counts
 
     counts = {b"100:ok": b"3", b"100:failed": b"1", b"99:ok": b"7", b"101:failed": b"2"}
     found = delivery_counts(counts, 100)

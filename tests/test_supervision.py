@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import STUB, drain, eventually, stub
 from wm import Settings, WorkManager
-from wm.dataplane.deadletters import DeadLetters
+from wm.control.deadletters import DeadLetters
 from wm.errors import InvalidArgument
 from wm.events import LIFECYCLE_TOPIC, make_event
 from wm.state.health import judge

@@ -42,13 +42,13 @@ from wm.events import CloudEvent, decode, encode, make_event
 from wm.lifecycle import Status
 
 if TYPE_CHECKING:
-    from wm.dataplane.deadletters import DeadLetters
+    from wm.control.deadletters import DeadLetters
     from wm.manager import WorkManager
     from wm.views import DeadLetterInfo, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
 
 _LAZY = {
     "DeadLetterInfo": "wm.views",
-    "DeadLetters": "wm.dataplane.deadletters",
+    "DeadLetters": "wm.control.deadletters",
     "ScheduleInfo": "wm.views",
     "WorkManager": "wm.manager",
     "TransitionInfo": "wm.views",

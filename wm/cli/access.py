@@ -103,10 +103,8 @@ def token() -> None:
 @pass_output
 def create_token(out: Output, name: str, role: str, expires_days: int | None) -> int:
     """Create a token; its secret is printed once."""
-    from wm.store.access import Tokens
-
     lifetime = timedelta(days=expires_days) if expires_days else None
-    info, secret = Tokens(out.settings).create(name, role, expires_in=lifetime)
+    info, secret = out.manager.tokens.create(name, role, expires_in=lifetime)
     if out.as_json:
         out.json({**info.to_json(), "token": secret})
         return 0
@@ -128,9 +126,7 @@ def create_token(out: Output, name: str, role: str, expires_days: int | None) ->
 @pass_output
 def list_tokens(out: Output, include_revoked: bool) -> int:
     """List tokens, oldest first (never their secrets)."""
-    from wm.store.access import Tokens
-
-    found = Tokens(out.settings).list(include_revoked=include_revoked)
+    found = out.manager.tokens.list(include_revoked=include_revoked)
     if out.as_json:
         out.json([t.to_json() for t in found])
         return 0
@@ -150,9 +146,7 @@ def list_tokens(out: Output, include_revoked: bool) -> int:
 @pass_output
 def revoke_token(out: Output, reference: str) -> int:
     """Revoke a token at once."""
-    from wm.store.access import Tokens
-
-    info = Tokens(out.settings).revoke(reference)
+    info = out.manager.tokens.revoke(reference)
     if out.as_json:
         out.json(info.to_json())
     else:
@@ -178,9 +172,7 @@ def revoke_token(out: Output, reference: str) -> int:
 @pass_output
 def audit(out: Output, reference: str | None, since: datetime | None, limit: int) -> int:
     """The admin API's mutating calls, newest last."""
-    from wm.store.access import Audit
-
-    entries = Audit(out.settings).list(token=reference, since=since, limit=limit)
+    entries = out.manager.audit.list(token=reference, since=since, limit=limit)
     if out.as_json:
         out.json([e.to_json() for e in entries])
         return 0

@@ -129,7 +129,7 @@ def list_letters(
 ) -> int:
     """List dead letters not yet replayed, oldest failure first."""
     filters = Filters(topic, worker_ref, error_type).resolved(out)
-    letters = out.dead_letters.list(
+    letters = out.manager.dead_letters.list(
         topic=filters.topic,
         worker_id=filters.worker,
         error_type=filters.error_type,
@@ -217,7 +217,7 @@ def _with_name(fields: dict[str, Any], name: str | None) -> dict[str, Any]:
 @pass_output
 def show_letter(out: Output, letter_id: str) -> int:
     """Show one dead letter and its event."""
-    letter = out.dead_letters.get(letter_id)
+    letter = out.manager.dead_letters.get(letter_id)
     name = _name(out.manager.worker_names([letter.worker_id]), letter)
     fields = _with_name(letter.to_json(), name)
     if out.as_json:
@@ -301,7 +301,7 @@ def replay_letters(
     chosen = list(ids) or _matching(out, filters, limit)
     started = time.monotonic()
     with _counted(out, "replaying", len(chosen), bar=True) as advance:
-        sent = out.dead_letters.replay(
+        sent = out.manager.dead_letters.replay(
             chosen, to_version=to_version, rate_per_s=rate, progress=advance
         )
     elapsed_s = time.monotonic() - started
@@ -324,7 +324,7 @@ def _matching(out: Output, filters: Filters, limit: int) -> list[str]:
     resolved = filters.resolved(out)
     ids = [
         letter.id
-        for letter in out.dead_letters.list(
+        for letter in out.manager.dead_letters.list(
             topic=resolved.topic,
             worker_id=resolved.worker,
             error_type=resolved.error_type,
@@ -395,7 +395,7 @@ def purge_letters(
         )
     started = time.monotonic()
     with _counted(out, "purging", total, bar=total >= PURGE_PROGRESS_FROM) as advance:
-        purged = out.dead_letters.purge(
+        purged = out.manager.dead_letters.purge(
             list(ids) or None,
             topic=resolved.topic,
             worker_id=resolved.worker,
@@ -411,7 +411,7 @@ def purge_letters(
 
 
 def _count(out: Output, resolved: Filters) -> int:
-    return out.dead_letters.count(
+    return out.manager.dead_letters.count(
         topic=resolved.topic,
         worker_id=resolved.worker,
         error_type=resolved.error_type,

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from wm.config import Settings
-    from wm.dataplane.deadletters import DeadLetters
     from wm.manager import WorkManager
 
 #: Width a table is laid out to when standard output is not a terminal and ``COLUMNS`` is
@@ -63,12 +62,6 @@ class Output:
         from wm.manager import WorkManager
 
         return WorkManager(self.settings, actor="cli")
-
-    @cached_property
-    def dead_letters(self) -> DeadLetters:
-        from wm.dataplane.deadletters import DeadLetters
-
-        return DeadLetters(self.settings, self.manager.bus)
 
     # -- consoles ----------------------------------------------------------------------------
 

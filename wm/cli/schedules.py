@@ -21,9 +21,9 @@ from wm.cli.output import Output, cell, labelled
 if TYPE_CHECKING:
     from wm.views import ScheduleInfo
 
-#: ``wm.schedules.MISSED`` and ``wm.manager.DEFAULT_MAX_CATCH_UP``, repeated here because
-#: importing them would load croniter and the database layer for every ``wm`` command and for
-#: completion; tests/test_cli_admin.py checks that they agree.
+#: ``wm.schedules.MISSED`` and ``wm.control.schedules.DEFAULT_MAX_CATCH_UP``, repeated here
+#: because importing them would load croniter and the database layer for every ``wm`` command
+#: and for completion; tests/test_cli_admin.py checks that they agree.
 MISSED = ("skip", "catch_up")
 DEFAULT_MAX_CATCH_UP = 10
 

@@ -17,10 +17,10 @@ from wm.cli.arguments import POSITIVE_FLOAT, Command, pass_output
 from wm.cli.output import Output, duration, labelled, unavailable, unavailable_reasons
 
 if TYPE_CHECKING:
-    from wm.dataplane.overview import BreakerInfo, Overview
+    from wm.control.overview import BreakerInfo, Overview
 
 #: Seconds the nodes have to answer the ping: the API's default
-#: (``wm.dataplane.overview.PING_TIMEOUT_S``), not imported so that help starts fast.
+#: (``wm.control.overview.PING_TIMEOUT_S``), not imported so that help starts fast.
 PING_TIMEOUT_S = 1.0
 
 

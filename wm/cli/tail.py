@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import signal
-import time
 import uuid
 from datetime import UTC, datetime
 from types import FrameType
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 #: Signals that end a tail as Ctrl-C does: ``kill``, and the terminal (or ssh) closing.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-#: How long one wait for a message lasts while tailing, in seconds (bounds Ctrl-C latency).
-TAIL_POLL_S = 1.0
 #: Characters of a UUID-shaped event or correlation id that ``wm tail`` shows (``--full``:
 #: all), like a short git hash.
 SHORT_ID_CHARS = 8
@@ -89,36 +87,9 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def _consume(
     out: Output, queue: str, count: int | None, timeout_s: float | None, full: bool
 ) -> None:
-    from wm.dataplane.app import broker_errors
-    from wm.dataplane.queues import subscription_queue
-
-    seen = 0
-    # A kombu Connection to WM_BROKER_URL with the transport options publishers use.
-    with broker_errors(out.settings), out.manager.bus.app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(subscription_queue(queue))
-        try:
-            while count is None or seen < count:
-                message = _next_message(simple, timeout_s)
-                if message is None:
-                    return
-                _print_event(out, message.body, full)
-                message.ack()
-                seen += 1
-        finally:
-            simple.close()
-
-
-def _next_message(simple: Any, timeout_s: float | None) -> Any:
-    """The next message, or None once ``timeout_s`` passed without one (None: wait forever)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        wait = TAIL_POLL_S if deadline is None else min(TAIL_POLL_S, deadline - time.monotonic())
-        if wait <= 0:
-            return None
-        try:
-            return simple.get(block=True, timeout=wait)
-        except simple.Empty:
-            continue
+    with contextlib.closing(out.manager.receive(queue, count=count, idle_s=timeout_s)) as bodies:
+        for body in bodies:
+            _print_event(out, body, full)
 
 
 def _print_event(out: Output, body: str | bytes, full: bool) -> None:

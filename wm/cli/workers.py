@@ -20,7 +20,7 @@ from wm.cli.output import Output, cell, duration, unavailable, unavailable_reaso
 from wm.lifecycle import Status
 
 if TYPE_CHECKING:
-    from wm.dataplane.workerdetails import DeliveryCounts, LastError, WorkerDetails
+    from wm.control.workerdetails import DeliveryCounts, LastError, WorkerDetails
     from wm.views import WorkerInfo
 
 

@@ -3,7 +3,7 @@
 FastAPI on uvicorn: the framework generates the OpenAPI description (``/openapi.json``, docs
 at ``/docs``) from the same models that validate requests, so an invalid body is refused with
 422 naming the field before any code of ours runs. Every call under ``/v1`` needs a bearer
-token (``wm token create``); the token's role decides what it may do (``wm.store.access``).
+token (``wm token create``); the token's role decides what it may do (``wm.control.access``).
 Every mutating call is written to the audit log before it runs and completed after it
 (``wm audit``); if the log cannot be written, the call is refused with 503 and nothing runs.
 
@@ -46,8 +46,7 @@ from starlette.exceptions import HTTPException
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane.deadletters import DeadLetters
-from wm.dataplane.overview import Overview
+from wm.control.overview import Overview
 from wm.engine import engine_class
 from wm.errors import (
     BrokerUnavailable,
@@ -72,7 +71,6 @@ from wm.lifecycle import Status
 from wm.manager import WorkManager
 from wm.names import check_name
 from wm.ops import health
-from wm.store.access import Audit, Tokens
 from wm.views import (
     AuditInfo,
     DeadLetterInfo,
@@ -306,9 +304,6 @@ class Services:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.manager = WorkManager(settings)
-        self.letters = DeadLetters(settings, self.manager.bus)
-        self.tokens = Tokens(settings)
-        self.audit = Audit(settings)
 
 
 def _services(request: Request) -> Services:
@@ -331,7 +326,7 @@ def _authenticated(
             "no bearer token: send 'Authorization: Bearer wm_…' (wm token create)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    token = svc.tokens.authenticate(credentials.credentials)
+    token = svc.manager.tokens.authenticate(credentials.credentials)
     if token is None:
         raise HTTPException(
             401,
@@ -415,7 +410,8 @@ async def _audited(
     """Write every mutating call to the audit log: begun before it runs, finished after."""
     if request.method not in MUTATING:
         return await call_next(request)
-    audit: Audit = request.app.state.services.audit
+    svc: Services = request.app.state.services
+    audit = svc.manager.audit
     started = time.monotonic()
     remote = request.client.host if request.client else None
     try:
@@ -634,7 +630,7 @@ def list_letters(
     limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
 ) -> list[dict[str, Any]]:
     """Dead letters, oldest failure first."""
-    found = svc.letters.list(
+    found = svc.manager.dead_letters.list(
         topic=topic,
         worker_id=_worker_id(svc, worker, "query"),
         error_type=error_type,
@@ -649,7 +645,7 @@ def list_letters(
 )
 def get_letter(svc: Svc, letter_id: str) -> dict[str, Any]:
     """One dead letter with the event as it failed."""
-    return svc.letters.get(letter_id).to_json()  # the envelope as JSON, or its text
+    return svc.manager.dead_letters.get(letter_id).to_json()  # the envelope as JSON, or its text
 
 
 @LETTERS.post("/replay", dependencies=[OPERATOR], responses=_errors(404))
@@ -657,14 +653,16 @@ def replay(svc: Svc, body: Replay) -> Replayed:
     """Send dead letters back to their worker (by id, or every one a filter selects)."""
     ids = body.ids or [
         d.id
-        for d in svc.letters.list(
+        for d in svc.manager.dead_letters.list(
             topic=body.topic,
             worker_id=_worker_id(svc, body.worker, "body"),
             error_type=body.error_type,
             limit=body.limit,
         )
     ]
-    sent = svc.letters.replay(ids, to_version=body.to_version, rate_per_s=body.rate_per_s)
+    sent = svc.manager.dead_letters.replay(
+        ids, to_version=body.to_version, rate_per_s=body.rate_per_s
+    )
     return Replayed(replayed=sent, ids=ids)
 
 
@@ -672,7 +670,7 @@ def replay(svc: Svc, body: Replay) -> Replayed:
 def purge(svc: Svc, body: LetterSelection) -> Purged:
     """Delete dead letters (by id or short id, each of which must exist; or every one a
     filter selects)."""
-    count = svc.letters.purge(
+    count = svc.manager.dead_letters.purge(
         body.ids,
         topic=body.topic,
         worker_id=_worker_id(svc, body.worker, "body"),
@@ -764,7 +762,7 @@ def audit_log(
     limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
 ) -> list[AuditInfo]:
     """The newest audit entries, oldest first (admins only)."""
-    return svc.audit.list(token=token, since=since, limit=limit)
+    return svc.manager.audit.list(token=token, since=since, limit=limit)
 
 
 # -- serving -------------------------------------------------------------------------------

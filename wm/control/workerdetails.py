@@ -6,7 +6,7 @@ dead letter, its newest move to ``failed`` or ``killed`` or by its breaker (whos
 names the error), and its last health probe when that failed. Delivery counts are the
 per-minute counts health keeps in Redis (``wm.state.health``): a process adds its tally
 there at most once a second, with its next delivery's record, so the newest deliveries may
-show a little late. Parts are read as ``wm.dataplane.overview`` reads them.
+show a little late. Parts are read as ``wm.control.overview`` reads them.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane.app import broker_errors
-from wm.dataplane.bus import Bus
-from wm.dataplane.overview import (
+from wm.control.overview import (
     BROKER,
     REDIS,
     BreakerInfo,
@@ -34,14 +31,16 @@ from wm.dataplane.overview import (
     breaker_info,
     connect,
     part,
-    paused_by_breaker,
     queue_depths,
 )
+from wm.dataplane.app import broker_errors
+from wm.dataplane.bus import Bus
 from wm.lifecycle import Status
 from wm.state.breaker import Breaker, failures_key
 from wm.state.connection import redis_errors, redis_for, text
 from wm.state.health import WINDOW_MIN, ProbeFacts, counts_key, probe_key
-from wm.store.models import DeadLetter, WorkerTransition
+from wm.store import deadletters as dead_letters
+from wm.store import workers as rows
 from wm.views import WorkerInfo, aware, jsonable
 
 #: Transitions whose reason is an error worth showing as a worker's last one: these moves,
@@ -92,7 +91,7 @@ class WorkerDetails:
 
 def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDetails:
     """What ``wm worker show`` adds to ``info``; a service that does not answer leaves its
-    parts None (see ``wm.dataplane.overview``)."""
+    parts None (see ``wm.control.overview``)."""
     live = LiveWorker(
         str(info.id),
         info.name,
@@ -104,7 +103,7 @@ def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDeta
     with store.session_scope(settings) as session:
         letters, errors = _letters_of(session, info.id)
         paused = bool(
-            paused_by_breaker(session, [live.id] if live.status == Status.PENDING else [])
+            rows.paused_by_breaker(session, [live.id] if live.status == Status.PENDING else [])
         )
     missing: dict[str, str] = {}
     facts = part(missing, REDIS, lambda: _redis_facts(settings, live, paused))
@@ -127,22 +126,12 @@ def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDeta
 
 def _letters_of(session: Session, wid: uuid.UUID) -> tuple[int, list[LastError]]:
     """The worker's dead letters not replayed, and the newest errors the database holds."""
-    count = session.scalar(
-        select(func.count())
-        .select_from(DeadLetter)
-        .where(DeadLetter.worker_id == wid, DeadLetter.replayed_at.is_(None))
-    )
     found = [_newest_letter(session, wid), _newest_failing_move(session, wid)]
-    return int(count or 0), [error for error in found if error is not None]
+    return dead_letters.waiting_of(session, wid), [error for error in found if error is not None]
 
 
 def _newest_letter(session: Session, wid: uuid.UUID) -> LastError | None:
-    letter = session.scalars(
-        select(DeadLetter)
-        .where(DeadLetter.worker_id == wid)
-        .order_by(DeadLetter.last_failure_at.desc())
-        .limit(1)
-    ).first()
+    letter = dead_letters.newest_of(session, wid)
     if letter is None:
         return None
     at = aware(letter.last_failure_at)
@@ -151,17 +140,7 @@ def _newest_letter(session: Session, wid: uuid.UUID) -> LastError | None:
 
 def _newest_failing_move(session: Session, wid: uuid.UUID) -> LastError | None:
     """The reason of the worker's newest move to failed or killed, or by its breaker."""
-    by_breaker = (WorkerTransition.actor == "breaker") & WorkerTransition.to_status.in_(
-        _BREAKER_MOVES
-    )
-    moved = session.scalars(
-        select(WorkerTransition)
-        .where(
-            WorkerTransition.worker_id == wid, WorkerTransition.to_status.in_(_FAILING) | by_breaker
-        )
-        .order_by(WorkerTransition.id.desc())
-        .limit(1)
-    ).first()
+    moved = rows.newest_move(session, wid, to=_FAILING, by_breaker_to=_BREAKER_MOVES)
     return None if moved is None else LastError(aware(moved.at), "transition", moved.reason)
 
 

@@ -1,6 +1,6 @@
 """One look at the whole cluster (``wm status``, ``GET /v1/status``): the nodes that answer,
 workers by status and health, the deepest queues, dead letters per topic, circuit breakers
-and recovery. ``wm.dataplane.workerdetails`` looks at one worker the same way.
+and recovery. ``wm.control.workerdetails`` looks at one worker the same way.
 
 Each fact is read where it lives: workers and dead letters from the database, the source of
 truth (an unreachable database fails the whole look, which means nothing without it);
@@ -13,7 +13,6 @@ the ping's timeout), so one broken service never hangs the look at the others.
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -23,7 +22,6 @@ from typing import Any, TypeVar
 from amqp.exceptions import ChannelError as AmqpChannelError
 from celery import Celery
 from kombu.exceptions import ChannelError
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from wm import store
@@ -37,7 +35,8 @@ from wm.state.breaker import failures_key, trips_key
 from wm.state.connection import redis_errors, redis_for
 from wm.state.health import HEALTHS, WorkerHealth
 from wm.state.ledger import Ledger
-from wm.store.models import DeadLetter, Worker, WorkerTransition
+from wm.store import deadletters as dead_letters
+from wm.store import workers as rows
 from wm.views import aware, jsonable
 from wm.workersettings import STRATEGIES, WorkerSettings
 
@@ -134,18 +133,21 @@ class LiveWorker:
 # -- the cluster -------------------------------------------------------------------------------
 
 
-def overview(settings: Settings, bus: Bus, ping_timeout_s: float = PING_TIMEOUT_S) -> Overview:
-    """The cluster at a glance; see the module's docs for what a dead service leaves out."""
+def overview(settings: Settings, bus: Bus, ping_timeout_s: float | None = None) -> Overview:
+    """The cluster at a glance, asking the nodes to answer a ping within ``ping_timeout_s``
+    (default :data:`PING_TIMEOUT_S`); see the module's docs for what a dead service leaves
+    out."""
+    timeout_s = PING_TIMEOUT_S if ping_timeout_s is None else ping_timeout_s
     with store.session_scope(settings) as session:
         workers = _live_workers(session)
-        letters = _letters_by_topic(session)
-        paused = paused_by_breaker(session, [w.id for w in workers if w.status == Status.PENDING])
+        letters = dead_letters.waiting_by_topic(session)
+        paused = rows.paused_by_breaker(
+            session, [w.id for w in workers if w.status == Status.PENDING]
+        )
     missing: dict[str, str] = {}
     health = part(missing, REDIS, lambda: _health_counts(settings, workers))
     recovery = part(missing, REDIS, lambda: _recovery(settings, workers, paused))
-    looked = part(
-        missing, BROKER, lambda: _nodes_and_depths(settings, bus.app, workers, ping_timeout_s)
-    )
+    looked = part(missing, BROKER, lambda: _nodes_and_depths(settings, bus.app, workers, timeout_s))
     nodes, depths = looked if looked is not None else (None, None)
     return Overview(
         at=datetime.now(UTC),
@@ -174,49 +176,17 @@ def part(missing: dict[str, str], service: str, read: Callable[[], T]) -> T | No
 
 
 def _live_workers(session: Session) -> list[LiveWorker]:
-    rows = session.execute(
-        select(
-            Worker.id,
-            Worker.name,
-            Worker.topic,
-            Worker.status,
-            Worker.settings,
-            Worker.status_since,
-        )
-        .where(Worker.status != Status.DELETED.value)
-        .order_by(Worker.created_at, Worker.id)
-    ).all()
     return [
-        LiveWorker(str(wid), name, topic, status, dict(worker_settings or {}), aware(since))
-        for wid, name, topic, status, worker_settings, since in rows
-    ]
-
-
-def _letters_by_topic(session: Session) -> dict[str, int]:
-    rows = session.execute(
-        select(DeadLetter.topic, func.count())
-        .where(DeadLetter.replayed_at.is_(None))
-        .group_by(DeadLetter.topic)
-        .order_by(DeadLetter.topic)
-    ).all()
-    return {topic: int(count) for topic, count in rows}
-
-
-def paused_by_breaker(session: Session, pending: list[str]) -> set[str]:
-    """Of these pending workers, those paused by their breaker (not a delayed start): the
-    breaker moved them to ``pending`` last."""
-    if not pending:
-        return set()
-    rows = session.execute(
-        select(WorkerTransition.worker_id, WorkerTransition.actor)
-        .where(
-            WorkerTransition.worker_id.in_([uuid.UUID(w) for w in pending]),
-            WorkerTransition.to_status == Status.PENDING.value,
+        LiveWorker(
+            str(row.id),
+            row.name,
+            row.topic,
+            row.status,
+            dict(row.settings or {}),
+            aware(row.status_since),
         )
-        .order_by(WorkerTransition.id)
-    ).all()
-    last = {str(wid): actor for wid, actor in rows}
-    return {wid for wid, actor in last.items() if actor == "breaker"}
+        for row in rows.live(session)
+    ]
 
 
 def _health_counts(settings: Settings, workers: list[LiveWorker]) -> dict[str, int]:

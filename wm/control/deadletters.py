@@ -1,0 +1,133 @@
+"""Dead letters as an operator works with them: list, filter, count, show, replay (rate
+limited) and purge (in batches). The data plane parks them (the base class,
+``wm.dataplane.deadletters``); a letter outlives its worker."""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from wm import store
+from wm.dataplane import deadletters as parking
+from wm.dataplane.bus import Route
+from wm.dataplane.queues import worker_queue_name
+from wm.errors import InvalidArgument, WorkerNotFound, WorkManagerError
+from wm.lifecycle import Status
+from wm.store import deadletters as letters
+from wm.store import records
+from wm.store import workers as rows
+from wm.views import DeadLetterInfo
+
+#: Dead letters one purge statement deletes: a large purge goes in steps, each its own short
+#: transaction, so it can report progress and never holds one huge lock.
+PURGE_BATCH = 500
+#: Told how many more dead letters were replayed or purged (``wm dlq``'s progress bar).
+Progress = Callable[[int], None]
+
+
+class DeadLetters(parking.DeadLetters):
+    def list(
+        self,
+        *,
+        topic: str | None = None,
+        worker_id: str | None = None,
+        error_type: str | None = None,
+        include_replayed: bool = False,
+        limit: int = 100,
+    ) -> builtins.list[DeadLetterInfo]:
+        """The letters matching every filter given, oldest failure first."""
+        selected = letters.Filter(topic, worker_id, error_type, include_replayed)
+        with store.session_scope(self.settings) as session:
+            return letters.find(session, selected, limit)
+
+    def count(
+        self,
+        *,
+        topic: str | None = None,
+        worker_id: str | None = None,
+        error_type: str | None = None,
+        include_replayed: bool = False,
+    ) -> int:
+        """How many dead letters match (a purge by filter deletes replayed ones too)."""
+        selected = letters.Filter(topic, worker_id, error_type, include_replayed)
+        with store.session_scope(self.settings) as session:
+            return letters.count(session, selected)
+
+    def get(self, letter_id: str) -> DeadLetterInfo:
+        """The dead letter with this id or short id (a unique prefix of 6 characters or more)."""
+        with store.session_scope(self.settings) as session:
+            return records.dead_letter_info(letters.row(session, letter_id))
+
+    def replay(
+        self,
+        letter_ids: builtins.list[str],
+        *,
+        to_version: str = "current",
+        rate_per_s: float = 50.0,
+        progress: Progress | None = None,
+    ) -> int:
+        """Send dead letters back to their worker's queue, at most ``rate_per_s`` per second.
+
+        ``to_version`` is ``current`` (the worker's current code) or ``same`` (the version
+        that failed). ``progress`` is told of each letter sent.
+        """
+        if to_version not in ("current", "same"):
+            raise InvalidArgument("to_version must be 'current' or 'same'")
+        if rate_per_s <= 0:
+            raise InvalidArgument("rate_per_s must be positive")
+        interval, sent = 1.0 / rate_per_s, 0
+        for letter_id in letter_ids:
+            started = time.monotonic()
+            try:
+                with store.session_scope(self.settings) as session:
+                    self._replay_one(session, letter_id, to_version)
+            except WorkManagerError as exc:
+                raise type(exc)(f"{exc} ({sent} of {len(letter_ids)} replayed before)") from exc
+            sent += 1
+            if progress is not None:
+                progress(1)
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+        return sent
+
+    def _replay_one(self, session: Session, letter_id: str, to_version: str) -> None:
+        row = letters.row(session, letter_id, lock=True)
+        worker = rows.info(session, row.worker_id) if row.worker_id else None
+        if worker is None or worker.status == Status.DELETED:
+            raise WorkerNotFound(f"dead letter {letter_id}: its worker is gone; purge it instead")
+        options: dict[str, Any] = {}
+        if to_version == "same" and row.version is not None:
+            options["kwargs"] = DeliveryState(pin_version=row.version).kwargs()
+        route = Route(worker_queue_name(worker.topic, str(worker.id)), str(worker.id))
+        self.bus.send(row.envelope, [route], **options)
+        letters.mark_replayed(row, datetime.now(UTC))
+
+    def purge(
+        self,
+        letter_ids: builtins.list[str] | None = None,
+        *,
+        topic: str | None = None,
+        worker_id: str | None = None,
+        error_type: str | None = None,
+        progress: Progress | None = None,
+    ) -> int:
+        """Delete the dead letters named (by id or short id, each of which must exist: a
+        typo deletes nothing) and matching every filter given, :data:`PURGE_BATCH` at a
+        time; ``progress`` is told of each batch deleted."""
+        if letter_ids is None and topic is None and worker_id is None and error_type is None:
+            raise InvalidArgument("purge needs dead-letter ids or at least one filter")
+        selected = letters.Filter(topic, worker_id, error_type)
+        with store.session_scope(self.settings) as session:
+            chosen = letters.ids(session, selected, letter_ids)
+        purged = 0
+        for start in range(0, len(chosen), PURGE_BATCH):
+            batch = chosen[start : start + PURGE_BATCH]
+            with store.session_scope(self.settings) as session:
+                purged += letters.remove(session, batch)
+            if progress is not None:
+                progress(len(batch))
+        return purged
