@@ -8,10 +8,10 @@ or a nupkg of it), whose every event is ``{"command": "echo", ...}``.
 
 Both delivery sides are timed the same way, from Celery's own task events: ``task-sent``
 (stamped by the publisher) to ``task-succeeded`` (stamped by the node). This first phase runs
-on the embedded Redis; the drain phase (``--drain-repeats``, ``wm.local.drain``) and the
-round-trip phase (``--round-trips``, ``wm.local.roundtrip``) run on the broker ``--broker``
+on the embedded Redis; the drain phase (``--drain-repeats``, ``wm.bench.drain``) and the
+round-trip phase (``--round-trips``, ``wm.bench.roundtrip``) run on the broker ``--broker``
 names, with task events off as on a node. Every phase has names, a node and exchanges of its
-own (``wm.local.rig``) and deletes them when it ends.
+own (``wm.bench.rig``) and deletes them when it ends.
 """
 
 from __future__ import annotations
@@ -34,13 +34,8 @@ from celery import Celery
 from kombu.connection import Connection
 
 from wm import store
-from wm.config import Settings, masked
-from wm.dataplane.app import BROKER_ERRORS
-from wm.engine import WorkerSpec, engine_class
-from wm.errors import BrokerUnavailable
-from wm.events import make_event
-from wm.local import drain, pools, roundtrip, scale, startup
-from wm.local.rig import (
+from wm.bench import drain, pools, roundtrip, scale, startup
+from wm.bench.rig import (
     BROKERS,
     DEFAULT_AMQP_URL,
     PYTHON_ANSWER,
@@ -48,6 +43,11 @@ from wm.local.rig import (
     Rig,
     percentile,
 )
+from wm.config import Settings, masked
+from wm.dataplane.app import BROKER_ERRORS
+from wm.engine import WorkerSpec, engine_class
+from wm.errors import BrokerUnavailable
+from wm.events import make_event
 from wm.local.up import embedded_redis
 from wm.state.connection import redis_for
 from wm.state.locks import GroupLocks
@@ -155,7 +155,7 @@ class TaskClock:
         return Result(name, count, last - first, latencies)
 
 
-#: Advances the progress bar: the step that begins now (``wm.local.bench._progress``).
+#: Advances the progress bar: the step that begins now (``wm.bench.bench._progress``).
 Begin = Callable[[str], None]
 
 

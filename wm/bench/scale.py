@@ -1,7 +1,7 @@
 """``wm bench --scale-workers W``: W stub workers over T topics on N nodes, against one worker
 on the same N nodes, in one run (issue 12's case is 1,000 workers, 100 topics, 3 nodes).
 
-The N nodes are bench nodes (``wm.local.rig``, ``celery -A wm.local.benchnode``), launched
+The N nodes are bench nodes (``wm.bench.rig``, ``celery -A wm.bench.benchnode``), launched
 at once and told apart by their names (``<prefix>@<host>.0``, ``.1``, …); they share the
 phase's exchanges and, on Redis, its ready list. A delivery is *served* once its outcome is
 recorded: the pending ledger (``wm.state.ledger``) holds every delivery from its publish
@@ -46,10 +46,10 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
+from wm.bench.rig import Rig
 from wm.config import Settings
 from wm.engine import resident_bytes
 from wm.events import make_event
-from wm.local.rig import Rig
 from wm.state.connection import pooled_client
 from wm.state.ledger import Ledger
 

@@ -5,7 +5,7 @@ Redis command count.
 Nothing is shared with a running system. Every topic, queue and exchange a phase makes
 starts with a prefix drawn for it (``wmbench-1a2b3c4d``) and is deleted when the phase ends,
 so a RabbitMQ vhost, where durable queues outlive the bench, keeps no trace of it. The node
-is ``celery -A wm.local.benchnode``: WorkManager's node with control (pidbox) and event
+is ``celery -A wm.bench.benchnode``: WorkManager's node with control (pidbox) and event
 exchanges named after that prefix. Control commands are broadcast to every node of a vhost:
 without its own exchange, the ``add_consumer`` that starting a bench worker sends would make
 the nodes of another system consume the bench's queue, and theirs would reach the bench's.
@@ -40,7 +40,7 @@ BROKERS = ("redis", "amqp")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 #: Seconds a control command (ping, inspect, consumer changes) waits for the node's reply.
 CONTROL_TIMEOUT_S = 5.0
-#: The inspect command of ``wm.local.benchnode``: tasks its node finished with success.
+#: The inspect command of ``wm.bench.benchnode``: tasks its node finished with success.
 SUCCEEDED_COMMAND = "wm_bench_succeeded"
 #: The bare-Celery reference tasks (``wm.dataplane.tasks``), compared with ``wm.deliver``.
 BARE_TASKS = ("wm.noop", "wm.echo")
@@ -170,7 +170,7 @@ class Rig:
             self.settings,
             concurrency,
             queues,
-            app_module="wm.local.benchnode",
+            app_module="wm.bench.benchnode",
             name=self.node_name + name_suffix,
             control=self.app,
             pool=pool,
