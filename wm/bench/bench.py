@@ -279,9 +279,21 @@ def _summary(stream: TextIO, found: dict[str, Any], as_json: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line, its options in the order ``--help`` shows them."""
     parser = argparse.ArgumentParser(
         prog="wm bench", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
+    _add_task_event_phase(parser)
+    _add_engines(parser)
+    _add_broker_phases(parser)
+    _add_scale_phase(parser)
+    _add_pools_and_startup(parser)
+    return parser
+
+
+def _add_task_event_phase(parser: argparse.ArgumentParser) -> None:
+    """``--json``, and the options of the task-event phase (``--concurrency`` is every
+    phase's)."""
     parser.add_argument(
         "--json",
         action="store_true",
@@ -305,6 +317,10 @@ def _parser() -> argparse.ArgumentParser:
         default=600,
         help="Longest a scenario may take, in seconds.",
     )
+
+
+def _add_engines(parser: argparse.ArgumentParser) -> None:
+    """The in-process round trips, and the workers on real engines the phases add."""
     parser.add_argument(
         "--engine-messages",
         metavar="N",
@@ -333,8 +349,10 @@ def _parser() -> argparse.ArgumentParser:
         help="C# source of a command worker with an 'echo' command (such as "
         "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip.",
     )
-    _add_broker_phases(parser)
-    _add_scale_phase(parser)
+
+
+def _add_pools_and_startup(parser: argparse.ArgumentParser) -> None:
+    """The pool and start-up phases."""
     parser.add_argument(
         "--pools",
         type=int,
@@ -359,7 +377,6 @@ def _parser() -> argparse.ArgumentParser:
         "processes, against an empty interpreter and the import of the libraries `wm worker "
         "list` needs (0: skip).",
     )
-    return parser
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -408,6 +425,7 @@ def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
+    """The drain and round-trip phases, then the broker the phases after the first run on."""
     parser.add_argument(
         "--drain-repeats",
         metavar="R",
@@ -431,6 +449,11 @@ def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="Interleaved blocks per side of the round-trip phase.",
     )
+    _add_broker(parser)
+
+
+def _add_broker(parser: argparse.ArgumentParser) -> None:
+    """Where the drain, round-trip, scale and pool phases run, and with what task events."""
     parser.add_argument(
         "--drain-task-events",
         action="store_true",
