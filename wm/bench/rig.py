@@ -18,7 +18,7 @@ import re
 import socket
 import statistics
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -59,6 +59,8 @@ TASK_OPTIONS = (
     "priority",
 )
 STUB = "application/x-wm-stub"
+NATIVE, PYTHON = "application/x-native-dll", "text/x-python"
+DOTNET_DLL, CSHARP = "application/x-dotnet-dll", "text/x-csharp"
 #: A Python worker that answers each event with one output of type ``<its type>.processed``,
 #: as the native C example does.
 PYTHON_ANSWER = b"""from wm.devkit import make_event
@@ -67,6 +69,10 @@ PYTHON_ANSWER = b"""from wm.devkit import make_event
 def process(event):
     return make_event(event.get_type() + ".processed", "/bench", event.get_data())
 """
+
+
+#: Advances the progress bar: the step that begins now (``wm.bench.command._progress``).
+Begin = Callable[[str], None]
 
 
 @dataclass(frozen=True)
