@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wm.bench import drain
+from wm.bench.nodes import Nodes
 from wm.bench.rig import STUB, Rig
-from wm.bench.scale import Nodes
 from wm.config import Settings
 from wm.state.ledger import Ledger
 from wm.views import WorkerInfo

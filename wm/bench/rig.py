@@ -1,6 +1,6 @@
 """What the phases of ``wm bench`` share: names of their own, a node of their own, the check
-that the bare-Celery reference runs configured like WorkManager's consumer task, and the
-Redis command count.
+that the bare-Celery reference runs configured like WorkManager's consumer task, the Redis
+command count, the workers on real engines they time and the step of the progress bar.
 
 Nothing is shared with a running system. Every topic, queue and exchange a phase makes
 starts with a prefix drawn for it (``wmbench-1a2b3c4d``) and is deleted when the phase ends,

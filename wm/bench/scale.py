@@ -1,7 +1,7 @@
 """``wm bench --scale-workers W``: W stub workers over T topics on N nodes, against one worker
 on the same N nodes, in one run (issue 12's case is 1,000 workers, 100 topics, 3 nodes).
 
-The N nodes are bench nodes (``wm.bench.rig``, ``celery -A wm.bench.benchnode``), launched
+The N nodes are bench nodes (``wm.bench.nodes``, ``celery -A wm.bench.benchnode``), launched
 at once and told apart by their names (``<prefix>@<host>.0``, ``.1``, …); they share the
 phase's exchanges and, on Redis, its ready list. A delivery is *served* once its outcome is
 recorded: the pending ledger (``wm.state.ledger``) holds every delivery from its publish
@@ -37,18 +37,15 @@ Everything the phase made (workers, queues, on RabbitMQ the exchanges) is delete
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any
 from urllib.parse import urlsplit
 
+from wm.bench.nodes import Nodes
 from wm.bench.rig import Rig
 from wm.config import Settings
-from wm.engine import resident_bytes
 from wm.events import make_event
 from wm.state.connection import pooled_client
 from wm.state.ledger import Ledger
@@ -57,10 +54,6 @@ from wm.state.ledger import Ledger
 POLL_S = 0.1
 #: Seconds one run (nodes launched until every delivery served) may take.
 RUN_TIMEOUT_S = 900.0
-#: Seconds the nodes have to answer a ping and to consume every queue.
-UP_TIMEOUT_S = 300.0
-#: Seconds a control command's replies are collected.
-CONTROL_TIMEOUT_S = 5.0
 #: Looks at the ledger that measure what the bench's own polling costs Redis.
 CALIBRATION_POLLS = 30
 #: The share of the deliveries left at which the throughput window opens and closes.
@@ -126,134 +119,6 @@ class Report:
     empty_up_s: float = 0.0
     nodes_up_s: float = 0.0
     sides: list[Side] = field(default_factory=list)
-
-
-class Nodes:
-    """``count`` bench nodes launched at once, one thread each holding :meth:`Rig.node`
-    (Celery's ``pool`` of ``concurrency``); leaving stops them all (a warm shutdown each, in
-    parallel)."""
-
-    def __init__(
-        self,
-        rig: Rig,
-        home: Path,
-        count: int,
-        concurrency: int,
-        queue: str,
-        pool: str = "prefork",
-    ) -> None:
-        self.rig, self.home, self.count = rig, home, count
-        self.concurrency, self.queue, self.pool = concurrency, queue, pool
-        self.names = [f"{rig.node_name}.{n}" for n in range(count)]
-        self.launched = 0.0
-        self.up_s: float | None = None
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._hold, args=(n,), name=f"scale-node-{n}")
-            for n in range(count)
-        ]
-        self._pinger = threading.Thread(target=self._ping, name="scale-ping", daemon=True)
-
-    def __enter__(self) -> Nodes:
-        self.launched = time.monotonic()
-        for thread in self._threads:
-            thread.start()
-        self._pinger.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join()
-        self.check()
-
-    def _hold(self, n: int) -> None:
-        home = self.home / f"scale-node{n}"
-        home.mkdir(exist_ok=True)
-        try:
-            with self.rig.node(
-                home, self.concurrency, [self.queue], name_suffix=f".{n}", pool=self.pool
-            ):
-                self._stop.wait()
-        except BaseException as exc:  # reported by the thread that waits for the nodes
-            self.errors.append(exc)
-            self._stop.set()
-
-    def _ping(self) -> None:
-        """Record when every node has answered a ping (seconds since the launch)."""
-        answered: set[str] = set()
-        deadline = self.launched + UP_TIMEOUT_S
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            waiting = [name for name in self.names if name not in answered]
-            replies = self.rig.app.control.ping(
-                destination=waiting, timeout=0.5, limit=len(waiting)
-            )
-            for reply in replies or []:
-                answered.update(reply)
-            if answered >= set(self.names):
-                self.up_s = time.monotonic() - self.launched
-                return
-
-    def check(self) -> None:
-        """Raise if a node failed (exited, or did not answer in time)."""
-        if self.errors:
-            raise SystemExit(f"wm bench: a scale node failed: {self.errors[0]}")
-
-    def wait_up(self) -> float:
-        """Seconds from the launch until every node answered a ping."""
-        self._pinger.join(UP_TIMEOUT_S)
-        self.check()
-        if self.up_s is None:
-            raise SystemExit(f"wm bench: {self.count} scale nodes did not come up in time")
-        return self.up_s
-
-    def wait_consuming(self, queues: int) -> None:
-        """Until every node consumes at least ``queues`` queues (its own and the workers')."""
-        self.wait_up()
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while True:
-            replies = self._inspect("active_queues")
-            if all(len(replies.get(name) or []) >= queues for name in self.names):
-                return
-            self.check()
-            if time.monotonic() > deadline:
-                raise SystemExit(f"wm bench: the scale nodes did not consume {queues} queues")
-            time.sleep(0.5)
-
-    def describe(self) -> str:
-        """How the nodes run (the first one's ``stats``; they are launched alike)."""
-        stats = self._inspect("stats").get(self.names[0]) or {}
-        pool = stats.get("pool", {})
-        events = "on" if self.rig.settings.task_events else "off"
-        return (
-            f"nodes {', '.join(self.names)}: {pool.get('implementation')}, "
-            f"{pool.get('max-concurrency')} processes, prefetch {stats.get('prefetch_count')}, "
-            f"task events {events}"
-        )
-
-    def rss(self) -> list[int]:
-        """Resident bytes of each node: its main process and its pool's processes."""
-        stats = self._inspect("stats")
-        sizes = []
-        for name in self.names:
-            node = stats.get(name)
-            if node is None:
-                raise SystemExit(f"wm bench: scale node {name} did not answer stats")
-            pids = [int(node["pid"]), *map(int, node["pool"].get("processes", []))]
-            sizes.append(sum(resident_bytes(pid) for pid in pids))
-        return sizes
-
-    def _inspect(self, method: str) -> dict[str, Any]:
-        inspect = self.rig.app.control.inspect(
-            destination=self.names, timeout=CONTROL_TIMEOUT_S, limit=self.count
-        )
-        return dict(getattr(inspect, method)() or {})
 
 
 class Counters:
