@@ -11,7 +11,7 @@ import sys
 
 from tests.conftest import ROOT
 from tests.helpers import plain, run_in_terminal
-from wm.local.rig import percentile
+from wm.bench.rig import percentile
 
 #: Messages of each engine round trip: enough to have a p99, few enough to be quick.
 MESSAGES = "20"

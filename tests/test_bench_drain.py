@@ -15,10 +15,10 @@ from kombu.transport.redis import PRIORITY_STEPS
 
 from tests.conftest import AMQP_URL, need
 from wm import Settings
+from wm.bench import drain, roundtrip
+from wm.bench.rig import PYTHON_ANSWER, EngineWorker, Rig, mismatches, task_options
 from wm.dataplane.app import make_app
 from wm.dataplane.queues import plain_queue_name
-from wm.local import drain, roundtrip
-from wm.local.rig import PYTHON_ANSWER, EngineWorker, Rig, mismatches, task_options
 
 #: Busy time of each event of the slow stub worker (ms), and how many it is sent.
 SLOW_MS, SLOW_EVENTS = 200, 8

@@ -14,9 +14,9 @@ import pytest
 
 from tests.workers import code
 from wm import Settings, WorkManager
+from wm.bench import pools
+from wm.bench.rig import STUB, Rig
 from wm.dataplane.enginecache import EngineCache
-from wm.local import pools
-from wm.local.rig import STUB, Rig
 from wm.state.directory import Directory
 from wm.state.ledger import Ledger
 

@@ -236,7 +236,7 @@ def bench(bench_args: tuple[str, ...]) -> int:
     if getattr(root, "as_json", False) and "--json" not in args:
         args.append("--json")  # ``wm --json bench …`` means the benchmark's JSON
     try:
-        return int(component("wm.local.bench").main(args))
+        return int(component("wm.bench.command").main(args))
     except SystemExit as exc:  # its parser's --help (0) and usage errors (2): an exit code
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from wm import store
 from wm.dataplane import deadletters as parking
 from wm.dataplane.bus import Route
+from wm.dataplane.message import DeliveryState
 from wm.dataplane.queues import worker_queue_name
 from wm.errors import InvalidArgument, WorkerNotFound, WorkManagerError
 from wm.lifecycle import Status

@@ -28,9 +28,9 @@ from wm.engine import WorkerSpec, engine_class
 from wm.errors import InvalidArgument, WorkManagerError
 from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status
 from wm.names import check_name
+from wm.state import quota
 from wm.state.breaker import Breaker
 from wm.state.ledger import Ledger
-from wm.state import quota
 from wm.state.ordering import Ordering
 from wm.store import records
 from wm.store import workers as rows

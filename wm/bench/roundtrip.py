@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wm.bench.rig import EngineWorker, Rig, percentile
 from wm.config import Settings
 from wm.dataplane.queues import subscription_queue
 from wm.events import encode, make_event
-from wm.local.rig import EngineWorker, Rig, percentile
 
 #: Untimed round trips per side before the first block: consumers up, engine loaded.
 WARM_UP = 20

@@ -17,7 +17,7 @@ message is acknowledged once its task finished). How that is known depends on th
 - RabbitMQ: a passive ``queue.declare`` counts the ready messages, but AMQP has no count of
   unacknowledged ones, and the management API's are samples taken every few seconds (where
   it is enabled at all). So the node counts: it answers how many tasks it finished with
-  success, one per task id (``wm.local.benchnode``), recorded in the same step that sends
+  success, one per task id (``wm.bench.benchnode``), recorded in the same step that sends
   the message's ack. Once the queue has no ready message, the node is asked until the count
   has grown by the number of events queued. A retry (a group member waiting for its lock)
   keeps its task id and succeeds once, so the count is exact with retries too.
@@ -37,10 +37,10 @@ from pathlib import Path
 
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from wm.bench.rig import STUB, EngineWorker, Rig
 from wm.config import Settings
 from wm.dataplane.queues import subscription_queue, worker_queue_name
 from wm.events import make_event
-from wm.local.rig import STUB, EngineWorker, Rig
 from wm.manager import WorkManager
 from wm.state.connection import pooled_client
 

@@ -1,9 +1,9 @@
-"""The ``celery -A wm.local.benchnode worker -n wmbench-…@host`` entry point: the node
-``wm bench`` runs (``wm.local.rig``).
+"""The ``celery -A wm.bench.benchnode worker -n wmbench-…@host`` entry point: the node
+``wm bench`` runs (``wm.bench.rig``).
 
 It is WorkManager's node (``wm.celeryapp``: the same app, pool hooks and tasks) with two
 additions. Its control and event exchanges, and on Redis its ready list, are named after the
-node (``wm.local.rig.node_conf``), so on a shared RabbitMQ vhost it hears only the bench's
+node (``wm.bench.rig.node_conf``), so on a shared RabbitMQ vhost it hears only the bench's
 broadcasts, and on a shared Redis it neither takes nor hides other nodes' messages. It answers
 ``wm_bench_succeeded``: how many tasks it finished with success, one per task id. Celery
 records a success in the same step that acknowledges the message (``task_ready``, then the
@@ -19,8 +19,8 @@ from celery import signals
 from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
+from wm.bench.rig import SUCCEEDED_COMMAND, node_conf
 from wm.celeryapp import app
-from wm.local.rig import SUCCEEDED_COMMAND, node_conf
 
 __all__ = ["app"]
 

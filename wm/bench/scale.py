@@ -1,7 +1,7 @@
 """``wm bench --scale-workers W``: W stub workers over T topics on N nodes, against one worker
 on the same N nodes, in one run (issue 12's case is 1,000 workers, 100 topics, 3 nodes).
 
-The N nodes are bench nodes (``wm.local.rig``, ``celery -A wm.local.benchnode``), launched
+The N nodes are bench nodes (``wm.bench.nodes``, ``celery -A wm.bench.benchnode``), launched
 at once and told apart by their names (``<prefix>@<host>.0``, ``.1``, …); they share the
 phase's exchanges and, on Redis, its ready list. A delivery is *served* once its outcome is
 recorded: the pending ledger (``wm.state.ledger``) holds every delivery from its publish
@@ -37,19 +37,16 @@ Everything the phase made (workers, queues, on RabbitMQ the exchanges) is delete
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any
 from urllib.parse import urlsplit
 
+from wm.bench.nodes import Nodes
+from wm.bench.rig import Rig
 from wm.config import Settings
-from wm.engine import resident_bytes
 from wm.events import make_event
-from wm.local.rig import Rig
 from wm.state.connection import pooled_client
 from wm.state.ledger import Ledger
 
@@ -57,10 +54,6 @@ from wm.state.ledger import Ledger
 POLL_S = 0.1
 #: Seconds one run (nodes launched until every delivery served) may take.
 RUN_TIMEOUT_S = 900.0
-#: Seconds the nodes have to answer a ping and to consume every queue.
-UP_TIMEOUT_S = 300.0
-#: Seconds a control command's replies are collected.
-CONTROL_TIMEOUT_S = 5.0
 #: Looks at the ledger that measure what the bench's own polling costs Redis.
 CALIBRATION_POLLS = 30
 #: The share of the deliveries left at which the throughput window opens and closes.
@@ -126,134 +119,6 @@ class Report:
     empty_up_s: float = 0.0
     nodes_up_s: float = 0.0
     sides: list[Side] = field(default_factory=list)
-
-
-class Nodes:
-    """``count`` bench nodes launched at once, one thread each holding :meth:`Rig.node`
-    (Celery's ``pool`` of ``concurrency``); leaving stops them all (a warm shutdown each, in
-    parallel)."""
-
-    def __init__(
-        self,
-        rig: Rig,
-        home: Path,
-        count: int,
-        concurrency: int,
-        queue: str,
-        pool: str = "prefork",
-    ) -> None:
-        self.rig, self.home, self.count = rig, home, count
-        self.concurrency, self.queue, self.pool = concurrency, queue, pool
-        self.names = [f"{rig.node_name}.{n}" for n in range(count)]
-        self.launched = 0.0
-        self.up_s: float | None = None
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._hold, args=(n,), name=f"scale-node-{n}")
-            for n in range(count)
-        ]
-        self._pinger = threading.Thread(target=self._ping, name="scale-ping", daemon=True)
-
-    def __enter__(self) -> Nodes:
-        self.launched = time.monotonic()
-        for thread in self._threads:
-            thread.start()
-        self._pinger.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join()
-        self.check()
-
-    def _hold(self, n: int) -> None:
-        home = self.home / f"scale-node{n}"
-        home.mkdir(exist_ok=True)
-        try:
-            with self.rig.node(
-                home, self.concurrency, [self.queue], name_suffix=f".{n}", pool=self.pool
-            ):
-                self._stop.wait()
-        except BaseException as exc:  # reported by the thread that waits for the nodes
-            self.errors.append(exc)
-            self._stop.set()
-
-    def _ping(self) -> None:
-        """Record when every node has answered a ping (seconds since the launch)."""
-        answered: set[str] = set()
-        deadline = self.launched + UP_TIMEOUT_S
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            waiting = [name for name in self.names if name not in answered]
-            replies = self.rig.app.control.ping(
-                destination=waiting, timeout=0.5, limit=len(waiting)
-            )
-            for reply in replies or []:
-                answered.update(reply)
-            if answered >= set(self.names):
-                self.up_s = time.monotonic() - self.launched
-                return
-
-    def check(self) -> None:
-        """Raise if a node failed (exited, or did not answer in time)."""
-        if self.errors:
-            raise SystemExit(f"wm bench: a scale node failed: {self.errors[0]}")
-
-    def wait_up(self) -> float:
-        """Seconds from the launch until every node answered a ping."""
-        self._pinger.join(UP_TIMEOUT_S)
-        self.check()
-        if self.up_s is None:
-            raise SystemExit(f"wm bench: {self.count} scale nodes did not come up in time")
-        return self.up_s
-
-    def wait_consuming(self, queues: int) -> None:
-        """Until every node consumes at least ``queues`` queues (its own and the workers')."""
-        self.wait_up()
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while True:
-            replies = self._inspect("active_queues")
-            if all(len(replies.get(name) or []) >= queues for name in self.names):
-                return
-            self.check()
-            if time.monotonic() > deadline:
-                raise SystemExit(f"wm bench: the scale nodes did not consume {queues} queues")
-            time.sleep(0.5)
-
-    def describe(self) -> str:
-        """How the nodes run (the first one's ``stats``; they are launched alike)."""
-        stats = self._inspect("stats").get(self.names[0]) or {}
-        pool = stats.get("pool", {})
-        events = "on" if self.rig.settings.task_events else "off"
-        return (
-            f"nodes {', '.join(self.names)}: {pool.get('implementation')}, "
-            f"{pool.get('max-concurrency')} processes, prefetch {stats.get('prefetch_count')}, "
-            f"task events {events}"
-        )
-
-    def rss(self) -> list[int]:
-        """Resident bytes of each node: its main process and its pool's processes."""
-        stats = self._inspect("stats")
-        sizes = []
-        for name in self.names:
-            node = stats.get(name)
-            if node is None:
-                raise SystemExit(f"wm bench: scale node {name} did not answer stats")
-            pids = [int(node["pid"]), *map(int, node["pool"].get("processes", []))]
-            sizes.append(sum(resident_bytes(pid) for pid in pids))
-        return sizes
-
-    def _inspect(self, method: str) -> dict[str, Any]:
-        inspect = self.rig.app.control.inspect(
-            destination=self.names, timeout=CONTROL_TIMEOUT_S, limit=self.count
-        )
-        return dict(getattr(inspect, method)() or {})
 
 
 class Counters:
@@ -328,83 +193,141 @@ def measure(
     repeats: int,
     concurrency: int,
 ) -> Report:
-    """Every figure of the phase (``rig`` is closed by the caller)."""
-    report = Report(workers)
-    ledger = Ledger(rig.settings)
-    counters = Counters(rig)
-    own = rig.queue("scale.nodes")  # the nodes' -Q queue: the phase's own, not the default
-
-    def launch() -> Nodes:
-        return Nodes(rig, home, nodes, concurrency, own)
-
-    with launch() as group:
-        report.empty_up_s = group.wait_up()
-        group.wait_consuming(1)
-        report.empty_rss = group.rss()
-        _say(group.describe())
-    _say(
-        f"memory with no worker: {_mib(report.empty_rss)} per node (all answered a ping "
-        f"{report.empty_up_s:.1f} s after their launch)"
+    """Every figure of the phase (``rig`` is closed by the caller), step by step."""
+    phase = _Phase(
+        rig,
+        home,
+        nodes,
+        concurrency,
+        topics,
+        Report(workers),
+        Ledger(rig.settings),
+        Counters(rig),
+        rig.queue("scale.nodes"),  # the nodes' -Q queue: the phase's own, not the default
     )
+    phase.memory_with_no_worker()
+    phase.create_workers()
+    phase.served_after_publish()
+    phase.served_after_start()
+    phase.throughput(per_worker, repeats)
+    return phase.report
 
-    clock = time.monotonic()
-    many = [str(rig.worker(f"t{n % topics}", b"{}").id) for n in range(workers)]
-    one = str(rig.worker("one", b"{}").id)
-    rig.manager.stop_worker(one)
-    _say(f"{workers} workers created in {time.monotonic() - clock:.0f} s")
-    counters.calibrate(ledger, many)
 
-    def spread(count: int) -> None:
+@dataclass
+class _Phase:
+    """What the steps of one scale phase share: the nodes they launch, the counters and the
+    ledger they read, the W workers (``many``) and the one, and the figures found so far."""
+
+    rig: Rig
+    home: Path
+    nodes: int
+    concurrency: int
+    topics: int
+    report: Report
+    ledger: Ledger
+    counters: Counters
+    queue: str
+    many: list[str] = field(default_factory=list)
+    one: str = ""
+
+    def launch(self) -> Nodes:
+        return Nodes(self.rig, self.home, self.nodes, self.concurrency, self.queue)
+
+    def spread(self, count: int) -> None:
+        """``count`` events to every topic of the W workers."""
         for n in range(count):
-            for t in range(topics):
-                rig.manager.publish(make_event(rig.name(f"t{t}"), "/bench", {"n": n}))
+            for t in range(self.topics):
+                self.rig.manager.publish(make_event(self.rig.name(f"t{t}"), "/bench", {"n": n}))
 
-    with launch() as group:
-        group.wait_consuming(workers + 1)
-        report.idle_rss = group.rss()
-        published = time.monotonic()
-        spread(1)
-        served = _follow(ledger, counters, dict.fromkeys(many, 1), group, published)
-        report.served_after_publish_s = served.all_served_s
-        report.loaded_rss = group.rss()
-    _say(
-        f"memory with {workers} idle workers: {_mib(report.idle_rss)}, after serving each "
-        f"once: {_mib(report.loaded_rss)}; every worker served "
-        f"{report.served_after_publish_s:.1f} s after the publish"
-    )
+    def memory_with_no_worker(self) -> None:
+        """Step 1: the nodes' memory once they consume their own queue."""
+        report = self.report
+        with self.launch() as group:
+            report.empty_up_s = group.wait_up()
+            group.wait_consuming(1)
+            report.empty_rss = group.rss()
+            _say(group.describe())
+        _say(
+            f"memory with no worker: {_mib(report.empty_rss)} per node (all answered a ping "
+            f"{report.empty_up_s:.1f} s after their launch)"
+        )
 
-    spread(1)
-    with launch() as group:
-        cold = _follow(ledger, counters, dict.fromkeys(many, 1), group, group.launched)
-        report.nodes_up_s = group.wait_up()
-    report.served_after_start_s = cold.all_served_s
-    report.first_served_after_start_s = cold.first_served_s
-    _say(
-        f"every worker served {cold.all_served_s:.1f} s after the nodes' launch, the first "
-        f"{cold.first_served_s:.1f} s after it (all nodes answered a ping after "
-        f"{report.nodes_up_s:.1f} s)"
-    )
+    def create_workers(self) -> None:
+        """The W workers, running, and the one, stopped; then the cost of the bench's own
+        polling is measured."""
+        workers, clock = self.report.workers, time.monotonic()
+        self.many = [str(self.rig.worker(f"t{n % self.topics}", b"{}").id) for n in range(workers)]
+        self.one = str(self.rig.worker("one", b"{}").id)
+        self.rig.manager.stop_worker(self.one)
+        _say(f"{workers} workers created in {time.monotonic() - clock:.0f} s")
+        self.counters.calibrate(self.ledger, self.many)
 
-    total = per_worker * workers
-    sides = [
-        (Side("one worker"), {one: total}, lambda: _publish(rig, "one", total)),
-        (Side(f"{workers} workers"), dict.fromkeys(many, per_worker), lambda: spread(per_worker)),
-    ]
-    report.sides = [side for side, _, _ in sides]
-    running: list[str] = many
-    for _ in range(repeats):
-        for side, sent, fill in sides:
-            running = _switch(rig, running, list(sent))
-            fill()
-            with launch() as group:
-                followed = _follow(ledger, counters, sent, group, group.launched)
-            drain = _drain(followed, counters)
-            side.runs.append(drain)
-            _say(
-                f"{side.name}: {drain.rate:.0f} deliveries/s, {drain.commands:.1f} commands "
-                f"and {drain.cpu_s * 1e3:.2f} ms Redis CPU per delivery"
+    def served_after_publish(self) -> None:
+        """Step 2: memory with W idle workers, every worker served after one publish each,
+        and memory again."""
+        report = self.report
+        with self.launch() as group:
+            group.wait_consuming(report.workers + 1)
+            report.idle_rss = group.rss()
+            published = time.monotonic()
+            self.spread(1)
+            served = _follow(
+                self.ledger, self.counters, dict.fromkeys(self.many, 1), group, published
             )
-    return report
+            report.served_after_publish_s = served.all_served_s
+            report.loaded_rss = group.rss()
+        _say(
+            f"memory with {report.workers} idle workers: {_mib(report.idle_rss)}, after serving "
+            f"each once: {_mib(report.loaded_rss)}; every worker served "
+            f"{report.served_after_publish_s:.1f} s after the publish"
+        )
+
+    def served_after_start(self) -> None:
+        """Step 3: one event per worker queued while no node runs, served after the launch."""
+        report = self.report
+        self.spread(1)
+        with self.launch() as group:
+            initial = dict.fromkeys(self.many, 1)
+            cold = _follow(self.ledger, self.counters, initial, group, group.launched)
+            report.nodes_up_s = group.wait_up()
+        report.served_after_start_s = cold.all_served_s
+        report.first_served_after_start_s = cold.first_served_s
+        _say(
+            f"every worker served {cold.all_served_s:.1f} s after the nodes' launch, the first "
+            f"{cold.first_served_s:.1f} s after it (all nodes answered a ping after "
+            f"{report.nodes_up_s:.1f} s)"
+        )
+
+    def throughput(self, per_worker: int, repeats: int) -> None:
+        """Step 4: the same deliveries to the one worker or spread over the W, alternating."""
+        workers = self.report.workers
+        total = per_worker * workers
+        sides = [
+            (Side("one worker"), {self.one: total}, lambda: _publish(self.rig, "one", total)),
+            (
+                Side(f"{workers} workers"),
+                dict.fromkeys(self.many, per_worker),
+                lambda: self.spread(per_worker),
+            ),
+        ]
+        self.report.sides = [side for side, _, _ in sides]
+        running: list[str] = self.many
+        for _ in range(repeats):
+            for side, sent, fill in sides:
+                running = _switch(self.rig, running, list(sent))
+                fill()
+                drain = self.drain(sent)
+                side.runs.append(drain)
+                _say(
+                    f"{side.name}: {drain.rate:.0f} deliveries/s, {drain.commands:.1f} commands "
+                    f"and {drain.cpu_s * 1e3:.2f} ms Redis CPU per delivery"
+                )
+
+    def drain(self, sent: dict[str, int]) -> Drain:
+        """One throughput run: the queues filled, the nodes launched and followed to the end."""
+        with self.launch() as group:
+            followed = _follow(self.ledger, self.counters, sent, group, group.launched)
+        return _drain(followed, self.counters)
 
 
 def _publish(rig: Rig, suffix: str, count: int) -> None:
@@ -477,8 +400,13 @@ def _drain(follow: Follow, counters: Counters) -> Drain:
 
 
 def print_report(report: Report, counted: str, broker: str) -> None:
-    workers = report.workers
-    print(f"\nScale on {broker}, {workers} workers against one:")
+    print(f"\nScale on {broker}, {report.workers} workers against one:")
+    _print_served(report)
+    _print_sides(report, counted)
+    _print_memory(report)
+
+
+def _print_served(report: Report) -> None:
     served = [
         ("after the nodes' launch", report.served_after_start_s),
         ("after the publish", report.served_after_publish_s),
@@ -493,6 +421,9 @@ def print_report(report: Report, counted: str, broker: str) -> None:
         f"{report.first_served_after_start_s:.1f} s; the nodes answered a ping after "
         f"{report.nodes_up_s:.1f} s, {report.empty_up_s:.1f} s when launched with no worker)"
     )
+
+
+def _print_sides(report: Report, counted: str) -> None:
     print(f"\n  {'side':<16}{'deliveries/s (median, runs)':<32}{counted}/delivery  Redis CPU")
     for side in report.sides:
         runs = " ".join(f"{run.rate:.0f}" for run in side.runs)
@@ -502,19 +433,27 @@ def print_report(report: Report, counted: str, broker: str) -> None:
             f"{side.median('cpu_s') * 1e3:.3f} ms"
         )
     if len(report.sides) == 2:
-        one, many = report.sides
-        pairs = list(zip(one.runs, many.runs, strict=True))
-        ratios = [m.rate / o.rate for o, m in pairs if o.rate and m.rate]
-        median = statistics.median(ratios) if ratios else 0.0
+        _print_ratio(*report.sides)
+
+
+def _print_ratio(one: Side, many: Side) -> None:
+    """Many workers' throughput against one's, per repetition and their median."""
+    pairs = list(zip(one.runs, many.runs, strict=True))
+    ratios = [m.rate / o.rate for o, m in pairs if o.rate and m.rate]
+    median = statistics.median(ratios) if ratios else 0.0
+    print(
+        f"  many/one: {median:.2f}× (per repetition {' '.join(f'{r:.2f}×' for r in ratios)})"
+        f"{_verdict(median >= RATIO_TARGET, f'≥ {RATIO_TARGET}×')}"
+    )
+    if len(ratios) < len(pairs):  # served between two looks: no rate to tell (0 above)
         print(
-            f"  many/one: {median:.2f}× (per repetition {' '.join(f'{r:.2f}×' for r in ratios)})"
-            f"{_verdict(median >= RATIO_TARGET, f'≥ {RATIO_TARGET}×')}"
+            f"  ({len(pairs) - len(ratios)} repetition(s) too short to time: "
+            "raise --scale-deliveries)"
         )
-        if len(ratios) < len(pairs):  # served between two looks: no rate to tell (0 above)
-            print(
-                f"  ({len(pairs) - len(ratios)} repetition(s) too short to time: "
-                "raise --scale-deliveries)"
-            )
+
+
+def _print_memory(report: Report) -> None:
+    workers = report.workers
     empty, idle, loaded = (
         _mean(report.empty_rss),
         _mean(report.idle_rss),

@@ -1,67 +1,45 @@
-"""``wm bench``: WorkManager delivery against a bare Celery task, in one run, on the same broker
-and concurrency. Prints events/s, p50/p99 publish→done latency and the ratio to bare Celery,
-then the Python engine's per-message round trip (host → sandboxed child → host). With
-``--native-zip``, a native worker is one more scenario and the native engine's in-process
-round trip (encode, the C call, decode) is timed too; likewise ``--dotnet-package`` and
-``--csharp-file`` for a .NET command worker (``engines/dotnet/examples/CommandWorker.cs``,
-or a nupkg of it), whose every event is ``{"command": "echo", ...}``.
-
-Both delivery sides are timed the same way, from Celery's own task events: ``task-sent``
-(stamped by the publisher) to ``task-succeeded`` (stamped by the node). This first phase runs
-on the embedded Redis; the drain phase (``--drain-repeats``, ``wm.local.drain``) and the
-round-trip phase (``--round-trips``, ``wm.local.roundtrip``) run on the broker ``--broker``
-names, with task events off as on a node. Every phase has names, a node and exchanges of its
-own (``wm.local.rig``) and deletes them when it ends.
+"""The ``wm bench`` command: its options, the phases they ask for in order, a progress bar at a
+terminal and a summary line (or one JSON object) at the end. Each phase is a module of its
+own: the task-event phase (``wm.bench.taskevents``, on the embedded Redis), then, on the
+broker ``--broker`` names, the drain (``wm.bench.drain``), round-trip
+(``wm.bench.roundtrip``), scale (``wm.bench.scale``) and pool (``wm.bench.pools``) phases,
+the start-up phase (``wm.bench.startup``) and the engines' in-process round trips
+(``wm.bench.enginetrips``). Every phase has names, a node and exchanges of its own
+(``wm.bench.rig``) and deletes them when it ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
-import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from celery import Celery
 from kombu.connection import Connection
 
 from wm import store
+from wm.bench import drain, enginetrips, pools, roundtrip, scale, startup, taskevents
+from wm.bench.rig import (
+    BROKERS,
+    CSHARP,
+    DEFAULT_AMQP_URL,
+    DOTNET_DLL,
+    NATIVE,
+    PYTHON,
+    PYTHON_ANSWER,
+    Begin,
+    EngineWorker,
+)
 from wm.config import Settings, masked
 from wm.dataplane.app import BROKER_ERRORS
-from wm.engine import WorkerSpec, engine_class
 from wm.errors import BrokerUnavailable
-from wm.events import make_event
-from wm.local import drain, pools, roundtrip, scale, startup
-from wm.local.rig import (
-    BROKERS,
-    DEFAULT_AMQP_URL,
-    PYTHON_ANSWER,
-    EngineWorker,
-    Rig,
-    percentile,
-)
 from wm.local.up import embedded_redis
-from wm.state.connection import redis_for
-from wm.state.locks import GroupLocks
-from wm.views import WorkerInfo
 
-#: Targets from the issues, as ratios of bare Celery throughput.
-TARGETS = {
-    "no group": 0.7,
-    "group": 0.5,
-    "python worker": 0.5,
-    "native worker": 0.7,
-}
-NATIVE, PYTHON = "application/x-native-dll", "text/x-python"
-DOTNET_DLL, CSHARP = "application/x-dotnet-dll", "text/x-csharp"
 #: What ``wm bench --help`` says: plain text (the module's docstring is for its readers).
 DESCRIPTION = """\
 Times WorkManager's delivery against a bare Celery task, in one run, on the
@@ -82,81 +60,6 @@ A progress bar shows on standard error at a terminal, and a summary line ends
 the run. With --json the tables go to standard error and standard output gets
 one JSON object of the results.
 """
-
-
-@dataclass
-class Result:
-    name: str
-    count: int
-    seconds: float
-    latencies_ms: list[float]
-
-    @property
-    def rate(self) -> float:
-        return self.count / self.seconds if self.seconds else 0.0
-
-    @property
-    def p50(self) -> float:
-        return percentile(self.latencies_ms, 50)
-
-    @property
-    def p99(self) -> float:
-        return percentile(self.latencies_ms, 99)
-
-
-class TaskClock:
-    """Collects task-sent and task-succeeded events of one task name, by task id."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-        self.sent: dict[str, float] = {}
-        self.done: dict[str, float] = {}
-        self.failed = 0
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._capture, daemon=True)
-        self._receiver: Any = None
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise RuntimeError("the event receiver did not start")
-
-    def _capture(self) -> None:
-        with self.app.connection() as conn:
-            self._receiver = self.app.events.Receiver(
-                conn,
-                handlers={
-                    "task-sent": lambda e: self.sent.__setitem__(e["uuid"], e["timestamp"]),
-                    "task-succeeded": lambda e: self.done.__setitem__(e["uuid"], e["timestamp"]),
-                    "task-failed": lambda e: setattr(self, "failed", self.failed + 1),
-                },
-            )
-            self._ready.set()
-            self._receiver.capture(limit=None, timeout=None, wakeup=False)
-
-    def stop(self) -> None:
-        if self._receiver is not None:
-            self._receiver.should_stop = True
-        self._thread.join(timeout=10)
-
-    def measure(self, name: str, count: int, send: Callable[[], None], timeout_s: float) -> Result:
-        self.sent.clear()
-        self.done.clear()
-        send()
-        deadline = time.monotonic() + timeout_s
-        while len(self.done) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if len(self.done) < count:
-            raise RuntimeError(f"{name}: only {len(self.done)} of {count} finished in time")
-        time.sleep(0.5)  # late task-sent events
-        first = min(self.sent.values())
-        last = max(self.done.values())
-        latencies = [(self.done[t] - s) * 1000 for t, s in self.sent.items() if t in self.done]
-        return Result(name, count, last - first, latencies)
-
-
-#: Advances the progress bar: the step that begins now (``wm.local.bench._progress``).
-Begin = Callable[[str], None]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,7 +122,9 @@ def _bench(args: argparse.Namespace, begin: Begin) -> dict[str, Any]:
                 begin("start-up phase")
                 found["startup"] = startup.report(args.startup_repeats, settings.redis_url)
     if args.engine_messages:
-        found["engine_round_trips"] = _engine_round_trips(args, begin)
+        found["engine_round_trips"] = enginetrips.run(
+            args.engine_messages, args.native_zip, _dotnet_workers(args), begin
+        )
     return found
 
 
@@ -234,7 +139,10 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int]]:
         ("scale", 1 if args.scale_workers else 0),
         ("pools", 1 if args.pools else 0),
         ("start-up", 1 if args.startup_repeats else 0),
-        ("engine round trips", len(ENGINE_WORKERS) + engines - 1 if args.engine_messages else 0),
+        (
+            "engine round trips",
+            len(enginetrips.ENGINE_WORKERS) + engines - 1 if args.engine_messages else 0,
+        ),
     ]
     return [(name, steps) for name, steps in phases if steps]
 
@@ -279,9 +187,21 @@ def _summary(stream: TextIO, found: dict[str, Any], as_json: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line, its options in the order ``--help`` shows them."""
     parser = argparse.ArgumentParser(
         prog="wm bench", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
+    _add_task_event_phase(parser)
+    _add_engines(parser)
+    _add_broker_phases(parser)
+    _add_scale_phase(parser)
+    _add_pools_and_startup(parser)
+    return parser
+
+
+def _add_task_event_phase(parser: argparse.ArgumentParser) -> None:
+    """``--json``, and the options of the task-event phase (``--concurrency`` is every
+    phase's)."""
     parser.add_argument(
         "--json",
         action="store_true",
@@ -305,6 +225,10 @@ def _parser() -> argparse.ArgumentParser:
         default=600,
         help="Longest a scenario may take, in seconds.",
     )
+
+
+def _add_engines(parser: argparse.ArgumentParser) -> None:
+    """The in-process round trips, and the workers on real engines the phases add."""
     parser.add_argument(
         "--engine-messages",
         metavar="N",
@@ -333,8 +257,10 @@ def _parser() -> argparse.ArgumentParser:
         help="C# source of a command worker with an 'echo' command (such as "
         "engines/dotnet/examples/CommandWorker.cs): adds a C# worker scenario and round trip.",
     )
-    _add_broker_phases(parser)
-    _add_scale_phase(parser)
+
+
+def _add_pools_and_startup(parser: argparse.ArgumentParser) -> None:
+    """The pool and start-up phases."""
     parser.add_argument(
         "--pools",
         type=int,
@@ -359,7 +285,6 @@ def _parser() -> argparse.ArgumentParser:
         "processes, against an empty interpreter and the import of the libraries `wm worker "
         "list` needs (0: skip).",
     )
-    return parser
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -408,6 +333,7 @@ def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
+    """The drain and round-trip phases, then the broker the phases after the first run on."""
     parser.add_argument(
         "--drain-repeats",
         metavar="R",
@@ -431,6 +357,11 @@ def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="Interleaved blocks per side of the round-trip phase.",
     )
+    _add_broker(parser)
+
+
+def _add_broker(parser: argparse.ArgumentParser) -> None:
+    """Where the drain, round-trip, scale and pool phases run, and with what task events."""
     parser.add_argument(
         "--drain-task-events",
         action="store_true",
@@ -514,26 +445,14 @@ def _check_rabbitmq(url: str) -> None:
         ) from exc
 
 
-def _engine_round_trips(args: argparse.Namespace, begin: Begin) -> list[dict[str, Any]]:
-    """Each engine's round trip in this process: the Python engine's, then the native and
-    .NET engines' the options name; their figures (in µs) for the JSON answer."""
-    found = _engine_round_trip(args.engine_messages, begin)
-    messages = args.engine_messages * 10
-    if args.native_zip:  # encode, the C call, decode, FreeResult
-        payload = {"n": 1, "text": "a small payload"}
-        code = args.native_zip.read_bytes()
-        begin(f"{NATIVE} round trip")
-        found.append(_in_process_round_trip(NATIVE, code, messages, payload, "30 µs", 1000))
-    for mime_type, path in _dotnet_workers(args):
-        # the event as strings, ProcessAsync (JSON parsed and written in .NET), the answer
-        # as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
-        # quickly compiled code before it optimizes them: the steady state is timed
-        payload = {"command": "upper", "text": "a small payload"}
-        begin(f"{mime_type} round trip")
-        found.append(
-            _in_process_round_trip(mime_type, path.read_bytes(), messages, payload, "20 µs", 60000)
-        )
-    return found
+def _task_event_phase(
+    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
+) -> dict[str, Any]:
+    """The first phase, printed; its figures for the JSON answer."""
+    engines = _engine_workers(args, answering=False)
+    return taskevents.run(
+        settings, home, args.events, args.concurrency, args.timeout_s, engines, begin
+    )
 
 
 def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
@@ -542,59 +461,6 @@ def _dotnet_workers(args: argparse.Namespace) -> list[tuple[str, Path]]:
         for mime_type, path in ((DOTNET_DLL, args.dotnet_package), (CSHARP, args.csharp_file))
         if path is not None
     ]
-
-
-def _task_event_phase(
-    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
-) -> dict[str, Any]:
-    """The first phase, printed; its figures for the JSON answer."""
-    results, node = _run(settings, home, args, begin)
-    lock_round_trips = _lock_round_trips(settings)
-    print(f"lock acquire+release: {lock_round_trips} Redis round trips")
-    return {
-        "events": args.events,
-        "concurrency": args.concurrency,
-        "node": node,
-        "scenarios": _report(results, args),
-        "lock_round_trips": lock_round_trips,
-    }
-
-
-def _run(
-    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
-) -> tuple[list[Result], str]:
-    """Each scenario timed from task events; and how the node runs them."""
-    with Rig(settings) as rig:
-        begin("task events: bare celery")
-        workers = _workers(rig, args)
-        bare = rig.queue("bare")
-        clock = TaskClock(rig.app)
-        clock.start()
-        results = []
-        try:
-            with rig.node(home, args.concurrency, [bare]):
-                node = rig.describe_node()
-                print(node)
-                _warm_up(rig, bare, workers)
-                send_bare = functools.partial(drain.send_bare, rig, bare, args.events)
-                results.append(clock.measure("bare celery", args.events, send_bare, args.timeout_s))
-                for name, worker in workers.items():
-                    begin(f"task events: {name}")
-                    send = functools.partial(drain.publish, rig.manager, worker.topic, args.events)
-                    results.append(clock.measure(name, args.events, send, args.timeout_s))
-        finally:
-            clock.stop()
-    return results, node
-
-
-def _workers(rig: Rig, args: argparse.Namespace) -> dict[str, WorkerInfo]:
-    workers = {
-        "no group": rig.worker("nogroup", b"{}"),
-        "group": rig.worker("group", b"{}", group="bench"),
-    }
-    for engine in _engine_workers(args, answering=False):
-        workers[engine.name] = rig.worker(engine.suffix, engine.code, mime_type=engine.mime_type)
-    return workers
 
 
 def _engine_workers(args: argparse.Namespace, *, answering: bool) -> list[EngineWorker]:
@@ -613,122 +479,3 @@ def _engine_workers(args: argparse.Namespace, *, answering: bool) -> list[Engine
         suffix = mime_type.split("-")[-1]
         workers.append(EngineWorker(name, suffix, mime_type, path.read_bytes(), processed=False))
     return workers
-
-
-def _warm_up(rig: Rig, bare: str, workers: dict[str, WorkerInfo]) -> None:
-    """Let the node consume every queue and load every engine before timing anything."""
-    for worker in workers.values():
-        drain.publish(rig.manager, worker.topic, 5)
-    drain.send_bare(rig, bare, 5)
-    time.sleep(drain.WARM_UP_S)
-
-
-def _lock_round_trips(settings: Settings) -> int:
-    """EVALSHA calls the server saw for one acquire+release (one round trip each)."""
-    client = redis_for(settings)
-    locks = GroupLocks(settings, prefix="wm:bench:lock:")
-    locks.release(locks.acquire("warm", "bench"))
-    before = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
-    locks.release(locks.acquire("probe", "bench"))
-    after = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
-    return after - before
-
-
-#: Trivial Python workers whose engine round trip is timed.
-ENGINE_WORKERS = {
-    "returns None": b"def process(event):\n    return None\n",
-    "returns one event": (
-        b"from wm.devkit import make_event\n\ndef process(event):\n"
-        b"    return make_event('bench.out', '/bench', event.get_data())\n"
-    ),
-}
-
-
-def _engine_round_trip(messages: int, begin: Begin) -> list[dict[str, Any]]:
-    """Time ``PythonEngine.process`` on the host: framing, two pipe hops, the worker call."""
-    engine = engine_class(PYTHON)(Settings.from_env())
-    event = make_event("bench.in", "/bench", {"n": 1, "text": "a small payload"})
-    print(f"\nPython engine round trip, {messages} messages (target: median ≤ 0.5 ms)\n")
-    found = []
-    try:
-        for name, code in ENGINE_WORKERS.items():
-            begin(f"{PYTHON} round trip: {name}")
-            engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
-            median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, 200)
-            print(f"{name:<18} median {median / 1e3:.3f} ms  p99 {p99 / 1e3:.3f} ms")
-            found.append(_round_trip(PYTHON, name, messages, median, p99))
-    finally:
-        engine.close()
-    return found
-
-
-def _in_process_round_trip(
-    mime_type: str, code: bytes, messages: int, data: dict[str, Any], target: str, warm_up: int
-) -> dict[str, Any]:
-    """Time an in-process engine's ``process`` on one event carrying ``data``."""
-    engine = engine_class(mime_type)(Settings.from_env())
-    event = make_event("bench.in", "/bench", data, extensions={"correlationid": "c"})
-    print(f"\n{mime_type} engine round trip, {messages} messages (target: median ≤ {target})\n")
-    try:
-        engine.load(code, WorkerSpec(worker_id="bench", topic="bench"))
-        median, p99 = _time_calls(lambda: engine.process(event, timeout_s=5), messages, warm_up)
-    finally:
-        engine.close()
-    print(f"{'in-process':<18} median {median:.1f} µs  p99 {p99:.1f} µs")
-    return _round_trip(mime_type, "in-process", messages, median, p99)
-
-
-def _round_trip(
-    mime_type: str, worker: str, messages: int, median_us: float, p99_us: float
-) -> dict[str, Any]:
-    return {
-        "engine": mime_type,
-        "worker": worker,
-        "messages": messages,
-        "median_us": round(median_us, 2),
-        "p99_us": round(p99_us, 2),
-    }
-
-
-def _time_calls(call: Callable[[], object], count: int, warm_up: int) -> tuple[float, float]:
-    """Median and p99 of ``count`` timed calls after ``warm_up`` untimed ones, in µs."""
-    for _ in range(warm_up):
-        call()
-    samples = []
-    for _ in range(count):
-        started = time.perf_counter_ns()
-        call()
-        samples.append((time.perf_counter_ns() - started) / 1e3)
-    return (statistics.median(samples) if samples else 0.0), percentile(samples, 99)
-
-
-def _report(results: list[Result], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The task-event phase's table; its rows for the JSON answer."""
-    bare = results[0].rate
-    print(
-        f"\n{args.events} events per scenario, concurrency {args.concurrency}, on Redis, timed "
-        "from task events (on for this phase)\n"
-    )
-    print(f"{'scenario':<15}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}  target")
-    rows = []
-    for result in results:
-        ratio = result.rate / bare if bare else 0.0
-        target = TARGETS.get(result.name)
-        met = None if target is None else ratio >= target
-        verdict = "" if target is None else f"≥ {target}× " + ("met" if met else "MISSED")
-        print(
-            f"{result.name:<15}{result.rate:>10.0f}{result.p50:>9.1f}"
-            f"{result.p99:>9.1f}{ratio:>7.2f}×  {verdict}"
-        )
-        rows.append(
-            {
-                "scenario": result.name,
-                "events_per_s": round(result.rate, 1),
-                "p50_ms": round(result.p50, 2),
-                "p99_ms": round(result.p99, 2),
-                "ratio": round(ratio, 3),
-                "target": target,
-                "met": met,
-            }
-        )
-    return rows

@@ -1,11 +1,11 @@
 """What the phases of ``wm bench`` share: names of their own, a node of their own, the check
-that the bare-Celery reference runs configured like WorkManager's consumer task, and the
-Redis command count.
+that the bare-Celery reference runs configured like WorkManager's consumer task, the Redis
+command count, the workers on real engines they time and the step of the progress bar.
 
 Nothing is shared with a running system. Every topic, queue and exchange a phase makes
 starts with a prefix drawn for it (``wmbench-1a2b3c4d``) and is deleted when the phase ends,
 so a RabbitMQ vhost, where durable queues outlive the bench, keeps no trace of it. The node
-is ``celery -A wm.local.benchnode``: WorkManager's node with control (pidbox) and event
+is ``celery -A wm.bench.benchnode``: WorkManager's node with control (pidbox) and event
 exchanges named after that prefix. Control commands are broadcast to every node of a vhost:
 without its own exchange, the ``add_consumer`` that starting a bench worker sends would make
 the nodes of another system consume the bench's queue, and theirs would reach the bench's.
@@ -18,7 +18,7 @@ import re
 import socket
 import statistics
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,7 +40,7 @@ BROKERS = ("redis", "amqp")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 #: Seconds a control command (ping, inspect, consumer changes) waits for the node's reply.
 CONTROL_TIMEOUT_S = 5.0
-#: The inspect command of ``wm.local.benchnode``: tasks its node finished with success.
+#: The inspect command of ``wm.bench.benchnode``: tasks its node finished with success.
 SUCCEEDED_COMMAND = "wm_bench_succeeded"
 #: The bare-Celery reference tasks (``wm.dataplane.tasks``), compared with ``wm.deliver``.
 BARE_TASKS = ("wm.noop", "wm.echo")
@@ -59,6 +59,8 @@ TASK_OPTIONS = (
     "priority",
 )
 STUB = "application/x-wm-stub"
+NATIVE, PYTHON = "application/x-native-dll", "text/x-python"
+DOTNET_DLL, CSHARP = "application/x-dotnet-dll", "text/x-csharp"
 #: A Python worker that answers each event with one output of type ``<its type>.processed``,
 #: as the native C example does.
 PYTHON_ANSWER = b"""from wm.devkit import make_event
@@ -67,6 +69,10 @@ PYTHON_ANSWER = b"""from wm.devkit import make_event
 def process(event):
     return make_event(event.get_type() + ".processed", "/bench", event.get_data())
 """
+
+
+#: Advances the progress bar: the step that begins now (``wm.bench.command._progress``).
+Begin = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ class Rig:
             self.settings,
             concurrency,
             queues,
-            app_module="wm.local.benchnode",
+            app_module="wm.bench.benchnode",
             name=self.node_name + name_suffix,
             control=self.app,
             pool=pool,

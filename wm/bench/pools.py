@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wm.bench import drain
+from wm.bench.nodes import Nodes
+from wm.bench.rig import STUB, Rig
 from wm.config import Settings
-from wm.local import drain
-from wm.local.rig import STUB, Rig
-from wm.local.scale import Nodes
 from wm.state.ledger import Ledger
 from wm.views import WorkerInfo
 
