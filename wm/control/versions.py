@@ -16,6 +16,7 @@ from wm.engine import WorkerSpec, engine_class
 from wm.errors import InvalidArgument, VersionNotFound
 from wm.store import records
 from wm.store import workers as rows
+from wm.store.models import Worker
 from wm.views import VersionInfo, WorkerInfo
 
 
@@ -60,21 +61,26 @@ class Versions:
             worker = records.lock_worker(session, info.id, live=True)
             version = rows.latest_version(session, info.id) + 1
             add_version(session, info.id, version, fetched, note=note)
-            worker.current_version = version
-            records.record_transition(
-                session,
-                worker,
-                worker.status,
-                worker.status,
-                f"code updated to version {version}",
-                version=version,
-                event="code_updated",
-                actor=self.context.actor,
-            )
+            self._make_current(session, worker, version, f"code updated to version {version}")
 
         records.transaction(self.settings, add)
         self.context.changed(info.id)
         return self.workers.get(info.id)
+
+    def _make_current(self, session: Session, worker: Worker, version: int, reason: str) -> None:
+        """Point the worker at ``version``: a transition that stays in its state, and the
+        ``code_updated`` event."""
+        worker.current_version = version
+        records.record_transition(
+            session,
+            worker,
+            worker.status,
+            worker.status,
+            reason,
+            version=version,
+            event="code_updated",
+            actor=self.context.actor,
+        )
 
     def rollback(self, reference: Reference, version: int) -> WorkerInfo:
         """Make an earlier version current again; recorded as a transition and an event."""
@@ -84,18 +90,8 @@ class Versions:
             worker = records.lock_worker(session, wid, live=True)
             if not rows.has_version(session, wid, version):
                 raise VersionNotFound(f"worker {wid} has no version {version}")
-            previous = worker.current_version
-            worker.current_version = version
-            records.record_transition(
-                session,
-                worker,
-                worker.status,
-                worker.status,
-                f"rolled back from version {previous} to version {version}",
-                version=version,
-                event="code_updated",
-                actor=self.context.actor,
-            )
+            reason = f"rolled back from version {worker.current_version} to version {version}"
+            self._make_current(session, worker, version, reason)
 
         records.transaction(self.settings, rollback)
         self.context.changed(wid)
