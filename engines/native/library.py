@@ -103,25 +103,15 @@ class NativeLibrary:
         self._log, self._gateway = log, gateway
         self._responses: set[int] = set()
         self._responses_lock = threading.Lock()
-        fd, path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
-        #: Where the library was loaded from (the file is gone: only the mapping is left).
-        self.path = path
         self._ffi = FFI()
         self._ffi.include(ffi)
-        self._lib: Any = None
         self._probe: Any = None
         self._host: Any = None
         self._handle: Any = None
         self._callbacks: tuple[Any, ...] = ()
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(image)
-            os.chmod(path, 0o500)
-            _declare(self._ffi, entry_point, free_result, probe)
-            self._lib = _open(self._ffi, path, file_name)
-        finally:
-            # the mapping outlives the file: nothing is left on disk, even if the process dies
-            os.unlink(path)
+        _declare(self._ffi, entry_point, free_result, probe)
+        #: Where the library was loaded from (the file is gone: only the mapping is left).
+        self.path, self._lib = _open_copy(self._ffi, image, file_name)
         try:
             self._process = self._export(entry_point, "entry_point")
             self._free = self._export(free_result, "free_result")
@@ -280,6 +270,19 @@ def _declare(local: FFI, entry_point: str, free_result: str, probe: str | None) 
         local.cdef(declarations)
     except CDefError as exc:
         raise InvalidCode(f"manifest.json export names cannot be declared: {exc}") from exc
+
+
+def _open_copy(local: FFI, image: bytes, file_name: str) -> tuple[str, Any]:
+    """``image`` loaded from a fresh file, which is gone on return: the mapping outlives it,
+    so nothing is left on disk, even if the process dies. The file's path and the library."""
+    fd, path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(image)
+        os.chmod(path, 0o500)
+        return path, _open(local, path, file_name)
+    finally:
+        os.unlink(path)
 
 
 def _open(local: FFI, path: str, file_name: str) -> Any:
