@@ -8,8 +8,8 @@ WorkerResponse FlatBuffers, hand-written for speed; the flatc-generated code in
 ``native_abi/generated`` is the reference it is tested against), ``library`` (one loaded
 library: Process, FreeResult, the optional Probe, the VirtufinHost callbacks), ``engine``
 (the :class:`NativeEngine`), ``isolated`` and ``helper`` (isolation mode's native specifics,
-host and helper sides of the pipe; the process, the framing and the restarts are the
-engine-independent :mod:`engines.isolation`).
+host and helper sides of the pipe; the restarts are the engine-independent
+:mod:`engines.isolation`, the process and its frames :mod:`engines.childproc`).
 
 Operator notes:
 
