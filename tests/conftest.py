@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import echo_server
+from tests.helpers import http_server
 from wm import Settings, WorkManager, store
 from wm.config import current_values
 from wm.errors import EmbeddedRedisError
@@ -321,9 +321,9 @@ def own_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], None]]]:
 
 @pytest.fixture
 def gateway_port() -> Iterator[int]:
-    """A loopback gateway that echoes what it gets (``tests.helpers.echo_server``)."""
-    with echo_server() as port:
-        yield port
+    """A loopback gateway that echoes what it gets (``tests.helpers.echo``)."""
+    with http_server() as gateway:
+        yield gateway.port
 
 
 @pytest.fixture(scope="session")

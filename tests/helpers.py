@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
@@ -87,33 +89,108 @@ def wm_cli(settings: Settings, *args: str, stdin: str | None = None) -> Any:
     return json.loads(result.stdout) if result.stdout.strip() else None
 
 
-class _Echo(BaseHTTPRequestHandler):
-    """Answers every POST with ``{"path": ..., "got": <the JSON body>}``."""
+class Received(NamedTuple):
+    """One request the loopback server got."""
+
+    method: str
+    path: str
+    host: str | None
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON (None when empty)."""
+        return json.loads(self.body or b"null")
+
+
+class Exchange(BaseHTTPRequestHandler):
+    """One request to :func:`http_server`: recorded, then answered by the server's route."""
+
+    server: _LoopbackServer
+    received: Received
+
+    def do_GET(self) -> None:
+        self._answer()
 
     def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        answer = json.dumps({"path": self.path, "got": json.loads(body or b"null")}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
+        self._answer()
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set when the server stops: a route that answers slowly ends then."""
+        return self.server.stopping
+
+    def reply(self, status: int, body: bytes = b"", **headers: str) -> None:
+        """Answer ``status`` with ``body``; header names spelled ``Content_Length``."""
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
         self.end_headers()
-        self.wfile.write(answer)
+        self.wfile.write(body)
+
+    def reply_json(self, value: Any, status: int = 200) -> None:
+        body = json.dumps(value).encode()
+        self.reply(status, body, Content_Type="application/json", Content_Length=str(len(body)))
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        self.received = Received(self.command, self.path, self.headers.get("Host"), body)
+        self.server.requests.append(self.received)
+        with contextlib.suppress(OSError):  # the client hung up, as a refusal mid-body does
+            self.server.route(self)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
+#: How :func:`http_server` answers a request.
+Route = Callable[[Exchange], None]
+
+
+def echo(exchange: Exchange) -> None:
+    """Answers ``{"path": ..., "got": <the JSON body>}``: the gateway of most tests."""
+    exchange.reply_json({"path": exchange.path, "got": exchange.received.json()})
+
+
+class _LoopbackServer(ThreadingHTTPServer):
+    daemon_threads = False  # server_close waits for every answer in flight
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(("127.0.0.1", 0), Exchange)
+        self.route = route
+        self.requests: list[Received] = []
+        self.stopping = threading.Event()
+
+
+@dataclass
+class Loopback:
+    """A running :func:`http_server`: its port, what it got, the names TLS clients sent."""
+
+    port: int
+    requests: list[Received]
+    server_names: list[str | None] = field(default_factory=list)
+
+    def url(self, path: str, host: str = "127.0.0.1", scheme: str = "http") -> str:
+        return f"{scheme}://{host}:{self.port}{path}"
+
+
 @contextlib.contextmanager
-def echo_server() -> Iterator[int]:
-    """A loopback HTTP gateway that echoes what it gets (see ``_Echo``); yields its port."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+def http_server(route: Route = echo, tls: ssl.SSLContext | None = None) -> Iterator[Loopback]:
+    """The tests' one HTTP server: on a free loopback port, answering each request with
+    ``route`` (:func:`echo` unless told) and recording it; HTTPS with ``tls``."""
+    httpd = _LoopbackServer(route)
+    loopback = Loopback(httpd.server_address[1], httpd.requests)
+    if tls is not None:
+        tls.sni_callback = lambda sock, name, ctx: loopback.server_names.append(name)
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
     try:
-        yield server.server_address[1]
+        yield loopback
     finally:
-        server.shutdown()
-        server.server_close()
+        httpd.stopping.set()
+        httpd.shutdown()
+        httpd.server_close()
         thread.join()
 
 

@@ -10,16 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.cli_env import one_error_line, wm, wm_json
-from tests.helpers import plain, run_in_terminal
+from tests.helpers import Exchange, http_server, plain, run_in_terminal
 from tests.test_cli import create
 from wm import Settings, store
 from wm.config import settings_table
@@ -94,27 +92,11 @@ def test_config_table_keeps_names_whole_on_a_wide_terminal(env: dict[str, str]) 
 def health_endpoint(report: dict[str, Any]) -> Iterator[str]:
     """A node's health endpoint answering ``report`` (503 unless healthy); yields its URL."""
 
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps(report).encode()
-            self.send_response(200 if report["status"] == "healthy" else 503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def health(exchange: Exchange) -> None:
+        exchange.reply_json(report, 200 if report["status"] == "healthy" else 503)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/health"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with http_server(health) as server:
+        yield server.url("/health")
 
 
 def _report(status: str) -> dict[str, Any]:

@@ -11,22 +11,19 @@ a redirect to a private address is tested end to end without admitting loopback.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import shutil
 import socket
 import ssl
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import Exchange, Loopback, Route, http_server
 from wm.codesource import Connector, FetchedCode, decode_base64, from_content, from_url
 from wm.config import Settings
 from wm.errors import CodeSourceError, IntegrityError, SecurityError
@@ -50,112 +47,70 @@ DRIP_INTERVAL_S = 0.1
 # --- loopback server ----------------------------------------------------------------------
 
 
-def _send(handler: BaseHTTPRequestHandler, status: int, body: bytes = b"", **headers: str) -> None:
-    handler.send_response(status)
-    for name, value in headers.items():
-        handler.send_header(name.replace("_", "-"), value)
-    handler.end_headers()
-    handler.wfile.write(body)
-
-
-def _drip(handler: BaseHTTPRequestHandler, stopping: threading.Event) -> None:
+def _drip(exchange: Exchange) -> None:
     for _ in range(200):
-        if stopping.wait(DRIP_INTERVAL_S):
+        if exchange.stopping.wait(DRIP_INTERVAL_S):
             return
-        handler.wfile.write(b"x")
-        handler.wfile.flush()
+        exchange.wfile.write(b"x")
+        exchange.wfile.flush()
 
 
-def _drip_body(handler: Handler) -> None:
-    handler.send_response(200)
-    handler.end_headers()
-    _drip(handler, handler.server.stopping)
+def _drip_body(exchange: Exchange) -> None:
+    exchange.send_response(200)
+    exchange.end_headers()
+    _drip(exchange)
 
 
-def _drip_headers(handler: Handler) -> None:
-    handler.wfile.write(b"HTTP/1.0 200 OK\r\nX-Slow: ")
-    _drip(handler, handler.server.stopping)
+def _drip_headers(exchange: Exchange) -> None:
+    exchange.wfile.write(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+    _drip(exchange)
 
 
-def _endless(handler: Handler) -> None:
-    handler.send_response(200)
-    handler.end_headers()
+def _endless(exchange: Exchange) -> None:
+    exchange.send_response(200)
+    exchange.end_headers()
     for _ in range(64):
-        handler.wfile.write(b"x" * 65536)
+        exchange.wfile.write(b"x" * 65536)
 
 
-def _hop(handler: Handler) -> None:
-    remaining = int(handler.path.rsplit("/", 1)[1])
+def _hop(exchange: Exchange) -> None:
+    remaining = int(exchange.path.rsplit("/", 1)[1])
     if remaining == 0:
-        _send(handler, 200, CODE)
+        exchange.reply(200, CODE)
     else:
-        _send(handler, 302, Location=f"/hop/{remaining - 1}")
+        exchange.reply(302, Location=f"/hop/{remaining - 1}")
 
 
-ROUTES: dict[str, Callable[[Handler], None]] = {
-    "/code.py": lambda h: _send(h, 200, CODE, Content_Length=str(len(CODE))),
-    "/missing": lambda h: _send(h, 404, b"not here"),
-    "/empty": lambda h: _send(h, 200, b"", Content_Length="0"),
-    "/announced-big": lambda h: _send(h, 200, b"x" * 10, Content_Length=str(10**9)),
-    "/truncated": lambda h: _send(h, 200, b"x" * 10, Content_Length="100"),
+ROUTES: dict[str, Route] = {
+    "/code.py": lambda x: x.reply(200, CODE, Content_Length=str(len(CODE))),
+    "/missing": lambda x: x.reply(404, b"not here"),
+    "/empty": lambda x: x.reply(200, b"", Content_Length="0"),
+    "/announced-big": lambda x: x.reply(200, b"x" * 10, Content_Length=str(10**9)),
+    "/truncated": lambda x: x.reply(200, b"x" * 10, Content_Length="100"),
     "/big": _endless,
     "/drip-body": _drip_body,
     "/drip-headers": _drip_headers,
-    "/to-file": lambda h: _send(h, 302, Location="file:///etc/passwd"),
-    "/to-other-host": lambda h: _send(h, 302, Location="http://evil.example/code.py"),
-    "/to-private": lambda h: _send(h, 302, Location="http://10.0.0.1/code.py"),
+    "/to-file": lambda x: x.reply(302, Location="file:///etc/passwd"),
+    "/to-other-host": lambda x: x.reply(302, Location="http://evil.example/code.py"),
+    "/to-private": lambda x: x.reply(302, Location="http://10.0.0.1/code.py"),
     "/hop": _hop,
 }
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = False
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.stopping = threading.Event()
-        self.seen: list[tuple[str, str | None]] = []
+def _route(exchange: Exchange) -> None:
+    path = exchange.path
+    (ROUTES.get(path) or ROUTES[path.rsplit("/", 1)[0]])(exchange)
 
 
-class Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def do_GET(self) -> None:
-        self.server.seen.append((self.path, self.headers.get("Host")))
-        route = ROUTES.get(self.path) or ROUTES[self.path.rsplit("/", 1)[0]]
-        with contextlib.suppress(OSError):  # the client hung up, as a refusal mid-body does
-            route(self)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@dataclass
-class Loopback:
-    port: int
-    seen: list[tuple[str, str | None]]
-    server_names: list[str | None] = field(default_factory=list)
-
-    def url(self, path: str, host: str = "127.0.0.1", scheme: str = "http") -> str:
-        return f"{scheme}://{host}:{self.port}{path}"
-
-
-def _serve(httpd: _Server, loopback: Loopback) -> Iterator[Loopback]:
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield loopback
-    finally:
-        httpd.stopping.set()
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+def seen(server: Loopback) -> list[tuple[str, str | None]]:
+    """(path, Host header) of each request the server got."""
+    return [(request.path, request.host) for request in server.requests]
 
 
 @pytest.fixture
 def server() -> Iterator[Loopback]:
-    httpd = _Server()
-    yield from _serve(httpd, Loopback(httpd.server_address[1], httpd.seen))
+    with http_server(_route) as loopback:
+        yield loopback
 
 
 # --- guards and hooks ---------------------------------------------------------------------
@@ -377,7 +332,7 @@ def test_connection_is_pinned_to_the_checked_address(server: Loopback, settings:
     assert fetched.code == CODE
     assert lookups == [("code.example", server.port)]
     assert dials == [(PUBLIC_ADDRESS, server.port)]
-    assert server.seen == [("/code.py", f"code.example:{server.port}")]
+    assert seen(server) == [("/code.py", f"code.example:{server.port}")]
 
 
 @pytest.mark.parametrize("entry", ["code.example", "CODE.example.", "*.example"])
@@ -469,7 +424,7 @@ def test_redirects_are_followed_up_to_the_limit(
 ) -> None:
     settings = loopback_settings.replace(code_url_max_redirects=2)
     assert from_url(server.url("/hop/2"), settings=settings).code == CODE
-    assert [path for path, _ in server.seen] == ["/hop/2", "/hop/1", "/hop/0"]
+    assert [path for path, _ in seen(server)] == ["/hop/2", "/hop/1", "/hop/0"]
 
 
 @pytest.mark.parametrize(("hops", "limit"), [(3, 2), (1, 0)])
@@ -480,7 +435,7 @@ def test_redirects_beyond_the_limit_are_refused(
     with pytest.raises(SecurityError) as refused:
         from_url(server.url(f"/hop/{hops}"), settings=settings)
     assert refused.value.rule == "redirect-limit"
-    assert len(server.seen) == limit + 1
+    assert len(seen(server)) == limit + 1
 
 
 @pytest.mark.parametrize(
@@ -574,13 +529,10 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def tls_server(certificates: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Loopback]:
     monkeypatch.setenv("SSL_CERT_FILE", str(certificates / "ca.pem"))
-    httpd = _Server()
-    loopback = Loopback(httpd.server_address[1], httpd.seen)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(certificates / "leaf.pem", certificates / "leaf.key")
-    context.sni_callback = lambda sock, name, ctx: loopback.server_names.append(name)
-    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
-    yield from _serve(httpd, loopback)
+    with http_server(_route, tls=context) as loopback:
+        yield loopback
 
 
 def test_https_verifies_the_url_host_on_the_pinned_address(
@@ -610,7 +562,7 @@ def test_https_certificate_for_another_host_is_refused(
             connect=public_to_loopback(tls_server.port, []),
         )
     assert isinstance(failed.value.__cause__, ssl.SSLCertVerificationError)
-    assert tls_server.seen == []
+    assert seen(tls_server) == []
 
 
 # --- inline content -----------------------------------------------------------------------

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
 from enum import Enum
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 import wm.devkit
+from tests.helpers import Exchange, echo, http_server
 from tests.workers.gateway_commands import PriceLookup
 from tests.workers.greeter import Greeter
 from tests.workers.orders import OrderCommand, Orders
@@ -291,34 +289,22 @@ def test_api_command_worker_constructor_host_is_the_default(
     assert transport.calls[0][:4] == ("gw.internal", 5002, "orders", "create")
 
 
-class _Api(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        status = 200 if self.path == "/orders/create" else 404
-        answer = json.dumps({"path": self.path, "body": body}).encode() if status == 200 else b"no"
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+def _orders_create_only(exchange: Exchange) -> None:
+    if exchange.path == "/orders/create":
+        echo(exchange)
+    else:
+        exchange.reply(404, b"no", Content_Length="2")
 
 
 @pytest.fixture
 def api_port() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with http_server(_orders_create_only) as server:
+        yield server.port
 
 
 def test_http_transport_follows_the_url_convention(api_port: int) -> None:
     answer = HttpTransport(5).call("127.0.0.1", api_port, "orders", "create", {"a": 1})
-    assert answer == {"path": "/orders/create", "body": {"a": 1}}
+    assert answer == {"path": "/orders/create", "got": {"a": 1}}
 
 
 def test_http_transport_reports_http_errors(api_port: int) -> None:

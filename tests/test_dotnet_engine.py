@@ -23,7 +23,7 @@ from engines.dotnet.package import best_tfm, read_package
 from engines.dotnet.wire import WorkerFailed, decode_answer, encode_event
 from tests.conftest import ROOT
 from tests.dotnet.harness import EXAMPLES, worker
-from tests.helpers import echo_server
+from tests.helpers import http_server
 from wm import Settings
 from wm.engine import Outputs, WorkerSpec
 from wm.errors import (
@@ -174,7 +174,8 @@ def test_gateway_calls_go_through_the_host_allow_list(
     engine = CSharpEngine(allowed)
     engine.load(COMMAND_SOURCE, worker())
     try:
-        with echo_server() as port:
+        with http_server() as gateway:
+            port = gateway.port
             no_host = engine.process(command("lookup", query={}), 5)
             assert "no API host configured" in str(no_host.worker_error)  # type: ignore[attr-defined]
             lookup = command("lookup", api_host="127.0.0.1", api_port=port, query={"id": 7})

@@ -1,6 +1,7 @@
-"""The native worker kit in native_abi/, on its own: headers, Makefile, generated code, and the
-C and C++ example libraries called through cffi the way the native engine calls them (no
-engine, no Redis). Harness and fixtures: tests/native/harness.py."""
+"""The native worker kit in native_abi/, on its own: headers, Makefile, generated code, the
+engine's declaration of the ABI (read from the header) against what a C compiler makes of the
+header, and the C and C++ example libraries called through cffi the way the native engine calls
+them (no Redis). Harness and fixtures: tests/native/harness.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from engines.native import abi
+from engines.native.library import ffi as engine_ffi
 from tests.conftest import need
 from tests.native.harness import (
     GATEWAY_FAILED,
@@ -73,6 +76,89 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
     assert _files(tmp_path / "generated") == _files(KIT / "generated"), (
         "native_abi/generated is stale: run make -C native_abi generate"
     )
+
+
+# --- the declaration the engine reads from the header ---------------------------------------
+
+HEADER = KIT / "virtufin_worker_api.h"
+
+
+def test_the_engine_reads_the_kits_header() -> None:
+    assert abi.HEADER_FILE.read_bytes() == HEADER.read_bytes()
+    assert set(abi.ABI.prototypes) == {"Process", "FreeResult", "Probe"}
+    assert abi.ABI.prototype("Process", "Run").startswith("int32_t Run(const VirtufinHost* host,")
+
+
+def _compiler() -> str:
+    if shutil.which("cc") is None:
+        need("cc", FileNotFoundError("cc is not on PATH"))
+    return "cc"
+
+
+def _compile(tmp_path: Path, name: str, lines: list[str], *flags: str) -> Path:
+    """``lines`` of C11 compiled strictly against the kit's headers (``-c`` among ``flags``
+    makes an object, else a program); the output's path."""
+    source, output = tmp_path / f"{name}.c", tmp_path / name
+    source.write_text("\n".join([*lines, ""]))
+    strict = ["-std=c11", "-pedantic", "-Wall", "-Wextra", "-Werror", f"-I{KIT}"]
+    run([_compiler(), *strict, *flags, str(source), "-o", str(output)])
+    return output
+
+
+def test_cffi_lays_the_host_struct_out_as_the_c_compiler_does(tmp_path: Path) -> None:
+    """The engine's VirtufinHost, field by field, against the compiler's: offset and size
+    of each field cffi declares, the struct's size and alignment."""
+    fields = engine_ffi.typeof("VirtufinHost").fields
+    lines = [
+        "#include <stddef.h>",
+        "#include <stdio.h>",
+        '#include "virtufin_worker_api.h"',
+        "int main(void) {",
+        '    printf("VirtufinHost %zu %zu\\n", sizeof(VirtufinHost), _Alignof(VirtufinHost));',
+        *(
+            f'    printf("{name} %zu %zu\\n", offsetof(VirtufinHost, {name}),'
+            f" sizeof(((VirtufinHost*)0)->{name}));"
+            for name, _ in fields
+        ),
+        "    return 0;",
+        "}",
+    ]
+    compiled = run([str(_compile(tmp_path, "layout", lines))]).stdout.splitlines()
+
+    size, align = engine_ffi.sizeof("VirtufinHost"), engine_ffi.alignof("VirtufinHost")
+    declared = [f"VirtufinHost {size} {align}"]
+    declared += [f"{name} {f.offset} {engine_ffi.sizeof(f.type)}" for name, f in fields]
+    assert compiled == declared
+    assert len(fields) == 5
+
+
+def test_the_prototypes_are_the_headers_also_renamed(tmp_path: Path) -> None:
+    """Each prototype as the engine declares it, after the header: a C compiler refuses a
+    redeclaration that differs; one renamed as manifest.json may has the same type."""
+    lines = ['#include "virtufin_worker_api.h"', *abi.ABI.prototypes.values()]
+    for export in abi.ABI.prototypes:
+        lines.append(abi.ABI.prototype(export, f"Renamed{export}"))
+        lines.append(
+            f"_Static_assert(__builtin_types_compatible_p(__typeof__({export}), "
+            f'__typeof__(Renamed{export})), "{export}");'
+        )
+    _compile(tmp_path, "prototypes", lines, "-c")
+
+
+def test_the_constants_are_the_headers(tmp_path: Path) -> None:
+    """Every integer macro the header defines, as the C preprocessor sees them."""
+    source = tmp_path / "constants.c"
+    source.write_text('#include "virtufin_worker_api.h"\n')
+    macros = run([_compiler(), "-dM", "-E", f"-I{KIT}", str(source)]).stdout
+    defined = {
+        name: int(value)
+        for name, value in (
+            line.split()[1:] for line in macros.splitlines() if len(line.split()) == 3
+        )
+        if name.startswith("VIRTUFIN_")
+    }
+    assert defined == abi.ABI.constants
+    assert defined["VIRTUFIN_ABI_VERSION"] == abi.ABI_VERSION == 1
 
 
 # --- the C and C++ examples ----------------------------------------------------------------------

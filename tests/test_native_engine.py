@@ -20,7 +20,6 @@ import pytest
 from engines.native.engine import NativeEngine
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import running_rid
-from tests.helpers import echo_server
 from wm.config import Settings
 from wm.engine import Outputs, WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
@@ -248,21 +247,15 @@ def test_in_process_timeout_drops_the_late_answer(
     assert outstanding(engine) == 0
 
 
-@pytest.fixture
-def gateway() -> Iterator[int]:
-    with echo_server() as port:
-        yield port
-
-
 @pytest.mark.parametrize("isolation", ["in-process", "subprocess"])
 def test_gateway_call_from_c_reaches_the_server(
-    native_zips: dict[str, Path], gateway: int, isolation: str
+    native_zips: dict[str, Path], gateway_port: int, isolation: str
 ) -> None:
     settings = Settings.from_env().replace(gateway_allowed_hosts=("127.0.0.1",))
     worker = WorkerSpec(
         "w-gw",
         "orders",
-        settings={"api_host": "127.0.0.1", "api_port": gateway, "isolation": isolation},
+        settings={"api_host": "127.0.0.1", "api_port": gateway_port, "isolation": isolation},
     )
     engine = NativeEngine(settings)
     try:
@@ -273,9 +266,13 @@ def test_gateway_call_from_c_reaches_the_server(
         engine.close()
 
 
-def test_gateway_refuses_a_host_not_allowed(native_zips: dict[str, Path], gateway: int) -> None:
+def test_gateway_refuses_a_host_not_allowed(
+    native_zips: dict[str, Path], gateway_port: int
+) -> None:
     settings = Settings.from_env().replace(gateway_allowed_hosts=())
-    worker = WorkerSpec("w-gw", "orders", settings={"api_host": "127.0.0.1", "api_port": gateway})
+    worker = WorkerSpec(
+        "w-gw", "orders", settings={"api_host": "127.0.0.1", "api_port": gateway_port}
+    )
     engine = NativeEngine(settings)
     try:
         engine.load(zip_bytes(native_zips["c-example"]), worker)

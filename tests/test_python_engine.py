@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -16,6 +14,7 @@ import pytest
 import wm  # noqa: F401 - import the platform before engines (engines.base needs wm first)
 from engines.python import PythonEngine
 from engines.python.engine import PythonWorkerError
+from tests.helpers import Loopback, http_server
 from tests.workers import child_pids, code
 from wm.config import Settings
 from wm.engine import WorkerSpec
@@ -466,33 +465,14 @@ def test_close_removes_child_and_directory(engine: PythonEngine) -> None:
 # --- gateway -------------------------------------------------------------------------------------
 
 
-class _Recorder(BaseHTTPRequestHandler):
-    requests: list[tuple[str, Any]] = []
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.requests.append((self.path, body))
-        answer = json.dumps({"path": self.path, "echo": body}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def api_server() -> Iterator[tuple[int, list[tuple[str, Any]]]]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    _Recorder.requests = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1], _Recorder.requests
-    server.shutdown()
-    server.server_close()
-    thread.join()
+def api_server() -> Iterator[Loopback]:
+    with http_server() as server:
+        yield server
+
+
+def paths_and_bodies(server: Loopback) -> list[tuple[str, Any]]:
+    return [(request.path, request.json()) for request in server.requests]
 
 
 def gateway_engine(*hosts: str) -> PythonEngine:
@@ -500,9 +480,9 @@ def gateway_engine(*hosts: str) -> PythonEngine:
 
 
 def test_api_worker_calls_the_gateway_through_the_host(
-    api_server: tuple[int, list[tuple[str, Any]]],
+    api_server: Loopback,
 ) -> None:
-    port, requests = api_server
+    port = api_server.port
     engine = gateway_engine("127.0.0.1")
     try:
         engine.load(code("gateway_client", API_PORT=port), spec())
@@ -510,15 +490,15 @@ def test_api_worker_calls_the_gateway_through_the_host(
     finally:
         engine.close()
 
-    assert requests == [("/orders/create", {"sku": "A-1"})]
-    assert output.get_data() == {"answer": {"path": "/orders/create", "echo": {"sku": "A-1"}}}
+    assert paths_and_bodies(api_server) == [("/orders/create", {"sku": "A-1"})]
+    assert output.get_data() == {"answer": {"path": "/orders/create", "got": {"sku": "A-1"}}}
     assert output.get_extension("correlationid") == "c-9"
 
 
 def test_api_command_worker_takes_host_and_port_from_the_command(
-    api_server: tuple[int, list[tuple[str, Any]]],
+    api_server: Loopback,
 ) -> None:
-    port, requests = api_server
+    port = api_server.port
     engine = gateway_engine("127.0.0.1")
     try:
         engine.load(code("gateway_commands"), spec())
@@ -527,14 +507,14 @@ def test_api_command_worker_takes_host_and_port_from_the_command(
     finally:
         engine.close()
 
-    assert requests == [("/catalog/price", {"sku": "B-2"})]
+    assert paths_and_bodies(api_server) == [("/catalog/price", {"sku": "B-2"})]
     assert output.get_data()["via"] == f"127.0.0.1:{port}"
 
 
 def test_gateway_refuses_hosts_not_allowed(
-    api_server: tuple[int, list[tuple[str, Any]]],
+    api_server: Loopback,
 ) -> None:
-    port, requests = api_server
+    port = api_server.port
     engine = gateway_engine("api.internal")
     try:
         engine.load(code("gateway_client", API_PORT=port), spec())
@@ -543,7 +523,7 @@ def test_gateway_refuses_hosts_not_allowed(
     finally:
         engine.close()
 
-    assert requests == []
+    assert paths_and_bodies(api_server) == []
 
 
 def test_engine_class_is_exported_lazily() -> None:
@@ -553,8 +533,8 @@ def test_engine_class_is_exported_lazily() -> None:
     assert PythonEngine.mime_type == "text/x-python"
 
 
-def test_validate_makes_no_gateway_calls(api_server: tuple[int, list[tuple[str, Any]]]) -> None:
-    port, requests = api_server
+def test_validate_makes_no_gateway_calls(api_server: Loopback) -> None:
+    port = api_server.port
     engine = gateway_engine("127.0.0.1")
     source = (
         b"from wm.devkit import ApiClient\n"
@@ -568,7 +548,7 @@ def test_validate_makes_no_gateway_calls(api_server: tuple[int, list[tuple[str, 
     finally:
         engine.close()
 
-    assert requests == [("/audit/record", {})]
+    assert paths_and_bodies(api_server) == [("/audit/record", {})]
 
 
 def test_child_that_died_while_idle_is_replaced_before_the_next_message(

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import wm  # noqa: F401 - import the platform before engines (engines.base needs wm first)
+from engines.childproc import frames
 from engines.python import PythonEngine, sandbox
 from engines.python.protocol import event_body
 from tests.workers import child_pids, code
@@ -461,8 +462,9 @@ def test_no_worker_code_runs_at_interpreter_exit(canary_dir: Path) -> None:
         engine.load(Attempt("exit", body, walk=True).source(str(canary_dir)), spec())
         child = engine._process  # white box: let the child exit on its own before the kill
         assert child is not None
-        reply = child.request(event_body(make_event("exit", "/tests")), time.monotonic() + 5)
-        assert reply["op"] == "error" and reply["fatal"]
+        call = event_body(make_event("exit", "/tests"))
+        kind, reply = child.request(frames.CALL, call, time.monotonic() + 5)
+        assert kind == frames.FAILED and reply["fatal"]
         deadline = time.monotonic() + 5
         while not child.exited and time.monotonic() < deadline:
             time.sleep(0.02)

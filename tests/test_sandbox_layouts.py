@@ -439,10 +439,10 @@ def test_a_child_dying_on_a_missing_module_names_it_and_its_sys_path() -> None:
     without_dynload = [p for p in paths.sys_path if p != os.path.dirname(str(resource.origin))]
     argv = interpreter_argv(isolation.kernel_isolation().prefix, isolation.BOOTSTRAP)
     child = SandboxProcess(argv, "w-layouts", lambda request, remaining: {})
-    init = {"op": "init", "sys_path": without_dynload, "packages": dict(paths.packages)}
+    init = {"sys_path": without_dynload, "packages": dict(paths.packages)}
     try:
         with pytest.raises(WorkerExecutionError) as caught:
-            child.request(init, time.monotonic() + 30)
+            child.init(init, "", time.monotonic() + 30)
     finally:
         child.kill()
 

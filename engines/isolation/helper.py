@@ -3,29 +3,30 @@ loading and calling, so an engine's helper module is a ``load`` function and
 ``sys.exit(run(load))``.
 
 The helper loads the code the host sends in the INIT frame, then answers CALL and PROBE
-frames, relaying the worker's log and gateway calls to the host. If the code crashes or
-hangs, only this process dies (or is killed by the host). It takes no core dumps and is
-killed when the host dies (precisely: when the host thread that started it ends; the host
-starts a fresh helper on its next call then). Only the standard library is used here (prctl
-through ctypes), so an engine's helper needs no more than the engine itself does.
+frames, relaying the worker's log and gateway calls to the host (the frames and the child's
+end of the pipes are :mod:`engines.childproc.frames`). If the code crashes or hangs, only
+this process dies (or is killed by the host). It takes no core dumps and is killed when the
+host dies (precisely: when the host thread that started it ends; the host starts a fresh
+helper on its next call then). Only the standard library is used here (prctl through
+ctypes), so an engine's helper needs no more than the engine itself does.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import resource
 import signal
 import sys
-import threading
 from collections.abc import Callable
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
-from engines.isolation import frames
+from engines.childproc import frames
 from wm.errors import WorkManagerError
 
 PR_SET_PDEATHSIG = 1
+#: The ANSWER to a PROBE: the code has no probe (None), it passed (True), it answered False.
+PROBE_ANSWERS: dict[bool | None, bytes] = {None: b"", True: b"1", False: b"0"}
 
 
 class Handler(Protocol):
@@ -45,36 +46,14 @@ class Handler(Protocol):
 Loader = Callable[[dict[str, Any], bytes, "Host"], Handler]
 
 
-class Host:
-    """The host at the other end of the pipes. The loaded code may log or call the gateway
-    from threads of its own: frames are written whole, and a gateway call holds the pipes
-    until its reply is read."""
-
-    def __init__(self, incoming: BinaryIO, outgoing: BinaryIO) -> None:
-        self.incoming, self.outgoing = incoming, outgoing
-        self._sending = threading.Lock()
-        self._calling = threading.Lock()
-
-    def send(self, kind: bytes, payload: bytes = b"") -> None:
-        with self._sending:
-            frames.write_frame(self.outgoing, kind, payload)
-
-    def log(self, level: int, message: str) -> None:
-        self.send(frames.LOG, frames.CODE.pack(level) + message.encode("utf-8", "replace"))
+class Host(frames.Channel):
+    """The host at the other end of the pipes, as the loaded code sees it."""
 
     def gateway(self, service: str, method: str, request: bytes) -> tuple[int, bytes]:
-        header = json.dumps({"service": service, "method": method}).encode()
-        with self._calling:
-            self.send(frames.GATEWAY, header + b"\n" + request)
-            kind, payload = frames.read_frame(self.incoming)
-        if kind != frames.GATEWAY_REPLY or len(payload) < frames.CODE.size:
-            raise frames.FrameError(f"expected a gateway reply, got {kind!r}")
-        (code,) = frames.CODE.unpack_from(payload)
-        return code, payload[frames.CODE.size :]
+        return self.call_gateway({"service": service, "method": method}, request)
 
-    def failed(self, exc: WorkManagerError, code: int | None = None) -> None:
-        body = {"type": type(exc).__name__, "message": str(exc), "code": code}
-        self.send(frames.FAILED, json.dumps(body).encode())
+    def refused(self, exc: WorkManagerError, code: int | None = None) -> None:
+        self.failed(type(exc).__name__, str(exc), code=code)
 
 
 def serve(host: Host, load: Loader) -> int:
@@ -84,7 +63,7 @@ def serve(host: Host, load: Loader) -> int:
     try:
         handler = load(header, blob, host)
     except WorkManagerError as exc:
-        host.failed(exc)
+        host.refused(exc)
         return 1
     try:
         host.send(frames.READY)
@@ -95,29 +74,31 @@ def serve(host: Host, load: Loader) -> int:
 
 
 def _read_init(host: Host) -> tuple[dict[str, Any], bytes]:
-    kind, payload = frames.read_frame(host.incoming)
+    frame = host.receive()
+    if frame is None:
+        raise frames.FrameError("the pipe closed before the init frame")
+    kind, payload = frame
     if kind != frames.INIT:
         raise frames.FrameError(f"expected an init frame, got {kind!r}")
-    header, blob = payload.split(b"\n", 1)
-    spec = json.loads(header)
-    if not isinstance(spec, dict):
-        raise frames.FrameError(f"the init header is not a JSON object: {header!r}")
-    return spec, blob
+    return frames.split_header(payload)
 
 
 def _answer_calls(host: Host, handler: Handler) -> None:
     while True:
         try:
-            kind, payload = frames.read_frame(host.incoming)
+            frame = host.receive()
         except frames.FrameError:
+            return
+        if frame is None:
             return  # the host closed the pipe: done
+        kind, payload = frame
         if kind not in (frames.CALL, frames.PROBE):
             raise frames.FrameError(f"expected a call or probe frame, got {kind!r}")
         try:
             answer = handler.call(payload) if kind == frames.CALL else _probe(handler)
         except WorkManagerError as exc:
             code = getattr(exc, "code", None)
-            host.failed(exc, code if isinstance(code, int) else None)
+            host.refused(exc, code if isinstance(code, int) else None)
         else:
             host.send(frames.ANSWER, answer)
 
@@ -125,17 +106,17 @@ def _answer_calls(host: Host, handler: Handler) -> None:
 def _probe(handler: Handler) -> bytes:
     probe = getattr(handler, "probe", None)
     healthy = None if probe is None else probe()
-    return frames.PROBE_ANSWERS[None if healthy is None else bool(healthy)]
+    return PROBE_ANSWERS[None if healthy is None else bool(healthy)]
 
 
 def run(load: Loader) -> int:
-    """The helper process: ``sys.exit(run(load))`` in the engine's helper module."""
+    """The helper process (``python -m module READ_FD WRITE_FD``, the frame pipes):
+    ``sys.exit(run(load))`` in the engine's helper module."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     _die_with_parent()
-    # Frames own the real stdout; what the loaded code prints goes to stderr instead.
-    outgoing = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    return serve(Host(sys.stdin.buffer, outgoing), load)
+    read_fd, write_fd = int(sys.argv[1]), int(sys.argv[2])
+    os.dup2(2, 1)  # what the loaded code prints goes to stderr, as the host's own would
+    return serve(Host(read_fd, write_fd), load)
 
 
 def _die_with_parent() -> None:

@@ -5,28 +5,26 @@ not the node.
 One helper per loaded worker per host process, started when the engine loads the worker,
 reused across messages; one call (or health probe) at a time per helper. A call past its
 time limit kills the helper (WorkerTimeout); a helper that died (a signal, an exit) fails the
-call with the cause; the next call starts a fresh helper. The engine supplies what is its
-own: the helper's module, what it loads, the words its messages use, and how its refusals
-map to exceptions.
+call with the cause; the next call starts a fresh helper. The process itself, its pipes and
+frames are a :class:`~engines.childproc.host.ChildProcess`; this module adds the load
+handshake, the restarts and the words. The engine supplies what is its own: the helper's
+module, what it loads, the words its messages use, and how its refusals map to exceptions.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import select
 import signal
-import struct
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from engines.isolation import frames
+from engines.childproc import frames
+from engines.childproc.host import ChildExited, ChildProcess, Launch
+from engines.isolation.helper import PROBE_ANSWERS
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
 
 logger = logging.getLogger(__name__)
@@ -34,8 +32,6 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 30.0
 #: seconds an idle helper gets to exit on its own when it is closed.
 CLOSE_GRACE_S = 1.0
-#: bytes read from a helper's pipe at once, at least.
-READ_CHUNK_BYTES = 65536
 
 #: ``(code, message) -> exception``: a failure the helper reported with an integer code.
 CodedFailure = Callable[[int, str], Exception]
@@ -51,6 +47,24 @@ class Callbacks(Protocol):
     def log(self, level: int, message: str) -> None: ...
 
     def gateway(self, service: str, method: str, request: bytes) -> tuple[int, bytes]: ...
+
+
+class _Relay:
+    """The child's LOG and GATEWAY frames, handed to the engine's callbacks (with the
+    deadline of the exchange in ``deadline.value``)."""
+
+    def __init__(self, callbacks: Callbacks) -> None:
+        self.callbacks = callbacks
+
+    def log(self, level: int, message: str) -> None:
+        self.callbacks.log(level, message)
+
+    def gateway(self, call: dict[str, Any], request: bytes, deadline: float) -> tuple[int, bytes]:
+        service, method = call.get("service"), call.get("method")
+        if not isinstance(service, str) or not isinstance(method, str):
+            raise frames.FrameError(f"a gateway frame without service and method names: {call}")
+        self.callbacks.deadline.value = deadline
+        return self.callbacks.gateway(service, method, request)
 
 
 class HelperProcess:
@@ -80,11 +94,12 @@ class HelperProcess:
         self.module, self.sinks, self.description = module, sinks, description
         self.refusals = dict(refusals or {})
         self.coded_failure, self.loads = coded_failure, loads
-        self._header, self._blob = dict(header), blob
-        self.env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+        self._init = frames.with_header(header, blob)
+        merged = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+        self.launch = Launch((sys.executable, "-m", module), merged)
+        self._relay = _Relay(sinks)
         self._lock = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._buffer = bytearray()
+        self._child: ChildProcess | None = None
         try:
             self._start()
         except WorkerExecutionError as exc:
@@ -94,23 +109,16 @@ class HelperProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        return self._child.pid if self._child is not None else None
 
     def _start(self) -> None:
         """A fresh helper with the code loaded; WorkerExecutionError if it fails, or the
         helper's own refusal."""
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", self.module],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=self.env,
-            start_new_session=True,
-        )
-        self._buffer = bytearray()
+        self._child = ChildProcess(self.launch, self._relay)
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
         try:
-            self._send(frames.INIT, json.dumps(self._header).encode() + b"\n" + self._blob)
-            ready = self._wait(
-                time.monotonic() + LOAD_TIMEOUT_S, frames.READY, "loading its library"
+            ready = self._ask(
+                frames.INIT, self._init, deadline, frames.READY, "loading its library"
             )
         except BaseException:
             self._discard()
@@ -121,7 +129,7 @@ class HelperProcess:
         logger.info("%s helper pid %s loaded %s", self.description, self.pid, self.loads)
 
     def _restart_if_gone(self) -> None:
-        if self._process is not None and self._process.poll() is None:
+        if self._child is not None and not self._child.exited:
             return
         self._discard()
         try:
@@ -150,14 +158,12 @@ class HelperProcess:
 
     def _exchange(self, kind: bytes, payload: bytes, timeout_s: float) -> bytes:
         probing = kind == frames.PROBE
+        doing = "running its probe" if probing else "processing an event"
         with self._lock:
             self._restart_if_gone()
             deadline = time.monotonic() + timeout_s
-            self.sinks.deadline.value = deadline
             try:
-                self._send(kind, payload)
-                doing = "running its probe" if probing else "processing an event"
-                answer = self._wait(deadline, frames.ANSWER, doing)
+                answer = self._ask(kind, payload, deadline, frames.ANSWER, doing)
             except WorkerTimeout:
                 self._discard()
                 raise WorkerTimeout(self._timed_out(probing, timeout_s)) from None
@@ -189,105 +195,47 @@ class HelperProcess:
             self._discard(graceful=True)
 
     def _discard(self, *, graceful: bool = False) -> None:
-        """End the helper: killed at once, or, ``graceful``, told to finish (its stdin
+        """End the helper: killed at once, or, ``graceful``, told to finish (its frame pipe
         closes, so an idle helper unloads its code and exits) and killed only if it has not
         within CLOSE_GRACE_S."""
-        process, self._process = self._process, None
-        if process is None:
-            return
-        for stream in (process.stdin, process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.close(CLOSE_GRACE_S if graceful else 0.0)
+
+    def _ask(
+        self, kind: bytes, payload: bytes, deadline: float, expected: bytes, doing: str
+    ) -> bytes | Exception:
+        """Send a frame and wait for the ``expected`` one (its payload), or a FAILED one (its
+        failure, returned: the helper is still in step with the host)."""
+        assert self._child is not None
         try:
-            process.wait(timeout=CLOSE_GRACE_S if graceful else 0)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            reply, answer = self._child.request(kind, payload, deadline)
+        except ChildExited as exc:
+            raise self._died(exc, doing) from None
+        except WorkerTimeout:
+            raise WorkerTimeout(f"the {self.description} helper timed out {doing}") from None
+        if reply == expected:
+            return answer
+        if reply == frames.FAILED:
+            return self._failure(frames.json_object(answer))
+        raise frames.FrameError(f"unexpected frame {reply!r} from the {self.description} helper")
 
-    # -- frames ------------------------------------------------------------------------------
-
-    def _send(self, kind: bytes, payload: bytes) -> None:
-        assert self._process is not None and self._process.stdin is not None
-        try:
-            frames.write_frame(self._process.stdin, kind, payload)  # type: ignore[arg-type]
-        except (BrokenPipeError, ValueError):
-            raise self._died("receiving a frame") from None
-
-    def _wait(self, deadline: float, expected: bytes, doing: str) -> bytes | Exception:
-        """Serve log and gateway frames until the ``expected`` one arrives (its payload), or
-        a FAILED one (its failure, returned: the helper is still in step with the host)."""
-        while True:
-            kind, payload = self._read_frame(deadline, doing)
-            if kind == expected:
-                return payload
-            try:
-                if kind == frames.FAILED:
-                    return self._failure(json.loads(payload))
-                self._serve(kind, payload)
-            except (ValueError, KeyError, TypeError, struct.error) as exc:
-                raise frames.FrameError(f"a malformed {kind!r} frame: {exc}") from exc
-
-    def _serve(self, kind: bytes, payload: bytes) -> None:
-        """Act on a frame the helper sent in the middle of a call."""
-        if kind == frames.LOG:
-            (level,) = frames.CODE.unpack_from(payload)
-            self.sinks.log(level, payload[frames.CODE.size :].decode("utf-8", "replace"))
-        elif kind == frames.GATEWAY:
-            header, request = payload.split(b"\n", 1)
-            names = json.loads(header)
-            code, answer = self.sinks.gateway(names["service"], names["method"], request)
-            self._send(frames.GATEWAY_REPLY, frames.CODE.pack(code) + answer)
-        else:
-            raise frames.FrameError(f"unexpected frame {kind!r} from the {self.description} helper")
-
-    def _failure(self, body: Any) -> Exception:
-        if not isinstance(body, dict):
-            raise TypeError(f"expected a JSON object, got {type(body).__name__}")
+    def _failure(self, body: dict[str, Any]) -> Exception:
         message = str(body.get("message"))
         code = body.get("code")
         if isinstance(code, int) and self.coded_failure is not None:
             return self.coded_failure(code, message)
         return self.refusals.get(str(body.get("type")), WorkerExecutionError)(message)
 
-    def _read_frame(self, deadline: float, doing: str) -> tuple[bytes, bytes]:
-        kind, length = frames.parse_header(self._read(frames.HEADER.size, deadline, doing))
-        return kind, self._read(length, deadline, doing)
-
-    def _read(self, count: int, deadline: float, doing: str) -> bytes:
-        assert self._process is not None and self._process.stdout is not None
-        fd = self._process.stdout.fileno()
-        while len(self._buffer) < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerTimeout(f"the {self.description} helper timed out {doing}")
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if not ready:
-                continue
-            chunk = os.read(fd, max(READ_CHUNK_BYTES, count - len(self._buffer)))
-            if not chunk:
-                raise self._died(doing)
-            self._buffer += chunk
-        data = bytes(self._buffer[:count])
-        del self._buffer[:count]
-        return data
-
-    def _died(self, doing: str) -> WorkerExecutionError:
-        assert self._process is not None
-        pid = self._process.pid
-        try:
-            code = self._process.wait(timeout=CLOSE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            code = None
+    def _died(self, exited: ChildExited, doing: str) -> WorkerExecutionError:
         self._discard()
         return WorkerExecutionError(
-            f"the {self.description} worker's helper process (pid {pid}) died while {doing}: "
-            f"{_cause(code)}"
+            f"the {self.description} worker's helper process (pid {exited.pid}) died while "
+            f"{doing}: {_cause(exited.returncode)}"
         )
 
 
-_PROBE_RESULTS = {answer: result for result, answer in frames.PROBE_ANSWERS.items()}
+_PROBE_RESULTS = {answer: result for result, answer in PROBE_ANSWERS.items()}
 
 
 def _cause(code: int | None) -> str:

@@ -2,13 +2,14 @@
 ``manifest.json`` and a shared library per architecture under ``runtimes/<rid>/native/``,
 called through the C ABI of ``native_abi/virtufin_worker_api.h`` (seed 001), over cffi.
 
-Modules: ``package`` (the zip and its manifest), ``codec`` (CloudEvent and WorkerResponse
-FlatBuffers, hand-written for speed; the flatc-generated code in ``native_abi/generated`` is
-the reference it is tested against), ``library`` (one loaded library: Process, FreeResult,
-the optional Probe, the VirtufinHost callbacks), ``engine`` (the :class:`NativeEngine`),
-``isolated`` and ``helper`` (isolation mode's native specifics, host and helper sides of the
-pipe; the process, the framing and the restarts are the engine-independent
-:mod:`engines.isolation`).
+Modules: ``abi`` (the ABI's types, prototypes and constants, read from the header, which
+ships with this package), ``package`` (the zip and its manifest), ``codec`` (CloudEvent and
+WorkerResponse FlatBuffers, hand-written for speed; the flatc-generated code in
+``native_abi/generated`` is the reference it is tested against), ``library`` (one loaded
+library: Process, FreeResult, the optional Probe, the VirtufinHost callbacks), ``engine``
+(the :class:`NativeEngine`), ``isolated`` and ``helper`` (isolation mode's native specifics,
+host and helper sides of the pipe; the restarts are the engine-independent
+:mod:`engines.isolation`, the process and its frames :mod:`engines.childproc`).
 
 Operator notes:
 

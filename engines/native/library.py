@@ -19,45 +19,41 @@ from typing import Any
 
 from cffi import FFI, CDefError
 
+from engines.native.abi import ABI, ABI_VERSION
 from wm.errors import InvalidCode, WorkerExecutionError
 
 logger = logging.getLogger(__name__)
 
 #: Largest answer accepted from Process.
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
+_CODES = ABI.constants
 #: Return codes of Process and Probe, by name (virtufin_worker_api.h).
 RETURN_CODES = {
-    0: "VIRTUFIN_OK",
-    1: "VIRTUFIN_ERR_INVALID_INPUT",
-    2: "VIRTUFIN_ERR_INTERNAL",
-    3: "VIRTUFIN_ERR_OUT_OF_MEMORY",
-    4: "VIRTUFIN_ERR_UNHEALTHY",
+    value: name
+    for name, value in _CODES.items()
+    if name == "VIRTUFIN_OK" or name.startswith("VIRTUFIN_ERR_")
 }
-GATEWAY_OK, GATEWAY_FAILED, GATEWAY_BAD_REQUEST = 0, 1, 2
-#: Python logging levels of the ABI's 0 trace .. 4 error (trace is below DEBUG).
+GATEWAY_OK, GATEWAY_FAILED, GATEWAY_BAD_REQUEST = (
+    _CODES["VIRTUFIN_GATEWAY_" + name] for name in ("OK", "FAILED", "BAD_REQUEST")
+)
+#: Python logging levels of the ABI's levels (trace is below DEBUG).
 TRACE = 5
-LOG_LEVELS = (TRACE, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)
-ABI_VERSION = 1
+LOG_LEVELS = {
+    _CODES["VIRTUFIN_LOG_TRACE"]: TRACE,
+    _CODES["VIRTUFIN_LOG_DEBUG"]: logging.DEBUG,
+    _CODES["VIRTUFIN_LOG_INFO"]: logging.INFO,
+    _CODES["VIRTUFIN_LOG_WARN"]: logging.WARNING,
+    _CODES["VIRTUFIN_LOG_ERROR"]: logging.ERROR,
+}
 
 #: ``log(level, message)`` as Python sees it.
 LogSink = Callable[[int, str], None]
 #: ``gateway(service, method, request) -> (return code, response JSON bytes)``.
 GatewaySink = Callable[[str, str, bytes], tuple[int, bytes]]
 
+#: The ABI's types (the VirtufinHost struct), declared from the header.
 ffi = FFI()
-ffi.cdef(
-    """
-    typedef struct VirtufinHost {
-        void*   engine_ptr;
-        int32_t abi_version;
-        void    (*log)(int32_t level, const char* message);
-        int32_t (*gateway_call)(const char* service, const char* method,
-                                const uint8_t* request, int32_t request_len,
-                                uint8_t** response, int32_t* response_len);
-        void    (*free_response)(uint8_t* response);
-    } VirtufinHost;
-    """
-)
+ffi.cdef(ABI.types)
 #: The C library's allocator: gateway responses are malloc'ed and released by free_response.
 _libc_ffi = FFI()
 _libc_ffi.cdef("void* malloc(size_t size); void free(void* ptr);")
@@ -107,25 +103,15 @@ class NativeLibrary:
         self._log, self._gateway = log, gateway
         self._responses: set[int] = set()
         self._responses_lock = threading.Lock()
-        fd, path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
-        #: Where the library was loaded from (the file is gone: only the mapping is left).
-        self.path = path
         self._ffi = FFI()
         self._ffi.include(ffi)
-        self._lib: Any = None
         self._probe: Any = None
         self._host: Any = None
         self._handle: Any = None
         self._callbacks: tuple[Any, ...] = ()
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(image)
-            os.chmod(path, 0o500)
-            _declare(self._ffi, entry_point, free_result, probe)
-            self._lib = _open(self._ffi, path, file_name)
-        finally:
-            # the mapping outlives the file: nothing is left on disk, even if the process dies
-            os.unlink(path)
+        _declare(self._ffi, entry_point, free_result, probe)
+        #: Where the library was loaded from (the file is gone: only the mapping is left).
+        self.path, self._lib = _open_copy(self._ffi, image, file_name)
         try:
             self._process = self._export(entry_point, "entry_point")
             self._free = self._export(free_result, "free_result")
@@ -213,7 +199,7 @@ class NativeLibrary:
     def _on_log(self, level: int, message: Any) -> None:
         try:
             text = ffi.string(message).decode("utf-8", "replace") if message else ""
-            self._log(LOG_LEVELS[level] if 0 <= level < len(LOG_LEVELS) else logging.ERROR, text)
+            self._log(LOG_LEVELS.get(level, logging.ERROR), text)
         except Exception:
             logger.exception("native worker log callback failed")
 
@@ -276,16 +262,27 @@ def _declare(local: FFI, entry_point: str, free_result: str, probe: str | None) 
         )
     if probe in (entry_point, free_result):
         raise InvalidCode(f"manifest.json names {probe!r} as probe and as another export")
-    declarations = (
-        f"int32_t {entry_point}(const VirtufinHost*, const char*, int32_t, uint8_t**, "
-        f"int32_t*);\nvoid {free_result}(uint8_t*);"
-    )
+    exports = {"Process": entry_point, "FreeResult": free_result}
     if probe is not None:
-        declarations += f"\nint32_t {probe}(const VirtufinHost*);"
+        exports["Probe"] = probe
+    declarations = "\n".join(ABI.prototype(export, name) for export, name in exports.items())
     try:
         local.cdef(declarations)
     except CDefError as exc:
         raise InvalidCode(f"manifest.json export names cannot be declared: {exc}") from exc
+
+
+def _open_copy(local: FFI, image: bytes, file_name: str) -> tuple[str, Any]:
+    """``image`` loaded from a fresh file, which is gone on return: the mapping outlives it,
+    so nothing is left on disk, even if the process dies. The file's path and the library."""
+    fd, path = tempfile.mkstemp(prefix="wm-native-", suffix="-" + file_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(image)
+        os.chmod(path, 0o500)
+        return path, _open(local, path, file_name)
+    finally:
+        os.unlink(path)
 
 
 def _open(local: FFI, path: str, file_name: str) -> Any:

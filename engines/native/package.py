@@ -17,11 +17,12 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+from engines.native.abi import ABI_VERSION
 from wm.errors import InvalidCode
 
 MANIFEST = "manifest.json"
 #: ABI versions this engine loads (the current one and, once there is one, its predecessor).
-SUPPORTED_ABI_VERSIONS = (1,)
+SUPPORTED_ABI_VERSIONS = (ABI_VERSION,)
 #: RIDs this engine is built and tested for.
 SUPPORTED_RIDS = ("linux-x64", "linux-arm64")
 ISOLATION_MODES = ("in-process", "subprocess")

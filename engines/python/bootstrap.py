@@ -1,10 +1,12 @@
 """Entry script of the sandboxed child: ``python -I -S -B bootstrap.py READ_FD WRITE_FD``.
 
 The isolated flags leave nothing but the standard library on ``sys.path``. This script reads
-the ``init`` frame with the standard library only, puts exactly the directories the host
-named on ``sys.path``, and registers the ``engines`` and ``wm`` packages as bare package
-objects: their ``__init__`` modules import the host side and the whole platform (SQLAlchemy,
-Celery, sockets), none of which belongs in the sandbox. Then the runner takes over.
+the INIT frame with the standard library only (before ``engines.childproc.frames`` can be
+imported: its header and kind are restated here, and a test holds them equal), puts exactly
+the directories the host named on ``sys.path``, and registers the ``engines`` and ``wm``
+packages as bare package objects: their ``__init__`` modules import the host side and the
+whole platform (SQLAlchemy, Celery, sockets), none of which belongs in the sandbox. Then the
+runner takes over.
 
 The child never goes through interpreter finalization: CPython drops the audit hooks before
 it frees the last objects (those reachable from ``sys`` and ``builtins``), so a worker
@@ -21,7 +23,9 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
-_HEADER = struct.Struct("!I")
+#: ``engines.childproc.frames.HEADER`` and ``INIT``.
+_HEADER = struct.Struct("<cI")
+_INIT = b"I"
 
 
 def _read_exact(fd: int, size: int) -> bytes:
@@ -37,8 +41,13 @@ def _read_exact(fd: int, size: int) -> bytes:
 
 
 def _read_init(fd: int) -> dict[str, Any]:
-    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
-    config: dict[str, Any] = json.loads(_read_exact(fd, size))
+    """The launch configuration, with the worker's source as ``code``."""
+    kind, size = _HEADER.unpack(_read_exact(fd, _HEADER.size))
+    if kind != _INIT:
+        raise SystemExit(f"expected the init frame, got a {kind!r} frame")
+    header, _, code = _read_exact(fd, size).partition(b"\n")
+    config: dict[str, Any] = json.loads(header)
+    config["code"] = code.decode("utf-8")
     return config
 
 

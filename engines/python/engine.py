@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from engines.childproc import frames
 from engines.python import isolation
 from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
 from engines.python.protocol import event_body
@@ -47,7 +48,6 @@ class PythonWorkerError(WorkerExecutionError):
 
 def _refuse_gateway(request: dict[str, Any], remaining_s: float) -> dict[str, Any]:
     return {
-        "op": "gateway_reply",
         "ok": False,
         "error": "gateway calls are not made while code is being validated",
     }
@@ -195,13 +195,14 @@ class PythonEngine(Engine):
     ) -> SandboxProcess:
         """A child that ran the module body and passed the contract check."""
         config = self._launch_config(source, worker)
+        code = config.pop("code")
         process = self._spawn(worker, gateway or self._gateway_handler(worker), source)
         process.cpu_limit_s = config["limits"]["cpu_s"]
         config["write_root"] = process.directory
         config["filename"] = os.path.join(process.directory, WORKER_FILE)
         load_timeout_s = self.settings.message_handling_timeout_seconds + STARTUP_ALLOWANCE_S
         try:
-            reply = process.request(config, time.monotonic() + load_timeout_s)
+            kind, reply = process.init(config, code, time.monotonic() + load_timeout_s)
         except WorkerTimeout as exc:
             process.kill()
             raise InvalidCode(
@@ -210,7 +211,7 @@ class PythonEngine(Engine):
         except BaseException:
             process.kill()
             raise
-        return self._accept(process, reply)
+        return self._accept(process, kind, reply)
 
     def _spawn(self, worker: WorkerSpec, gateway: GatewayHandler, source: str) -> SandboxProcess:
         """A started child with the worker's code in its directory (before any wrapper binds
@@ -227,16 +228,19 @@ class PythonEngine(Engine):
             argv, worker.worker_id, gateway, wrapper=wrapper, files={WORKER_FILE: source}
         )
 
-    def _accept(self, process: SandboxProcess, reply: dict[str, Any]) -> SandboxProcess:
-        if reply["op"] == "ready":
+    def _accept(
+        self, process: SandboxProcess, kind: bytes, reply: dict[str, Any]
+    ) -> SandboxProcess:
+        if kind == frames.READY:
             process.entry = str(reply.get("entry"))
             process.probe = reply.get("probe") is True
             return process
         process.kill()
-        if reply["op"] == "invalid":
+        if kind == frames.FAILED:
             raise InvalidCode(f"Python worker code refused: {reply.get('message')}")
         raise WorkerExecutionError(
-            f"the Python sandbox failed to start: {reply}{process.output_summary()}"
+            f"the Python sandbox failed to start: a {kind!r} frame {reply}"
+            f"{process.output_summary()}"
         )
 
     def _restart(self, source: str, worker: WorkerSpec) -> SandboxProcess:
@@ -254,7 +258,6 @@ class PythonEngine(Engine):
             worker.settings, self.settings.message_handling_timeout_seconds
         )
         return {
-            "op": "init",
             "worker_id": worker.worker_id,
             "code": source,
             "sys_path": list(paths.sys_path),
@@ -277,14 +280,12 @@ class PythonEngine(Engine):
         self, process: SandboxProcess, event: CloudEvent, timeout_s: float
     ) -> list[CloudEvent]:
         what = f"Python worker {process.worker_id} did not finish event {event.get_id()}"
-        reply = self._request(process, event_body(event), timeout_s, what, "result", "failed")
+        reply = self._request(process, frames.CALL, event_body(event), timeout_s, what, "failed")
         return self._outputs(process, reply)
 
     def _ask_probe(self, process: SandboxProcess, timeout_s: float) -> bool:
         what = f"the probe of Python worker {process.worker_id} did not finish"
-        reply = self._request(
-            process, {"op": "probe"}, timeout_s, what, "probe_result", "probe failed"
-        )
+        reply = self._request(process, frames.PROBE, b"", timeout_s, what, "probe failed")
         self._recycle_if_spent(process, reply)
         if reply.get("ok") is not True:  # raised rather than False: the reason says why
             raise WorkerExecutionError(
@@ -295,27 +296,27 @@ class PythonEngine(Engine):
     def _request(
         self,
         process: SandboxProcess,
-        message: dict[str, Any] | bytes,
+        kind: bytes,
+        payload: bytes,
         timeout_s: float,
         late: str,
-        expected: str,
         failed: str,
     ) -> dict[str, Any]:
-        """The child's ``expected`` reply to ``message``; its ``error`` reply raised as the
-        worker's error (``failed``), a timeout as :class:`WorkerTimeout` (``late`` says what
-        did not finish: the child is killed, a fresh one answers the next call)."""
+        """The child's ANSWER to a frame; its FAILED reply raised as the worker's error
+        (``failed``), a timeout as :class:`WorkerTimeout` (``late`` says what did not
+        finish: the child is killed, a fresh one answers the next call)."""
         try:
-            reply = process.request(message, time.monotonic() + timeout_s)
+            answered, reply = process.request(kind, payload, time.monotonic() + timeout_s)
         except WorkerTimeout as exc:
             raise WorkerTimeout(
                 f"{late} within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and "
                 "a fresh one starts with the next call"
             ) from exc
-        if reply["op"] == "error":
+        if answered == frames.FAILED:
             self._raise_worker_error(process, reply, failed)
-        if reply["op"] != expected:
+        if answered != frames.ANSWER:
             process.broken = True
-            raise WorkerExecutionError(f"protocol violation: unexpected {reply['op']!r} frame")
+            raise WorkerExecutionError(f"protocol violation: unexpected {answered!r} frame")
         return reply
 
     @staticmethod

@@ -1,104 +1,45 @@
 """Host side: one sandboxed child running one version of a worker's code.
 
-The child gets two dedicated pipes for frames, a third pipe for its stdout and stderr (read
-while waiting for a reply, forwarded line by line to the logger with the worker id), a fresh
-temporary directory as cwd (removed afterwards), an empty environment and its own session,
-so ``os.killpg`` reaches everything it runs. Every wait is bounded by a deadline; the child
-is killed with SIGKILL and always reaped, also when its owner forgets to (``weakref``
-finalizer), so no zombie or directory is left behind.
+The child is a :class:`~engines.childproc.host.ChildProcess` started as the sandbox wants it:
+the kernel layers' command (bwrap) before the interpreter, a fresh temporary directory as
+cwd holding the worker's code (removed afterwards), an empty environment, its own session
+(so ``os.killpg`` reaches everything it runs), and its stdout and stderr read through a pipe
+of their own, forwarded line by line to the logger with the worker id. Every wait is bounded
+by a deadline; the child is killed with SIGKILL and always reaped. What is Python here: the
+JSON payloads (:mod:`engines.python.protocol`), the worker's log and gateway calls, and how
+a child's end is told.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
+import json
 import logging
-import os
 import re
-import select
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engines.python.protocol import (
-    READ_CHUNK_BYTES,
-    FrameBuffer,
-    FrameError,
-    pack,
-    pack_body,
-    unpack,
-)
-from wm.errors import WorkerExecutionError, WorkerTimeout
+from engines.childproc import frames
+from engines.childproc.host import ChildExited, ChildProcess, Launch, Wrapper, children
+from engines.python.protocol import GATEWAY_FAILED, GATEWAY_OK
+from wm.errors import WorkerExecutionError
 
 logger = logging.getLogger(__name__)
 
-#: Lines of the child's output kept to explain a crash.
-OUTPUT_TAIL_LINES = 20
-#: bytes of one output line forwarded to the log.
-MAX_LOG_LINE_BYTES = 4096
-#: seconds to wait for a child that closed its pipe to exit before killing it.
-EXIT_WAIT_S = 1.0
 #: bwrap exits with this plus the signal number when the interpreter was killed by a signal.
 BWRAP_SIGNAL_BASE = 128
 #: Processes between the spawned one and the interpreter at most (bwrap, its pid 1).
 WRAPPER_DEPTH = 2
 #: How a child that could not import part of its own code says so on its way out.
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+#: The DevKit's log levels, as the child sends them; another level is logged as INFO.
+LOG_LEVELS = (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)
 
-_LOG_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
-
-#: Handles a ``gateway`` frame: (request, seconds left) -> ``gateway_reply`` frame.
+#: Handles a gateway call: (request with ``host``, ``port``, ``service``, ``method`` and
+#: ``data``, seconds left) -> ``{"ok": True, "data": ...}`` or ``{"ok": False, "error": ...}``.
 GatewayHandler = Callable[[dict[str, Any], float], dict[str, Any]]
-#: The child's directory -> (argv placed before the interpreter, fds to pass then close).
-Wrapper = Callable[[str], tuple[list[str], tuple[int, ...]]]
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as handle:
-            return [int(p) for p in handle.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _terminate(popen: subprocess.Popen[bytes], fds: list[int], directory: str) -> None:
-    """Kill the child's process group, reap the child, close pipes, remove its directory.
-
-    Under bwrap the namespace's pid 1 is killed first: the kernel then kills everything in
-    the PID namespace and bwrap exits once it is gone, so the interpreter is dead when the
-    wait returns (killing bwrap first would leave that to an asynchronous parent-death
-    signal).
-    """
-    inner = _children(popen.pid)
-    for pid in inner if popen.poll() is None else ():
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    if inner:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(EXIT_WAIT_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        popen.kill()
-    popen.wait()
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    if popen.stdout is not None:
-        popen.stdout.close()
-    shutil.rmtree(directory, ignore_errors=True)
-
 
 _SIGNAL_HINTS = {
     signal.SIGXCPU: " (its CPU time limit, worker setting cpu_limit_s)",
@@ -122,8 +63,37 @@ def describe_exit(returncode: int | None) -> str:
     return f"was killed by {number.name}{_SIGNAL_HINTS.get(number, '')}"
 
 
+class WorkerSinks:
+    """The worker's log lines and gateway calls, as the host performs them."""
+
+    def __init__(self, worker_id: str, gateway: GatewayHandler) -> None:
+        self.worker_id, self._gateway = worker_id, gateway
+
+    def log(self, level: int, message: str) -> None:
+        level = level if level in LOG_LEVELS else logging.INFO
+        logger.log(level, "python worker %s: %s", self.worker_id, message)
+
+    def output(self, line: str) -> None:
+        logger.info("python worker %s output: %s", self.worker_id, line)
+
+    def gateway(self, call: dict[str, Any], request: bytes, deadline: float) -> tuple[int, bytes]:
+        try:
+            data = json.loads(request) if request else None
+        except ValueError as exc:
+            return GATEWAY_FAILED, _error(f"gateway request data is not JSON: {exc}")
+        reply = self._gateway({**call, "data": data}, deadline - time.monotonic())
+        if reply.get("ok"):
+            return GATEWAY_OK, json.dumps(reply.get("data")).encode("utf-8")
+        return GATEWAY_FAILED, _error(str(reply.get("error")))
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode("utf-8")
+
+
 class SandboxProcess:
-    """A running child; :meth:`request` sends a frame and waits for the final reply."""
+    """A running child; :meth:`init` loads the code, :meth:`request` sends a frame and waits
+    for the reply."""
 
     def __init__(
         self,
@@ -144,169 +114,77 @@ class SandboxProcess:
         self.probe = False
         #: CPU seconds the child may use in its lifetime (RLIMIT_CPU).
         self.cpu_limit_s = float("inf")
-        self._gateway = gateway
-        self._buffer = FrameBuffer()
-        self._pending: list[bytes] = []
-        self._partial_line = b""
-        #: The sys.path sent with ``init``, kept until the child's first reply (see _raise_died).
+        #: The sys.path sent with INIT, kept until the child's first reply (see _died).
         self._startup_sys_path: list[str] | None = None
-        self.output_tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
-        self.directory = tempfile.mkdtemp(prefix="wm-py-")
-        try:
-            self._write_files(files or {})
-            self._popen, self._to_child, self._from_child = self._spawn(argv, wrapper)
-        except BaseException:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            raise
-        self._output = self._popen.stdout.fileno() if self._popen.stdout else -1
-        self._finalizer = weakref.finalize(
-            self, _terminate, self._popen, [self._to_child, self._from_child], self.directory
+        sinks = WorkerSinks(worker_id, gateway)
+        launch = Launch(
+            tuple(argv), {}, dict(files or {}), "wm-py-", wrapper=wrapper, output=sinks.output
         )
-        self._poll = select.poll()
-        self._poll.register(self._from_child, select.POLLIN)
-        self._poll.register(self._output, select.POLLIN)
-
-    def _write_files(self, files: Mapping[str, str]) -> None:
-        for name, text in files.items():
-            with open(os.path.join(self.directory, name), "w", encoding="utf-8") as handle:
-                handle.write(text)
-
-    def _spawn(
-        self, argv: list[str], wrapper: Wrapper | None
-    ) -> tuple[subprocess.Popen[bytes], int, int]:
-        prefix, extra_fds = wrapper(self.directory) if wrapper is not None else ([], ())
         try:
-            return self._popen_child([*prefix, *argv], extra_fds)
-        finally:
-            for fd in extra_fds:
-                os.close(fd)
-
-    def _popen_child(
-        self, argv: list[str], extra_fds: tuple[int, ...]
-    ) -> tuple[subprocess.Popen[bytes], int, int]:
-        child_reads, host_writes = os.pipe()
-        host_reads, child_writes = os.pipe()
-        try:
-            popen = subprocess.Popen(
-                [*argv, str(child_reads), str(child_writes)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                pass_fds=(child_reads, child_writes, *extra_fds),
-                cwd=self.directory,
-                env={},
-                start_new_session=True,
-                close_fds=True,
-            )
+            self._child = ChildProcess(launch, sinks)
         except OSError as exc:
-            for fd in (child_reads, host_writes, host_reads, child_writes):
-                os.close(fd)
             raise WorkerExecutionError(f"cannot start the Python sandbox: {exc}") from exc
-        os.close(child_reads)
-        os.close(child_writes)
-        os.set_blocking(host_writes, False)
-        return popen, host_writes, host_reads
+
+    @property
+    def directory(self) -> str:
+        """The child's working directory, where its code is (and the only one it may write)."""
+        assert self._child.directory is not None
+        return self._child.directory
 
     @property
     def pid(self) -> int:
         """Host pid of the interpreter: under bwrap, the grandchild of the spawned process
         (bwrap's reaper is pid 1 of the namespace, the interpreter its child)."""
-        pid = self._popen.pid
+        pid = self._child.pid
         for _ in range(WRAPPER_DEPTH):
-            children = _children(pid)
-            if len(children) != 1:
+            found = children(pid)
+            if len(found) != 1:
                 break
-            pid = children[0]
+            pid = found[0]
         return pid
 
     @property
     def exited(self) -> bool:
         """Whether the child ended on its own (e.g. killed by an rlimit while idle)."""
-        return self._popen.poll() is not None
+        return self._child.exited
 
     def kill(self) -> None:
         """Kill and reap the child and remove its directory (idempotent)."""
         self.broken = True
-        self._finalizer()
+        self._child.close()
 
-    def request(self, message: dict[str, Any] | bytes, deadline: float) -> dict[str, Any]:
-        """Send ``message`` (a dict or an encoded body) and return the child's final reply.
+    def init(
+        self, config: dict[str, Any], code: str, deadline: float
+    ) -> tuple[bytes, dict[str, Any]]:
+        """Send INIT (``config`` and the worker's ``code``); the reply, as :meth:`request`."""
+        self._startup_sys_path = list(config.get("sys_path", []))
+        return self.request(frames.INIT, frames.with_header(config, code.encode("utf-8")), deadline)
 
-        ``log`` and ``gateway`` frames are served while waiting. Raises WorkerTimeout when
+    def request(self, kind: bytes, payload: bytes, deadline: float) -> tuple[bytes, dict[str, Any]]:
+        """Send a frame; the kind and JSON object of the child's reply.
+
+        LOG and GATEWAY frames are served while waiting. Raises WorkerTimeout when
         ``deadline`` (a ``time.monotonic`` value) passes, WorkerExecutionError when the child
         dies or breaks the protocol; either way the process is marked broken.
         """
         try:
-            if isinstance(message, dict) and message.get("op") == "init":
-                self._startup_sys_path = list(message.get("sys_path", []))
-            frame = pack(message) if isinstance(message, dict) else pack_body(message)
-            self._send(frame, deadline)
-            reply = self._await_reply(deadline)
-            self._startup_sys_path = None
-            return reply
-        except (WorkerExecutionError, FrameError, OSError) as exc:
+            kind, body = self._child.request(kind, payload, deadline)
+            reply = frames.json_object(body)
+        except ChildExited as exc:
             self.broken = True
-            if isinstance(exc, WorkerExecutionError):
-                raise
+            raise self._died(exc.returncode) from None
+        except WorkerExecutionError:
+            self.broken = True
+            raise
+        except (frames.FrameError, OSError) as exc:
+            self.broken = True
             raise WorkerExecutionError(f"protocol failure with the Python sandbox: {exc}") from exc
+        self._startup_sys_path = None
+        return kind, reply
 
-    def _await_reply(self, deadline: float) -> dict[str, Any]:
-        while True:
-            message = self._next_message(deadline)
-            op = message["op"]
-            if op == "log":
-                self._log(message)
-            elif op == "gateway":
-                reply = self._gateway(message, deadline - time.monotonic())
-                self._send(pack(reply), deadline)
-            else:
-                return message
-
-    def _send(self, frame: bytes, deadline: float) -> None:
-        view = memoryview(frame)
-        while view:
-            try:
-                view = view[os.write(self._to_child, view) :]
-            except BlockingIOError:
-                self._wait_writable(deadline)
-            except BrokenPipeError:
-                self._raise_died()
-
-    def _wait_writable(self, deadline: float) -> None:
-        poll = select.poll()
-        poll.register(self._to_child, select.POLLOUT)
-        while not poll.poll(self._remaining_ms(deadline)):
-            pass
-
-    def _remaining_ms(self, deadline: float) -> int:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            self.broken = True
-            raise WorkerTimeout("time limit exceeded")
-        return max(1, int(remaining * 1000))
-
-    def _next_message(self, deadline: float) -> dict[str, Any]:
-        while not self._pending:
-            for fd, _ in self._poll.poll(self._remaining_ms(deadline)):
-                if fd == self._output:
-                    self._read_output()
-                    continue
-                chunk = os.read(self._from_child, READ_CHUNK_BYTES)
-                if not chunk:
-                    self._raise_died()
-                self._pending.extend(self._buffer.feed(chunk))
-        return unpack(self._pending.pop(0))
-
-    def _raise_died(self) -> None:
-        self.broken = True
-        try:
-            returncode: int | None = self._popen.wait(EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        while self._output >= 0 and select.select([self._output], [], [], 0)[0]:
-            self._read_output()
+    def _died(self, returncode: int | None) -> WorkerExecutionError:
         summary = self.output_summary()
-        raise WorkerExecutionError(
+        return WorkerExecutionError(
             f"the Python sandbox process {describe_exit(returncode)}{self._startup_hint()}{summary}"
         )
 
@@ -315,7 +193,7 @@ class SandboxProcess:
         does not say where the child looked."""
         if self._startup_sys_path is None:
             return ""
-        for line in reversed(self.output_tail):
+        for line in reversed(self._child.output_tail):
             found = _MISSING_MODULE.search(line)
             if found:
                 return (
@@ -326,31 +204,7 @@ class SandboxProcess:
 
     def output_summary(self) -> str:
         """The last lines the child printed, for error messages."""
-        if self._partial_line:
-            self._emit_line(self._partial_line)
-            self._partial_line = b""
-        return "; last output: " + " | ".join(self.output_tail) if self.output_tail else ""
-
-    def _read_output(self) -> None:
-        """Forward what the child printed (its stdout/stderr pipe is readable)."""
-        chunk = os.read(self._output, READ_CHUNK_BYTES)
-        if not chunk:
-            self._poll.unregister(self._output)
-            self._output = -1
-            return
-        lines = (self._partial_line + chunk).split(b"\n")
-        self._partial_line = lines.pop()
-        for line in lines:
-            self._emit_line(line)
-
-    def _emit_line(self, raw: bytes) -> None:
-        line = raw[:MAX_LOG_LINE_BYTES].decode("utf-8", "replace").rstrip()
-        self.output_tail.append(line)
-        logger.info("python worker %s output: %s", self.worker_id, line)
-
-    def _log(self, message: dict[str, Any]) -> None:
-        level = _LOG_LEVELS.get(str(message.get("level")), logging.INFO)
-        logger.log(level, "python worker %s: %s", self.worker_id, message.get("message"))
+        return self._child.output_summary()
 
 
 def interpreter_argv(
@@ -360,7 +214,7 @@ def interpreter_argv(
 
     The host's own interpreter, also inside a virtualenv: ``-I -S`` keep the venv's
     site-packages off the child's path, its standard library comes from the base installation
-    either way, and ``init`` replaces ``sys.path`` before anything else is imported.
+    either way, and INIT replaces ``sys.path`` before anything else is imported.
     ``executable`` overrides it (bwrap execs the real file behind a venv's symlink).
     """
     if not sys.executable:

@@ -1,23 +1,25 @@
-"""Frames between the host and the sandboxed runner.
+"""What the frames between the host and the sandboxed runner hold. The frames themselves are
+:mod:`engines.childproc.frames`; the Python sandbox's payloads are JSON objects:
 
-A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON: an object
-whose ``"op"`` names the frame. Frames travel over two dedicated pipes (host → child and
-child → host), never over the child's stdout/stderr, so ``print`` in worker code cannot
-corrupt the protocol. CloudEvents inside frames are in structured mode, spliced in as the
-bytes the ``cloudevents`` JSON format writes, so an event is serialised once per hop.
-
-Host → child: ``init`` (launch configuration and code), ``event``, ``probe`` (run the
-worker's health probe), ``gateway_reply``.
-Child → host: ``ready`` (says whether the code has a probe), ``invalid``, ``result``,
-``probe_result``, ``error``, ``log``, ``gateway``.
+* INIT: the launch configuration, then the worker's source (UTF-8) as the blob.
+* READY: ``pid``, ``entry`` (``process`` or the WorkerBase subclass) and ``probe`` (whether
+  the code has a health probe). FAILED at INIT: ``message`` says why the code was refused.
+* CALL: the event in structured mode, as the bytes the ``cloudevents`` JSON format writes
+  (so an event is serialised once per hop); its ANSWER: ``cpu_s``, ``events`` (each in
+  structured mode, spliced in as written) and ``done`` when the worker declared it is done.
+* PROBE (empty); its ANSWER: ``ok`` (null when the code has no probe, else whether it
+  passed), ``cpu_s``, and ``message`` for a failed one.
+* FAILED for a call or a probe: ``type``, ``message``, ``traceback``, and ``fatal`` when the
+  child ends after it.
+* LOG: the DevKit's levels as Python logging levels.
+* GATEWAY: ``host``, ``port``, ``service``, ``method``, then the data as JSON; its
+  GATEWAY_REPLY: GATEWAY_OK and the answer's JSON, or GATEWAY_FAILED and ``{"error": ...}``.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import struct
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -25,109 +27,25 @@ from typing import Any
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
-HEADER = struct.Struct("!I")
-#: bytes; a larger frame is a protocol violation (events are limited far below this).
-MAX_FRAME_BYTES = 256 * 1024 * 1024
-#: bytes read per os.read call.
-READ_CHUNK_BYTES = 1024 * 1024
+from engines.childproc.frames import FrameError
+
+#: Codes of a GATEWAY_REPLY (those of the native ABI's gateway_call).
+GATEWAY_OK, GATEWAY_FAILED = 0, 1
 
 _FORMAT = JSONFormat()
 
 
-class FrameError(Exception):
-    """Raised when a frame is truncated, too large or not a JSON object with an ``op``."""
-
-
-def pack(message: dict[str, Any]) -> bytes:
-    """One frame holding ``message`` as compact JSON."""
-    body = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return pack_body(body)
-
-
-def pack_body(body: bytes) -> bytes:
-    """One frame around an already encoded JSON body."""
-    if len(body) > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
-    return HEADER.pack(len(body)) + body
-
-
-def unpack(body: bytes) -> dict[str, Any]:
-    """The JSON object of a frame body; anything else is a :class:`FrameError`."""
-    try:
-        message = json.loads(body)
-    except ValueError as exc:
-        raise FrameError(f"frame is not JSON: {exc}") from exc
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        raise FrameError("frame is not a JSON object with an 'op'")
-    return message
-
-
-class FrameBuffer:
-    """Reassembles frames from arbitrary chunks of a byte stream."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """Add ``chunk``; return the bodies of the frames it completed, in order."""
-        self._buffer += chunk
-        bodies: list[bytes] = []
-        while len(self._buffer) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self._buffer)
-            if size > MAX_FRAME_BYTES:
-                raise FrameError(f"announced frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
-            end = HEADER.size + size
-            if len(self._buffer) < end:
-                break
-            bodies.append(bytes(self._buffer[HEADER.size : end]))
-            del self._buffer[:end]
-        return bodies
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to a blocking ``fd``."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-class BlockingChannel:
-    """The child's end: blocking reads and writes on its two protocol pipes."""
-
-    def __init__(self, read_fd: int, write_fd: int) -> None:
-        self._read_fd = read_fd
-        self._write_fd = write_fd
-        self._buffer = FrameBuffer()
-        self._pending: list[bytes] = []
-
-    def send(self, message: dict[str, Any]) -> None:
-        write_all(self._write_fd, pack(message))
-
-    def send_body(self, body: bytes) -> None:
-        write_all(self._write_fd, pack_body(body))
-
-    def receive(self) -> dict[str, Any] | None:
-        """The next message, or None when the host closed the pipe."""
-        while not self._pending:
-            chunk = os.read(self._read_fd, READ_CHUNK_BYTES)
-            if not chunk:
-                return None
-            self._pending.extend(self._buffer.feed(chunk))
-        return unpack(self._pending.pop(0))
-
-
 def event_body(event: CloudEvent) -> bytes:
-    """Body of an ``event`` frame (host → child)."""
-    return b'{"op":"event","event":' + _FORMAT.write(event) + b"}"
+    """Payload of a CALL (host → child)."""
+    return _FORMAT.write(event)
 
 
 def result_body(events: Iterable[CloudEvent], cpu_s: float, done: str | None = None) -> bytes:
-    """Body of a ``result`` frame (child → host); ``done``: the worker declared it is done
-    (``wm.devkit.done``), for this reason."""
+    """Payload of the ANSWER to a CALL (child → host); ``done``: the worker declared it is
+    done (``wm.devkit.done``), for this reason."""
     encoded = b",".join(_FORMAT.write(event) for event in events)
     tail = b"" if done is None else b',"done":' + json.dumps(done).encode("utf-8")
-    return b'{"op":"result","cpu_s":%.3f,"events":[%s]%s}' % (cpu_s, encoded, tail)
+    return b'{"cpu_s":%.3f,"events":[%s]%s}' % (cpu_s, encoded, tail)
 
 
 def event_from_json(obj: Any) -> CloudEvent:

@@ -3,8 +3,9 @@ probes) until EOF.
 
 Set-up order matters: resource limits, the DevKit runtime and every module the runner needs
 later are in place before the audit hook is installed (the seal); worker code — including its
-module body — runs only after the seal. Frames go over the dedicated protocol pipes; the
-child's stdout/stderr are a separate pipe the host forwards to its logger.
+module body — runs only after the seal. Frames (:mod:`engines.childproc.frames`, payloads as
+:mod:`engines.python.protocol` says) go over the dedicated protocol pipes; the child's
+stdout/stderr are a separate pipe the host forwards to its logger.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import _thread
 import builtins
 import contextlib
 import json
+import logging
 import os
 import resource
 import sys
@@ -23,8 +25,10 @@ from typing import Any, cast
 
 from cloudevents.core.v1.event import CloudEvent
 
+from engines.childproc import frames
+from engines.childproc.frames import Channel
 from engines.python import sandbox
-from engines.python.protocol import BlockingChannel, event_from_json, result_body
+from engines.python.protocol import GATEWAY_OK, event_from_json, result_body
 from wm.devkit import GatewayError, Runtime, WorkerBase, install_runtime
 from wm.devkit.runtime import take_done
 
@@ -36,6 +40,14 @@ WORKER_MODULE = "worker"
 TEST_ONLY_KERNEL_LAYERS_ALONE = "test_only_kernel_layers_alone"
 #: seconds of CPU between the soft limit (SIGXCPU) and the hard limit (SIGKILL).
 CPU_GRACE_S = 2
+
+#: The DevKit's log levels as Python logging levels (what LOG frames carry).
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 _LIMITS = {
     "as_bytes": resource.RLIMIT_AS,
@@ -75,35 +87,26 @@ def apply_limits(limits: dict[str, int]) -> None:
 class FrameTransport:
     """Gateway calls as frames to the host, which performs them (the sandbox has no network)."""
 
-    def __init__(self, channel: BlockingChannel) -> None:
+    def __init__(self, channel: Channel) -> None:
         self._channel = channel
 
     def call(self, host: str, port: int, service: str, method: str, data: Any) -> Any:
-        request = {
-            "op": "gateway",
-            "host": host,
-            "port": port,
-            "service": service,
-            "method": method,
-            "data": data,
-        }
+        header = {"host": host, "port": port, "service": service, "method": method}
         try:
-            self._channel.send(request)
+            request = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+            code, answer = self._channel.call_gateway(header, request)
         except TypeError as exc:
             raise GatewayError(f"gateway request data is not JSON-serialisable: {exc}") from exc
-        reply = self._channel.receive()
-        if reply is None:
-            raise SystemExit("host closed the protocol pipe during a gateway call")
-        if reply.get("op") != "gateway_reply":
-            raise SystemExit(f"protocol violation: expected gateway_reply, got {reply.get('op')}")
-        if not reply.get("ok"):
-            raise GatewayError(str(reply.get("error")))
-        return reply.get("data")
+        except frames.FrameError as exc:
+            raise SystemExit(f"protocol violation during a gateway call: {exc}") from exc
+        if code != GATEWAY_OK:
+            raise GatewayError(str(json.loads(answer).get("error")))
+        return json.loads(answer)
 
 
-def install_frame_runtime(channel: BlockingChannel) -> None:
+def install_frame_runtime(channel: Channel) -> None:
     def log(level: str, message: str) -> None:
-        channel.send({"op": "log", "level": level, "message": message})
+        channel.log(_LOG_LEVELS.get(level, logging.INFO), message)
 
     install_runtime(Runtime(log=log, transport=FrameTransport(channel)))
 
@@ -140,7 +143,7 @@ def _worker_line(exc: BaseException, filename: str) -> str:
     return f" (line {lines[-1]})" if lines else ""
 
 
-def load_worker(config: dict[str, Any], channel: BlockingChannel) -> Entry:
+def load_worker(config: dict[str, Any], channel: Channel) -> Entry:
     """Run the worker module after the seal and find its entry point."""
     apply_limits(config["limits"])
     install_frame_runtime(channel)
@@ -232,7 +235,7 @@ def normalize(result: Any) -> list[CloudEvent]:
 
 
 def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> bytes:
-    """An ``error`` frame body; the traceback starts at the worker's code."""
+    """A FAILED payload for a call or a probe; the traceback starts at the worker's code."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # the runner's own frames
@@ -240,34 +243,32 @@ def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> 
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except Exception:
         text = ""
-    message = {
-        "op": "error",
-        "type": type(exc).__qualname__,
-        "message": describe(exc) + _worker_line(exc, worker_file),
-        "traceback": text,
-        "fatal": fatal,
-    }
-    return json.dumps(message).encode("utf-8")
+    message = describe(exc) + _worker_line(exc, worker_file)
+    return frames.failure(type(exc).__qualname__, message, traceback=text, fatal=fatal)
 
 
-def handle(entry: Entry, raw_event: Any, worker_file: str) -> tuple[bytes, bool]:
-    """Run the worker on one event: (reply body, whether the child must exit)."""
+#: A reply: its kind (ANSWER or FAILED), its payload, whether the child must exit after it.
+Reply = tuple[bytes, bytes, bool]
+
+
+def handle(entry: Entry, event: bytes, worker_file: str) -> Reply:
+    """Run the worker on one event (a CALL's payload)."""
 
     def call() -> bytes:
-        events = normalize(entry.call(event_from_json(raw_event)))
+        events = normalize(entry.call(event_from_json(json.loads(event))))
         times = os.times()
         return result_body(events, times.user + times.system, take_done())
 
     return _guarded(call, worker_file)
 
 
-def handle_probe(entry: Entry, worker_file: str) -> tuple[bytes, bool]:
-    """Run the worker's health probe: (reply body, whether the child must exit). The reply
-    is ``probe_result`` (``ok`` null when the code has no probe, false for a falsy answer)
-    or, when the probe raised, ``error``: a failed probe either way."""
+def handle_probe(entry: Entry, worker_file: str) -> Reply:
+    """Run the worker's health probe. The reply is an ANSWER (``ok`` null when the code has
+    no probe, false for a falsy answer) or, when the probe raised, FAILED: a failed probe
+    either way."""
     probe = entry.probe
     if probe is None:
-        return b'{"op":"probe_result","ok":null}', False
+        return frames.ANSWER, b'{"ok":null}', False
 
     def call() -> bytes:
         answer = probe()
@@ -275,7 +276,6 @@ def handle_probe(entry: Entry, worker_file: str) -> tuple[bytes, bool]:
             answer = _drive(answer)
         times = os.times()
         reply: dict[str, Any] = {
-            "op": "probe_result",
             "ok": bool(answer),
             "cpu_s": times.user + times.system,
         }
@@ -286,16 +286,15 @@ def handle_probe(entry: Entry, worker_file: str) -> tuple[bytes, bool]:
     return _guarded(call, worker_file)
 
 
-def _guarded(call: Callable[[], bytes], worker_file: str) -> tuple[bytes, bool]:
-    """Run worker code through ``call``, which builds the reply body: (body, whether the
-    child must exit). An exception is an ``error`` reply; SystemExit, tampering or threads
-    left running end the child."""
+def _guarded(call: Callable[[], bytes], worker_file: str) -> Reply:
+    """Run worker code through ``call``, which builds the ANSWER's payload. An exception is
+    a FAILED reply; SystemExit, tampering or threads left running end the child."""
     try:
         body = call()
     except Exception as exc:
-        return error_body(exc, worker_file), False
+        return frames.FAILED, error_body(exc, worker_file), False
     except BaseException as exc:  # SystemExit, tampering: the worker ends the child
-        return error_body(exc, worker_file, fatal=True), True
+        return frames.FAILED, error_body(exc, worker_file, fatal=True), True
     finally:
         take_done()  # a call that failed after done() did not finish the worker
         _flush_stdio()
@@ -304,8 +303,8 @@ def _guarded(call: Callable[[], bytes], worker_file: str) -> tuple[bytes, bool]:
         leftover = RuntimeError(
             f"worker code left {threads} thread(s) running; threads are not supported"
         )
-        return error_body(leftover, worker_file, fatal=True), True
-    return body, False
+        return frames.FAILED, error_body(leftover, worker_file, fatal=True), True
+    return frames.ANSWER, body, False
 
 
 def _falsy(answer: Any) -> str:
@@ -321,34 +320,34 @@ def _flush_stdio() -> None:
             stream.flush()
 
 
-def serve(channel: BlockingChannel, entry: Entry, worker_file: str) -> None:
-    """Answer ``event`` and ``probe`` frames until the host closes the pipe (or a fatal
-    error)."""
+def serve(channel: Channel, entry: Entry, worker_file: str) -> None:
+    """Answer CALL and PROBE frames until the host closes the pipe (or a fatal error)."""
     while True:
-        message = channel.receive()
-        if message is None:
+        frame = channel.receive()
+        if frame is None:
             return
-        if message["op"] == "event":
-            body, fatal = handle(entry, message.get("event"), worker_file)
-        elif message["op"] == "probe":
-            body, fatal = handle_probe(entry, worker_file)
+        kind, payload = frame
+        if kind == frames.CALL:
+            reply, body, fatal = handle(entry, payload, worker_file)
+        elif kind == frames.PROBE:
+            reply, body, fatal = handle_probe(entry, worker_file)
         else:
             return
-        channel.send_body(body)
+        channel.send(reply, body)
         if fatal:
             return
 
 
 def run(config: dict[str, Any], read_fd: int, write_fd: int) -> None:
     """The child's main: load, report ready (or why not), serve."""
-    channel = BlockingChannel(read_fd, write_fd)
+    channel = Channel(read_fd, write_fd)
     try:
         entry = load_worker(config, channel)
     except WorkerRefused as exc:
         _flush_stdio()
-        channel.send({"op": "invalid", "message": str(exc)})
+        channel.failed(type(exc).__name__, str(exc))
         return
     _flush_stdio()
-    probe = entry.probe is not None
-    channel.send({"op": "ready", "pid": os.getpid(), "entry": entry.name, "probe": probe})
+    ready = {"pid": os.getpid(), "entry": entry.name, "probe": entry.probe is not None}
+    channel.send(frames.READY, json.dumps(ready).encode("utf-8"))
     serve(channel, entry, config["filename"])

@@ -20,6 +20,7 @@ import cffi
 import flatbuffers
 import pytest
 
+from engines.native.abi import ABI, ABI_VERSION
 from tests.conftest import ROOT
 
 KIT = ROOT / "native_abi"
@@ -33,30 +34,26 @@ ZIPS = {
 }
 RID = {"x86_64": "linux-x64", "aarch64": "linux-arm64"}.get(platform.machine(), "unsupported")
 
-#: virtufin_worker_api.h, as cffi declares it; Probe and the two counters only misbehave
-#: exports.
-CDEF = """
-typedef struct VirtufinHost {
-    void*   engine_ptr;
-    int32_t abi_version;
-    void    (*log)(int32_t level, const char* message);
-    int32_t (*gateway_call)(const char* service, const char* method,
-                            const uint8_t* request, int32_t request_len,
-                            uint8_t** response, int32_t* response_len);
-    void    (*free_response)(uint8_t* response);
-} VirtufinHost;
-int32_t Process(const VirtufinHost* host, const uint8_t* in_buf, int32_t in_len,
-                uint8_t** out_buf, int32_t* out_len);
-void FreeResult(uint8_t* out_buf);
-int32_t Probe(const VirtufinHost* host);
-int32_t OutstandingResults(void);
-int32_t FreedTwice(void);
-void* malloc(size_t size);
-void free(void* block);
-"""
-OK, INVALID_INPUT, INTERNAL = 0, 1, 2
-GATEWAY_OK, GATEWAY_FAILED = 0, 1
-LOG_INFO = 2
+#: virtufin_worker_api.h as cffi declares it (the engine's declarations, read from the header),
+#: with what only misbehave exports (the two counters) and libc's allocator.
+CDEF = "\n".join(
+    [
+        ABI.types,
+        *ABI.prototypes.values(),
+        "int32_t OutstandingResults(void);",
+        "int32_t FreedTwice(void);",
+        "void* malloc(size_t size);",
+        "void free(void* block);",
+    ]
+)
+OK, INVALID_INPUT, INTERNAL = (
+    ABI.constants["VIRTUFIN_" + name] for name in ("OK", "ERR_INVALID_INPUT", "ERR_INTERNAL")
+)
+GATEWAY_OK, GATEWAY_FAILED = (
+    ABI.constants["VIRTUFIN_GATEWAY_OK"],
+    ABI.constants["VIRTUFIN_GATEWAY_FAILED"],
+)
+LOG_INFO = ABI.constants["VIRTUFIN_LOG_INFO"]
 
 ffi = cffi.FFI()
 ffi.cdef(CDEF)
@@ -162,7 +159,7 @@ class Host:
             ),
             "free_response": ffi.callback("void(uint8_t *)", self._free_response),
         }
-        self.struct = ffi.new("VirtufinHost *", {"abi_version": 1, **self._callbacks})
+        self.struct = ffi.new("VirtufinHost *", {"abi_version": ABI_VERSION, **self._callbacks})
 
     def _log(self, level: int, message: Any) -> None:
         self.logs.append((level, ffi.string(message).decode()))

@@ -1,7 +1,7 @@
 """Host side: gateway calls made on behalf of a worker that has no network of its own.
 
 Every engine uses it: a sandboxed Python worker's ``api.gateway.<service>.<method>(data)``
-arrives as a ``gateway`` frame, a native worker calls ``host->gateway_call``. The call is
+arrives as a GATEWAY frame, a native worker calls ``host->gateway_call``. The call is
 performed here, only for hosts listed in WM_GATEWAY_ALLOWED_HOSTS, with the URL convention
 of :mod:`wm.devkit.transport` (``POST http://host:port/service/method``, JSON both ways) and
 a time limit of WM_GATEWAY_TIMEOUT_S (less if the message's own deadline is nearer). The
@@ -30,13 +30,14 @@ class GatewayCaller:
         self._timeout_s = settings.gateway_timeout_s
 
     def reply(self, request: dict[str, Any], remaining_s: float, worker_id: str) -> dict[str, Any]:
-        """The ``gateway_reply`` frame answering ``request``."""
+        """The reply to ``request``: ``{"ok": True, "data": ...}`` or ``{"ok": False,
+        "error": ...}``, the reason (logged)."""
         try:
             data = self.call(request, remaining_s)
         except GatewayError as exc:
             logger.info("worker %s: gateway call refused or failed: %s", worker_id, exc)
-            return {"op": "gateway_reply", "ok": False, "error": str(exc)}
-        return {"op": "gateway_reply", "ok": True, "data": data}
+            return {"ok": False, "error": str(exc)}
+        return {"ok": True, "data": data}
 
     def call(self, request: dict[str, Any], remaining_s: float) -> Any:
         """Perform ``request`` (``host``, ``port``, ``service``, ``method``, ``data``) within

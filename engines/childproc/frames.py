@@ -1,0 +1,178 @@
+"""The frames between a host and its child process, both sides.
+
+A frame is one kind byte, a little-endian uint32 payload length, then the payload. Frames go
+over two pipes of their own (host → child, child → host), whose descriptors the child gets as
+its last two arguments: never over its stdin, stdout or stderr, so what its code prints cannot
+corrupt them.
+
+Host → child: ``INIT`` (a JSON object, ``\\n``, a blob: what to load and the code),
+``CALL`` (a request), ``PROBE`` (run the code's health probe), ``GATEWAY_REPLY`` (an int32
+code, the response). Child → host: ``READY`` (the code loaded), ``ANSWER`` (to a CALL or a
+PROBE), ``FAILED`` (a JSON object with ``type`` and ``message``: the code refused at INIT, or
+a failed call or probe), ``LOG`` (an int32 Python logging level, a UTF-8 message),
+``GATEWAY`` (a JSON object naming ``service`` and ``method``, ``\\n``, the request).
+
+The child answers INIT with READY or FAILED, and each CALL and PROBE with one ANSWER or
+FAILED; any number of LOG and GATEWAY frames may come first, each GATEWAY answered by one
+GATEWAY_REPLY. What a CALL, an ANSWER, a READY or a probe's answer holds is the engine's
+business.
+
+Standard library only: the Python sandbox imports this module before anything else.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import struct
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+HEADER = struct.Struct("<cI")
+CODE = struct.Struct("<i")
+#: Largest frame either side accepts (a worker's code, or an answer plus slack).
+MAX_FRAME_BYTES = 300 * 1024 * 1024
+#: bytes read from a pipe at once.
+READ_CHUNK_BYTES = 1024 * 1024
+
+# host -> child
+INIT = b"I"
+CALL = b"C"
+PROBE = b"P"
+GATEWAY_REPLY = b"g"
+# child -> host
+READY = b"R"
+ANSWER = b"A"
+FAILED = b"F"
+LOG = b"L"
+GATEWAY = b"G"
+
+#: A frame: its kind and its payload.
+Frame = tuple[bytes, bytes]
+
+
+class FrameError(Exception):
+    """Raised when the other side sends something that is not a frame of the protocol (too
+    large, of a kind not expected, a payload that does not decode), or closes the pipe."""
+
+
+def encode(kind: bytes, payload: bytes = b"") -> bytes:
+    """One frame."""
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameError(
+            f"a frame of {len(payload)} bytes is over the {MAX_FRAME_BYTES}-byte limit"
+        )
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def with_header(header: Mapping[str, Any], blob: bytes = b"") -> bytes:
+    """An INIT or GATEWAY payload: ``header`` as a line of JSON, then ``blob``."""
+    return json.dumps(header, separators=(",", ":")).encode("utf-8") + b"\n" + blob
+
+
+def split_header(payload: bytes) -> tuple[dict[str, Any], bytes]:
+    """The header and the blob of an INIT or GATEWAY payload."""
+    line, newline, blob = payload.partition(b"\n")
+    if not newline:
+        raise FrameError("a payload without its header line")
+    return json_object(line), blob
+
+
+def with_code(code: int, body: bytes) -> bytes:
+    """A LOG or GATEWAY_REPLY payload: an int32, then ``body``."""
+    return CODE.pack(code) + body
+
+
+def split_code(payload: bytes) -> tuple[int, bytes]:
+    if len(payload) < CODE.size:
+        raise FrameError(f"a payload of {len(payload)} bytes has no {CODE.size}-byte code")
+    (code,) = CODE.unpack_from(payload)
+    return code, payload[CODE.size :]
+
+
+def json_object(payload: bytes) -> dict[str, Any]:
+    """A payload that is one JSON object (FAILED's, and an INIT or GATEWAY header)."""
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise FrameError(f"a payload is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise FrameError(f"a payload is not a JSON object: {payload[:80]!r}")
+    return value
+
+
+def failure(type_name: str, message: str, **details: Any) -> bytes:
+    """A FAILED payload."""
+    return json.dumps({"type": type_name, "message": message, **details}).encode("utf-8")
+
+
+class FrameBuffer:
+    """Reassembles frames from the chunks a pipe gives."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[Frame]:
+        """Add ``chunk``; the frames it completed, in order."""
+        self._buffer += chunk
+        done: list[Frame] = []
+        while len(self._buffer) >= HEADER.size:
+            kind, length = HEADER.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                raise FrameError(
+                    f"a frame of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit"
+                )
+            end = HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            done.append((kind, bytes(self._buffer[HEADER.size : end])))
+            del self._buffer[:end]
+        return done
+
+
+class Channel:
+    """The child's end of the pipes: blocking reads and writes. The loaded code may log or
+    call the gateway from threads of its own: frames are written whole, and a gateway call
+    holds the pipes until its reply is read."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self._read_fd, self._write_fd = read_fd, write_fd
+        self._buffer = FrameBuffer()
+        self._pending: collections.deque[Frame] = collections.deque()
+        self._sending = threading.Lock()
+        self._calling = threading.Lock()
+
+    def receive(self) -> Frame | None:
+        """The next frame, or None when the host closed the pipe."""
+        while not self._pending:
+            chunk = os.read(self._read_fd, READ_CHUNK_BYTES)
+            if not chunk:
+                return None
+            self._pending.extend(self._buffer.feed(chunk))
+        return self._pending.popleft()
+
+    def send(self, kind: bytes, payload: bytes = b"") -> None:
+        view = memoryview(encode(kind, payload))
+        with self._sending:
+            while view:
+                view = view[os.write(self._write_fd, view) :]
+
+    def log(self, level: int, message: str) -> None:
+        self.send(LOG, with_code(level, message.encode("utf-8", "replace")))
+
+    def call_gateway(self, header: Mapping[str, Any], request: bytes) -> tuple[int, bytes]:
+        """A gateway call through the host: its code and response."""
+        with self._calling:
+            self.send(GATEWAY, with_header(header, request))
+            frame = self.receive()
+        if frame is None:
+            raise FrameError("the host closed the pipe during a gateway call")
+        kind, payload = frame
+        if kind != GATEWAY_REPLY:
+            raise FrameError(f"expected a gateway reply, got a {kind!r} frame")
+        return split_code(payload)
+
+    def failed(self, type_name: str, message: str, **details: Any) -> None:
+        self.send(FAILED, failure(type_name, message, **details))

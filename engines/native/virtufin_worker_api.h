@@ -1,0 +1,1 @@
+../../native_abi/virtufin_worker_api.h

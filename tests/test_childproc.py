@@ -1,0 +1,128 @@
+"""The one child-process host and its frames (engines.childproc), on their own: a small child
+speaking the protocol through the child's end of the pipes. The engines built on them (the
+Python sandbox, native and .NET isolation) are tested in their own files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from engines.childproc import frames
+from engines.childproc.host import ChildExited, ChildProcess, Launch
+from engines.python import bootstrap
+from wm.errors import WorkerTimeout
+
+#: A child answering each CALL: its payload back, or what the payload asks for.
+CHILD = """
+import sys, time
+from engines.childproc import frames
+
+channel = frames.Channel(int(sys.argv[1]), int(sys.argv[2]))
+print("child up", flush=True)
+while (frame := channel.receive()) is not None:
+    kind, payload = frame
+    if payload == b"log and gateway":
+        channel.log(30, "from the child")
+        code, answer = channel.call_gateway({"service": "s", "method": "m"}, b"ask")
+        channel.send(frames.ANSWER, b"%d " % code + answer)
+    elif payload == b"hang":
+        time.sleep(60)
+    elif payload == b"exit":
+        sys.exit(3)
+    else:
+        channel.send(frames.ANSWER, payload)
+"""
+
+
+class Sinks:
+    def __init__(self) -> None:
+        self.logs: list[tuple[int, str]] = []
+        self.calls: list[tuple[dict[str, Any], bytes]] = []
+
+    def log(self, level: int, message: str) -> None:
+        self.logs.append((level, message))
+
+    def gateway(self, call: dict[str, Any], request: bytes, deadline: float) -> tuple[int, bytes]:
+        assert deadline > time.monotonic()
+        self.calls.append((call, request))
+        return 7, b"answer"
+
+
+@pytest.fixture
+def sinks() -> Sinks:
+    return Sinks()
+
+
+@pytest.fixture
+def child(sinks: Sinks) -> Iterator[ChildProcess]:
+    printed: list[str] = []
+    launch = Launch((sys.executable, "-c", CHILD), dict(os.environ), {}, output=printed.append)
+    process = ChildProcess(launch, sinks)
+    yield process
+    process.close()
+
+
+def soon(seconds: float = 10) -> float:
+    return time.monotonic() + seconds
+
+
+def test_a_frame_survives_any_chunking() -> None:
+    stream = frames.encode(frames.CALL, b"x" * 1000) + frames.encode(frames.PROBE)
+    buffer = frames.FrameBuffer()
+    got = [frame for i in range(0, len(stream), 7) for frame in buffer.feed(stream[i : i + 7])]
+    assert got == [(frames.CALL, b"x" * 1000), (frames.PROBE, b"")]
+
+
+def test_malformed_frames_are_frame_errors() -> None:
+    too_large = frames.HEADER.pack(frames.CALL, frames.MAX_FRAME_BYTES + 1)
+    with pytest.raises(frames.FrameError, match="over the"):
+        frames.FrameBuffer().feed(too_large)
+    with pytest.raises(frames.FrameError, match="header line"):
+        frames.split_header(b"{}")
+    with pytest.raises(frames.FrameError, match="not a JSON object"):
+        frames.split_header(b"[1]\nblob")
+    with pytest.raises(frames.FrameError, match="no 4-byte code"):
+        frames.split_code(b"\x01")
+    assert frames.split_header(frames.with_header({"a": 1}, b"x\ny")) == ({"a": 1}, b"x\ny")
+
+
+def test_the_sandbox_bootstrap_reads_the_same_init_frame() -> None:
+    """The bootstrap restates the header (it reads INIT before it can import frames)."""
+    assert (bootstrap._HEADER.format, bootstrap._INIT) == (frames.HEADER.format, frames.INIT)
+
+
+def test_log_and_gateway_frames_are_served_during_a_call(child: ChildProcess, sinks: Sinks) -> None:
+    assert child.request(frames.CALL, b"echo", soon()) == (frames.ANSWER, b"echo")
+    assert child.request(frames.CALL, b"log and gateway", soon()) == (frames.ANSWER, b"7 answer")
+    assert sinks.logs == [(logging.WARNING, "from the child")]
+    assert sinks.calls == [({"service": "s", "method": "m"}, b"ask")]
+    assert child.output_tail[0] == "child up"
+
+
+def test_a_call_past_its_deadline_times_out_and_close_reaps(child: ChildProcess) -> None:
+    directory = child.directory
+    assert directory is not None and os.path.isdir(directory)
+    with pytest.raises(WorkerTimeout):
+        child.request(frames.CALL, b"hang", soon(0.5))
+    child.close()
+    assert child.exited and not os.path.exists(f"/proc/{child.pid}")
+    assert not os.path.exists(directory)
+    child.close()  # idempotent
+
+
+def test_a_child_that_ends_is_reported_with_its_status(child: ChildProcess) -> None:
+    with pytest.raises(ChildExited) as ended:
+        child.request(frames.CALL, b"exit", soon())
+    assert (ended.value.pid, ended.value.returncode) == (child.pid, 3)
+
+
+def test_a_graceful_close_lets_an_idle_child_finish(child: ChildProcess) -> None:
+    child.request(frames.CALL, b"echo", soon())
+    child.close(grace_s=5)
+    assert child.returncode == 0  # it ended on its own, not killed
