@@ -117,21 +117,16 @@ class _CheckedCloudEvent(CloudEvent):
         pass
 
 
-def decode_answer(answer: str) -> Answer:
-    """The output of an ``ok`` or ``none`` answer; :class:`WorkerFailed` for ``error``;
-    EventDecodeError for an output that is no valid CloudEvent."""
-    if answer == "none":
-        return Answer(None)
-    status, _, rest = answer.partition(SEP)
-    if status == "error":
-        error_type, _, message = rest.partition(SEP)
-        raise WorkerFailed(error_type, message)
-    if status != "ok":
-        raise ValueError(f"unexpected answer from the .NET host: {status[:40]!r}")
-    head = rest.split(SEP, _HEAD_FIELDS)
-    event_id, source, event_type, subject, content_type, time, kind, flag, error, count = head[
-        :_HEAD_FIELDS
-    ]
+def _attributes(
+    event_id: str,
+    source: str,
+    event_type: str,
+    subject: str,
+    content_type: str,
+    time: str,
+    kind: str,
+) -> dict[str, Any]:
+    """An output's context attributes; EventDecodeError without an id, source or type."""
     if not (event_id and source and event_type):
         missing = [
             n for n, v in (("Id", event_id), ("Source", source), ("Type", event_type)) if not v
@@ -150,6 +145,25 @@ def decode_answer(answer: str) -> Answer:
         attributes["datacontenttype"] = content_type
     elif kind == "j":
         attributes["datacontenttype"] = "application/json"
+    return attributes
+
+
+def decode_answer(answer: str) -> Answer:
+    """The output of an ``ok`` or ``none`` answer; :class:`WorkerFailed` for ``error``;
+    EventDecodeError for an output that is no valid CloudEvent."""
+    if answer == "none":
+        return Answer(None)
+    status, _, rest = answer.partition(SEP)
+    if status == "error":
+        error_type, _, message = rest.partition(SEP)
+        raise WorkerFailed(error_type, message)
+    if status != "ok":
+        raise ValueError(f"unexpected answer from the .NET host: {status[:40]!r}")
+    head = rest.split(SEP, _HEAD_FIELDS)
+    event_id, source, event_type, subject, content_type, time, kind, flag, error, count = head[
+        :_HEAD_FIELDS
+    ]
+    attributes = _attributes(event_id, source, event_type, subject, content_type, time, kind)
     pairs = int(count)
     tail = head[_HEAD_FIELDS].split(SEP, 2 * pairs)
     extensions = dict(zip(tail[0 : 2 * pairs : 2], tail[1 : 2 * pairs : 2], strict=True))
