@@ -26,7 +26,7 @@ import pytest
 from tests.helpers import Exchange, Loopback, Route, http_server
 from wm.codesource import Connector, FetchedCode, decode_base64, from_content, from_url
 from wm.config import Settings
-from wm.errors import CodeSourceError, IntegrityError, SecurityError
+from wm.errors import CodeSourceError, CodeSourceRefused, PinMismatch
 
 CODE = b"def handle(event):\n    return event\n"
 CODE_SHA = hashlib.sha256(CODE).hexdigest()
@@ -246,7 +246,7 @@ HOSTILE = [
 def test_hostile_url_is_refused_before_connecting(
     settings: Settings, url: str, rule: str, hint: str, changes: dict[str, Any]
 ) -> None:
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(
             url, settings=settings.replace(**changes), resolver=fake_dns, connect=never_connect
         )
@@ -256,7 +256,7 @@ def test_hostile_url_is_refused_before_connecting(
 
 
 def test_localhost_through_the_system_resolver_is_refused(settings: Settings) -> None:
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url("https://localhost/code.py", settings=settings, connect=never_connect)
     assert refused.value.rule == "private-address"
 
@@ -274,7 +274,7 @@ def test_allowing_private_addresses_keeps_the_other_rules(
     loopback_settings: Settings, url: str, rule: str
 ) -> None:
     settings = loopback_settings.replace(code_url_allowed_hosts=("code.example",))
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(url, settings=settings, resolver=no_dns, connect=never_connect)
     assert refused.value.rule == rule
 
@@ -298,7 +298,7 @@ def test_sha256_is_recorded_without_a_pin(server: Loopback, loopback_settings: S
 def test_mismatching_pin_is_refused_naming_both_digests(
     server: Loopback, loopback_settings: Settings
 ) -> None:
-    with pytest.raises(IntegrityError) as refused:
+    with pytest.raises(PinMismatch) as refused:
         from_url(server.url("/code.py"), settings=loopback_settings, sha256="0" * 64)
     assert CODE_SHA in str(refused.value)
     assert "0" * 64 in str(refused.value)
@@ -348,7 +348,7 @@ def test_allowlisted_host_is_admitted(server: Loopback, settings: Settings, entr
 
 
 def test_body_over_the_limit_is_refused(server: Loopback, loopback_settings: Settings) -> None:
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(server.url("/big"), settings=loopback_settings.replace(code_max_bytes=1000))
     assert refused.value.rule == "size-limit"
     assert "WM_CODE_MAX_BYTES=1000" in str(refused.value)
@@ -357,7 +357,7 @@ def test_body_over_the_limit_is_refused(server: Loopback, loopback_settings: Set
 def test_announced_content_length_over_the_limit_is_refused(
     server: Loopback, loopback_settings: Settings
 ) -> None:
-    with pytest.raises(SecurityError, match="Content-Length 1000000000") as refused:
+    with pytest.raises(CodeSourceRefused, match="Content-Length 1000000000") as refused:
         from_url(server.url("/announced-big"), settings=loopback_settings)
     assert refused.value.rule == "size-limit"
 
@@ -367,7 +367,7 @@ def test_slow_server_hits_the_whole_fetch_deadline(
     server: Loopback, loopback_settings: Settings, path: str
 ) -> None:
     started = time.monotonic()
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(server.url(path), settings=loopback_settings.replace(code_url_timeout_s=1.0))
     assert refused.value.rule == "time-limit"
     assert "WM_CODE_URL_TIMEOUT_S" in str(refused.value)
@@ -377,7 +377,7 @@ def test_slow_server_hits_the_whole_fetch_deadline(
 def test_http_error_status_is_a_clear_error(server: Loopback, loopback_settings: Settings) -> None:
     with pytest.raises(CodeSourceError, match="HTTP 404") as failed:
         from_url(server.url("/missing"), settings=loopback_settings)
-    assert not isinstance(failed.value, SecurityError)
+    assert not isinstance(failed.value, CodeSourceRefused)
 
 
 @pytest.mark.parametrize(("path", "message"), [("/empty", "empty"), ("/truncated", "short")])
@@ -432,7 +432,7 @@ def test_redirects_beyond_the_limit_are_refused(
     server: Loopback, loopback_settings: Settings, hops: int, limit: int
 ) -> None:
     settings = loopback_settings.replace(code_url_max_redirects=limit)
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(server.url(f"/hop/{hops}"), settings=settings)
     assert refused.value.rule == "redirect-limit"
     assert len(seen(server)) == limit + 1
@@ -445,7 +445,7 @@ def test_each_redirect_is_rechecked(
     server: Loopback, loopback_settings: Settings, path: str, rule: str
 ) -> None:
     settings = loopback_settings.replace(code_url_allowed_hosts=("127.0.0.1",))
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(server.url(path), settings=settings, resolver=no_dns)
     assert refused.value.rule == rule
 
@@ -454,7 +454,7 @@ def test_redirect_to_a_private_address_is_refused_before_connecting(
     server: Loopback, settings: Settings
 ) -> None:
     dials: list[tuple[str, int]] = []
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_url(
             server.url("/to-private", host="public.example"),
             settings=settings.replace(code_url_allow_http=True),
@@ -615,14 +615,14 @@ def test_empty_inline_code_is_refused(
 
 
 def test_inline_code_over_the_limit_is_refused(settings: Settings) -> None:
-    with pytest.raises(SecurityError) as refused:
+    with pytest.raises(CodeSourceRefused) as refused:
         from_content(b"x" * 11, settings=settings.replace(code_max_bytes=10))
     assert refused.value.rule == "size-limit"
     assert "WM_CODE_MAX_BYTES=10" in str(refused.value)
 
 
 def test_inline_pin_mismatch_and_malformed_pin(settings: Settings) -> None:
-    with pytest.raises(IntegrityError, match=CODE_SHA):
+    with pytest.raises(PinMismatch, match=CODE_SHA):
         from_content(CODE, settings=settings, sha256="f" * 64)
     with pytest.raises(CodeSourceError, match="64 hexadecimal"):
         from_content(CODE, settings=settings, sha256="sha256:" + CODE_SHA)

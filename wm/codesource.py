@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, cast
 from urllib.parse import urljoin, urlsplit
 
 from wm.config import Settings
-from wm.errors import CodeSourceError, IntegrityError, SecurityError
+from wm.errors import CodeSourceError, CodeSourceRefused, PinMismatch
 from wm.urlguard import Resolver, Target, check_url, system_resolver
 
 if TYPE_CHECKING:
@@ -121,13 +121,13 @@ def _finish(
     if not code:
         raise CodeSourceError(f"{where} is empty; a worker needs code")
     if len(code) > settings.code_max_bytes:
-        raise SecurityError(
+        raise CodeSourceRefused(
             "size-limit",
             f"{where} is {len(code)} bytes, more than WM_CODE_MAX_BYTES={settings.code_max_bytes}",
         )
     digest = hashlib.sha256(code).hexdigest()
     if pin is not None and digest != pin:
-        raise IntegrityError(f"{where} has SHA-256 {digest}, but the pin is {pin}")
+        raise PinMismatch(f"{where} has SHA-256 {digest}, but the pin is {pin}")
     return FetchedCode(code=code, sha256=digest, size=len(code), source_kind=source_kind, url=url)
 
 
@@ -154,7 +154,7 @@ def from_url(
     try:
         code = fetch.run(url)
     except TimeoutError as exc:
-        raise SecurityError(
+        raise CodeSourceRefused(
             "time-limit",
             f"fetching {_shown(url)} took longer than "
             f"WM_CODE_URL_TIMEOUT_S={settings.code_url_timeout_s}",
@@ -206,7 +206,7 @@ class _Fetch:
                 return result
             _log.debug("code URL %s redirects to %s", _shown(current), _shown(result.location))
             current = urljoin(current, result.location)
-        raise SecurityError(
+        raise CodeSourceRefused(
             "redirect-limit",
             f"{_shown(url)} redirected more than "
             f"WM_CODE_URL_MAX_REDIRECTS={self._settings.code_url_max_redirects} times",
@@ -269,8 +269,8 @@ def _read_body(response: http.client.HTTPResponse, target: Target, limit: int) -
     return b"".join(chunks)
 
 
-def _too_large(target: Target, what: str, limit: int) -> SecurityError:
-    return SecurityError(
+def _too_large(target: Target, what: str, limit: int) -> CodeSourceRefused:
+    return CodeSourceRefused(
         "size-limit", f"{_shown(target.url)} {what}; WM_CODE_MAX_BYTES={limit} bounds code"
     )
 

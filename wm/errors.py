@@ -1,8 +1,21 @@
 """The one exception tree of WorkManager.
 
-Every error a user of the API or the CLI can see derives from :class:`WorkManagerError`.
-Foreign errors (SQLAlchemy, redis, kombu, subprocess, engines) are translated at the
-boundary with ``raise ... from exc`` so the message tells the operator what to do.
+Every error a user of the API or the CLI can see derives from :class:`WorkManagerError`, and
+each concrete error sits under exactly one group that says what the caller can do about it:
+
+- :class:`NotFound` -- nothing has that id or name;
+- :class:`Conflict` -- the thing is not in a state that allows the change, or changed under it;
+- :class:`Refused` -- what the call was given (an argument, code, a code source, an event) is
+  refused as it is;
+- :class:`Unavailable` -- the database, the broker, Redis or a node cannot be reached;
+- :class:`Misconfigured` -- this machine's setup (a setting, an install, a port) is wrong;
+- :class:`DeliveryFailed` -- one delivery of an event ended in the data plane.
+
+A boundary maps a whole group in one line: the admin API to an HTTP status
+(``wm.ops.api.ERROR_STATUS``), the CLI to an exit code (``wm.cli.EXIT_CODES``). Foreign
+errors (SQLAlchemy, redis, kombu, subprocess, engines) are translated at the boundary with
+``raise ... from exc`` so the message tells the operator what to do, and no class here takes
+the name of one of those libraries' exceptions.
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ from typing import ClassVar
 
 
 class WorkManagerError(Exception):
-    """Base class of every error WorkManager raises on purpose.
+    """Raised, as one of its subclasses, for every error WorkManager raises on purpose.
 
     ``retryable`` is what the delivery policy reads when the error ends an attempt: false
     means no later attempt of the same delivery can succeed, so it is dead-lettered at once.
@@ -20,11 +33,98 @@ class WorkManagerError(Exception):
     retryable: ClassVar[bool] = True
 
 
-class ConfigurationError(WorkManagerError):
-    """Raised when an environment variable is unknown or its value is malformed."""
+# -- the groups ----------------------------------------------------------------------------
 
 
-class InvalidArgument(WorkManagerError):
+class NotFound(WorkManagerError):
+    """Raised when nothing has the id or name a call gives."""
+
+
+class Conflict(WorkManagerError):
+    """Raised when a change is not allowed in the current state, or the state changed under
+    it: read again, then decide."""
+
+
+class Refused(WorkManagerError):
+    """Raised when what a call was given -- an argument, worker code, a code source, an
+    event -- is refused as it is: the same call fails again until the input, or this node's
+    engines, change."""
+
+
+class Unavailable(WorkManagerError):
+    """Raised when a service WorkManager needs -- the database, the broker, Redis, a node --
+    cannot be reached or refused the operation; the message names the setting to check. The
+    data plane requeues a delivery that meets it: no failure of the worker's."""
+
+
+class Misconfigured(WorkManagerError):
+    """Raised when this machine's setup is wrong -- a setting, a missing program, a port or a
+    directory taken -- so nothing works until the operator fixes it."""
+
+
+class DeliveryFailed(WorkManagerError):
+    """Raised in the data plane when one delivery of an event ends without success: the
+    worker's code failed, the message is no delivery, or another delivery holds what it
+    needs. ``retryable`` tells the delivery policy whether a later attempt can succeed."""
+
+
+#: Every group, in the order a boundary tries them; each concrete error is under exactly one.
+GROUPS: tuple[type[WorkManagerError], ...] = (
+    NotFound,
+    Conflict,
+    Refused,
+    Unavailable,
+    Misconfigured,
+    DeliveryFailed,
+)
+
+
+# -- not found -----------------------------------------------------------------------------
+
+
+class WorkerNotFound(NotFound):
+    """Raised when no worker has the given id or name (or a delivery's worker was deleted)."""
+
+    retryable = False
+
+
+class VersionNotFound(NotFound):
+    """Raised when a rollback or a replay names a code version the worker does not have."""
+
+    retryable = False
+
+
+class SubscriptionNotFound(NotFound):
+    """Raised when a plain subscription named for removal does not exist."""
+
+
+class DeadLetterNotFound(NotFound):
+    """Raised when no dead letter has the given id."""
+
+
+class TokenNotFound(NotFound):
+    """Raised when no admin API token in force has the given id or name."""
+
+
+class ScheduleNotFound(NotFound):
+    """Raised when no schedule has the given id."""
+
+
+# -- conflict ------------------------------------------------------------------------------
+
+
+class IllegalTransition(Conflict):
+    """Raised when a lifecycle operation is not allowed from the worker's current state."""
+
+
+class ConcurrencyConflict(Conflict):
+    """Raised when a worker changed under a concurrent update and the change was not applied."""
+
+
+# -- refused -------------------------------------------------------------------------------
+
+
+class InvalidArgument(Refused):
     """Raised when an argument of an API call or CLI command is missing or malformed."""
 
 
@@ -33,31 +133,37 @@ class AmbiguousReference(InvalidArgument):
     token; the message lists the candidates."""
 
 
-class WorkerNotFound(WorkManagerError):
-    """Raised when no worker has the given id or name (or a delivery's worker was deleted)."""
+class EventDecodeError(Refused):
+    """Raised when bytes or a dict are not a valid CloudEvent."""
 
     retryable = False
 
 
-class IllegalTransition(WorkManagerError):
-    """Raised when a lifecycle operation is not allowed from the worker's current state."""
+class CodeSourceError(Refused):
+    """Raised when worker code cannot be obtained (bad base64, fetch failure, size)."""
 
 
-class ConcurrencyConflict(WorkManagerError):
-    """Raised when a worker changed under a concurrent update and the change was not applied."""
+class CodeSourceRefused(CodeSourceError):
+    """Raised when a code source is refused by a security rule; ``rule`` names the rule."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"refused by rule {rule!r}: {message}")
+        self.rule = rule
 
 
-class VersionNotFound(WorkManagerError):
-    """Raised when a rollback or a replay names a code version the worker does not have."""
-
-    retryable = False
+class PinMismatch(CodeSourceError):
+    """Raised when fetched code does not match its SHA-256 pin; the message names both
+    digests."""
 
 
 class EngineError(WorkManagerError):
-    """Raised when an engine cannot run a worker's code; the subclass says who is at fault."""
+    """Raised when an engine cannot run a worker's code; the subclass says who is at fault.
+
+    Not a group: what the caller can do differs, so :class:`EngineLoadError` is also
+    :class:`Refused` and :class:`WorkerExecutionError` is also :class:`DeliveryFailed`."""
 
 
-class EngineLoadError(EngineError):
+class EngineLoadError(EngineError, Refused):
     """Raised when a worker's code cannot be loaded on this node. A delivery that meets it
     moves the worker to ``failed`` and keeps the message for when the worker is repaired."""
 
@@ -74,7 +180,51 @@ class InvalidCode(EngineLoadError):
     """Raised when an engine refuses worker code at create, update or load time."""
 
 
-class WorkerExecutionError(EngineError):
+# -- unavailable ---------------------------------------------------------------------------
+
+
+class StoreUnavailable(Unavailable):
+    """Raised when the worker store (the database) cannot be reached, is not migrated, or
+    refuses a query.
+
+    ``transient`` is true for lock timeouts and serialization failures, which a retry fixes.
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+class BrokerUnavailable(Unavailable):
+    """Raised when the message broker or Redis cannot be reached."""
+
+
+class NodeUnavailable(Unavailable):
+    """Raised when a node does not answer: its health endpoint (``wm health``), or the node
+    ``wm up`` started, which exited or stayed silent."""
+
+
+# -- misconfigured -------------------------------------------------------------------------
+
+
+class ConfigurationError(Misconfigured):
+    """Raised when an environment variable is unknown, or its value is malformed or cannot
+    work here (a port taken, a database number a Redis Cluster does not have)."""
+
+
+class MissingDependency(Misconfigured):
+    """Raised when a feature needs a module this installation lacks; the message names the
+    extra to install (an engine's own dependency raises :class:`EngineUnavailable`)."""
+
+
+class EmbeddedRedisError(Misconfigured):
+    """Raised when the embedded Redis of ``wm up`` cannot be found, started or stopped."""
+
+
+# -- delivery failed -----------------------------------------------------------------------
+
+
+class WorkerExecutionError(EngineError, DeliveryFailed):
     """Raised when worker code fails while processing an event (retried, then parked).
 
     ``error_type`` is what the ``worker.error`` lifecycle event reports: this class's name,
@@ -107,66 +257,27 @@ class OutputRefused(WorkerExecutionError):
     retryable = False
 
 
-class HopLimitExceeded(WorkManagerError):
+class GatewayError(DeliveryFailed):
+    """Raised in worker code when a gateway call fails, times out or is refused; uncaught, it
+    fails the delivery like any error of the worker's code (an outage of the platform is
+    :class:`Unavailable` instead, and requeues the delivery)."""
+
+
+class HopLimitExceeded(DeliveryFailed):
     """Raised when an event has already passed through WM_MAX_HOPS workers: a chain that
     loops (a worker whose output feeds itself) is parked instead of running for ever."""
 
     retryable = False
 
 
-class CodeSourceError(WorkManagerError):
-    """Raised when worker code cannot be obtained (bad base64, fetch failure, size)."""
-
-
-class SecurityError(CodeSourceError):
-    """Raised when a code source is refused by a security rule; ``rule`` names the rule."""
-
-    def __init__(self, rule: str, message: str) -> None:
-        super().__init__(f"refused by rule {rule!r}: {message}")
-        self.rule = rule
-
-
-class IntegrityError(CodeSourceError):
-    """Raised when fetched code does not match its SHA-256 pin."""
-
-
-class MalformedMessage(WorkManagerError):
+class MalformedMessage(DeliveryFailed):
     """Raised for a message on a WorkManager queue that is no delivery at all (raw bytes, a
     content type the nodes refuse, an unknown task): it is parked with its bytes."""
 
     retryable = False
 
 
-class EventDecodeError(WorkManagerError):
-    """Raised when bytes or a dict are not a valid CloudEvent."""
-
-    retryable = False
-
-
-class DatabaseError(WorkManagerError):
-    """Raised when the worker store cannot be reached, is not migrated, or refuses a query.
-
-    ``transient`` is true for lock timeouts and serialization failures, which a retry fixes.
-    """
-
-    def __init__(self, message: str, *, transient: bool = False) -> None:
-        super().__init__(message)
-        self.transient = transient
-
-
-class SubscriptionNotFound(WorkManagerError):
-    """Raised when a plain subscription named for removal does not exist."""
-
-
-class BrokerUnavailable(WorkManagerError):
-    """Raised when the message broker or Redis cannot be reached."""
-
-
-class EmbeddedRedisError(WorkManagerError):
-    """Raised when the embedded Redis of ``wm up`` cannot be found, started or stopped."""
-
-
-class DeadLettered(WorkManagerError):
+class DeadLettered(DeliveryFailed):
     """Raised by the consumer task once it parked its message as a dead letter, so Celery
     and Flower see the delivery fail (the message is acknowledged: the dead letter holds it).
     """
@@ -174,21 +285,9 @@ class DeadLettered(WorkManagerError):
     retryable = False
 
 
-class LockContention(WorkManagerError):
+class LockContention(DeliveryFailed):
     """Raised when a group lock could not be acquired within the configured retries."""
 
 
-class FenceRejected(WorkManagerError):
+class FenceRejected(DeliveryFailed):
     """Raised when a holder's lock was stolen and its write is refused by the fence check."""
-
-
-class DeadLetterNotFound(WorkManagerError):
-    """Raised when no dead letter has the given id."""
-
-
-class TokenNotFound(WorkManagerError):
-    """Raised when no admin API token in force has the given id or name."""
-
-
-class ScheduleNotFound(WorkManagerError):
-    """Raised when no schedule has the given id."""

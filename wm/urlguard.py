@@ -3,7 +3,7 @@
 A code URL is attacker-controlled input, so every URL -- and every redirect -- passes these
 rules before any socket is opened: scheme, syntax, host allowlist and the addresses the host
 resolves to. Keeping them in one module, apart from the HTTP client, keeps the whole SSRF
-boundary readable in one place. A refusal raises :class:`~wm.errors.SecurityError` whose
+boundary readable in one place. A refusal raises :class:`~wm.errors.CodeSourceRefused` whose
 ``rule`` names the rule; its message names the setting that would admit the URL.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from urllib.parse import SplitResult, urlsplit
 
 from wm.config import Settings
-from wm.errors import CodeSourceError, SecurityError
+from wm.errors import CodeSourceError, CodeSourceRefused
 
 __all__ = ["Resolver", "Target", "check_url", "system_resolver"]
 
@@ -71,7 +71,7 @@ def check_url(url: str, settings: Settings, resolver: Resolver) -> Target:
 
 def _split(url: str, settings: Settings) -> SplitResult:
     if not url.isascii() or any(ch <= " " or ch == "\x7f" for ch in url):
-        raise SecurityError(
+        raise CodeSourceRefused(
             "url-syntax",
             "the URL contains whitespace, control or non-ASCII characters; percent-encode "
             "the path and write international host names in their xn-- form",
@@ -79,10 +79,10 @@ def _split(url: str, settings: Settings) -> SplitResult:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise SecurityError("url-syntax", f"the URL is malformed: {exc}") from exc
+        raise CodeSourceRefused("url-syntax", f"the URL is malformed: {exc}") from exc
     _check_scheme(parts.scheme, settings)
     if "@" in parts.netloc:
-        raise SecurityError(
+        raise CodeSourceRefused(
             "userinfo",
             "the URL carries user information before '@' (user@host); no setting admits it",
         )
@@ -97,22 +97,22 @@ def _check_scheme(scheme: str, settings: Settings) -> None:
         if scheme == "http"
         else ("only https:// (and http:// with WM_CODE_URL_ALLOW_HTTP=true) is fetched")
     )
-    raise SecurityError("scheme", f"scheme {scheme or '(none)'!r} is refused; {hint}")
+    raise CodeSourceRefused("scheme", f"scheme {scheme or '(none)'!r} is refused; {hint}")
 
 
 def _checked_host(parts: SplitResult) -> str:
     raw = parts.hostname or ""
     if not raw.rstrip("."):
-        raise SecurityError("empty-host", "the URL names no host")
+        raise CodeSourceRefused("empty-host", "the URL names no host")
     host = _normalise_host(raw)
     if _ip_or_none(host) is None and ("%" in raw or not _HOST_NAME.fullmatch(host)):
-        raise SecurityError(
+        raise CodeSourceRefused(
             "host-syntax",
             f"host {raw!r} is neither a DNS name nor an IP address "
             "(write international names in their xn-- form)",
         )
     if _is_ambiguous_ipv4(host):
-        raise SecurityError(
+        raise CodeSourceRefused(
             "ip-literal-form",
             f"host {raw!r} is a decimal, octal, hex or shortened IPv4 form that parsers "
             "read differently; write the address as four decimal octets",
@@ -145,7 +145,7 @@ def _check_allowlist(host: str, settings: Settings) -> None:
     entries = [_normalise_host(entry) for entry in settings.code_url_allowed_hosts]
     if not entries or any(_host_matches(host, entry) for entry in entries):
         return
-    raise SecurityError(
+    raise CodeSourceRefused(
         "host-allowlist",
         f"host {host!r} is not in WM_CODE_URL_ALLOWED_HOSTS (exact names or *.suffix entries)",
     )
@@ -162,7 +162,7 @@ def _port(parts: SplitResult) -> int:
     try:
         port = parts.port
     except ValueError as exc:
-        raise SecurityError("url-syntax", f"the URL's port is invalid: {exc}") from exc
+        raise CodeSourceRefused("url-syntax", f"the URL's port is invalid: {exc}") from exc
     return _DEFAULT_PORTS[parts.scheme] if port is None else port
 
 
@@ -193,7 +193,7 @@ def _check_addresses(host: str, addresses: list[IPAddress]) -> None:
     for address in addresses:
         reason = _address_refusal(address)
         if reason is not None:
-            raise SecurityError(
+            raise CodeSourceRefused(
                 "private-address",
                 f"host {host!r} resolves to {address}, {reason}; only "
                 "WM_CODE_URL_ALLOW_PRIVATE=true admits it (tests and closed networks only)",

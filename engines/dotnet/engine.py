@@ -32,9 +32,14 @@ from engines.dotnet.wire import (
 from engines.isolation.host import Callbacks, HelperProcess
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
-from wm.devkit.transport import GatewayError
 from wm.engine import Engine, Outputs, WorkerSpec
-from wm.errors import EngineUnavailable, InvalidCode, WorkerExecutionError, WorkerTimeout
+from wm.errors import (
+    EngineUnavailable,
+    GatewayError,
+    InvalidCode,
+    WorkerExecutionError,
+    WorkerTimeout,
+)
 from wm.events import CloudEvent
 from wm.workersettings import SettingRule
 

@@ -27,10 +27,15 @@ from engines.native.library import (
 from engines.native.package import ISOLATION_MODES, Package, library_file, read_package
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
-from wm.devkit.transport import GatewayError
 from wm.devkit.worker import ERROR_TYPE_SUFFIX
 from wm.engine import Engine, Outputs, WorkerSpec
-from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
+from wm.errors import (
+    EventDecodeError,
+    GatewayError,
+    InvalidCode,
+    WorkerExecutionError,
+    WorkerTimeout,
+)
 from wm.events import CloudEvent, make_event
 from wm.workersettings import SettingRule
 

@@ -1,9 +1,10 @@
 """The ``wm`` command line: operate workers, events and dead letters from a shell.
 
 Built on click, with rich for tables and progress. Tables for people by default, ``--json``
-(before or after the command) for scripts. An expected failure -- including a broker, Redis or
-database that cannot be reached -- prints one line ``wm: error: …`` and exits 1, a usage error
-exits 2, and no traceback is shown for either. Each command's module is imported only when
+(before or after the command) for scripts. An expected failure -- an error of ``wm.errors``,
+a broker, Redis or database that cannot be reached included (the layers below translate their
+libraries' errors) -- prints one line ``wm: error: …`` and exits with its group's code, a usage
+error exits 2, and no traceback is shown for either. Each command's module is imported only when
 that command runs (``wm --help`` imports none), and the API behind it on first use. Logging is
 configured here, once; library code adds no handlers.
 """
@@ -17,13 +18,30 @@ from collections.abc import Sequence
 import click
 
 from wm.cli.arguments import CONTEXT_SETTINGS, Group
-from wm.errors import WorkManagerError
+from wm.errors import (
+    Conflict,
+    DeliveryFailed,
+    Misconfigured,
+    NotFound,
+    Refused,
+    Unavailable,
+    WorkManagerError,
+)
 
 __all__ = ["COMMANDS", "cli", "main"]
 
 #: Exit codes: an expected failure, and an interrupted command (128 + SIGINT).
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
+#: Exit code of each group of errors (``wm.errors.GROUPS``); click's usage errors exit 2.
+EXIT_CODES: dict[type[WorkManagerError], int] = {
+    NotFound: EXIT_FAILURE,
+    Conflict: EXIT_FAILURE,
+    Refused: EXIT_FAILURE,
+    Unavailable: EXIT_FAILURE,
+    Misconfigured: EXIT_FAILURE,
+    DeliveryFailed: EXIT_FAILURE,
+}
 
 #: Every top-level command: its module and object, and the one-line help ``wm --help`` shows
 #: without importing the module (the first line of the command's own help: a test checks).
@@ -123,14 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, click.Abort):
         return EXIT_INTERRUPTED
     except WorkManagerError as exc:
-        return _fail(str(exc) or type(exc).__name__)
-    except Exception as exc:
-        from wm.cli.failures import describe
-
-        described = describe(exc, output.__dict__.get("settings"))
-        if described is None:
-            raise
-        return _fail(described)
+        return _fail(exc)
     return code if isinstance(code, int) else 0
 
 
@@ -141,6 +152,13 @@ def _configure_logging() -> None:
     configure(output_of(click.get_current_context()).settings)
 
 
-def _fail(message: str) -> int:
+def _fail(exc: WorkManagerError) -> int:
+    """Print the error, and the notes a command added to it, on one line; its group's exit
+    code."""
+    message = " ".join(
+        [str(exc) or type(exc).__name__, *(f"({n})" for n in getattr(exc, "__notes__", ()))]
+    )
     print(f"wm: error: {' '.join(message.split())}", file=sys.stderr)
-    return EXIT_FAILURE
+    return next(
+        (code for group, code in EXIT_CODES.items() if isinstance(exc, group)), EXIT_FAILURE
+    )

@@ -12,7 +12,7 @@ import click
 from wm.cli.arguments import POSITIVE_INT, Command, Group, pass_output
 from wm.cli.output import Output
 from wm.config import current_values, masked, settings_table
-from wm.errors import WorkManagerError
+from wm.errors import InvalidArgument, MissingDependency
 
 #: Narrowest a DEFAULT, CURRENT or MEANING cell of ``wm config`` gets before the VARIABLE
 #: column folds too, and the space between two columns of a table.
@@ -186,7 +186,7 @@ def health(out: Output, node: str | None) -> int:
 
 def _local_health_url(out: Output) -> str:
     if not out.settings.health_port:
-        raise WorkManagerError(
+        raise InvalidArgument(
             "no node to ask: pass --node URL, or set WM_HEALTH_PORT to a local node's port"
         )
     return f"http://127.0.0.1:{out.settings.health_port}/health"
@@ -283,10 +283,10 @@ def component(name: str, *, extra: str | None = None) -> Any:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name == name:
-            raise WorkManagerError(f"{name} is missing from this installation") from exc
+            raise MissingDependency(f"{name} is missing from this installation") from exc
         if extra is None:
             raise
-        raise WorkManagerError(
+        raise MissingDependency(
             f"{name} needs the [{extra}] extra (module {exc.name!r} is missing): "
             f"pip install 'workmanager[{extra}]'"
         ) from exc

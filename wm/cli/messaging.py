@@ -201,7 +201,8 @@ def _publish_many(out: Output, events: list[tuple[CloudEvent, str]]) -> int:
             try:
                 reached = out.manager.publish(event, topic)
             except WorkManagerError as exc:
-                raise WorkManagerError(f"{exc} ({_sent(tally, events)})") from exc
+                exc.add_note(_sent(tally, events))
+                raise
             except KeyboardInterrupt:
                 out.note(f"interrupted: {_sent(tally, events)}")
                 raise

@@ -14,7 +14,7 @@ from typing import Any
 from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus
-from wm.errors import DatabaseError
+from wm.errors import StoreUnavailable
 from wm.events import make_event
 from wm.names import DEAD_SUFFIX
 from wm.state.ledger import Ledger
@@ -94,7 +94,7 @@ class DeadLetters:
         letter_id, sent = failure.letter_id, failure.envelope
         try:
             failure = self._store(letter_id, failure.storable())
-        except DatabaseError as exc:
+        except StoreUnavailable as exc:
             if exc.transient:
                 raise
             logger.error("dead letter %s refused (%s); storing a bounded copy", letter_id, exc)

@@ -13,7 +13,7 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus
 from wm.dataplane.queues import worker_queue_name
-from wm.errors import BrokerUnavailable, DatabaseError
+from wm.errors import BrokerUnavailable, Unavailable
 from wm.events import decode
 from wm.lifecycle import Status
 from wm.state.directory import Directory
@@ -44,7 +44,7 @@ def flush(settings: Settings, bus: Bus) -> int:
                 bus.publish(decode(row.payload), row.topic)
                 session.delete(row)
                 sent += 1
-    except (BrokerUnavailable, DatabaseError) as exc:
+    except Unavailable as exc:
         logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
     return sent
 

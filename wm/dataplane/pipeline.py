@@ -32,11 +32,11 @@ from typing import ClassVar
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.verdicts import DONE, Park, Verdict
 from wm.engine import Engine
-from wm.errors import BrokerUnavailable, DatabaseError
+from wm.errors import BrokerUnavailable, StoreUnavailable
 from wm.state.connection import StatePipeline
 
 #: Errors of the platform itself: the message goes back to its queue, judged by no feature.
-PLATFORM_ERRORS = (BrokerUnavailable, DatabaseError)
+PLATFORM_ERRORS = (BrokerUnavailable, StoreUnavailable)
 
 
 class Feature:

@@ -29,7 +29,7 @@ from wm.dataplane.bus import Bus
 from wm.dataplane.observe import notify
 from wm.dataplane.queues import DEFAULT_QUEUE
 from wm.dataplane.runtime import Runtime, runtime
-from wm.errors import BrokerUnavailable, DatabaseError
+from wm.errors import Unavailable
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
 from wm.state.health import ProbeFacts, Probes
@@ -90,7 +90,7 @@ def probe(self: Task, worker_id: str) -> None:
     recorded, and the worker is probed again once its claim ends."""
     try:
         run_probe(runtime(self), worker_id)
-    except (BrokerUnavailable, DatabaseError) as exc:
+    except Unavailable as exc:
         logger.warning("could not probe worker %s (%s); it is probed again later", worker_id, exc)
 
 
@@ -104,7 +104,7 @@ def run_probe(rt: Runtime, worker_id: str) -> ProbeFacts | None:
         return None
     try:
         answer = _ask(rt, meta)
-    except (BrokerUnavailable, DatabaseError):
+    except Unavailable:
         raise
     except Exception as exc:  # it raised, outlived its time limit, crashed, or cannot load
         error: str | None = str(exc) or type(exc).__name__

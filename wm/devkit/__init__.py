@@ -38,7 +38,7 @@ are published the worker is ``finished`` (a natural end, not a stop or a failure
 from wm.devkit.api import DEFAULT_API_PORT, ApiClient, Gateway, ServiceClient
 from wm.devkit.commands import ApiCommandWorker, CommandWorker, parse_command_node
 from wm.devkit.runtime import Runtime, current_runtime, done, install_runtime
-from wm.devkit.transport import GatewayError, HttpTransport, Transport
+from wm.devkit.transport import HttpTransport, Transport
 from wm.devkit.worker import (
     CORRELATION_ID,
     ERROR_TYPE_SUFFIX,
@@ -47,6 +47,7 @@ from wm.devkit.worker import (
     WorkerResult,
     with_correlation_id,
 )
+from wm.errors import GatewayError
 from wm.events import CloudEvent, make_event, with_attributes
 
 __all__ = [

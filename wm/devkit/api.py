@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from wm.devkit.runtime import current_runtime
-from wm.devkit.transport import GatewayError, Transport, gateway_path
+from wm.devkit.transport import Transport, gateway_path
+from wm.errors import GatewayError
 
 #: Port of the API gateway when a command names a host but no port.
 DEFAULT_API_PORT = 5002

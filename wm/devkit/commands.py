@@ -18,8 +18,8 @@ from enum import Enum
 from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from wm.devkit.api import DEFAULT_API_PORT, ApiClient
-from wm.devkit.transport import GatewayError
 from wm.devkit.worker import WorkerBase, WorkerResult
+from wm.errors import GatewayError
 from wm.events import CloudEvent
 
 E = TypeVar("E", bound=Enum)

@@ -14,7 +14,8 @@ import logging
 from typing import Any
 
 from wm.config import Settings
-from wm.devkit.transport import GatewayError, HttpTransport, gateway_path
+from wm.devkit.transport import HttpTransport, gateway_path
+from wm.errors import GatewayError
 
 logger = logging.getLogger(__name__)
 

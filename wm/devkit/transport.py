@@ -13,17 +13,13 @@ import json
 import re
 from typing import Any, Protocol
 
-from wm.errors import WorkManagerError
+from wm.errors import GatewayError
 
 #: seconds; time limit of one direct HTTP gateway call (plain use).
 DEFAULT_TIMEOUT_S = 10.0
 #: bytes of an error response quoted in a GatewayError.
 _QUOTED_BODY_BYTES = 200
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
-
-
-class GatewayError(WorkManagerError):
-    """Raised in worker code when a gateway call fails, times out or is refused."""
 
 
 def gateway_path(service: str, method: str) -> str:

@@ -27,7 +27,7 @@ from wm import store
 from wm.config import FILE_SUFFIX, FROM_FILE, Settings, given, masked
 from wm.dataplane.app import broker_errors, make_app
 from wm.dataplane.queues import DEFAULT_QUEUE
-from wm.errors import ConfigurationError, WorkManagerError
+from wm.errors import ConfigurationError, NodeUnavailable
 from wm.events import make_event
 from wm.local.embedded import EmbeddedRedis, start_redis, stop_redis
 from wm.manager import WorkManager
@@ -280,14 +280,14 @@ def _wait_for_node(
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if node.poll() is not None:
-            raise WorkManagerError(
+            raise NodeUnavailable(
                 f"the Celery node exited with {node.returncode} before it answered "
                 f"({_last_line(log_path)}); its log: {log_path}"
             )
         with broker_errors(settings):
             if app.control.ping(timeout=1.0):
                 return
-    raise WorkManagerError(
+    raise NodeUnavailable(
         f"the Celery node did not answer within {NODE_START_TIMEOUT_S}s; its log: {log_path}"
     )
 

@@ -49,20 +49,16 @@ from wm.config import Settings
 from wm.control.overview import Overview
 from wm.engine import engine_class
 from wm.errors import (
-    BrokerUnavailable,
     CodeSourceError,
-    ConcurrencyConflict,
     ConfigurationError,
-    DatabaseError,
-    DeadLetterNotFound,
+    Conflict,
+    DeliveryFailed,
     EngineLoadError,
-    EventDecodeError,
-    IllegalTransition,
     InvalidArgument,
-    ScheduleNotFound,
-    SubscriptionNotFound,
-    TokenNotFound,
-    VersionNotFound,
+    Misconfigured,
+    NotFound,
+    Refused,
+    Unavailable,
     WorkerNotFound,
     WorkManagerError,
 )
@@ -91,25 +87,19 @@ MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: The most dead letters one replay call sends, and the fastest rate it may ask for.
 MAX_REPLAY = 10_000
 MAX_REPLAY_RATE = 1000.0
-#: Status code of each kind of failure; 422 ones are shaped like FastAPI's validation errors.
-ERROR_STATUS: tuple[
-    tuple[type[WorkManagerError] | tuple[type[WorkManagerError], ...], int], ...
-] = (
-    (
-        (
-            WorkerNotFound,
-            VersionNotFound,
-            DeadLetterNotFound,
-            SubscriptionNotFound,
-            TokenNotFound,
-            ScheduleNotFound,
-        ),
-        404,
-    ),
-    ((IllegalTransition, ConcurrencyConflict), 409),
-    ((InvalidArgument, CodeSourceError, EngineLoadError, EventDecodeError), 422),
-    ((DatabaseError, BrokerUnavailable), 503),
-)
+#: Status code of each group of errors (``wm.errors.GROUPS``); 422 ones are shaped like
+#: FastAPI's validation errors. A failed delivery ends an attempt on a node, not a call: 400
+#: is what any error outside these groups gets too.
+ERROR_STATUS: dict[type[WorkManagerError], int] = {
+    NotFound: 404,
+    Conflict: 409,
+    Refused: 422,
+    Unavailable: 503,
+    Misconfigured: 400,
+    DeliveryFailed: 400,
+}
+#: Status code of an error under no group (the root, raised bare).
+OTHER_ERROR_STATUS = 400
 
 
 # -- what goes in and out ------------------------------------------------------------------
@@ -292,7 +282,10 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 def _status_of(exc: WorkManagerError) -> int:
-    return next((code for kinds, code in ERROR_STATUS if isinstance(exc, kinds)), 400)
+    return next(
+        (code for group, code in ERROR_STATUS.items() if isinstance(exc, group)),
+        OTHER_ERROR_STATUS,
+    )
 
 
 # -- who is calling --------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from wm import store
 from wm.config import Settings, masked
 from wm.dataplane.node import STATE
 from wm.engine import engine_facts
-from wm.errors import WorkManagerError
+from wm.errors import ConfigurationError, NodeUnavailable
 from wm.ops import metrics
 from wm.state.connection import pooled_client
 from wm.state.nodehealth import EngineFailures
@@ -187,7 +187,7 @@ class HealthServer(bootsteps.StartStopStep):
         try:
             self.server = make_server(bind, port, app, _Server, _Quiet)
         except OSError as exc:
-            raise WorkManagerError(
+            raise ConfigurationError(
                 f"WM_HEALTH_PORT={port} (WM_HEALTH_BIND={bind}): cannot listen there ({exc}); "
                 "pick a free port, or unset WM_HEALTH_PORT"
             ) from exc
@@ -210,6 +210,6 @@ def fetch(url: str) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read() or b"{}")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise WorkManagerError(
+        raise NodeUnavailable(
             f"no health answer from {url}: {reason}; is the node running with WM_HEALTH_PORT set?"
         ) from exc

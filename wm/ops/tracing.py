@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from wm.errors import WorkManagerError
+from wm.errors import ConfigurationError, MissingDependency
 
 _provider: list[Any] = []
 
@@ -30,7 +30,7 @@ def configure() -> bool:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
-        raise WorkManagerError(
+        raise MissingDependency(
             f"OTEL_TRACES_EXPORTER={name} needs OpenTelemetry's SDK: "
             "pip install 'workmanager[otel]' (or unset OTEL_TRACES_EXPORTER)"
         ) from exc
@@ -42,7 +42,7 @@ def configure() -> bool:
 
         exporter = OTLPSpanExporter()
     else:
-        raise WorkManagerError(
+        raise ConfigurationError(
             f"OTEL_TRACES_EXPORTER={name!r} is not supported here: use otlp, console or none"
         )
     service = os.environ.get("OTEL_SERVICE_NAME") or "workmanager"

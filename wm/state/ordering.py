@@ -28,8 +28,8 @@ GO, WAIT, LATE, SKIP = "go", "wait", "late", "skip"
 
 
 class NotYourTurn(LockContention):
-    """An ordered event's predecessor under its key has not finished: it waits in the broker
-    (at most :data:`WAIT_MAX_S` between looks), without counting a failure."""
+    """Raised when an ordered event's predecessor under its key has not finished: it waits in
+    the broker (at most :data:`WAIT_MAX_S` between looks), without counting a failure."""
 
 
 # KEYS: the key's turn. ARGV: number, now, gap. Returns the verdict and the number due.

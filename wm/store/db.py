@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from wm.config import Settings
-from wm.errors import DatabaseError
+from wm.errors import StoreUnavailable
 
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
@@ -86,7 +86,7 @@ def session_scope(settings: Settings) -> Iterator[Session]:
 
 @contextmanager
 def database_errors(settings: Settings) -> Iterator[None]:
-    """Turn a driver error raised inside the block into :class:`DatabaseError`.
+    """Turn a driver error raised inside the block into :class:`StoreUnavailable`.
 
     A constraint violation passes through: the caller knows which constraint means what.
     """
@@ -98,12 +98,12 @@ def database_errors(settings: Settings) -> Iterator[None]:
         raise translate(settings, exc) from exc
 
 
-def translate(settings: Settings, exc: sa.exc.DBAPIError) -> DatabaseError:
+def translate(settings: Settings, exc: sa.exc.DBAPIError) -> StoreUnavailable:
     """The operator's view of a driver error: what failed and what to check."""
     text = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
     if any(fragment in text for fragment in _TRANSIENT):
-        return DatabaseError(f"database busy: {text}", transient=True)
-    return DatabaseError(
+        return StoreUnavailable(f"database busy: {text}", transient=True)
+    return StoreUnavailable(
         f"database {safe_url(settings)} refused the operation ({text}); check "
         "WM_DATABASE_URL and that `wm db upgrade` ran"
     )

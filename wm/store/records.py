@@ -20,9 +20,9 @@ from wm.config import Settings
 from wm.errors import (
     AmbiguousReference,
     ConcurrencyConflict,
-    DatabaseError,
     IllegalTransition,
     InvalidArgument,
+    StoreUnavailable,
     WorkerNotFound,
 )
 from wm.events import LIFECYCLE_TOPIC, encode, lifecycle_event
@@ -66,7 +66,7 @@ def transaction(
                 return change(session)
         except StaleDataError as exc:
             last = exc
-        except DatabaseError as exc:
+        except StoreUnavailable as exc:
             if not exc.transient:
                 raise
             last = exc
