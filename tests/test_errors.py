@@ -1,6 +1,6 @@
 """One exception tree: every error of WorkManager derives from the root and sits under exactly
-one group, no name is a library's, and the admin API, the CLI and the README map every
-group."""
+one group, no name is a library's, and the admin API, the CLI and the README map every group;
+a database URL that names nothing usable is one line, not a library's traceback."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from pathlib import Path
 import amqp.exceptions
 import celery.exceptions
 import kombu.exceptions
+import pytest
 import redis.exceptions
 import sqlalchemy.exc
 
+from tests.cli_env import one_error_line, wm
 from wm import errors
 from wm.errors import GROUPS, EngineError, WorkManagerError
 
@@ -124,3 +126,31 @@ def test_the_readme_lists_every_group_with_its_errors_and_codes() -> None:
         )
         for group in GROUPS
     }
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("mysql://nobody@127.0.0.1:1/none", "needs the driver module 'MySQLdb'"),
+        ("nosuchdialect://x", "names no database WorkManager can use"),
+        ("sqlite:////proc/none/wm.db", "the SQLite file's directory cannot be made"),
+    ],
+)
+def test_a_database_url_nothing_can_open_is_one_line(
+    unmigrated_env: dict[str, str], url: str, says: str
+) -> None:
+    for command in (["worker", "list"], ["db", "upgrade"]):
+        failed = wm({**unmigrated_env, "WM_DATABASE_URL": url}, *command, expect=1)
+        line = one_error_line(failed)
+        assert line.startswith("wm: error: WM_DATABASE_URL=") and says in line, line
+
+
+def test_a_database_of_a_newer_workmanager_is_one_line(env: dict[str, str]) -> None:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(env["WM_DATABASE_URL"])
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'from-the-future'"))
+    engine.dispose()
+    line = one_error_line(wm(env, "db", "upgrade", expect=1))
+    assert "cannot be migrated to head" in line and "'from-the-future'" in line, line

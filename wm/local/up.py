@@ -316,7 +316,7 @@ def _demo(settings: Settings, events: int) -> None:
     worker = _demo_worker(manager)
     _say(f"demo       worker {worker.id} (text/x-python) on topic {DEMO_TOPIC} → {DEMO_OUTPUT}")
     sent = 0
-    with Connection(settings.broker_url) as conn:
+    with broker_errors(settings), Connection(settings.broker_url) as conn:
         outputs = conn.SimpleQueue(queue)
         try:
             while not events or sent < events:

@@ -14,8 +14,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from wm.config import Settings
-from wm.errors import StoreUnavailable
+from wm.config import Settings, masked
+from wm.errors import ConfigurationError, MissingDependency, StoreUnavailable
 
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
@@ -26,14 +26,39 @@ _TRANSIENT = ("database is locked", "could not serialize", "deadlock detected")
 
 
 def engine_for(settings: Settings) -> Engine:
-    """One pooled engine per database URL and process (recreated after fork by SQLAlchemy)."""
+    """One pooled engine per database URL and process (recreated after fork by SQLAlchemy).
+
+    A URL that names no database this installation can open raises
+    :class:`~wm.errors.ConfigurationError`, or :class:`~wm.errors.MissingDependency` when
+    its driver is not installed."""
     url = settings.database_url
     with _engines_lock:
         engine = _engines.get(url)
         if engine is None:
-            engine = _create_engine(url)
+            with _url_errors(url):
+                engine = _create_engine(url)
             _engines[url] = engine
         return engine
+
+
+@contextmanager
+def _url_errors(url: str) -> Iterator[None]:
+    """Translate what building an engine for ``url`` raises: a malformed URL or an unknown
+    dialect, a driver that is not installed, a SQLite directory that cannot be made."""
+    where = f"WM_DATABASE_URL={masked(url)}"
+    try:
+        yield
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"{where} names no database WorkManager can use ({exc})") from exc
+    except ImportError as exc:
+        raise MissingDependency(
+            f"{where} needs the driver module {exc.name!r}, which is not installed: install it, "
+            "or use postgresql+psycopg:// or sqlite:///"
+        ) from exc
+    except OSError as exc:
+        raise ConfigurationError(
+            f"{where}: the SQLite file's directory cannot be made ({exc}); fix the setting"
+        ) from exc
 
 
 def _create_engine(url: str) -> Engine:

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from wm.config import Settings
-from wm.store.db import database_errors, engine_for
+from wm.errors import StoreUnavailable
+from wm.store.db import database_errors, engine_for, safe_url
 
 _MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -24,9 +25,17 @@ def alembic_config(settings: Settings) -> Any:
 def upgrade(settings: Settings, revision: str = "head") -> None:
     """Apply migrations up to ``revision`` (``wm db upgrade``)."""
     from alembic import command
+    from alembic.util.exc import CommandError
 
+    engine_for(settings)  # a URL no engine can be made for is refused here, before Alembic
     with database_errors(settings):
-        command.upgrade(alembic_config(settings), revision)
+        try:
+            command.upgrade(alembic_config(settings), revision)
+        except CommandError as exc:  # the database is at a revision these migrations lack
+            raise StoreUnavailable(
+                f"database {safe_url(settings)} cannot be migrated to {revision} ({exc}); was "
+                "it migrated by a newer WorkManager?"
+            ) from exc
 
 
 def current_revision(settings: Settings) -> str | None:
