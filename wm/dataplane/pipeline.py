@@ -32,11 +32,8 @@ from typing import ClassVar
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.verdicts import DONE, Park, Verdict
 from wm.engine import Engine
-from wm.errors import BrokerUnavailable, StoreUnavailable
+from wm.errors import Unavailable
 from wm.state.connection import StatePipeline
-
-#: Errors of the platform itself: the message goes back to its queue, judged by no feature.
-PLATFORM_ERRORS = (BrokerUnavailable, StoreUnavailable)
 
 
 class Feature:
@@ -115,7 +112,7 @@ class Pipeline:
                 for feature in self._hooks.admit:
                     stack.enter_context(feature.admit(delivery))
                 self._core(delivery)
-        except PLATFORM_ERRORS:
+        except Unavailable:  # the platform itself: back to the queue, judged by no feature
             raise
         except Verdict as verdict:  # a feature decided (a refusal, a wait)
             return verdict

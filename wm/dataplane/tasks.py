@@ -27,10 +27,9 @@ from wm.dataplane.queues import DELIVER_TASK, delivery_labels
 from wm.dataplane.runtime import Runtime, reset_runtime, runtime
 from wm.dataplane.verdicts import Park, Requeue, Resend, Verdict
 from wm.errors import (
-    BrokerUnavailable,
     DeadLettered,
     EventDecodeError,
-    StoreUnavailable,
+    Unavailable,
     WorkerNotFound,
 )
 from wm.events import CloudEvent, decode, key_of, payload_key
@@ -72,7 +71,7 @@ def deliver(
             # Celery turns a retry it could not publish into a dropping Reject: keep the message.
             time.sleep(REQUEUE_PAUSE_S)
             raise Reject(str(exc.reason), requeue=True) from exc
-        except (BrokerUnavailable, StoreUnavailable) as exc:
+        except Unavailable as exc:
             logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
             time.sleep(REQUEUE_PAUSE_S)
             raise Reject(str(exc), requeue=True) from exc
