@@ -77,8 +77,6 @@ class Delivery:
     began: float = 0.0
     #: The node's name (Celery's hostname), as its health records it.
     node: str = ""
-    #: The failure being judged.
-    error: Exception | None = None
 
     @functools.cached_property
     def key(self) -> str:

@@ -117,7 +117,6 @@ class Pipeline:
         except Verdict as verdict:  # a feature decided (a refusal, a wait)
             return verdict
         except Exception as error:  # every failure is judged by the features
-            delivery.error = error
             return self.judge(delivery, error)
         return DONE
 
