@@ -82,7 +82,7 @@ def test_node_logs_json_lines_with_the_delivery_fields(
     }
     for record in about:
         assert {key: record[key] for key in expected} == expected, record
-    [retrying] = [r for r in about if r["logger"] == "wm.dataplane.tasks"]
+    [retrying] = [r for r in about if r["logger"] == "wm.dataplane.features.retries"]
     assert retrying["level"] == "WARNING" and retrying["attempt"] == 1
     assert retrying["message"].endswith("(attempt 1 of 6): boom")
     assert retrying["task_name"] == "wm.deliver" and retrying["task_id"]
@@ -130,7 +130,7 @@ def test_wm_logs_json_to_stderr(pg_settings: Settings) -> None:
     records = [json.loads(line) for line in result.stderr.splitlines()]
     created = [r for r in records if r["message"].startswith("created worker ")]
     assert len(created) == 1
-    assert created[0]["level"] == "INFO" and created[0]["logger"] == "wm.manager"
+    assert created[0]["level"] == "INFO" and created[0]["logger"] == "wm.control.lifecycle"
     assert created[0]["time"].endswith("+00:00")
 
 
