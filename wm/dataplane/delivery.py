@@ -83,25 +83,25 @@ class Delivery:
         return key_of(self.event)
 
     @property
-    def settings(self) -> WorkerSettings:
+    def worker_settings(self) -> WorkerSettings:
         return self.meta.worker_settings
 
     @property
     def version(self) -> int:
         return self.state.pin_version or self.meta.version
 
-    @property
+    @functools.cached_property
     def outcome_key(self) -> str:
         return self.rt.outcomes.key(self.meta.id, self.key)
 
     @property
     def timeout_s(self) -> float:
         """The per-message time limit of the worker's code."""
-        return self.settings.timeout_s_on(self.rt.settings)
+        return self.worker_settings.timeout_s_on(self.rt.settings)
 
     @property
     def max_retries(self) -> int:
-        return self.settings.max_retries_on(self.rt.settings)
+        return self.worker_settings.max_retries_on(self.rt.settings)
 
     @property
     def holder(self) -> str:
@@ -228,7 +228,7 @@ class Delivery:
             return 0
 
     def check_output_topic(self, topic: str) -> None:
-        allowed = self.settings.output_topics
+        allowed = self.worker_settings.output_topics
         try:
             check_name("output topic", topic)
         except InvalidArgument as exc:

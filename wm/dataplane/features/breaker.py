@@ -62,12 +62,12 @@ class Breaker(Feature):
         if isinstance(error, FenceRejected):
             return None
         meta, settings = delivery.meta, delivery.rt.settings
-        threshold = delivery.settings.failure_threshold
+        threshold = delivery.worker_settings.failure_threshold
         is_open, trips = Counts(settings).failed(meta.id, threshold)
         if trips:
             notify("breaker_opened", meta)
             trip(settings, delivery.rt.bus, meta, trips, f"{reported_type(error)}: {error}")
-        if is_open and delivery.settings.recovery in PAUSING:
+        if is_open and delivery.worker_settings.recovery in PAUSING:
             # kept for after the back-off (or the next start): nothing is retried or parked
             return Requeue(f"worker {meta.id} paused by its circuit breaker")
         return None

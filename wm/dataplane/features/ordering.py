@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def _partition(delivery: Delivery) -> str | None:
     """The key of an ordered delivery (None: unordered, or numbered by no sender)."""
     partition = delivery.event.get_extension(PARTITION_EXTENSION)
-    if delivery.state.seq is None or not delivery.settings.ordered:
+    if delivery.state.seq is None or not delivery.worker_settings.ordered:
         return None
     return partition if isinstance(partition, str) else None
 
@@ -40,7 +40,7 @@ class Ordering(Feature):
         yield
 
     def _take(self, delivery: Delivery, partition: str) -> None:
-        seq, gap_s = delivery.state.seq, delivery.settings.ordering_gap_s
+        seq, gap_s = delivery.state.seq, delivery.worker_settings.ordering_gap_s
         assert seq is not None
         verdict, due = delivery.rt.ordering.turn(delivery.meta.id, partition, seq, gap_s)
         if verdict == ordering.WAIT:

@@ -27,7 +27,7 @@ class Quota(Feature):
 
     @contextmanager
     def admit(self, delivery: Delivery) -> Iterator[None]:
-        limit = delivery.settings.max_events
+        limit = delivery.worker_settings.max_events
         if not limit:
             yield
             return

@@ -39,6 +39,6 @@ class Retries(Feature):
 
 def backoff_s(delivery: Delivery) -> float:
     """Exponential backoff with jitter (between half and all of base * 2^(n-1)), capped."""
-    base_ms = delivery.settings.retry_base_delay_ms_on(delivery.rt.settings)
+    base_ms = delivery.worker_settings.retry_base_delay_ms_on(delivery.rt.settings)
     ceiling_ms = min(delivery.rt.settings.retry_max_delay_ms, base_ms * 2 ** (delivery.attempt - 1))
     return random.uniform(ceiling_ms / 2, ceiling_ms) / 1000

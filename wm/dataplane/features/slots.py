@@ -15,7 +15,7 @@ class ConcurrencySlots(Feature):
     owns = ("max_concurrency",)
 
     def around_call(self, delivery: Delivery, engine: Engine) -> AbstractContextManager[object]:
-        limit = delivery.settings.max_concurrency
+        limit = delivery.worker_settings.max_concurrency
         if not limit or delivery.meta.group:
             return nullcontext()
         slots = delivery.rt.slots
