@@ -178,6 +178,20 @@ class Settings:
         "Python sandbox layers that must be active or the engine refuses to start "
         "(e.g. network namespace,seccomp).",
     )
+    sandbox_memory_mb: int = _setting(
+        "WM_SANDBOX_MEMORY_MB",
+        1024,
+        _parse_int,
+        "Memory (MiB) one Python sandbox or isolation helper and every process it starts may "
+        "use together, enforced by a cgroup of its own where the host has cgroups; 0: no limit.",
+    )
+    sandbox_max_processes: int = _setting(
+        "WM_SANDBOX_MAX_PROCESSES",
+        64,
+        _parse_int,
+        "Processes and threads one Python sandbox or isolation helper may have together "
+        "(cgroup pids limit); 0: no limit.",
+    )
     message_handling_timeout_seconds: float = _setting(
         "MESSAGE_HANDLING_TIMEOUT_SECONDS",
         30.0,

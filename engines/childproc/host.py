@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engines.childproc import frames
+from engines.childproc.limits import Cgroups, Limits, cgroups_for
 from wm.errors import WorkerExecutionError, WorkerTimeout
 
 #: Lines of the child's output kept to explain its end.
@@ -74,6 +75,9 @@ class Launch:
     wrapper: Wrapper | None = None
     #: Gets each line the child prints (stdout and stderr); None: they are the host's own.
     output: Callable[[str], None] | None = None
+    #: What the child and everything it starts may use together, enforced by cgroups of
+    #: its own where the host has them (:mod:`engines.childproc.limits`); None: no cgroups.
+    limits: Limits | None = None
 
     def __post_init__(self) -> None:
         if self.wrapper is not None and self.files is None:
@@ -99,9 +103,14 @@ def children(pid: int) -> list[int]:
 
 
 def _terminate(
-    popen: subprocess.Popen[bytes], fds: list[int], directory: str | None, wrapped: bool
+    popen: subprocess.Popen[bytes],
+    fds: list[int],
+    directory: str | None,
+    wrapped: bool,
+    cgroups: Cgroups | None,
 ) -> None:
-    """Kill the child's process group, reap the child, close pipes, remove its directory.
+    """Kill the child's process group, reap the child, close pipes, remove its directory
+    and its cgroups (killing what is left in them: processes that left its session).
 
     Under a wrapper the spawned process's own children are killed first: for bwrap that is
     the PID namespace's init, whose end makes the kernel kill everything in the namespace,
@@ -120,6 +129,8 @@ def _terminate(
     with contextlib.suppress(ProcessLookupError, PermissionError):
         popen.kill()
     popen.wait()
+    if cgroups is not None:
+        cgroups.remove()
     while fds:
         with contextlib.suppress(OSError):
             os.close(fds.pop())
@@ -140,9 +151,13 @@ class ChildProcess:
         self._buffer = frames.FrameBuffer()
         self._pending: collections.deque[frames.Frame] = collections.deque()
         self.directory = self._make_directory()
+        self._cgroups: Cgroups | None = None
         try:
+            self._cgroups = cgroups_for(launch.limits)
             self._popen, self._to_child, self._from_child = self._spawn()
         except BaseException:
+            if self._cgroups is not None:
+                self._cgroups.remove()
             if self.directory is not None:
                 shutil.rmtree(self.directory, ignore_errors=True)
             raise
@@ -150,7 +165,7 @@ class ChildProcess:
         self._output = self._popen.stdout.fileno() if self._popen.stdout else -1
         wrapped = launch.wrapper is not None
         self._finalizer = weakref.finalize(
-            self, _terminate, self._popen, self._fds, self.directory, wrapped
+            self, _terminate, self._popen, self._fds, self.directory, wrapped, self._cgroups
         )
         self._poll = select.poll()
         self._poll.register(self._from_child, select.POLLIN)
@@ -176,6 +191,8 @@ class ChildProcess:
         if self.launch.wrapper is not None:
             assert self.directory is not None  # Launch refuses a wrapper without files
             prefix, extra_fds = self.launch.wrapper(self.directory)
+        if self._cgroups is not None:
+            prefix = [*self._cgroups.join_argv(), *prefix]
         try:
             return self._popen_child([*prefix, *self.launch.argv], extra_fds)
         finally:

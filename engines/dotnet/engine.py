@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from engines.childproc.limits import Limits
 from engines.dotnet import runtime as dotnet
 from engines.dotnet.package import Package, read_package
 from engines.dotnet.wire import (
@@ -290,6 +291,7 @@ class Isolated:
             description=".NET",
             refusals={"InvalidCode": InvalidCode, "WorkerTimeout": WorkerTimeout},
             loads=f"worker {worker.worker_id}",
+            limits=Limits.from_settings(settings),
         )
 
     def call(self, header: str, data: str, timeout_s: float) -> str:

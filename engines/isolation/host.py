@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from engines.childproc import frames
 from engines.childproc.host import ChildExited, ChildProcess, Launch
+from engines.childproc.limits import Limits
 from engines.isolation.helper import PROBE_ANSWERS
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
 
@@ -75,7 +76,8 @@ class HelperProcess:
     worker did not answer…", "restarting the native helper failed…". A FAILED frame becomes
     ``coded_failure(code, message)`` when it carries an integer code, else the class that
     ``refusals`` maps its type name to (WorkerExecutionError for a name not there). ``loads``
-    says what was loaded, for the log.
+    says what was loaded, for the log. ``limits`` bound the helper and what it starts
+    (:mod:`engines.childproc.limits`).
     """
 
     def __init__(
@@ -90,13 +92,14 @@ class HelperProcess:
         refusals: Mapping[str, type[Exception]] | None = None,
         coded_failure: CodedFailure | None = None,
         loads: str = "",
+        limits: Limits | None = None,
     ) -> None:
         self.module, self.sinks, self.description = module, sinks, description
         self.refusals = dict(refusals or {})
         self.coded_failure, self.loads = coded_failure, loads
         self._init = frames.with_header(header, blob)
         merged = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-        self.launch = Launch((sys.executable, "-m", module), merged)
+        self.launch = Launch((sys.executable, "-m", module), merged, limits=limits)
         self._relay = _Relay(sinks)
         self._lock = threading.Lock()
         self._child: ChildProcess | None = None

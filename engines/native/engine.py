@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
+from engines.childproc.limits import Limits
 from engines.isolation.host import HelperProcess
 from engines.native import codec
 from engines.native.isolated import start_helper
@@ -200,7 +201,8 @@ class NativeEngine(Engine):
         process: the library's initializers never run in the validating process."""
         package = read_package(code)
         _mode(package, worker)
-        helper = start_helper(package, identity(worker), Sinks(self.settings, worker))
+        sinks = Sinks(self.settings, worker)
+        helper = start_helper(package, identity(worker), sinks, Limits.from_settings(self.settings))
         helper.close()
 
     def load(self, code: bytes, worker: WorkerSpec) -> None:
@@ -209,7 +211,9 @@ class NativeEngine(Engine):
         sinks = Sinks(self.settings, worker)
         runner: Runner
         if mode == "subprocess":
-            runner = start_helper(package, identity(worker), sinks)
+            runner = start_helper(
+                package, identity(worker), sinks, Limits.from_settings(self.settings)
+            )
         else:
             self._set_identity(worker)
             runner = InProcess(_open(package, sinks), sinks)

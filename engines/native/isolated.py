@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from engines.childproc.limits import Limits
 from engines.isolation.host import Callbacks, HelperProcess
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import Package, library_file
@@ -27,10 +28,10 @@ REFUSALS: dict[str, type[Exception]] = {
 
 
 def start_helper(
-    package: Package, env: Mapping[str, str | None], sinks: Callbacks
+    package: Package, env: Mapping[str, str | None], sinks: Callbacks, limits: Limits
 ) -> HelperProcess:
-    """A helper that loaded ``package``'s library, with ``env`` set over the host's;
-    InvalidCode if the library does not load there."""
+    """A helper that loaded ``package``'s library, with ``env`` set over the host's, within
+    ``limits``; InvalidCode if the library does not load there."""
     manifest = package.manifest
     spec = {
         "file_name": library_file(manifest.library),
@@ -48,4 +49,5 @@ def start_helper(
         refusals=REFUSALS,
         coded_failure=NativeCallFailed,
         loads=package.entry,
+        limits=limits,
     )

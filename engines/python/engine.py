@@ -17,6 +17,7 @@ import time
 from typing import Any, NoReturn
 
 from engines.childproc import frames
+from engines.childproc.limits import Limits
 from engines.python import isolation
 from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
 from engines.python.protocol import event_body
@@ -92,6 +93,7 @@ class PythonEngine(Engine):
         return {
             "sandbox_layers": list(layers),
             "sandbox_missing": [name for name in isolation.WANTED_LAYERS if name not in layers],
+            "limit_layers": list(isolation.limit_layers()),
         }
 
     def __init__(self, settings: Settings) -> None:
@@ -225,7 +227,12 @@ class PythonEngine(Engine):
             return isolation.child_wrapper(layers, paths, directory)
 
         return SandboxProcess(
-            argv, worker.worker_id, gateway, wrapper=wrapper, files={WORKER_FILE: source}
+            argv,
+            worker.worker_id,
+            gateway,
+            wrapper=wrapper,
+            files={WORKER_FILE: source},
+            limits=Limits.from_settings(self.settings),
         )
 
     def _accept(

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engines.childproc import limits
 from engines.python import bwrap
 from wm.errors import ConfigurationError, InvalidCode, WorkerExecutionError
 
@@ -196,11 +197,33 @@ def interpreter(isolation: Isolation) -> str:
     return bwrap.interpreter() if isolation.bwrap is not None else sys.executable
 
 
+def limit_layers() -> tuple[str, ...]:
+    """What bounds a child's resources: its cgroups (:mod:`engines.childproc.limits`: its
+    memory and process count with everything it starts), then its own rlimits. RLIMIT_NPROC
+    binds no process of host uid 0, also not in a user namespace, so as root it is no layer."""
+    own: tuple[str, ...] = ("rlimit address space", "rlimit cpu time")
+    if os.geteuid() != 0:
+        own += ("rlimit processes",)
+    return (*limits.layers(), *own)
+
+
 def _log_layers(layers: tuple[str, ...]) -> None:
     missing = [wanted for wanted in WANTED_LAYERS if wanted not in layers]
     logger.info("python sandbox isolation layers: %s", ", ".join(layers) or "none")
     if missing:
         logger.warning("python sandbox runs without: %s", ", ".join(missing))
+    bounds = limit_layers()
+    logger.info("python sandbox limit layers: %s", ", ".join(bounds))
+    if not any(name.endswith(("pids", "processes")) for name in bounds):
+        logger.warning(
+            "python sandbox runs without a process limit: no cgroup pids controller here, and "
+            "RLIMIT_NPROC binds nothing as root; only the audit hook refuses process creation"
+        )
+    if not any(name.endswith("memory") for name in bounds):
+        logger.warning(
+            "python sandbox runs without a total memory limit: no cgroup memory controller "
+            "here; each of its processes is bound by RLIMIT_AS alone"
+        )
 
 
 def check_required(required: Iterable[str]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from engines.childproc import frames
 from engines.childproc.host import ChildExited, ChildProcess, Launch, Wrapper, children
+from engines.childproc.limits import Limits
 from engines.python.protocol import GATEWAY_FAILED, GATEWAY_OK
 from wm.errors import WorkerExecutionError
 
@@ -103,9 +104,11 @@ class SandboxProcess:
         *,
         wrapper: Wrapper | None = None,
         files: Mapping[str, str] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         """``files`` (name -> text) are written into the child's directory before it starts;
-        ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``."""
+        ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``;
+        ``limits`` bound the child and what it starts (its cgroups)."""
         self.worker_id = worker_id
         self.broken = False
         #: Entry point the child reported (``process`` or a WorkerBase subclass name).
@@ -118,7 +121,13 @@ class SandboxProcess:
         self._startup_sys_path: list[str] | None = None
         sinks = WorkerSinks(worker_id, gateway)
         launch = Launch(
-            tuple(argv), {}, dict(files or {}), "wm-py-", wrapper=wrapper, output=sinks.output
+            tuple(argv),
+            {},
+            dict(files or {}),
+            "wm-py-",
+            wrapper=wrapper,
+            output=sinks.output,
+            limits=limits,
         )
         try:
             self._child = ChildProcess(launch, sinks)
