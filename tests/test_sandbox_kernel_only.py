@@ -5,6 +5,10 @@
 (``setpriv`` to nobody). Every probe must fail; only the control (writing its own tmpfs)
 succeeds. Needs bubblewrap with user namespaces, and pyseccomp with libseccomp: skipped
 locally without them, failed in CI (``need``).
+
+The limit layers below them hold too: a fork bomb and a memory bomb, with every setting at
+its default, stop at the sandbox's own cgroups (needs writable cgroup memory and pids
+hierarchies: as root, or in a delegated cgroup v2 subtree).
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ from typing import Any
 import pytest
 
 import wm  # noqa: F401 - the platform before engines
+from engines.childproc import limits
 from engines.python import isolation
+from engines.python.engine import PythonEngine
 from tests.conftest import need
+from tests.kernel_only_probe import KernelOnlyEngine
+from wm.config import Settings
+from wm.engine import WorkerSpec
+from wm.events import make_event
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_only_probe.py")
 ROOT = os.path.dirname(os.path.dirname(PROBE))
@@ -33,6 +43,52 @@ ROOT = os.path.dirname(os.path.dirname(PROBE))
 RUN_TIMEOUT_S = 120
 #: uid/gid of the unprivileged run.
 NOBODY = 65534
+#: MiB each child of the memory bomb fills, and how many it starts (the finding's figures).
+BOMB_CHILD_MB, BOMB_CHILDREN = 300, 6
+#: Forks the fork bomb tries: far over the default process limit.
+BOMB_FORKS = 500
+
+#: Bombs run with the in-process layers off. The fork bomb keeps every child it makes alive
+#: until it cannot make another (then ends them); the memory bomb's children each fill
+#: BOMB_CHILD_MB together, and are reported by exit status (-9: the OOM killer's SIGKILL).
+BOMBS = f"""
+import os, time
+from wm.devkit import make_event
+
+
+def fork_bomb():
+    children, refused = [], None
+    for _ in range({BOMB_FORKS}):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            refused = type(exc).__name__
+            break
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    return {{"forked": len(children), "refused": refused}}
+
+
+def memory_bomb():
+    children = []
+    for _ in range({BOMB_CHILDREN}):
+        pid = os.fork()
+        if pid == 0:
+            block = b"x" * ({BOMB_CHILD_MB} << 20)
+            time.sleep(5)
+            os._exit(0)
+        children.append(pid)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+
+
+def process(event):
+    return make_event("bombs", "/kernel-only", {{"fork": fork_bomb(), "memory": memory_bomb()}})
+"""
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +198,28 @@ def _traversable(paths: list[str]) -> Iterator[None]:
     finally:
         for folder, mode in opened.items():
             os.chmod(folder, stat.S_IMODE(mode))
+
+
+def test_a_fork_bomb_and_a_memory_bomb_stop_at_the_sandbox_limits_by_default() -> None:
+    """Finding 6: past the audit hook, 115 processes and six 300 MiB children (over 1.5 GiB)
+    ran, stopped only by an outer cgroup. Now the sandbox's own cgroups stop both."""
+    defaults = Settings.from_env({})
+    found = {h.controller for h in limits.placement()}
+    if found != set(limits.CONTROLLERS):
+        need("writable cgroup memory and pids hierarchies", RuntimeError(f"found {found}"))
+    layers = PythonEngine.host_facts(defaults)["limit_layers"]
+    assert {"memory", "pids"} <= {name.rsplit(" ", 1)[1] for name in layers}, layers
+    engine = KernelOnlyEngine(defaults)
+    try:
+        engine.load(BOMBS.encode(), WorkerSpec(worker_id="w-bombs", topic="bombs"))
+        [reply] = engine.process(make_event("bomb", "/tests"), timeout_s=120)
+        fork, memory = reply.get_data()["fork"], reply.get_data()["memory"]
+        assert fork["refused"] == "BlockingIOError"  # EAGAIN: the pids limit
+        assert fork["forked"] < defaults.sandbox_max_processes
+        survivors = memory.count(0)
+        assert memory.count(-9) >= 1 and set(memory) <= {0, -9}, memory
+        assert survivors * BOMB_CHILD_MB <= defaults.sandbox_memory_mb
+        [again] = engine.process(make_event("bomb", "/tests"), timeout_s=120)
+        assert again.get_data()["fork"]["refused"] == "BlockingIOError"  # the sandbox lives
+    finally:
+        engine.close()
