@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from tests.helpers import STUB, stub
+import pytest
+
+from engines.python.isolation import BOOTSTRAP
+from tests.helpers import STUB, drain, stub
 from tests.workers import child_pids, code
-from wm import Settings, WorkManager
+from wm import Settings, WorkManager, make_event
 from wm.dataplane.enginecache import EngineCache, cache_budget_bytes
+from wm.engine import resident_bytes
 from wm.state.directory import Directory, WorkerMeta
 
 PYTHON = "text/x-python"
@@ -69,3 +74,77 @@ def test_the_default_budget_is_half_the_memory_shared_by_the_node_processes(
 def _zombie(pid: int) -> bool:
     with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0] in {"Z", "X"}
+
+
+#: A worker that keeps what each event asks it to allocate, as a leaking worker would.
+GROWING = b"""
+from wm.devkit import make_event
+
+HELD = []
+
+
+def process(event):
+    grow_mb = event.get_data()["grow_mb"]
+    HELD.append(b"x" * (grow_mb << 20))
+    return make_event("grown", "/workers/growing", {"held_mb": len(HELD) * grow_mb})
+"""
+#: MiB each growing worker allocates per event, workers, and the node's engine budget: the
+#: sandboxes as loaded fit the budget together, grown they hold several times it.
+GROW_MB, GROWING_WORKERS, BUDGET_MB = 100, 8, 256
+
+
+@pytest.mark.slow
+def test_engines_that_grow_are_charged_what_they_hold_and_unloaded_beyond_the_budget(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """Finding 7: 8 workers grown to 350 MB each under a 512 MB budget held 2,949 MiB, as
+    each was charged what it used when loaded. Now each sandbox is charged its resident
+    memory as sampled, the least recently used are unloaded, and their next delivery loads
+    them again."""
+    settings = pg_settings.replace(reconcile_interval_s=1.0, engine_cache_mb=BUDGET_MB)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("grown", "sink")
+    topics = [f"grow{n}" for n in range(GROWING_WORKERS)]
+    for topic in topics:
+        manager.create_worker(code=GROWING, mime_type=PYTHON, topic=topic)
+    node = start_node(settings, concurrency=1)  # one process: one cache holds them all
+    for topic in topics:
+        node.consuming(topic)
+    for round_ in (1, 2):  # the second round reloads what the first unloaded
+        for topic in topics:
+            manager.publish(make_event(topic, "/tests", {"grow_mb": GROW_MB}))
+            [grown] = drain(settings, sink, 1, timeout_s=60)
+            assert grown["data"]["held_mb"] in (GROW_MB, 2 * GROW_MB)
+            held = _sandbox_mb(node.proc.pid)
+            assert held <= BUDGET_MB + GROW_MB + 96, f"round {round_}, {topic}: {held} MiB"
+    log = node.log.read_text(errors="replace")
+    assert log.count("engines over WM_ENGINE_CACHE_MB") >= GROWING_WORKERS
+
+
+def _sandbox_mb(ancestor: int) -> int:
+    """MiB resident in the Python sandboxes below ``ancestor``."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _below(int(entry), ancestor) and _is_sandbox(int(entry)):
+            total += resident_bytes(int(entry))
+    return total >> 20
+
+
+def _below(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+                pid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _is_sandbox(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return BOOTSTRAP.encode() in handle.read().split(b"\0")
+    except OSError:
+        return False

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from wm.config import Settings
 from wm.dataplane.observe import notify
@@ -15,70 +16,120 @@ from wm.state.directory import Directory, WorkerMeta
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Loaded:
+    """One cached engine: its version, what loading it added to this process (fixed), and
+    what it was charged when last sampled."""
+
+    version: int
+    engine: Engine
+    in_process: int
+    charge: int = 0
+
+    def sample(self) -> int:
+        """Charge the engine its current memory: its processes' resident memory now, plus
+        what loading it added to this process."""
+        self.charge = self.in_process + sum(map(resident_bytes, self.engine.processes()))
+        return self.charge
+
+
 class EngineCache:
     """Loaded engines by worker id, reloaded when the worker's version moves.
 
     Sized by memory, not by a count: a process keeps every worker it serves while they fit.
-    Each engine is charged what loading it added to this process's resident memory plus the
-    resident memory of the processes it keeps (:meth:`Engine.processes`); beyond
-    ``WM_ENGINE_CACHE_MB`` the least recently used are closed, never the one just used.
+    Each engine is charged what it holds now, sampled: the resident memory of the processes
+    it keeps (:meth:`Engine.processes`: a sandbox, a helper), re-read whenever the engine was
+    handed out since the last sample (a child's memory grows only while it runs), plus what
+    loading it added to this process's resident memory. Code that runs in this process
+    shares its heap with every other engine, so what it allocates later cannot be told apart
+    and stays uncharged (the pool process's own memory limit bounds it). Beyond
+    ``WM_ENGINE_CACHE_MB`` the least recently used are closed, never the one being handed
+    out; a closed worker's next delivery loads it again.
     """
 
     def __init__(self, settings: Settings, directory: Directory) -> None:
         self.settings = settings
         self.directory = directory
         self.budget_bytes = cache_budget_bytes(settings)
-        self._engines: OrderedDict[str, tuple[int, Engine, int]] = OrderedDict()
+        self._engines: OrderedDict[str, _Loaded] = OrderedDict()
         self._lock = threading.Lock()
         #: Per worker: held while one thread (of a ``-P threads`` pool) loads it.
         self._loading: dict[str, threading.Lock] = {}
+        #: Workers whose engines were handed out since their last sample.
+        self._used: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._engines)
 
     def processes(self) -> int:
         """Processes the loaded engines keep (sandboxes, helpers)."""
-        return sum(len(engine.processes()) for _, engine, _ in list(self._engines.values()))
+        return sum(len(loaded.engine.processes()) for loaded in list(self._engines.values()))
 
     @property
     def charged_bytes(self) -> int:
-        """What the loaded engines are charged, together."""
-        return sum(charge for _, _, charge in list(self._engines.values()))
+        """What the loaded engines are charged, together (as last sampled)."""
+        return sum(loaded.charge for loaded in list(self._engines.values()))
 
     def engine(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
         """(engine, temporary): a pinned old version gets a temporary engine to close after."""
         if version != meta.version:
             return self._load(meta, version), True
+        hit = self._hit(meta, version)
+        if hit is not None:
+            return hit, False
         with self._lock:
-            cached = self._engines.get(meta.id)
-            if cached is not None and cached[0] == version:
-                self._engines.move_to_end(meta.id)
-                return cached[1], False
             loading = self._loading.setdefault(meta.id, threading.Lock())
         with loading:  # the threads that miss together wait for one load, not one each
-            return self._load_cached(meta, version)
+            return self._load_cached(meta, version), False
 
-    def _load_cached(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
+    def _hit(self, meta: WorkerMeta, version: int) -> Engine | None:
+        """The cached engine of ``version``, handed out; None when there is none."""
         with self._lock:
             cached = self._engines.get(meta.id)
-            if cached is not None and cached[0] == version:  # loaded while this one waited
-                self._engines.move_to_end(meta.id)
-                return cached[1], False
-        engine = cached[1] if cached is not None else None
-        if engine is None:
-            engine = engine_class(meta.mime_type)(self.settings)
+            if cached is None or cached.version != version:
+                return None
+            evicted = self._handing_out(meta.id)
+        self._close(evicted, meta)
+        return cached.engine
+
+    def _load_cached(self, meta: WorkerMeta, version: int) -> Engine:
+        hit = self._hit(meta, version)  # loaded while this one waited
+        if hit is not None:
+            return hit
+        with self._lock:
+            cached = self._engines.get(meta.id)
+        engine = (
+            cached.engine if cached is not None else engine_class(meta.mime_type)(self.settings)
+        )
         before = resident_bytes()
         engine.load(self.directory.code(meta.id, version), _spec(meta, version))
-        charge = max(0, resident_bytes() - before) + sum(map(resident_bytes, engine.processes()))
+        loaded = _Loaded(version, engine, max(0, resident_bytes() - before))
+        loaded.sample()
         with self._lock:
-            self._engines[meta.id] = (version, engine, charge)
-            self._engines.move_to_end(meta.id)
-            evicted = self._evict()
-        for old in evicted:  # outside the lock: closing may wait for calls in flight
+            self._engines[meta.id] = loaded
+            evicted = self._handing_out(meta.id)
+        self._close(evicted, meta, loaded=True)
+        return engine
+
+    def _handing_out(self, worker_id: str) -> list[Engine]:
+        """(With the lock.) Mark ``worker_id`` most recently used, re-sample the engines used
+        since their last sample, and take out the least recently used beyond the budget."""
+        self._engines.move_to_end(worker_id)
+        for used in self._used:
+            loaded = self._engines.get(used)
+            if loaded is not None:
+                loaded.sample()
+        self._used = {worker_id}
+        return self._evict()
+
+    def _close(self, evicted: list[Engine], meta: WorkerMeta, loaded: bool = False) -> None:
+        """Close what was evicted, outside the lock (closing may wait for calls in flight),
+        and tell the gauges when the engines changed."""
+        for old in evicted:
             old.close()
-        notify("engines", meta, len(self))
-        notify("sandboxes", meta, self.processes())
-        return engine, False
+        if evicted or loaded:
+            notify("engines", meta, len(self))
+            notify("sandboxes", meta, self.processes())
 
     def _load(self, meta: WorkerMeta, version: int) -> Engine:
         engine = engine_class(meta.mime_type)(self.settings)
@@ -90,27 +141,33 @@ class EngineCache:
         evicted = []
         total = self.charged_bytes
         while total > self.budget_bytes and len(self._engines) > 1:
-            worker_id, (_, engine, charge) = self._engines.popitem(last=False)
-            logger.info("unloading worker %s: engines over WM_ENGINE_CACHE_MB", worker_id)
-            evicted.append(engine)
-            total -= charge
+            worker_id, loaded = self._engines.popitem(last=False)
+            logger.info(
+                "unloading worker %s (%d MiB): engines over WM_ENGINE_CACHE_MB (%d MiB charged)",
+                worker_id,
+                loaded.charge >> 20,
+                total >> 20,
+            )
+            evicted.append(loaded.engine)
+            self._used.discard(worker_id)
+            total -= loaded.charge
         return evicted
 
     def loaded(self, worker_id: str) -> Engine | None:
         with self._lock:
             cached = self._engines.get(worker_id)
-        return cached[1] if cached is not None else None
+        return cached.engine if cached is not None else None
 
     def drop(self, worker_id: str) -> Engine | None:
         """Take the worker's engine out of the cache (the caller closes it)."""
         with self._lock:
             cached = self._engines.pop(worker_id, None)
-        return cached[1] if cached is not None else None
+        return cached.engine if cached is not None else None
 
     def close(self) -> None:
         with self._lock:
-            for _, engine, _ in self._engines.values():
-                engine.close()
+            for loaded in self._engines.values():
+                loaded.engine.close()
             self._engines.clear()
 
 
