@@ -296,9 +296,10 @@ class Settings:
         "WM_ENGINE_CACHE_MB",
         0,
         _parse_int,
-        "Memory each node process may spend on loaded workers (what loading one added to the "
-        "process plus the sandbox or helper processes it keeps); beyond it the least recently "
-        "used are unloaded. 0 means half the machine's memory divided by the node's processes.",
+        "Memory each node process may spend on loaded workers (the resident memory of the "
+        "sandbox or helper processes they keep, sampled after they run, plus what loading one "
+        "added to the process); beyond it the least recently used are unloaded and reloaded on "
+        "their next delivery. 0 means half the machine's memory divided by the node's processes.",
     )
     node_concurrency: int = _setting(
         "WM_NODE_CONCURRENCY",

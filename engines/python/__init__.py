@@ -29,7 +29,8 @@ Operator notes:
   start. Residual risks: packages with raw memory access (numpy, anything exposing ctypes)
   or a CPython memory-safety bug can bypass the in-process hook, leaving the kernel layers;
   a worker can fill the disk of its temporary directory within its time limit; as root,
-  RLIMIT_NPROC does not apply (the audit hook refuses process creation). Running the host
+  RLIMIT_NPROC does not apply, and only the child's cgroup (:mod:`engines.childproc.limits`,
+  ``WM_SANDBOX_MAX_PROCESSES``) bounds its processes below the audit hook. Running the host
   as a non-root user, or the sandbox in a read-only mount namespace, narrows these further.
 
 The engine class is imported lazily: the sandboxed child imports modules of this package and

@@ -17,8 +17,9 @@ bubblewrap, the util-linux fallback:
   ``--no-new-privs`` is applied.
 
 Python 3.11 has no ``os.unshare`` and a ``preexec_fn`` is unsafe with threads, hence the
-util-linux binaries. RLIMIT_NPROC is set but ignored by the kernel for uid 0; when the host
-runs as root, process creation is refused by the audit hook alone.
+util-linux binaries. RLIMIT_NPROC is set but ignored by the kernel for host uid 0 (also in
+bwrap's user namespace, whose uid maps to the host's); as root, the child's cgroup
+(:mod:`engines.childproc.limits`) is what bounds its processes below the audit hook.
 
 Also here: the paths the child may import from, read and list, and its rlimits.
 """
