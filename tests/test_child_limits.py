@@ -5,6 +5,7 @@ it is closed. The bombs they stop are in test_sandbox_kernel_only.py."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,17 @@ def test_without_a_writable_hierarchy_there_is_no_cgroup_layer(tmp_path: Path) -
     """Cgroup directories missing (or not ours to write): the children keep their rlimits."""
     assert find_hierarchies(HYBRID_MOUNTS.format(root=tmp_path), HYBRID_OWN) == ()
     assert find_hierarchies("", "0::/\n") == ()
+
+
+def test_the_empty_cgroups_of_a_killed_host_are_removed(tmp_path: Path) -> None:
+    """A node killed with SIGKILL leaves its children's cgroups; the next probe clears them."""
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    (tmp_path / f"wm-{dead.pid}-1").mkdir()
+    (tmp_path / f"wm-{os.getpid()}-1").mkdir()
+    (tmp_path / "other").mkdir()
+    limits._remove_orphans(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", f"wm-{os.getpid()}-1"]
 
 
 def test_the_limits_come_from_the_node_settings_unless_overridden() -> None:

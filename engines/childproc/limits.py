@@ -18,6 +18,9 @@ Where the cgroups are made is found once per host process (:func:`placement`), b
   controller's hierarchy (hybrid hosts mount ``memory`` and ``pids`` there).
 * nothing: the child keeps only its rlimits; the node logs what is missing.
 
+Empty cgroups left by a host process that was killed (its children's cgroups outlive it) are
+removed by the next host process that probes the hierarchy.
+
 A child joins its cgroups before anything of it runs: the host starts it through ``sh``,
 which writes its own pid into each ``cgroup.procs`` and then execs the child's command (a
 ``preexec_fn`` is unsafe with threads, and Python cannot clone into a cgroup). When the child
@@ -205,6 +208,8 @@ def placement() -> tuple[Hierarchy, ...]:
         logger.warning("child process limits: cannot read the cgroups of this process: %s", exc)
         found = ()
     logger.info("child process limit layers: %s", ", ".join(h.layer for h in found) or "no cgroup")
+    for hierarchy in found:
+        _remove_orphans(hierarchy.base)
     missing = [c for c in CONTROLLERS if c not in {h.controller for h in found}]
     if missing:
         logger.warning(
@@ -213,6 +218,17 @@ def placement() -> tuple[Hierarchy, ...]:
             " or ".join(missing),
         )
     return found
+
+
+def _remove_orphans(base: str) -> None:
+    """Remove the empty cgroups left by host processes that died before closing their
+    children (a node killed with SIGKILL); one still in use is never empty."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            owner = name[len(PREFIX) :].partition("-")[0]
+            if name.startswith(PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(base, name))
 
 
 def layers() -> tuple[str, ...]:
