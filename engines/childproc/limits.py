@@ -240,6 +240,8 @@ def layers() -> tuple[str, ...]:
 
 
 def _write_limits(directory: str, hierarchy: Hierarchy, value: int) -> None:
+    v1_memory = (hierarchy.version, hierarchy.controller) == (1, "memory")
+    text = str(value) if value > 0 else "-1" if v1_memory else "max"
     for name in LIMIT_FILES[(hierarchy.version, hierarchy.controller)]:
         optional = name.startswith("?")
         path = os.path.join(directory, name.lstrip("?"))
@@ -247,7 +249,7 @@ def _write_limits(directory: str, hierarchy: Hierarchy, value: int) -> None:
             continue
         try:
             with open(path, "w", encoding="ascii") as handle:
-                handle.write(str(value) if value > 0 else "max" if hierarchy.version == 2 else "-1")
+                handle.write(text)
         except OSError:
             if not optional:
                 raise
