@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import STUB, drain, eventually, stub
-from wm import DeadLetters, Settings, WorkManager, make_event
+from tests.helpers import STUB, drain, eventually, free_port, stub
+from wm import BrokerUnavailable, DeadLetters, Settings, WorkManager, make_event
+from wm.dataplane.bus import Route
 from wm.dataplane.delivery import FENCE_EXTENSION
-from wm.events import derive_id, event_key
+from wm.events import derive_id, encode, event_key
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
@@ -219,6 +220,59 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
         )
         assert state == ([], 0, 0, [], [], 0), state
         eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=30)
+    finally:
+        manager.delete_worker(worker.id)
+        manager.unsubscribe(done, "sink")
+
+
+#: Publishes the broker refuses in the failed-publish test.
+REFUSED_PUBLISHES = 10
+
+
+def _refusing(settings: Settings) -> Settings:
+    """``settings`` with a broker of the same kind on a port nothing listens on."""
+    scheme, _, rest = settings.broker_url.partition("://")
+    credentials = rest.rpartition("@")[0]
+    at = f"{credentials}@" if credentials else ""
+    path = "/0" if scheme.startswith("redis") else "//"
+    return settings.replace(broker_url=f"{scheme}://{at}127.0.0.1:{free_port()}{path}")
+
+
+@pytest.mark.slow
+def test_a_publish_the_broker_refused_leaves_nothing_behind(
+    broker: Settings, start_node: Any
+) -> None:
+    """Finding 4: a publish that raised BrokerUnavailable kept its pending-ledger entry. On
+    Redis the sweep delivered every such "failed" event later; on RabbitMQ the entries, each
+    with its payload, were never settled. Now the refused send withdraws what it wrote, while
+    a refused resend of a delivery still pending keeps that delivery's entry."""
+    settings = broker.replace(reconcile_interval_s=0.5, redeliver_after_s=1.0)
+    topic, done = f"in.{uuid.uuid4().hex[:8]}", f"done.{uuid.uuid4().hex[:8]}"
+    manager = WorkManager(settings)
+    sink = manager.subscribe(done, "sink")
+    worker = manager.create_worker(code=stub(output_type=done), mime_type=STUB, topic=topic)
+    queue, ledger = f"{topic}::{worker.id}", Ledger(settings)
+    refused = WorkManager(_refusing(settings))
+    try:
+        for n in range(REFUSED_PUBLISHES):
+            with pytest.raises(BrokerUnavailable, match="unreachable"):
+                refused.publish(make_event(topic, "/tests", {"n": n}))
+        assert ledger.pending(str(worker.id)) == 0
+        accepted = make_event(topic, "/tests", {"n": "accepted"})
+        manager.publish(accepted)
+        with pytest.raises(BrokerUnavailable):  # as a sweep's resend during an outage
+            refused.bus.send(encode(accepted), [Route(queue, str(worker.id))])
+        assert ledger.pending(str(worker.id)) == 1  # the accepted delivery's entry stays
+
+        node = start_node(settings)
+        node.consuming(queue)
+        [output] = drain(settings, sink, 1, timeout_s=30)
+        assert output["data"]["input"] == {"n": "accepted"}
+        eventually(lambda: ledger.maintainer() is not None, timeout_s=10)  # sweeps run
+        # Several sweeps (every 0.5 s, for deliveries pending over 1 s) find nothing to send.
+        assert drain(settings, sink, REFUSED_PUBLISHES, timeout_s=5) == []
+        assert ledger.pending(str(worker.id)) == 0
+        assert "lost delivery(ies) again" not in node.log.read_text()
     finally:
         manager.delete_worker(worker.id)
         manager.unsubscribe(done, "sink")
