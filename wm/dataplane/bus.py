@@ -340,7 +340,7 @@ class Bus:
             self._withdraw(unsent, key, payload)
             raise
 
-    def _pending(self, routes: list[Route], key: str, payload: str) -> Entries:
+    def _pending(self, routes: list[Route], key: str | None, payload: str) -> Entries:
         """Write the deliveries to workers to the pending ledger."""
         deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
         if not (deliveries and key):
@@ -351,10 +351,10 @@ class Bus:
             deliveries, key, payload, numbered=numbered, partition=partition
         )
 
-    def _withdraw(self, unsent: set[str], key: str, payload: str) -> None:
+    def _withdraw(self, unsent: set[str], key: str | None, payload: str) -> None:
         """The send raised: the caller hears it failed, so what it did not send leaves the
         ledger, or the sweep would deliver it later."""
-        if not unsent:
+        if not (unsent and key):
             return
         try:
             Ledger(self.settings).withdraw(unsent, key, payload)
