@@ -364,13 +364,13 @@ def test_db_upgrade_reaches_head(unmigrated_env: dict[str, str]) -> None:
 def test_config_prints_default_and_current_values(env: dict[str, str]) -> None:
     tuned = {**env, "GROUP_LOCK_MAX_RETRIES": "7"}
     rows = {r["variable"]: r for r in wm_json(tuned, "config")}
-    assert rows["GROUP_LOCK_MAX_RETRIES"]["default"] == "3"
+    assert rows["GROUP_LOCK_MAX_RETRIES"]["default"] == "3000"
     assert rows["GROUP_LOCK_MAX_RETRIES"]["current"] == "7"
     assert rows["WM_DATABASE_URL"]["current"] == env["WM_DATABASE_URL"]
     assert set(rows) == {variable for variable, _, _ in settings_table()}
     table = wm(tuned, "config").out.splitlines()
     assert table[0].split() == ["VARIABLE", "DEFAULT", "CURRENT", "MEANING"]
-    assert any(line.split()[:3] == ["GROUP_LOCK_MAX_RETRIES", "3", "7"] for line in table)
+    assert any(line.split()[:3] == ["GROUP_LOCK_MAX_RETRIES", "3000", "7"] for line in table)
 
 
 # -- events ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from wm.config import settings_table
 def test_defaults() -> None:
     settings = Settings.from_env({})
     assert settings.group_lock_retry_base_delay_ms == 500
-    assert settings.group_lock_max_retries == 3
+    assert settings.group_lock_max_retries == 3000
     assert settings.worker_recovery_lease_ttl_seconds == 300
     assert "json" in settings.python_allowed_packages
 

@@ -92,7 +92,6 @@ def node_settings(
         broker_url="memory://",
         reconcile_interval_s=1.0,
         group_lock_retry_base_delay_ms=10,
-        group_lock_max_retries=2,
     )
     for name in list(os.environ):
         if name.startswith("WM_"):

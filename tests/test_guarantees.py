@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import STUB, drain, eventually, stub
-from wm import DeadLetters, Settings, WorkManager, make_event
+from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
+from wm import BrokerUnavailable, DeadLetters, Settings, WorkManager, make_event
+from wm.dataplane.bus import Route
 from wm.dataplane.delivery import FENCE_EXTENSION
-from wm.events import derive_id, event_key
+from wm.events import derive_id, encode, event_key
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
@@ -40,7 +41,6 @@ def _publish(manager: WorkManager, topic: str, count: int) -> list[str]:
 def test_group_members_never_overlap_and_fences_increase(broker: Settings, start_node: Any) -> None:
     settings = broker.replace(
         group_lock_retry_base_delay_ms=2,
-        group_lock_max_retries=12,
         max_retries=50,
         retry_base_delay_ms=10,
         reconcile_interval_s=1.0,
@@ -224,6 +224,59 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
         manager.unsubscribe(done, "sink")
 
 
+#: Publishes the broker refuses in the failed-publish test.
+REFUSED_PUBLISHES = 10
+
+
+def _refusing(settings: Settings) -> Settings:
+    """``settings`` with a broker of the same kind on a port nothing listens on."""
+    scheme, _, rest = settings.broker_url.partition("://")
+    credentials = rest.rpartition("@")[0]
+    at = f"{credentials}@" if credentials else ""
+    path = "/0" if scheme.startswith("redis") else "//"
+    return settings.replace(broker_url=f"{scheme}://{at}127.0.0.1:{free_port()}{path}")
+
+
+@pytest.mark.slow
+def test_a_publish_the_broker_refused_leaves_nothing_behind(
+    broker: Settings, start_node: Any
+) -> None:
+    """Finding 4: a publish that raised BrokerUnavailable kept its pending-ledger entry. On
+    Redis the sweep delivered every such "failed" event later; on RabbitMQ the entries, each
+    with its payload, were never settled. Now the refused send withdraws what it wrote, while
+    a refused resend of a delivery still pending keeps that delivery's entry."""
+    settings = broker.replace(reconcile_interval_s=0.5, redeliver_after_s=1.0)
+    topic, done = f"in.{uuid.uuid4().hex[:8]}", f"done.{uuid.uuid4().hex[:8]}"
+    manager = WorkManager(settings)
+    sink = manager.subscribe(done, "sink")
+    worker = manager.create_worker(code=stub(output_type=done), mime_type=STUB, topic=topic)
+    queue, ledger = f"{topic}::{worker.id}", Ledger(settings)
+    refused = WorkManager(_refusing(settings))
+    try:
+        for n in range(REFUSED_PUBLISHES):
+            with pytest.raises(BrokerUnavailable, match="unreachable"):
+                refused.publish(make_event(topic, "/tests", {"n": n}))
+        assert ledger.pending(str(worker.id)) == 0
+        accepted = make_event(topic, "/tests", {"n": "accepted"})
+        manager.publish(accepted)
+        with pytest.raises(BrokerUnavailable):  # as a sweep's resend during an outage
+            refused.bus.send(encode(accepted), [Route(queue, str(worker.id))])
+        assert ledger.pending(str(worker.id)) == 1  # the accepted delivery's entry stays
+
+        node = start_node(settings)
+        node.consuming(queue)
+        [output] = drain(settings, sink, 1, timeout_s=30)
+        assert output["data"]["input"] == {"n": "accepted"}
+        eventually(lambda: ledger.maintainer() is not None, timeout_s=10)  # sweeps run
+        # Several sweeps (every 0.5 s, for deliveries pending over 1 s) find nothing to send.
+        assert drain(settings, sink, REFUSED_PUBLISHES, timeout_s=5) == []
+        assert ledger.pending(str(worker.id)) == 0
+        assert "lost delivery(ies) again" not in node.log.read_text()
+    finally:
+        manager.delete_worker(worker.id)
+        manager.unsubscribe(done, "sink")
+
+
 @pytest.mark.slow
 def test_lock_waiters_free_their_pool_processes_and_are_never_dead_lettered(
     settings: Settings, start_node: Any
@@ -231,12 +284,10 @@ def test_lock_waiters_free_their_pool_processes_and_are_never_dead_lettered(
     """A group lock held elsewhere (renewed, as by a live holder) for seconds: past the 50 ms
     hand-off window the group's deliveries wait in the broker, not in pool processes, so
     another worker's events run at once; waiting is no failure (``max_retries`` 0 would
-    dead-letter the first failure), and the waiters run once the lock is free. The old
-    blocking acquire pinned a process for base × (2^retries − 1) = 3.5 s per attempt with
-    these settings."""
-    fast = settings.replace(
-        reconcile_interval_s=1.0, group_lock_retry_base_delay_ms=500, group_lock_max_retries=3
-    )
+    dead-letter the first failure), and the waiters run once the lock is free: with the
+    defaults, the limit on waits (GROUP_LOCK_MAX_RETRIES) is far away. The old blocking
+    acquire pinned a process for base × (2^retries − 1) = 3.5 s per attempt with them."""
+    fast = settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     sink, free_sink = manager.subscribe("done", "sink"), manager.subscribe("free", "free-sink")
     grouped = manager.create_worker(
@@ -262,6 +313,76 @@ def test_lock_waiters_free_their_pool_processes_and_are_never_dead_lettered(
     assert free_took_s < 3.0, free_took_s
     assert len(drain(fast, sink, 6, timeout_s=30)) == 6
     assert DeadLetters(fast).list() == []
+
+
+def _contended(settings: Settings, start_node: Any) -> tuple[WorkManager, Any, Any, str]:
+    """A worker of group ``busy`` on a node, with its outputs' sink: (manager, worker, node,
+    sink)."""
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done"), mime_type=STUB, topic="in", group="busy"
+    )
+    node = start_node(settings)
+    node.consuming(f"in::{worker.id}")
+    return manager, worker, node, sink
+
+
+@pytest.mark.slow
+def test_a_delivery_that_never_gets_its_group_lock_is_dead_lettered_and_replayable(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """Finding 10: a delivery whose group lock stayed held waited for ever. Seeds 000/001:
+    after GROUP_LOCK_MAX_RETRIES waits it goes to ``<topic>-dead`` as LockContention, naming
+    the group, without using up an attempt; replayed once the lock is free, it runs."""
+    settings = pg_settings.replace(
+        reconcile_interval_s=1.0, group_lock_retry_base_delay_ms=50, group_lock_max_retries=2
+    )
+    manager, worker, node, sink = _contended(settings, start_node)
+    alerts = manager.subscribe("in-dead", "alerts")
+    with GroupLocks(settings).holding("busy", "operator-script", limit_s=60):
+        event = make_event("in", "/tests", {"n": 1})
+        manager.publish(event)
+        [letter] = eventually(lambda: DeadLetters(settings).list(), timeout_s=30)
+        [alert] = drain(settings, alerts, 1, timeout_s=10)
+    assert (letter.event_id, letter.error_type, letter.attempts) == (
+        event.get_id(),
+        "LockContention",
+        1,
+    )
+    assert letter.error_message.startswith("lock contention: gave up after 2 waits")
+    assert "GROUP_LOCK_MAX_RETRIES=2" in letter.error_message
+    assert "group 'busy' is held by 'operator-script'" in letter.error_message
+    assert alert["data"]["error_type"] == "LockContention"
+    assert drain(settings, sink, 1, timeout_s=0.5) == []
+    assert Ledger(settings).pending(str(worker.id)) == 0
+
+    wm_cli(settings, "dlq", "replay", letter.id)
+    [output] = drain(settings, sink, 1, timeout_s=30)
+    assert output["data"]["input"] == {"n": 1}
+    assert [x.id for x in DeadLetters(settings).list()] == []  # replayed: listed no more
+    assert node.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_group_lock_limit_of_0_waits_for_ever(pg_settings: Settings, start_node: Any) -> None:
+    """GROUP_LOCK_MAX_RETRIES=0: a delivery waits as long as its lock stays held (here many
+    more waits than the limit of the test above) and runs once it is free."""
+    settings = pg_settings.replace(
+        reconcile_interval_s=1.0,
+        group_lock_retry_base_delay_ms=10,
+        group_lock_lease_s=1.0,  # waits of at most half a lease: many in a few seconds
+        group_lock_max_retries=0,
+    )
+    manager, _, node, sink = _contended(settings, start_node)
+    waits = 12
+    with GroupLocks(settings).holding("busy", "operator-script", limit_s=60):
+        manager.publish(make_event("in", "/tests", {"n": 1}))
+        eventually(lambda: node.log.read_text().count("LockContention") >= waits, timeout_s=60)
+        assert DeadLetters(settings).list() == []
+    [output] = drain(settings, sink, 1, timeout_s=30)
+    assert output["data"]["input"] == {"n": 1}
+    assert DeadLetters(settings).list() == []
 
 
 #: The lock lease of the group tests (s): short, so a stall shows within the test's time.
@@ -435,7 +556,6 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         group_lock_lease_s=TEST_LEASE_S,
         group_lock_handoff_ms=handoff_ms,
         group_lock_retry_base_delay_ms=20,
-        group_lock_max_retries=3,
         visibility_timeout_s=5,
         reconcile_interval_s=1.0,
         redeliver_after_s=20.0,

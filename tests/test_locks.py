@@ -67,7 +67,6 @@ def prefix(client: redis.Redis) -> Iterator[str]:
 def _settings(**changes: Any) -> Settings:
     fast = {
         "group_lock_retry_base_delay_ms": 5,
-        "group_lock_max_retries": 3,
         "group_lock_lease_s": 5.0,
     }
     return Settings(redis_url=REDIS_URL).replace(**{**fast, **changes})
@@ -126,12 +125,12 @@ def _contend(
     url: str, prefix: str, barrier: Any, results: Any
 ) -> None:  # pragma: no cover - runs in a child
     try:
-        settings = _settings(group_lock_retry_base_delay_ms=5, group_lock_max_retries=12)
+        settings = _settings(group_lock_retry_base_delay_ms=5)
         locks = GroupLocks(client=redis.Redis.from_url(url), settings=settings, prefix=prefix)
         intervals = []
         barrier.wait(timeout=CHILD_TIMEOUT_S)
         for index in range(ROUNDS_PER_PROCESS):
-            lease = locks.acquire(GROUP, make_owner(f"round-{index}"))
+            lease = locks.acquire(GROUP, make_owner(f"round-{index}"), retries=12)
             enter_ns = time.time_ns()
             locks.mark_write(lease)
             time.sleep(0.0002)
@@ -376,12 +375,12 @@ def test_contention_backs_off_exponentially_then_names_the_holder(
     base_ms, retries = 20, 3
     contender = GroupLocks(
         client=counting,
-        settings=_settings(group_lock_retry_base_delay_ms=base_ms, group_lock_max_retries=retries),
+        settings=_settings(group_lock_retry_base_delay_ms=base_ms),
         prefix=prefix,
     )
 
     with pytest.raises(LockContention) as refused:
-        contender.acquire(GROUP, "contender")
+        contender.acquire(GROUP, "contender", retries=retries)
 
     attempts = [at for at, command in sent if command == "EVALSHA"]
     assert len(attempts) == retries + 1
@@ -471,11 +470,10 @@ def test_the_record_lives_one_lease_writes_renew_it_and_keys_share_a_slot(
     assert key_slot(record.encode()) == key_slot(fence.encode())
 
 
-def test_retry_delays_double_up_to_the_cap_and_never_exceed_half_a_lease() -> None:
-    settings = _settings(
-        group_lock_retry_base_delay_ms=100, group_lock_max_retries=3, group_lock_lease_s=5.0
-    )
-    assert [retry_delay_ms(settings, n) for n in range(6)] == [100, 200, 400, 800, 800, 800]
+def test_retry_delays_double_and_never_exceed_half_a_lease() -> None:
+    settings = _settings(group_lock_retry_base_delay_ms=100, group_lock_lease_s=5.0)
+    assert [retry_delay_ms(settings, n) for n in range(7)] == [100, 200, 400, 800, 1600, 2500, 2500]
+    assert retry_delay_ms(settings, 10**6) == 2500  # a delivery may wait thousands of times
     short = settings.replace(group_lock_lease_s=0.5)
     assert [retry_delay_ms(short, n) for n in range(4)] == [100, 200, 250, 250]
     assert retry_delay_ms(settings.replace(group_lock_lease_s=0.0), 0) == 50  # lease floor 100 ms
@@ -522,13 +520,14 @@ def test_a_release_wakes_a_waiting_contender_before_its_backoff_ends(
     client: redis.Redis, prefix: str
 ) -> None:
     """A contender in a long backoff takes the lock as soon as the holder releases it."""
-    settings = _settings(group_lock_retry_base_delay_ms=2000, group_lock_max_retries=1)
+    settings = _settings(group_lock_retry_base_delay_ms=2000)
     holder = GroupLocks(client=client, settings=settings, prefix=prefix)
     lease = holder.acquire("g", "holder")
     timer = threading.Timer(0.2, holder.release, args=(lease,))
     timer.start()
     started = time.monotonic()
-    taken = GroupLocks(client=client, settings=settings, prefix=prefix).acquire("g", "contender")
+    contender = GroupLocks(client=client, settings=settings, prefix=prefix)
+    taken = contender.acquire("g", "contender", retries=1)
     waited = time.monotonic() - started
     timer.join()
     assert taken.owner == "contender" and taken.fence > lease.fence

@@ -351,16 +351,14 @@ def test_group_locks_acquire_release_fence_and_take_over(cluster_settings: Setti
 def test_a_release_hands_the_lock_to_a_waiting_contender(
     cluster_settings: Settings, slots: SlotRecorder
 ) -> None:
-    settings = cluster_settings.replace(
-        group_lock_retry_base_delay_ms=3000, group_lock_max_retries=1
-    )
+    settings = cluster_settings.replace(group_lock_retry_base_delay_ms=3000)
     locks = GroupLocks(settings)
     holder = locks.acquire("handoff", "holder")
     assert locks.try_acquire("handoff", "contender") is None  # marks the lock as waited for
     released = threading.Timer(0.2, locks.release, args=(holder,))
     released.start()
     started = time.monotonic()
-    lease = locks.acquire("handoff", "contender")
+    lease = locks.acquire("handoff", "contender", retries=1)
     waited_s = time.monotonic() - started
     released.join()
     assert lease.fence > holder.fence

@@ -127,13 +127,14 @@ class Settings:
         "GROUP_LOCK_RETRY_BASE_DELAY_MS",
         500,
         _parse_int,
-        "Group-lock wait base: a waiting delivery tries again after ½–1 × base × 2^n.",
+        "Group-lock wait base: wait n of a delivery lasts ½–1 × base × 2^n (≤ half a lease).",
     )
     group_lock_max_retries: int = _setting(
         "GROUP_LOCK_MAX_RETRIES",
-        3,
+        3000,
         _parse_int,
-        "Doublings of a group-lock wait (never over half a lease); retries of a blocking acquire.",
+        "Waits for a group lock (or slot) before the delivery is dead-lettered as "
+        "LockContention, ≥ 1 h by default (0 waits for ever).",
     )
     group_lock_lease_s: float = _setting(
         "WM_GROUP_LOCK_LEASE_S",

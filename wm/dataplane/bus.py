@@ -30,6 +30,7 @@ from wm.dataplane.queues import (
     delivery_labels,
     subscription_queue,
 )
+from wm.errors import Unavailable
 from wm.events import (
     CloudEvent,
     encode,
@@ -40,7 +41,7 @@ from wm.events import (
 )
 from wm.names import check_name
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
-from wm.state.ledger import Ledger
+from wm.state.ledger import Entries, Ledger
 from wm.store.models import Subscription, Worker
 from wm.workersettings import WorkerSettings
 
@@ -318,26 +319,53 @@ class Bus:
     ) -> None:
         """Send an encoded event to the given subscriptions (publish and dead-letter replay).
 
-        Deliveries to workers are written to the pending ledger first (``wm.state.ledger``).
+        Deliveries to workers are written to the pending ledger first (``wm.state.ledger``);
+        if the send raises, those it did not complete are withdrawn from the ledger.
         ``about``: the event's id and type, which label the delivery in Flower (read from
         the payload when not given).
         """
         routes = list(routes)
-        deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
-        numbered = [r.worker_id for r in routes if r.ordered and r.worker_id is not None]
         key = key or payload_key(payload)
-        numbers: dict[str, int] = {}
-        if deliveries and key:
-            partition = payload_partition(payload) if numbered else None
-            numbers = Ledger(self.settings).add(
-                deliveries, key, payload, numbered=numbered, partition=partition
-            )
-        if deliveries and about is None:
+        entries = self._pending(routes, key, payload)
+        if about is None and any(r.worker_id is not None for r in routes):
             about = payload_about(payload)
-        with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
-            for route in routes:
-                seq = numbers.get(route.worker_id or "")
-                self._send_one(producer, route, payload, dict(task_options), seq, about)
+        unsent = set(entries.created)
+        try:
+            with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
+                for route in routes:
+                    seq = entries.numbers.get(route.worker_id or "")
+                    self._send_one(producer, route, payload, dict(task_options), seq, about)
+                    unsent.discard(route.worker_id or "")
+        except Exception:
+            self._withdraw(unsent, key, payload)
+            raise
+
+    def _pending(self, routes: list[Route], key: str | None, payload: str) -> Entries:
+        """Write the deliveries to workers to the pending ledger."""
+        deliveries = [(r.worker_id, r.queue) for r in routes if r.worker_id is not None]
+        if not (deliveries and key):
+            return Entries({}, ())
+        numbered = [r.worker_id for r in routes if r.ordered and r.worker_id is not None]
+        partition = payload_partition(payload) if numbered else None
+        return Ledger(self.settings).add(
+            deliveries, key, payload, numbered=numbered, partition=partition
+        )
+
+    def _withdraw(self, unsent: set[str], key: str | None, payload: str) -> None:
+        """The send raised: the caller hears it failed, so what it did not send leaves the
+        ledger, or the sweep would deliver it later."""
+        if not (unsent and key):
+            return
+        try:
+            Ledger(self.settings).withdraw(unsent, key, payload)
+        except Unavailable as exc:
+            logger.warning(
+                "event %s: a failed send stays in the pending ledger of %s (%s); the sweep "
+                "may still deliver it",
+                key,
+                sorted(unsent),
+                exc,
+            )
 
     def _send_one(
         self,

@@ -1,9 +1,10 @@
 """The pending-ledger sweep: send again what the broker provably lost, and nothing else.
 
 A delivery stays in the ledger (``wm.state.ledger``) from just before it is sent until its
-outcome is recorded or it is parked. Pending long is not lost: a backlog, or a group waiting
-for its lock, keeps deliveries pending for minutes while their messages wait in the queue,
-and re-sending those only multiplies the backlog. A delivery is lost when its message is
+outcome is recorded or it is parked (a send the broker refused leaves nothing there).
+Pending long is not lost: a backlog, or a group waiting for its lock, keeps deliveries
+pending for minutes while their messages wait in the queue, and re-sending those only
+multiplies the backlog. A delivery is lost when its message is
 neither in its queue nor held unacknowledged by a node. So per worker the sweep compares
 counts first (pending against queued + held: the usual answer is "nothing lost") and only
 when the ledger holds more than the broker does it look for the missing event keys,

@@ -6,6 +6,9 @@ while Redis's reply is in flight. So every delivery to a worker is also written 
 it is sent, and settled once its outcome is recorded or it is dead-lettered. The nodes'
 reconcile loop sends again what stayed pending longer than WM_REDELIVER_AFTER_S. A second
 copy is harmless: a delivery whose outcome is recorded republishes instead of re-running.
+Written before the send, an entry covers a node killed between sending and writing; a send
+that raised withdraws the entries it created, since its caller was told the publish failed
+(the sweep would deliver it later, and on RabbitMQ nothing would ever settle it).
 
 A worker's pending deliveries are one sorted set, ``wm:pending:{<worker id>}``, scored by
 the time they were sent; each member is the event key and the payload sent
@@ -70,6 +73,16 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class Entries:
+    """What :meth:`Ledger.add` wrote for one event: its numbers (ordered keys) by worker id,
+    and the workers whose entry it created, not found pending already (by an earlier send
+    of the same event, which a failed send must leave alone)."""
+
+    numbers: dict[str, int]
+    created: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Settlement:
     """What settling one delivery removes: its member of the worker's index and, for a
     delivery its broker sent again, its count of runs (see :meth:`Ledger.begin_run`)."""
@@ -108,22 +121,35 @@ class Ledger:
         *,
         numbered: Sequence[str] = (),
         partition: str | None = None,
-    ) -> dict[str, int]:
+    ) -> Entries:
         """Record the event ``key`` as pending for each (worker id, queue) before it is sent,
         and number it under ``partition`` for each worker of ``numbered`` (ordered keys,
-        ``wm.state.ordering``); returns those numbers by worker id."""
+        ``wm.state.ordering``)."""
         now, entry = time.time(), member(key, payload)
+        workers = [worker_id for worker_id, _ in deliveries]
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
-            for worker_id, _ in deliveries:
+            for worker_id in workers:
                 pipe.zadd(self._index(worker_id), {entry: now}, nx=True)
             if partition is not None:
                 for worker_id in numbered:
                     pipe.hincrby(sequence_key(worker_id), partition, 1)
             results = pipe.execute()
+        created = tuple(w for w, n in zip(workers, results, strict=False) if int(n))
         if partition is None or not numbered:
-            return {}
-        return {w: int(n) for w, n in zip(numbered, results[-len(numbered) :], strict=True)}
+            return Entries({}, created)
+        numbers = zip(numbered, results[-len(numbered) :], strict=True)
+        return Entries({w: int(n) for w, n in numbers}, created)
+
+    def withdraw(self, worker_ids: Iterable[str], key: str, payload: str) -> None:
+        """The broker refused these deliveries (or their send failed before it was done):
+        their caller was told, so nothing of them stays to be sent again by the sweep."""
+        entry = member(key, payload)
+        with redis_errors(self.settings):
+            pipe = self.redis.pipeline(transaction=False)
+            for worker_id in worker_ids:
+                pipe.zrem(self._index(worker_id), entry)
+            pipe.execute()
 
     def settlement(
         self, worker_id: str, key: str, payload: str, *, ran_again: bool = False

@@ -54,6 +54,7 @@ from wm.errors import BrokerUnavailable, FenceRejected, LockContention
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
 
 __all__ = [
+    "ACQUIRE_RETRIES",
     "FENCE_CHECK_LUA",
     "MIN_LEASE_MS",
     "RENEWALS_PER_LEASE",
@@ -71,6 +72,9 @@ logger = logging.getLogger(__name__)
 
 #: Shortest lease (ms): a lease of 0 would delete a lock the moment it is taken.
 MIN_LEASE_MS = 100
+#: Retries of the blocking :meth:`GroupLocks.acquire` (the seeds' in-process attempts,
+#: 500 ms → 1 s → 2 s apart by default); a delivery waits in the broker instead.
+ACQUIRE_RETRIES = 3
 #: Heartbeats per lease: a holder survives two lost or late renewals in a row.
 RENEWALS_PER_LEASE = 3
 #: How long stopping a heartbeat waits for a renewal in flight (s).
@@ -208,12 +212,12 @@ def make_owner(task_id: str) -> str:
 
 def retry_delay_ms(settings: Settings, retry: int) -> int:
     """The wait before try ``retry + 1`` of a held lock: ``GROUP_LOCK_RETRY_BASE_DELAY_MS ×
-    2^retry``, doubling at most ``GROUP_LOCK_MAX_RETRIES`` times and never longer than half a
-    lease, so a waiter looks at least twice per lease and a group whose holder died resumes
-    within 1.5 leases of its last renewal."""
-    doublings = min(max(retry, 0), settings.group_lock_max_retries)
+    2^retry``, never longer than half a lease, so a waiter looks at least twice per lease and
+    a group whose holder died resumes within 1.5 leases of its last renewal."""
+    cap_ms = lease_ms(settings) // 2
+    doublings = min(max(retry, 0), cap_ms.bit_length())  # base << bit_length(cap) > cap
     ceiling_ms = settings.group_lock_retry_base_delay_ms << doublings
-    return max(1, min(ceiling_ms, lease_ms(settings) // 2))
+    return max(1, min(ceiling_ms, cap_ms))
 
 
 def lease_ms(settings: Settings) -> int:
@@ -265,14 +269,14 @@ class GroupLocks:
         return None if reply.status == _HELD else _lease(group, reply)
 
     def acquire(self, group: str, owner: str, *, retries: int | None = None) -> Lease:
-        """Take the lock, trying ``retries`` more times (default ``GROUP_LOCK_MAX_RETRIES``)
+        """Take the lock, trying ``retries`` more times (default :data:`ACQUIRE_RETRIES`)
         up to :func:`retry_delay_ms` apart; raise :class:`LockContention` naming the holder.
 
         Each wait ends early when the holder releases. This blocking form serves scripts and
         operators; a delivery uses :meth:`take`, which never waits longer than a hand-off.
         """
         started = time.monotonic()
-        limit = self._settings.group_lock_max_retries if retries is None else retries
+        limit = ACQUIRE_RETRIES if retries is None else retries
         reply = self._attempt(group, owner)
         retry = 0
         while reply.status == _HELD and retry < limit:
@@ -602,7 +606,7 @@ def _contention(
     return LockContention(
         f"group {group!r} is held by {reply.owner!r} (fence {reply.fence}, {state}, "
         f"age {age_ms} ms, lease left {reply.lease_left_ms} ms) after {attempts} attempts in "
-        f"{elapsed_s:.3f} s; try again later (a delivery waits without counting a failure)"
+        f"{elapsed_s:.3f} s"
     )
 
 
