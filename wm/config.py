@@ -381,6 +381,13 @@ class Settings:
         _parse_str,
         "PEM private key of `WM_API_TLS_CERT`.",
     )
+    api_max_body_bytes: int = _setting(
+        "WM_API_MAX_BODY_BYTES",
+        1024 * 1024,
+        _parse_int,
+        "Largest request body `wm api` takes (413 beyond it, before it is read); inline "
+        "code rides in the body as text or base64, so larger code goes by `url`.",
+    )
     log_level: str = _setting(
         "WM_LOG_LEVEL",
         "WARNING",
