@@ -18,8 +18,10 @@ import pytest
 from tests.cli_env import GUARD_S, ROOT, one_error_line, wm, wm_json
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, store
+from wm.cli import EXIT_CODES
 from wm.config import settings_table
 from wm.dataplane.deadletters import DeadLetters, Failure
+from wm.errors import Misconfigured
 from wm.events import encode, key_of, make_event
 
 LIFECYCLE = "workmanager.lifecycle"
@@ -302,6 +304,61 @@ def test_malformed_environment_names_the_variable(
 ) -> None:
     result = wm({**env, variable: value}, "worker", "list", expect=1)
     assert message in one_error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("WM_DATABASE_URL", "postgresql+psycopg://wm:secret@db:5o32/wm", "the port '5o32' is"),
+        ("WM_DATABASE_URL", "postgresql+psycopg://wm@db:70000/wm", "the port '70000' is"),
+        ("WM_DATABASE_URL", "db:5432/wm", "not a URL (no scheme://)"),
+        ("WM_DATABASE_URL", "postgresql://wm@[::1/wm", "not a URL (Invalid IPv6 URL)"),
+        ("WM_BROKER_URL", "http://127.0.0.1:6379/0", "the scheme 'http' is not one"),
+        ("WM_BROKER_URL", "redis://:secret@127.0.0.1:port/0", "the port 'port' is"),
+        ("WM_BROKER_URL", "127.0.0.1:6379", "not a URL (no scheme://)"),
+        ("WM_REDIS_URL", "redis://127.0.0.1:6379x/1", "the port '6379x' is"),
+        ("WM_REDIS_URL", "amqp://guest@rabbit//", "the scheme 'amqp' is not one"),
+    ],
+)
+def test_a_malformed_url_is_one_line_naming_the_setting(
+    env: dict[str, str], variable: str, value: str, says: str
+) -> None:
+    """Finding 11: a malformed database port printed a traceback; an http:// broker was
+    taken until a node tried it."""
+    result = wm({**env, variable: value}, "worker", "list", expect=EXIT_CODES[Misconfigured])
+    line = one_error_line(result)
+    assert line.startswith(f"wm: error: {variable}=") and says in line, line
+    assert "secret" not in line
+
+
+def test_a_postgresql_url_without_the_extra_says_what_to_install(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """psycopg hidden behind a package that cannot be imported, as on a machine installed
+    without the [postgres] extra."""
+    hidden = tmp_path / "psycopg"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text("raise ImportError('not installed', name='psycopg')\n")
+    path = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    url = "postgresql+psycopg://wm@127.0.0.1:5432/wm"
+    result = wm({**env, "PYTHONPATH": path, "WM_DATABASE_URL": url}, "worker", "list", expect=1)
+    line = one_error_line(result)
+    assert line.startswith(f"wm: error: WM_DATABASE_URL={url} needs the driver module 'psycopg'")
+    assert "pip install 'workmanager[postgres]'" in line, line
+
+
+@pytest.mark.parametrize(
+    ("node", "says"),
+    [
+        ("127.0.0.1:8001", "is not an http:// URL"),
+        ("http://127.0.0.1:80O1/health", "could not be cast to integer"),
+        ("http://[::1/health", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_malformed_health_url_is_one_line(env: dict[str, str], node: str, says: str) -> None:
+    line = one_error_line(wm(env, "health", "--node", node, expect=1))
+    assert line.startswith(f"wm: error: --node {node}") and says in line, line
+    assert "expected http://HOST:PORT/health" in line
 
 
 @pytest.mark.parametrize(

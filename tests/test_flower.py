@@ -1,7 +1,7 @@
 """Flower, as an operator sees it, against a real node: each delivery is named after its
 topic and worker, shows the event's id and type and the attempt but not its data, a retried
 attempt is RETRY, a dead-lettered delivery FAILURE with the reason; Flower is behind basic
-authentication."""
+authentication, its password never on a command line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+import yaml
 
 from tests.conftest import ROOT, env_of
 from tests.helpers import STUB, drain, eventually, free_port, stub
@@ -35,6 +37,9 @@ def _get(port: int, path: str, auth: str | None = AUTH) -> Any:
 def flower(pg_settings: Settings, tmp_path: Path) -> Any:
     port = free_port()
     log = (tmp_path / "flower.log").open("ab")
+    conf = tmp_path / "flowerconfig.py"
+    conf.write_text(f"basic_auth = [{AUTH!r}]\n")
+    conf.chmod(0o600)
     process = subprocess.Popen(
         [
             sys.executable,
@@ -45,7 +50,7 @@ def flower(pg_settings: Settings, tmp_path: Path) -> Any:
             "flower",
             f"--port={port}",
             "--address=127.0.0.1",
-            f"--basic-auth={AUTH}",
+            f"--conf={conf}",
         ],
         env=env_of(pg_settings),
         cwd=ROOT,
@@ -61,6 +66,7 @@ def flower(pg_settings: Settings, tmp_path: Path) -> Any:
 
     try:
         eventually(up, timeout_s=60)
+        assert AUTH.split(":")[1] not in " ".join(psutil.Process(process.pid).cmdline())
         yield port
     finally:
         process.terminate()
@@ -123,3 +129,15 @@ def test_flower_names_deliveries_hides_data_and_shows_retries_and_dead_letters(
     with pytest.raises(urllib.error.HTTPError) as refused:
         _get(flower, "/api/tasks", auth=None)
     assert refused.value.code == 401
+
+
+def test_no_documented_command_gives_flower_a_password() -> None:
+    """Finding 11: the README ran Flower with its password as an option, where ``ps`` shows
+    it to every user of the machine; its login comes from a file or the environment."""
+    readme = (ROOT / "README.md").read_text()
+    assert "--basic-auth" not in readme
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    command = compose["services"]["flower"]["command"]
+    assert not [part for part in command if "auth" in part], command
+    env_file = (ROOT / "ops" / "compose" / "flower.env").read_text()
+    assert "\nFLOWER_BASIC_AUTH=" in env_file

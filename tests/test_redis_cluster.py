@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +23,18 @@ import pytest
 import redis
 from redis.cluster import ClusterPipeline, RedisCluster, TransactionStrategy, key_slot
 
-from tests.conftest import BROKER_DB, REDIS_HOST, STATE_DB, flush_redis, make_settings, need
+from tests.conftest import (
+    BROKER_DB,
+    REDIS_HOST,
+    STATE_DB,
+    env_of,
+    flush_redis,
+    make_settings,
+    need,
+)
 from tests.helpers import STUB, drain, eventually, queue_empty, stub
 from wm import Settings, WorkManager, store
+from wm.cli import EXIT_CODES
 from wm.dataplane.bus import Route
 from wm.dataplane.delivery import FENCE_EXTENSION
 from wm.dataplane.outputs import OutputPublisher
@@ -34,6 +44,7 @@ from wm.errors import (
     EmbeddedRedisError,
     FenceRejected,
     LockContention,
+    Misconfigured,
 )
 from wm.events import key_of, make_event
 from wm.local.embedded import find_redis_server
@@ -312,6 +323,27 @@ def test_a_cluster_node_taken_for_a_single_server_is_named_as_such(
         GroupLocks(cluster_settings, client=plain).try_acquire(elsewhere, "owner")
     plain.close()
     assert "Redis Cluster node" in str(refused.value) and "INFO" in str(refused.value)
+
+
+def test_a_cluster_node_as_the_broker_is_refused_in_one_line(
+    cluster_settings: Settings, cluster: Cluster
+) -> None:
+    """Finding 11: kombu's Redis transport cannot run on a cluster. The `wm` command that
+    reaches the broker says so in one line naming WM_BROKER_URL, whether the URL names
+    database 0 (INFO says it is a cluster) or another (the server refuses SELECT)."""
+    for url in (cluster.url, f"{cluster.url}/3"):
+        env = env_of(cluster_settings.replace(broker_url=url))
+        done = subprocess.run(
+            [sys.executable, "-m", "wm.cli", "subscribe", "t", "q"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == EXIT_CODES[Misconfigured], done.stderr
+        [line] = done.stderr.splitlines()
+        assert line.startswith("wm: error: WM_BROKER_URL (") and cluster.url[8:] in line, line
+        assert "Redis Cluster is not supported as a broker" in line, line
 
 
 # --- the state store, part by part ----------------------------------------------------------

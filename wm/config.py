@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from wm.errors import ConfigurationError
 
@@ -84,6 +86,44 @@ def _parse_log_format(raw: str) -> str:
     return value
 
 
+def _url(raw: str, schemes: tuple[str, ...] | None, expects: str) -> str:
+    """``raw`` if it is a URL (of one of ``schemes``, unless None) whose port, if any, is a
+    number; else a ValueError saying what is wrong with it."""
+    url = raw.strip()
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        raise ValueError(f"not a URL (no scheme://); expected {expects}")
+    if schemes is not None and scheme.lower() not in schemes:
+        raise ValueError(f"the scheme {scheme!r} is not one WorkManager takes; expected {expects}")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"not a URL ({exc}); expected {expects}") from None
+    try:
+        parts.port  # noqa: B018 -- reading it checks it
+    except ValueError:
+        port = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+        raise ValueError(f"the port {port!r} is not a number from 0 to 65535") from None
+    return url
+
+
+def _parse_database_url(raw: str) -> str:
+    """Syntax only: the dialect and its driver are judged when the engine is made."""
+    return _url(raw, None, "postgresql+psycopg://USER@HOST:PORT/DB or sqlite:///PATH")
+
+
+#: Brokers kombu offers WorkManager: Redis, RabbitMQ, and kombu's in-process memory transport.
+BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp", "memory")
+
+
+def _parse_broker_url(raw: str) -> str:
+    return _url(raw, BROKER_SCHEMES, "redis://HOST:PORT/DB or amqp://USER:PASSWORD@HOST:PORT/VHOST")
+
+
+def _parse_redis_url(raw: str) -> str:
+    return _url(raw, ("redis", "rediss", "unix"), "redis://HOST:PORT/DB (or rediss://, unix://)")
+
+
 _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_bool: "true or false",
     _parse_int: "a non-negative integer",
@@ -108,19 +148,19 @@ class Settings:
     database_url: str = _setting(
         "WM_DATABASE_URL",
         "sqlite:///.wm/workmanager.db",
-        _parse_str,
+        _parse_database_url,
         "SQLAlchemy URL of the worker store (PostgreSQL in production, SQLite embedded).",
     )
     broker_url: str = _setting(
         "WM_BROKER_URL",
         "redis://127.0.0.1:6379/0",
-        _parse_str,
+        _parse_broker_url,
         "Celery/kombu broker URL: redis://… or amqp://…",
     )
     redis_url: str = _setting(
         "WM_REDIS_URL",
         "redis://127.0.0.1:6379/1",
-        _parse_str,
+        _parse_redis_url,
         "Redis for derived state: routing table, locks, fences, outcomes, leases.",
     )
     group_lock_retry_base_delay_ms: int = _setting(
@@ -397,6 +437,13 @@ class Settings:
         _parse_str,
         "PEM private key of `WM_API_TLS_CERT`.",
     )
+    api_max_body_bytes: int = _setting(
+        "WM_API_MAX_BODY_BYTES",
+        1024 * 1024,
+        _parse_int,
+        "Largest request body `wm api` takes (413 beyond it, before it is read); inline "
+        "code rides in the body as text or base64, so larger code goes by `url`.",
+    )
     log_level: str = _setting(
         "WM_LOG_LEVEL",
         "WARNING",
@@ -427,9 +474,9 @@ class Settings:
             try:
                 values[f.name] = parse(raw)
             except ValueError as exc:
-                raise ConfigurationError(
-                    f"{name}={raw!r} is malformed: expected {_EXPECTS[parse]}"
-                ) from exc
+                shown = _without_password(raw) if name in FROM_FILE else raw
+                why = f"expected {_EXPECTS[parse]}" if parse in _EXPECTS else str(exc)
+                raise ConfigurationError(f"{name}={shown!r} is malformed: {why}") from exc
         return cls(**values)
 
     def replace(self, **changes: Any) -> Settings:
@@ -459,7 +506,17 @@ def masked(url: str) -> str:
     """``url`` with its password replaced by ``**``: how a URL is shown or logged."""
     from kombu.utils.url import maybe_sanitize_url
 
-    return str(maybe_sanitize_url(url))
+    try:
+        return str(maybe_sanitize_url(url))
+    except ValueError:  # kombu cannot parse it (a malformed port): mask it without parsing
+        return _without_password(url)
+
+
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")
+
+
+def _without_password(url: str) -> str:
+    return _PASSWORD.sub(r"\1**@", url)
 
 
 def _read_file(env: Mapping[str, str], name: str) -> str | None:

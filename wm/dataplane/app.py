@@ -14,7 +14,8 @@ from kombu.utils.url import maybe_sanitize_url
 
 from wm.config import Settings
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, READY_LIST, subscription_queue
-from wm.errors import BrokerUnavailable
+from wm.errors import BrokerUnavailable, ConfigurationError
+from wm.state.connection import CLUSTER_BROKER, cluster_refusal
 
 #: Errors of kombu, py-amqp, redis (a Redis broker) and the sockets under them: the broker
 #: is unreachable or refused the operation.
@@ -105,7 +106,10 @@ def broker_errors(settings: Settings) -> Iterator[None]:
     try:
         yield
     except BROKER_ERRORS as exc:
+        shown = maybe_sanitize_url(settings.broker_url)
+        if cluster_refusal(exc):
+            raise ConfigurationError(f"WM_BROKER_URL ({shown}) {CLUSTER_BROKER}") from exc
         raise BrokerUnavailable(
-            f"the broker at WM_BROKER_URL={maybe_sanitize_url(settings.broker_url)} is "
-            f"unreachable ({exc}); start it or fix the setting"
+            f"the broker at WM_BROKER_URL={shown} is unreachable ({exc}); start it or fix "
+            "the setting"
         ) from exc

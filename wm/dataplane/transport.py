@@ -54,6 +54,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
+from wm.state.connection import refuse_cluster_broker
 
 #: Content type of an item that was not a kombu message: its bytes, undecoded.
 RAW_CONTENT_TYPE = "application/octet-stream"
@@ -191,6 +192,8 @@ class Channel(kombu_redis.Channel):
         self._sent = "BRPOP"  # the command in flight on the polling connection
         self._scripts: dict[str, Any] = {}
         super().__init__(*args, **kwargs)
+        broker = self.connection.client
+        refuse_cluster_broker(self.client, f"at {broker.hostname}:{broker.port}")
 
     def _ready_for(self, queue: str) -> bool:
         """Whether messages of ``queue`` go through the ready list."""

@@ -2,23 +2,23 @@
 
 FastAPI on uvicorn: the framework generates the OpenAPI description (``/openapi.json``, docs
 at ``/docs``) from the same models that validate requests, so an invalid body is refused with
-422 naming the field before any code of ours runs. Every call under ``/v1`` needs a bearer
-token (``wm token create``); the token's role decides what it may do (``wm.control.access``).
-Every mutating call is written to the audit log before it runs and completed after it
-(``wm audit``); if the log cannot be written, the call is refused with 503 and nothing runs.
+422 naming the field before any code of ours runs. Every call needs a bearer token
+(``wm token create``), checked before the body is read (``wm.ops.gate``); the token's role
+decides what it may do (``wm.control.access``), checked before the body is parsed. Every
+mutating call is written to the audit log before it runs and completed after it (``wm
+audit``); if the log cannot be written, the call is refused with 503 and nothing runs.
 
-Only ``GET /health/live`` answers without a token: it says the server is up and nothing else.
+Only ``GET /health/live`` (it says the server is up and nothing else) and the API's own
+description (``/openapi.json``, ``/docs``) answer without a token.
 """
 
 import base64
 import binascii
-import functools
 import ipaddress
 import logging
 import os
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from http import HTTPStatus
@@ -41,7 +41,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from wm import store
@@ -66,7 +65,7 @@ from wm.events import decode
 from wm.lifecycle import Status
 from wm.manager import WorkManager
 from wm.names import check_name
-from wm.ops import health
+from wm.ops import gate, health
 from wm.views import (
     AuditInfo,
     DeadLetterInfo,
@@ -82,8 +81,6 @@ from wm.workersettings import validate_worker_settings
 logger = logging.getLogger(__name__)
 VERSION = metadata.version("workmanager")
 
-#: Methods that change something: each call is written to the audit log.
-MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: The most dead letters one replay call sends, and the fastest rate it may ask for.
 MAX_REPLAY = 10_000
 MAX_REPLAY_RATE = 1000.0
@@ -310,38 +307,47 @@ BEARER = HTTPBearer(auto_error=False, description="a token from `wm token create
 
 def _authenticated(
     request: Request,
-    svc: Svc,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
 ) -> TokenInfo:
-    if credentials is None:
-        raise HTTPException(
-            401,
-            "no bearer token: send 'Authorization: Bearer wm_…' (wm token create)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    token = svc.manager.tokens.authenticate(credentials.credentials)
-    if token is None:
-        raise HTTPException(
-            401,
-            "the bearer token is unknown, revoked or expired",
-            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-        )
-    request.state.token = token
+    """The calling token, which :class:`wm.ops.gate.Gate` found before the call was routed
+    (``BEARER`` puts the scheme in the OpenAPI description)."""
+    token: TokenInfo = request.state.token
     return token
 
 
 def _role(needed: Role) -> Any:
-    def check(request: Request, token: Annotated[TokenInfo, Depends(_authenticated)]) -> TokenInfo:
-        if not token.role.allows(needed):
-            raise HTTPException(
-                403,
-                f"token {token.name!r} has role {token.role.value}; this call needs "
-                f"{needed.value} or higher",
-            )
-        _check_parameters(request)
+    """A route's dependency naming the role it needs; :class:`_Guarded` checks it."""
+
+    def check(token: Annotated[TokenInfo, Depends(_authenticated)]) -> TokenInfo:
         return token
 
+    check.needed = needed  # type: ignore[attr-defined]
     return Depends(check)
+
+
+class _Guarded(APIRoute):
+    """A route that checks the caller's role and the query before FastAPI reads the body:
+    a viewer's malformed body on an operator's route is a 403, not a 400."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        marks = (getattr(d.dependency, "needed", None) for d in self.dependencies)
+        needed: Role | None = next((m for m in marks if m is not None), None)
+        if needed is None:
+            return handler
+
+        async def guarded(request: Request) -> Response:
+            token: TokenInfo = request.state.token
+            if not token.role.allows(needed):
+                raise HTTPException(
+                    403,
+                    f"token {token.name!r} has role {token.role.value}; this call needs "
+                    f"{needed.value} or higher",
+                )
+            _check_parameters(request)
+            return await handler(request)
+
+        return guarded
 
 
 def _check_parameters(request: Request) -> None:
@@ -385,64 +391,32 @@ def create_app(settings: Settings) -> FastAPI:
         title="WorkManager admin API",
         version=VERSION,
         description=__doc__,
-        responses=_errors(400, 401, 403, 503),
+        responses=_errors(400, 401, 403, 413, 503),
     )
-    app.state.services = Services(settings)
-    app.middleware("http")(_audited)
+    services = app.state.services = Services(settings)
     app.add_exception_handler(WorkManagerError, _failed)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _refused)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _crashed)
     for router in (WORKERS, EVENTS, LETTERS, SCHEDULES, OPERATIONS):
         app.include_router(router)
+    # Added last, run first: the token, then the audit entry, then the body's size.
+    app.add_middleware(gate.BodyLimit, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(gate.Audited, audit=services.manager.audit)
+    public = {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url}
+    public_paths = frozenset(p for p in (*public, "/health/live") if p)
+    app.add_middleware(gate.Gate, tokens=services.manager.tokens, public=public_paths)
     return app
-
-
-async def _audited(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    """Write every mutating call to the audit log: begun before it runs, finished after."""
-    if request.method not in MUTATING:
-        return await call_next(request)
-    svc: Services = request.app.state.services
-    audit = svc.manager.audit
-    started = time.monotonic()
-    remote = request.client.host if request.client else None
-    try:
-        entry = await run_in_threadpool(audit.begin, request.method, request.url.path, remote)
-    except WorkManagerError as exc:
-        logger.error("audit log unavailable, call refused: %s", exc)
-        detail = f"the audit log cannot be written, nothing was done: {exc}"
-        return _problem(503, detail, type(exc).__name__)
-    response = await call_next(request)
-    route = getattr(request.scope.get("route"), "path", request.url.path)
-    action = f"{request.method} {route}"
-    params = request.scope.get("path_params") or {}
-    if params:
-        action = f"{action} " + " ".join(f"{k}={v}" for k, v in params.items())
-    code = response.status_code
-    result = getattr(request.state, "result", None) or ("ok" if code < 400 else str(code))
-    try:
-        await run_in_threadpool(
-            functools.partial(
-                audit.finish,
-                entry,
-                token=getattr(request.state, "token", None),
-                action=action,
-                status_code=code,
-                result=result,
-                duration_ms=(time.monotonic() - started) * 1000,
-            )
-        )
-    except WorkManagerError as exc:  # the entry stays begun: the call is on record
-        logger.error("audit entry %s could not be completed: %s", entry, exc)
-    return response
 
 
 async def _failed(request: Request, exc: WorkManagerError) -> JSONResponse:
     request.state.result = f"{type(exc).__name__}: {exc}"
     code = _status_of(exc)
+    if isinstance(exc, Unavailable):
+        logger.error("%s %s: %s", request.method, request.url.path, exc)
+        return gate.problem(code, gate.outage(exc), type(exc).__name__)
     if code != 422:
-        return _problem(code, str(exc), type(exc).__name__)
+        return gate.problem(code, str(exc), type(exc).__name__)
     loc = ["body", "code"] if isinstance(exc, CodeSourceError | EngineLoadError) else ["body"]
     body = {"detail": [{"loc": loc, "msg": str(exc), "type": type(exc).__name__}]}
     return JSONResponse(body, status_code=422)
@@ -450,9 +424,8 @@ async def _failed(request: Request, exc: WorkManagerError) -> JSONResponse:
 
 async def _refused(request: Request, exc: HTTPException) -> JSONResponse:
     request.state.result = str(exc.detail)
-    response = _problem(exc.status_code, str(exc.detail), HTTPStatus(exc.status_code).phrase)
-    response.headers.update(exc.headers or {})
-    return response
+    phrase = HTTPStatus(exc.status_code).phrase
+    return gate.problem(exc.status_code, str(exc.detail), phrase, **(exc.headers or {}))
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -462,8 +435,11 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
     return await request_validation_exception_handler(request, exc)
 
 
-def _problem(code: int, detail: str, kind: str) -> JSONResponse:
-    return JSONResponse({"detail": detail, "type": kind}, status_code=code)
+async def _crashed(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: 500 saying only that (the traceback goes to the log, the audit entry records
+    the 500)."""
+    detail = "the API failed on this call; its log has the detail"
+    return gate.problem(500, detail, HTTPStatus(500).phrase)
 
 
 @contextmanager
@@ -479,7 +455,7 @@ def _field(*loc: str) -> Iterator[None]:
 
 # -- workers -------------------------------------------------------------------------------
 
-WORKERS = APIRouter(prefix="/v1/workers", tags=["workers"])
+WORKERS = APIRouter(prefix="/v1/workers", tags=["workers"], route_class=_Guarded)
 
 
 @WORKERS.get("", dependencies=[VIEWER])
@@ -590,7 +566,7 @@ def transitions(svc: Svc, ref: Ref) -> list[TransitionInfo]:
 
 # -- events --------------------------------------------------------------------------------
 
-EVENTS = APIRouter(prefix="/v1/events", tags=["events"])
+EVENTS = APIRouter(prefix="/v1/events", tags=["events"], route_class=_Guarded)
 
 
 @EVENTS.post("", status_code=202, dependencies=[OPERATOR])
@@ -610,7 +586,7 @@ def publish(
 
 # -- dead letters --------------------------------------------------------------------------
 
-LETTERS = APIRouter(prefix="/v1/deadletters", tags=["dead letters"])
+LETTERS = APIRouter(prefix="/v1/deadletters", tags=["dead letters"], route_class=_Guarded)
 
 
 @LETTERS.get("", dependencies=[VIEWER], response_model=list[DeadLetterOut])  # type: ignore[valid-type]
@@ -686,7 +662,7 @@ def _worker_id(svc: Services, reference: str | None, where: str) -> str | None:
 
 # -- schedules -----------------------------------------------------------------------------
 
-SCHEDULES = APIRouter(prefix="/v1/schedules", tags=["schedules"])
+SCHEDULES = APIRouter(prefix="/v1/schedules", tags=["schedules"], route_class=_Guarded)
 
 
 @SCHEDULES.get("", dependencies=[VIEWER], responses=_errors(404))
@@ -714,7 +690,7 @@ def remove_schedule(svc: Svc, schedule_id: str) -> Purged:
 
 # -- health, identity, audit ---------------------------------------------------------------
 
-OPERATIONS = APIRouter()
+OPERATIONS = APIRouter(route_class=_Guarded)
 
 
 @OPERATIONS.get("/health/live", tags=["health"])
@@ -725,12 +701,18 @@ def live() -> dict[str, str]:
 
 @OPERATIONS.get("/v1/health", tags=["health"], dependencies=[VIEWER])
 def api_health(svc: Svc, response: Response) -> Health:
-    """Whether this server reaches the broker, Redis and the database (503 if not)."""
+    """Whether this server reaches the broker, Redis and the database (503 if not). The
+    answer names no URL or host (the server's log has each failure in full)."""
     checks, reasons = health.dependency_checks(svc.settings)
-    if reasons:
+    for reason in reasons:
+        logger.error("health check: %s", reason)
+    shown = {name: {"ok": check["ok"]} for name, check in checks.items()}
+    failed = [name for name, check in checks.items() if not check["ok"]]
+    if failed:
         response.status_code = 503
-    status: Literal["healthy", "unhealthy"] = "unhealthy" if reasons else "healthy"
-    return Health(status=status, reasons=reasons, checks=checks, version=VERSION)
+    status: Literal["healthy", "unhealthy"] = "unhealthy" if failed else "healthy"
+    reasons = [f"{name} unreachable from the API server" for name in failed]
+    return Health(status=status, reasons=reasons, checks=shown, version=VERSION)
 
 
 @OPERATIONS.get("/v1/status", tags=["health"], dependencies=[VIEWER], responses=_errors(503))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
@@ -44,7 +45,7 @@ from wm import store
 from wm.config import Settings, masked
 from wm.dataplane.node import STATE
 from wm.engine import engine_facts
-from wm.errors import ConfigurationError, NodeUnavailable
+from wm.errors import ConfigurationError, InvalidArgument, NodeUnavailable
 from wm.ops import metrics
 from wm.state.connection import pooled_client
 from wm.state.nodehealth import EngineFailures
@@ -203,6 +204,7 @@ class HealthServer(bootsteps.StartStopStep):
 
 def fetch(url: str) -> tuple[int, dict[str, Any]]:
     """``GET url`` of a node's health endpoint: (HTTP status, JSON body)."""
+    _check_url(url)
     try:
         with urllib.request.urlopen(url, timeout=3 * CHECK_TIMEOUT_S * len(CHECKS)) as reply:
             return int(reply.status), json.loads(reply.read())
@@ -213,3 +215,15 @@ def fetch(url: str) -> tuple[int, dict[str, Any]]:
         raise NodeUnavailable(
             f"no health answer from {url}: {reason}; is the node running with WM_HEALTH_PORT set?"
         ) from exc
+
+
+def _check_url(url: str) -> None:
+    """Refuse what is no http(s) URL with a host and a numeric port, naming what is wrong."""
+    expected = "expected http://HOST:PORT/health"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- reading it checks it
+    except ValueError as exc:
+        raise InvalidArgument(f"--node {url}: {exc}; {expected}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgument(f"--node {url} is not an http:// URL; {expected}")

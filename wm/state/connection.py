@@ -111,6 +111,34 @@ def _connect_state(url: str) -> StateRedis:
     )
 
 
+#: Why a Redis Cluster cannot be the broker, and what to use instead.
+CLUSTER_BROKER = (
+    "is a node of a Redis Cluster, and Redis Cluster is not supported as a broker (kombu "
+    "keeps a queue's messages, its unacknowledged deliveries and the ready list under keys "
+    "of different slots); point WM_BROKER_URL at a single Redis server or RabbitMQ "
+    "(WM_REDIS_URL may stay on the cluster)"
+)
+
+
+def refuse_cluster_broker(client: redis.Redis, where: str) -> None:
+    """Raise :class:`ConfigurationError` when the broker's server is a Redis Cluster node
+    (one ``INFO cluster``; a server that refuses INFO is taken as it comes, and a MOVED
+    later says what it is)."""
+    try:
+        enabled = int(client.info("cluster").get("cluster_enabled", 0))
+    except redis.ResponseError:
+        return
+    if enabled:
+        raise ConfigurationError(f"WM_BROKER_URL ({where}) {CLUSTER_BROKER}")
+
+
+def cluster_refusal(exc: BaseException) -> bool:
+    """Whether a Redis error says the server is a cluster node (MOVED, or SELECT of a
+    database other than 0)."""
+    text = str(exc)
+    return isinstance(exc, MovedError) or ("SELECT" in text and "cluster" in text)
+
+
 def queue_eval(pipe: StatePipeline, script: str, keys: list[str], *args: Any) -> None:
     """Queue a Lua script in ``pipe``; a cluster pipeline sends it to the node of its keys'
     slot (redis-py's cluster pipeline has no ``eval`` method, so the command is spelt out)."""

@@ -52,13 +52,28 @@ def _url_errors(url: str) -> Iterator[None]:
         raise ConfigurationError(f"{where} names no database WorkManager can use ({exc})") from exc
     except ImportError as exc:
         raise MissingDependency(
-            f"{where} needs the driver module {exc.name!r}, which is not installed: install it, "
-            "or use postgresql+psycopg:// or sqlite:///"
+            f"{where} needs the driver module {exc.name!r}, which is not installed: "
+            f"{_install_hint(url, exc.name)}"
         ) from exc
     except OSError as exc:
         raise ConfigurationError(
             f"{where}: the SQLite file's directory cannot be made ({exc}); fix the setting"
         ) from exc
+
+
+#: The driver WorkManager's ``[postgres]`` extra installs, and its URL scheme.
+_POSTGRES_DRIVER, _POSTGRES_SCHEME = "psycopg", "postgresql+psycopg://"
+
+
+def _install_hint(url: str, module: str | None) -> str:
+    if not url.startswith("postgres"):
+        return f"install it, or use {_POSTGRES_SCHEME} or sqlite:///"
+    if module == _POSTGRES_DRIVER:
+        return "pip install 'workmanager[postgres]' installs it"
+    return (
+        f"install it, or use {_POSTGRES_SCHEME}, whose driver pip install "
+        "'workmanager[postgres]' installs"
+    )
 
 
 def _create_engine(url: str) -> Engine:
