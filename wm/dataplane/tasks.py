@@ -4,7 +4,9 @@
 Every path ends in exactly one of: success (ack), a resend with a delay (a new message, then
 ack: a retry after a failure, or a wait for a lock that uses up no attempt), a dead letter
 (stored, then ack), or a requeue (reject) when the platform itself (Redis, database) is
-unavailable or a feature keeps the message for later — so no message is ever dropped.
+unavailable or a feature keeps the message for later — so no message is ever dropped. A
+message of another shape is parked as ``MalformedMessage``; one that keeps being requeued
+for ``WM_REQUEUE_LIMIT_S`` is parked as ``RequeueLimitExceeded`` (``wm.state.requeues``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
 from wm.state.requeues import Requeues
-from wm.text import storable
 
 __all__ = ["PIPELINE", "breaker_retry", "deliver", "echo", "noop", "reset_runtime", "start_due"]
 
@@ -132,7 +133,7 @@ class _Message:
             self.worker_id, self.payload, self.state = _arguments(args, kwargs)
         except MalformedMessage as exc:
             self.malformed, self.worker_id, self.state = exc, "", DeliveryState()
-            self.payload = storable(json.dumps([args, kwargs], default=repr))
+            self.payload = json.dumps([args, kwargs], default=repr)  # its body, as JSON
         self.number = max(1, self.resends - self.state.lock_waits + 1)
 
     def failure(
@@ -163,6 +164,7 @@ def _shape(
 
 
 _SHAPE = inspect.signature(_shape)
+_SHAPE_SHOWN = "(worker_id, payload, state=None)"
 
 
 def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, DeliveryState]:
@@ -179,7 +181,7 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str,
             raise InvalidArgument(f"worker_id must be a worker's id, not {worker_id!r:.60}")
         return worker_id, payload, DeliveryState.read(given.get("state"), given.get("legacy", {}))
     except (TypeError, InvalidArgument) as exc:
-        raise MalformedMessage(f"not a {DELIVER_TASK}{_SHAPE} message: {exc}") from exc
+        raise MalformedMessage(f"not a {DELIVER_TASK}{_SHAPE_SHOWN} message: {exc}") from exc
 
 
 def _is_uuid(text: str) -> bool:
