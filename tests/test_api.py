@@ -620,3 +620,25 @@ def _fuzz_once(api: Api, case: Any) -> None:
 
 def _bearer(api: Api, role: Role) -> dict[str, str]:
     return {"Authorization": f"Bearer {api.tokens[role]}"}
+
+
+def test_a_lone_surrogate_in_a_request_gets_a_clear_answer_and_a_finished_audit_row(
+    api: Api,
+) -> None:
+    """A lone surrogate in a request's JSON once ended in a 500 (the 422 that echoed it could
+    not be encoded) and left its audit row unfinished."""
+    admin = api.client(Role.ADMIN)
+    lone = '"\\udcff"'  # JSON's escape of a lone surrogate
+    bodies = {
+        "/v1/workers": f'{{"topic": {lone}, "mime_type": "{STUB}", "code": "{{}}"}}',
+        "/v1/events": f'{{"type": "in", "source": "/t", "id": {lone}}}',
+    }
+    for path, body in bodies.items():
+        reply = admin.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert reply.status_code == 422, reply.text
+        assert "\\udcff" in reply.text
+    data = f'{{"type": "in", "source": "/t", "data": {{"x": {lone}}}}}'
+    published = admin.post("/v1/events", content=data, headers={"Content-Type": "application/json"})
+    assert published.status_code == 202, published.text
+    audit = admin.get("/v1/audit").json()
+    assert audit and all(entry["status_code"] is not None for entry in audit)

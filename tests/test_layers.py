@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Floor of each module, by longest matching prefix; a module imports only from floors <= its own.
 FLOORS = {
     "wm.errors": 0,
+    "wm.text": 0,
     "wm.config": 1,
     "wm.events": 1,
     "wm.lifecycle": 1,

@@ -49,6 +49,13 @@ def _parse_float(raw: str) -> float:
     return value
 
 
+def _parse_positive_float(raw: str) -> float:
+    value = float(raw.strip())
+    if not value > 0:
+        raise ValueError("expected a positive number")
+    return value
+
+
 def _parse_port(raw: str) -> int:
     value = int(raw.strip())
     if not 0 <= value <= 65535:
@@ -385,6 +392,13 @@ class Settings:
         3600.0,
         _parse_float,
         "A delivery still pending after this is sent again (covers messages a broker lost).",
+    )
+    requeue_limit_s: float = _setting(
+        "WM_REQUEUE_LIMIT_S",
+        300.0,
+        _parse_positive_float,
+        "A message that keeps going back to its queue (the platform unavailable, its worker "
+        "paused) for this long, with no break as long, is dead-lettered naming the cause.",
     )
     outcome_ttl_s: int = _setting(
         "WM_OUTCOME_TTL_S",

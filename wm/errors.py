@@ -277,6 +277,14 @@ class MalformedMessage(DeliveryFailed):
     retryable = False
 
 
+class RequeueLimitExceeded(DeliveryFailed):
+    """Raised when a message went back to its queue unsettled (the platform unavailable, a
+    failure no one could judge) for longer than WM_REQUEUE_LIMIT_S: it is parked, naming the
+    last cause, instead of looping for ever."""
+
+    retryable = False
+
+
 class DeadLettered(DeliveryFailed):
     """Raised by the consumer task once it parked its message as a dead letter, so Celery
     and Flower see the delivery fail (the message is acknowledged: the dead letter holds it).

@@ -6,6 +6,7 @@ JSON mode; binary ``data`` is base64-encoded into ``data_base64`` as the spec re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -125,7 +126,7 @@ def decode(raw: str | bytes | Mapping[str, Any]) -> CloudEvent:
 def event_key(source: str, event_id: str) -> str:
     """What identifies an event: CloudEvents makes ``source`` + ``id`` unique, not ``id``
     alone, so two producers that both number their events from 1 never collide."""
-    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{source}\x00{event_id}"))
+    return _uuid5(f"{source}\x00{event_id}")
 
 
 def payload_key(payload: str) -> str | None:
@@ -168,10 +169,19 @@ def key_of(event: CloudEvent) -> str:
     return event_key(event.get_source(), event.get_id())
 
 
+def _uuid5(name: str) -> str:
+    """``uuid.uuid5`` in the namespace of WorkManager's ids, for any text: a lone surrogate
+    (which ``uuid5`` cannot encode) is hashed as its own code point, so ids that differ only
+    there still get different keys; valid text gets ``uuid5``'s id."""
+    raw = name.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha1(_OUTPUT_ID_NAMESPACE.bytes + raw, usedforsecurity=False).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=5))
+
+
 def derive_id(input_key: str, worker_id: str, index: int) -> str:
     """Deterministic output id: the same input (its key), worker and position give the
     same id."""
-    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{input_key}\x00{worker_id}\x00{index}"))
+    return _uuid5(f"{input_key}\x00{worker_id}\x00{index}")
 
 
 def lifecycle_event(

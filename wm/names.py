@@ -21,8 +21,9 @@ DEAD_SUFFIX = "-dead"
 SEPARATOR = "::"
 #: Topics only WorkManager itself publishes to; a worker's output may not name them.
 RESERVED_PREFIXES = ("workmanager.", "com.virtufin.workmanager.")
-#: Unicode categories refused in names: control, format, line and paragraph separators.
-_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+#: Unicode categories refused in names: control, format, line and paragraph separators, and
+#: lone surrogates (no UTF-8 encoder takes them).
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 
 
 def check_name(kind: str, value: object) -> str:
@@ -30,16 +31,17 @@ def check_name(kind: str, value: object) -> str:
     otherwise :class:`InvalidArgument` naming the rule it breaks."""
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgument(f"{kind} must be a non-empty string, not {value!r}")
+    refused = next((c for c in value if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    if refused is not None:
+        what = "a lone surrogate" if unicodedata.category(refused) == "Cs" else "control character"
+        raise InvalidArgument(
+            f"{kind} {value[:60]!r} contains the {what} {refused!r}; names are printable text"
+        )
     size = len(value.removesuffix(DEAD_SUFFIX).encode("utf-8"))
     if size > MAX_NAME_BYTES:
         raise InvalidArgument(
             f"{kind} {value[:40]!r}... is {size} bytes long; the limit is {MAX_NAME_BYTES} "
             "bytes of UTF-8"
-        )
-    refused = next((c for c in value if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
-    if refused is not None:
-        raise InvalidArgument(
-            f"{kind} {value!r} contains the control character {refused!r}; names are printable text"
         )
     if SEPARATOR in value:
         raise InvalidArgument(

@@ -9,18 +9,15 @@ message goes back to its queue for a later try.
 
 from __future__ import annotations
 
-import base64
 import logging
-import uuid
 from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 
 from wm.config import Settings
 from wm.dataplane.bus import Bus
-from wm.dataplane.deadletters import DeadLetters, Failure
-from wm.errors import MalformedMessage, WorkManagerError
-from wm.names import SEPARATOR
+from wm.dataplane.deadletters import DeadLetters, malformed
+from wm.errors import WorkManagerError
 
 logger = logging.getLogger(__name__)
 
@@ -52,34 +49,3 @@ class Consumer(CeleryConsumer):
             message.reject(requeue=True)
             return
         message.ack()
-
-
-def malformed(queue: str, body: Any, content_type: str | None, reason: str) -> Failure:
-    """The dead letter of a message of ``queue`` that is no delivery."""
-    topic, _, tail = queue.rpartition(SEPARATOR)
-    try:
-        worker_id: str | None = str(uuid.UUID(tail))
-    except ValueError:
-        topic, worker_id = queue, None
-    error = MalformedMessage(f"{reason} (content type {content_type!r}, queue {queue!r})")
-    return Failure(
-        topic=topic,
-        worker_id=worker_id,
-        envelope=_text(body),
-        key=None,
-        event_id=None,
-        error_type=type(error).__name__,
-        error_message=str(error),
-        attempts=1,
-    )
-
-
-def _text(body: Any) -> str:
-    """The body as text; bytes that are not UTF-8 as ``base64:`` and their encoding."""
-    if isinstance(body, str):
-        return body
-    raw = body if isinstance(body, bytes) else repr(body).encode()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(raw).decode("ascii")

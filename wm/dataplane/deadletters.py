@@ -4,6 +4,7 @@ the ``<topic>-dead`` topic for alerting and sinks."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import uuid
@@ -14,11 +15,12 @@ from typing import Any
 from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus
-from wm.errors import StoreUnavailable
+from wm.errors import MalformedMessage, StoreUnavailable
 from wm.events import make_event
-from wm.names import DEAD_SUFFIX
+from wm.names import DEAD_SUFFIX, SEPARATOR
 from wm.state.ledger import Ledger
 from wm.store.models import DeadLetter
+from wm.text import storable
 
 logger = logging.getLogger(__name__)
 DEAD_LETTER_TYPE = "com.virtufin.workmanager.deadletter"
@@ -57,23 +59,15 @@ class Failure:
         return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
     def storable(self, *, envelope_chars: int | None = None) -> Failure:
-        """A copy every database accepts: no NUL characters (PostgreSQL's text type refuses
-        them, and a worker's error message may hold any), bounded text columns."""
+        """A copy every database and log accepts (``wm.text.storable``: a worker's error
+        message may hold anything), with bounded text columns."""
         return replace(
             self,
-            envelope=_storable(self.envelope, envelope_chars),
-            event_id=_storable(self.event_id, _SHORT_TEXT_CHARS) if self.event_id else None,
-            error_type=_storable(self.error_type, _SHORT_TEXT_CHARS),
-            error_message=_storable(self.error_message, MAX_ERROR_MESSAGE_CHARS),
+            envelope=storable(self.envelope, envelope_chars),
+            event_id=storable(self.event_id, _SHORT_TEXT_CHARS) if self.event_id else None,
+            error_type=storable(self.error_type, _SHORT_TEXT_CHARS),
+            error_message=storable(self.error_message, MAX_ERROR_MESSAGE_CHARS),
         )
-
-
-def _storable(text: str, limit: int | None) -> str:
-    text = text.replace("\x00", "\\x00")
-    if limit is None or len(text) <= limit:
-        return text
-    keep = max(0, limit - 40)  # room for the marker
-    return f"{text[:keep]} [cut {len(text) - keep} characters]"
 
 
 class DeadLetters:
@@ -145,3 +139,34 @@ class DeadLetters:
             id=f"{letter_id}-{failure.attempts}",
             subject=failure.worker_id or failure.topic,
         )
+
+
+def malformed(queue: str, body: Any, content_type: str | None, reason: str) -> Failure:
+    """The dead letter of a message of ``queue`` that is no delivery."""
+    topic, _, tail = queue.rpartition(SEPARATOR)
+    try:
+        worker_id: str | None = str(uuid.UUID(tail))
+    except ValueError:
+        topic, worker_id = queue, None
+    error = MalformedMessage(f"{reason} (content type {content_type!r}, queue {queue!r})")
+    return Failure(
+        topic=topic,
+        worker_id=worker_id,
+        envelope=_text(body),
+        key=None,
+        event_id=None,
+        error_type=type(error).__name__,
+        error_message=str(error),
+        attempts=1,
+    )
+
+
+def _text(body: Any) -> str:
+    """The body as text; bytes that are not UTF-8 as ``base64:`` and their encoding."""
+    if isinstance(body, str):
+        return body
+    raw = body if isinstance(body, bytes) else repr(body).encode()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(raw).decode("ascii")

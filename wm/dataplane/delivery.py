@@ -35,6 +35,7 @@ from wm.state.connection import StatePipeline
 from wm.state.directory import WorkerMeta
 from wm.state.ledger import Settlement
 from wm.state.locks import Lease
+from wm.text import storable
 from wm.workersettings import OUTPUT_TOPICS, WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -249,8 +250,8 @@ class Delivery:
             "group": self.meta.group,
             "topic": self.meta.topic,
             "version": self.version,
-            "error_type": error_type,
-            "error_message": error_message,
+            "error_type": storable(error_type),
+            "error_message": storable(error_message),
             "event_id": self.event.get_id(),
             "attempt": self.attempt,
         }

@@ -18,9 +18,14 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar, Token
 from types import MappingProxyType
 
+from wm.text import storable
+
 #: The fields a delivery binds, as record attributes: the worker's name (its id when it has
 #: none) and id, the event's id and ``correlationid``, the worker's topic, the attempt (1…).
 FIELDS = ("worker", "worker_id", "event_id", "correlation_id", "topic", "attempt")
+
+#: Longest field value a record carries (an event id may be anything a publisher chose).
+FIELD_CHARS = 256
 
 #: The event extension that carries the correlation id (the DevKit copies it to outputs).
 CORRELATION_EXTENSION = "correlationid"
@@ -41,7 +46,11 @@ def bind(**fields: object) -> None:
     field bound with nothing to end it would stick to every later line."""
     bound = _fields.get()
     if bound is not None:
-        bound.update((name, value) for name, value in fields.items() if value is not None)
+        bound.update(
+            (name, storable(value, FIELD_CHARS) if isinstance(value, str) else value)
+            for name, value in fields.items()
+            if value is not None
+        )
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -19,6 +20,8 @@ from wm.errors import InvalidArgument
 FORMAT = 2
 #: The keyword argument that carries the state in format 2.
 STATE_KWARG = "state"
+#: The fields that hold a ``time.time()``.
+_TIMES = frozenset({"first_failure_at", "waiting_since"})
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,19 @@ class DeliveryState:
         unknown = sorted(set(given) - names)
         if unknown:
             raise InvalidArgument(f"unknown delivery state {', '.join(unknown)}")
+        given = {k: v for k, v in given.items() if v is not None}
+        for name, value in given.items():
+            _check(name, value)
         return cls(**given)
+
+
+def _check(name: str, value: Any) -> None:
+    """Refuse a state field that is not what this release writes (a finite number; a whole
+    one but for the two times), rather than fail on it later at every run."""
+    kinds = (int, float) if name in _TIMES else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        expected = "a number" if name in _TIMES else "a whole number"
+        raise InvalidArgument(f"delivery state {name} must be {expected}, not {value!r:.40}")
 
 
 def numbered(kwargs: Mapping[str, Any] | None, seq: int) -> dict[str, Any]:

@@ -4,13 +4,18 @@
 Every path ends in exactly one of: success (ack), a resend with a delay (a new message, then
 ack: a retry after a failure, or a wait for a lock that uses up no attempt), a dead letter
 (stored, then ack), or a requeue (reject) when the platform itself (Redis, database) is
-unavailable or a feature keeps the message for later — so no message is ever dropped.
+unavailable or a feature keeps the message for later — so no message is ever dropped. A
+message of another shape is parked as ``MalformedMessage``; one that keeps being requeued
+for ``WM_REQUEUE_LIMIT_S`` is parked as ``RequeueLimitExceeded`` (``wm.state.requeues``).
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import time
+import uuid
 from typing import Any, NoReturn
 
 from celery import Task, shared_task
@@ -18,7 +23,7 @@ from celery.exceptions import Reject, Retry
 
 from wm.dataplane import logcontext, pending
 from wm.dataplane.bus import send_plain
-from wm.dataplane.deadletters import Failure
+from wm.dataplane.deadletters import Failure, malformed
 from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery
 from wm.dataplane.features import FEATURES
 from wm.dataplane.message import DeliveryState
@@ -29,17 +34,24 @@ from wm.dataplane.verdicts import Park, Requeue, Resend, Verdict
 from wm.errors import (
     DeadLettered,
     EventDecodeError,
+    InvalidArgument,
+    MalformedMessage,
+    RequeueLimitExceeded,
     Unavailable,
     WorkerNotFound,
 )
 from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
+from wm.state.requeues import Requeues
 
 __all__ = ["PIPELINE", "breaker_retry", "deliver", "echo", "noop", "reset_runtime", "start_due"]
 
 logger = logging.getLogger(__name__)
 PIPELINE = Pipeline(FEATURES)
+#: Requeues a message has at least before WM_REQUEUE_LIMIT_S parks it: one requeued a few
+#: times, far apart, is no loop.
+MIN_REQUEUES = 10
 
 
 @shared_task(
@@ -50,55 +62,86 @@ PIPELINE = Pipeline(FEATURES)
     max_retries=None,
     throws=(DeadLettered,),  # an expected end: logged without a traceback
 )
-def deliver(
-    self: Task,
-    worker_id: str,
-    payload: str,
-    state: dict[str, Any] | None = None,
-    **legacy: Any,
-) -> None:
-    """Deliver ``payload`` to ``worker_id``. ``state``: the delivery's state across its runs
-    (``wm.dataplane.message``); ``legacy``: the same, as release 0.1 sent it."""
+def deliver(self: Task, *args: Any, **kwargs: Any) -> None:
+    """Deliver an event to a worker: ``(worker_id, payload, state=None, **legacy)``, where
+    ``state`` is the delivery's state across its runs (``wm.dataplane.message``) and
+    ``legacy`` the same as release 0.1 sent it. A message of any other shape is parked as
+    ``MalformedMessage``: Celery would drop it (a missing argument) or fail it for ever."""
     rt = runtime(self)
-    with logcontext.scope(worker_id=worker_id):
+    message = _Message(self, args, kwargs)
+    with logcontext.scope(worker_id=message.worker_id or None):
         try:
-            _deliver(self, rt, worker_id, payload, DeliveryState.read(state, legacy))
+            _deliver(self, rt, message)
         except (Retry, DeadLettered):
             raise
+        except Requeue as verdict:
+            _requeue(self, rt, message, verdict)
         except Reject as exc:
-            if exc.requeue:
-                raise
             # Celery turns a retry it could not publish into a dropping Reject: keep the message.
-            time.sleep(REQUEUE_PAUSE_S)
-            raise Reject(str(exc.reason), requeue=True) from exc
+            _requeue(self, rt, message, Requeue(str(exc.reason), pause=True))
         except Unavailable as exc:
-            logger.error("platform unavailable, requeueing delivery to %s: %s", worker_id, exc)
-            time.sleep(REQUEUE_PAUSE_S)
-            raise Reject(str(exc), requeue=True) from exc
+            logger.error(
+                "platform unavailable, requeueing delivery to %s: %s", message.worker_id, exc
+            )
+            _requeue(self, rt, message, Requeue(f"{type(exc).__name__}: {exc}", pause=True))
         except Exception as exc:
             # Never acknowledge a message this task could not settle: requeue it.
-            logger.exception("unexpected failure delivering to %s; requeueing", worker_id)
-            time.sleep(REQUEUE_PAUSE_S)
-            raise Reject(str(exc), requeue=True) from exc
+            logger.exception("unexpected failure delivering to %s; requeueing", message.worker_id)
+            _requeue(self, rt, message, Requeue(f"{type(exc).__name__}: {exc}", pause=True))
 
 
-def _deliver(task: Task, rt: Runtime, worker_id: str, payload: str, state: DeliveryState) -> None:
-    number = max(1, int(task.request.retries or 0) - state.lock_waits + 1)
-    logcontext.bind(attempt=number)
-    delivery = _delivery(task, rt, _Message(worker_id, payload, state, number))
+def _deliver(task: Task, rt: Runtime, message: _Message) -> None:
+    if message.malformed is not None:
+        _park(rt, message.failure(message.malformed, None))
+    logcontext.bind(attempt=message.number)
+    delivery = _delivery(task, rt, message)
     _carry_out(task, delivery, PIPELINE.run(delivery))
 
 
-class _Message:
-    """A ``wm.deliver`` message as read, before its event is decoded."""
+def _requeue(task: Task, rt: Runtime, message: _Message, verdict: Requeue) -> NoReturn:
+    """Give the message back to its queue, unless it has gone back again and again for
+    WM_REQUEUE_LIMIT_S (``wm.state.requeues``): then it is parked, naming the last cause."""
+    try:
+        requeued = Requeues(rt.settings).count(str(task.request.id), message.resends)
+        looping_s, limit_s = requeued.looping_s(time.time()), rt.settings.requeue_limit_s
+        if requeued.times >= MIN_REQUEUES and looping_s >= limit_s:
+            error = RequeueLimitExceeded(
+                f"the message went back to its queue {requeued.times} times in "
+                f"{looping_s:.0f} s (WM_REQUEUE_LIMIT_S={limit_s:g}); last cause: {verdict}"
+            )
+            _park(rt, message.failure(error, rt.directory.get(message.worker_id)))
+    except Unavailable as exc:  # neither counted nor parked: the outage itself bounds the loop
+        logger.warning(
+            "could not count a requeue of the delivery to %s: %s", message.worker_id, exc
+        )
+    if verdict.pause:
+        time.sleep(REQUEUE_PAUSE_S)
+    raise Reject(verdict.reason, requeue=True)
 
-    def __init__(self, worker_id: str, payload: str, state: DeliveryState, number: int) -> None:
-        self.worker_id, self.payload, self.state, self.number = worker_id, payload, state, number
+
+class _Message:
+    """A ``wm.deliver`` message as read, before its event is decoded. One of another shape
+    keeps its arguments as its bytes, and what is wrong with it (``malformed``)."""
+
+    def __init__(self, task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        request = task.request
+        self.queue = str((request.delivery_info or {}).get("routing_key") or "unknown")
+        #: how often it was sent again (a retry, a wait): its number among its messages
+        self.resends = int(request.retries or 0)
+        self.malformed: MalformedMessage | None = None
+        try:
+            self.worker_id, self.payload, self.state = _arguments(args, kwargs)
+        except MalformedMessage as exc:
+            self.malformed, self.worker_id, self.state = exc, "", DeliveryState()
+            self.payload = json.dumps([args, kwargs], default=repr)  # its body, as JSON
+        self.number = max(1, self.resends - self.state.lock_waits + 1)
 
     def failure(
         self, exc: Exception, meta: WorkerMeta | None, event: CloudEvent | None = None
     ) -> Failure:
         """What parking it before the pipeline records."""
+        if self.malformed is not None:
+            return malformed(self.queue, self.payload, "application/json", str(exc))
         return Failure(
             topic=meta.topic if meta else "unknown",
             worker_id=self.worker_id,
@@ -112,6 +155,41 @@ class _Message:
             sha256=meta.sha256 if meta else None,
             first_failure_at=self.state.first_failure_at,
         )
+
+
+def _shape(
+    worker_id: str, payload: str, state: dict[str, Any] | None = None, **legacy: Any
+) -> None:
+    """The arguments of a ``wm.deliver`` message."""
+
+
+_SHAPE = inspect.signature(_shape)
+_SHAPE_SHOWN = "(worker_id, payload, state=None)"
+
+
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, DeliveryState]:
+    """(worker id, payload, state) of a message; raises ``MalformedMessage`` naming what
+    does not fit."""
+    try:
+        given = _SHAPE.bind(*args, **kwargs).arguments
+        worker_id, payload = given["worker_id"], given["payload"]
+        if not isinstance(payload, str):
+            raise InvalidArgument(
+                f"payload must be an encoded event (a string), not {payload!r:.40}"
+            )
+        if not isinstance(worker_id, str) or not _is_uuid(worker_id):
+            raise InvalidArgument(f"worker_id must be a worker's id, not {worker_id!r:.60}")
+        return worker_id, payload, DeliveryState.read(given.get("state"), given.get("legacy", {}))
+    except (TypeError, InvalidArgument) as exc:
+        raise MalformedMessage(f"not a {DELIVER_TASK}{_SHAPE_SHOWN} message: {exc}") from exc
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
@@ -129,8 +207,7 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
         _park(rt, message.failure(error, meta, event))
     if meta.status != Status.RUNNING:
-        time.sleep(REQUEUE_PAUSE_S)
-        raise Reject(f"worker {worker_id} is {meta.status}; message requeued", requeue=True)
+        raise Requeue(f"worker {worker_id} is {meta.status}; message requeued", pause=True)
     request = task.request
     return Delivery(
         rt,
@@ -159,9 +236,7 @@ def _carry_out(task: Task, delivery: Delivery, verdict: Verdict) -> None:
     if isinstance(verdict, Park):  # stored by the pipeline already
         raise DeadLettered(_dead_lettered(verdict.failure))
     if isinstance(verdict, Requeue):
-        if verdict.pause:
-            time.sleep(REQUEUE_PAUSE_S)
-        raise Reject(verdict.reason, requeue=True)
+        raise verdict
     if isinstance(verdict, Resend):
         attempt = delivery.attempt + 1 if verdict.counts else delivery.attempt
         raise task.retry(

@@ -60,6 +60,7 @@ from wm.state.connection import refuse_cluster_broker
 RAW_CONTENT_TYPE = "application/octet-stream"
 #: Keys every kombu message has; an item without them is raw input.
 _MESSAGE_KEYS = frozenset({"body", "headers", "properties"})
+_DELIVERY_INFO_KEYS = frozenset({"exchange", "routing_key"})
 #: Priorities a kombu message may carry: kombu clamps them to 0..9 (``max_priority``).
 PRIORITIES = range(10)
 #: Messages one merge script moves at most, so a long list never blocks Redis for long.
@@ -411,10 +412,32 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
     def _deliver(self, message: Any, queue: str) -> None:
-        """Valid JSON that is not a kombu message is raw input too."""
-        if self.channels and not (isinstance(message, dict) and message.keys() >= _MESSAGE_KEYS):
+        """Valid JSON that is not a kombu message is raw input too, and so is one shaped
+        like it that kombu cannot take (no delivery tag: kombu's consumer failed on it after
+        it was popped, reset, and the message was gone)."""
+        if self.channels and not is_kombu_message(self.channels[-1], message):
             message = raw_message(self.channels[-1], json.dumps(message).encode(), queue)
         super()._deliver(message, queue)
+
+
+def is_kombu_message(channel: Any, message: Any) -> bool:
+    """Whether kombu can consume, acknowledge and restore ``message``: its keys, a delivery
+    tag and where it was delivered, and a body it can decode."""
+    if not (isinstance(message, dict) and message.keys() >= _MESSAGE_KEYS):
+        return False
+    properties = message["properties"]
+    if not isinstance(properties, dict) or not isinstance(message["headers"], dict | None):
+        return False
+    info = properties.get("delivery_info")
+    if not isinstance(properties.get("delivery_tag"), str) or not isinstance(info, dict):
+        return False
+    if not info.keys() >= _DELIVERY_INFO_KEYS:  # what acknowledging and restoring it read
+        return False
+    try:
+        channel.Message(message, channel=channel)
+    except Exception:  # a body it cannot decode, a field of the wrong type
+        return False
+    return True
 
 
 def raw_message(channel: Any, raw: bytes, queue: str) -> dict[str, Any]:

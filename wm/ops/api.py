@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal, get_type_hints
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response, Security
 from fastapi.dependencies.models import Dependant
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -66,6 +66,7 @@ from wm.lifecycle import Status
 from wm.manager import WorkManager
 from wm.names import check_name
 from wm.ops import gate, health
+from wm.text import storable, storable_data
 from wm.views import (
     AuditInfo,
     DeadLetterInfo,
@@ -111,6 +112,8 @@ def _no_nul(value: Any) -> Any:
     texts = value if isinstance(value, list) else [value]
     if any(isinstance(t, str) and "\x00" in t for t in texts):
         raise ValueError("must not contain NUL (\\x00)")
+    if any(isinstance(t, str) and storable(t, None) != t for t in texts):
+        raise ValueError("must be Unicode text: a lone surrogate (such as \\udcff) is none")
     return value
 
 
@@ -432,7 +435,8 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
     request.state.result = "; ".join(
         f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()
     )
-    return await request_validation_exception_handler(request, exc)
+    # what it echoes may be text no encoder takes (a lone surrogate): made storable
+    return JSONResponse({"detail": storable_data(jsonable_encoder(exc.errors()))}, 422)
 
 
 async def _crashed(request: Request, exc: Exception) -> JSONResponse:

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wm.control.access import Audit, Tokens
 from wm.errors import BrokerUnavailable, StoreUnavailable, Unavailable, WorkManagerError
+from wm.text import storable
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ SERVICES: dict[type[Unavailable], str] = {
 
 def problem(code: int, detail: str, kind: str, **headers: str) -> JSONResponse:
     """An error answer of the API: ``{"detail": …, "type": …}``."""
-    return JSONResponse({"detail": detail, "type": kind}, status_code=code, headers=headers)
+    body = {"detail": storable(detail), "type": kind}
+    return JSONResponse(body, status_code=code, headers=headers)
 
 
 def outage(exc: Unavailable) -> str:

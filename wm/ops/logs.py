@@ -22,6 +22,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 from wm.dataplane import logcontext
 from wm.errors import ConfigurationError
+from wm.text import storable
 
 if TYPE_CHECKING:
     from wm.config import Settings
@@ -36,6 +37,8 @@ OWN_LOGGERS = ("wm", "engines")
 JSON_FIELDS = ("levelname", "name", "processName", "message")
 JSON_NAMES = {"levelname": "level", "name": "logger", "processName": "process"}
 TIME_FIELD = "time"
+#: Longest message a log line keeps (characters); the rest is cut, and says so.
+MAX_LOG_MESSAGE_CHARS = 16384
 #: Delivery fields shown in a text line, with their labels there.
 TEXT_FIELDS = {
     "worker": "worker",
@@ -101,7 +104,20 @@ class DeliveryFields(logging.Filter):
         for name, value in logcontext.current().items():
             if not hasattr(record, name):
                 setattr(record, name, value)
+        _make_storable(record)
         return True
+
+
+def _make_storable(record: logging.LogRecord) -> None:
+    """The record's message as a line every log stream accepts, bounded (``wm.text``): an
+    error text may hold lone surrogates, NUL or megabytes."""
+    try:
+        message = record.getMessage()
+    except (TypeError, ValueError):  # logging reports a malformed call itself, in emit
+        return
+    line = storable(message, MAX_LOG_MESSAGE_CHARS)
+    if line != message:
+        record.msg, record.args = line, None
 
 
 class TaskFields(logging.Filter):

@@ -19,10 +19,14 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     Uuid,
     text,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from wm.text import MAX_TEXT_CHARS, storable
 
 _NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -35,6 +39,38 @@ _NAMING = {
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class FreeText(TypeDecorator[str]):
+    """A ``TEXT`` column of text from outside (error messages, reasons, request paths,
+    envelopes): made :func:`~wm.text.storable` on the way in, so no value can fail its
+    write (and be retried for ever), bounded by ``limit`` (None: a whole message, kept as
+    it came)."""
+
+    impl = Text
+    cache_ok = True
+
+    def __init__(self, *, limit: int | None = MAX_TEXT_CHARS) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else storable(value, self.limit)
+
+
+class FreeString(TypeDecorator[str]):
+    """A ``VARCHAR(length)`` column of text from outside (an event id, an error type):
+    :func:`~wm.text.storable` and cut to the column's length on the way in."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.limit = length
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else storable(value, self.limit)
 
 
 class Base(DeclarativeBase):
@@ -85,7 +121,7 @@ class WorkerVersion(Base):
     size: Mapped[int] = mapped_column(Integer)
     code: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    note: Mapped[str | None] = mapped_column(Text)
+    note: Mapped[str | None] = mapped_column(FreeText())
 
 
 class WorkerTransition(Base):
@@ -95,7 +131,7 @@ class WorkerTransition(Base):
     worker_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("workers.id"), index=True)
     from_status: Mapped[str | None] = mapped_column(String(20))
     to_status: Mapped[str] = mapped_column(String(20))
-    reason: Mapped[str] = mapped_column(Text, default="")
+    reason: Mapped[str] = mapped_column(FreeText(), default="")
     version: Mapped[int | None] = mapped_column(Integer)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     #: Who asked (``wm.lifecycle.ACTORS``), and how long the worker was in ``from_status``.
@@ -122,7 +158,7 @@ class OutboxEvent(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     topic: Mapped[str] = mapped_column(String(255))
-    payload: Mapped[str] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(FreeText(limit=None))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -134,10 +170,10 @@ class DeadLetter(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     topic: Mapped[str] = mapped_column(String(255), index=True)
     worker_id: Mapped[uuid.UUID | None] = mapped_column(Uuid, index=True)
-    event_id: Mapped[str | None] = mapped_column(String(255))
-    envelope: Mapped[str] = mapped_column(Text)
-    error_type: Mapped[str] = mapped_column(String(255), index=True)
-    error_message: Mapped[str] = mapped_column(Text)
+    event_id: Mapped[str | None] = mapped_column(FreeString(255))
+    envelope: Mapped[str] = mapped_column(FreeText(limit=None))
+    error_type: Mapped[str] = mapped_column(FreeString(255), index=True)
+    error_message: Mapped[str] = mapped_column(FreeText())
     attempts: Mapped[int] = mapped_column(Integer)
     version: Mapped[int | None] = mapped_column(Integer)
     sha256: Mapped[str | None] = mapped_column(String(64))
@@ -187,12 +223,12 @@ class AuditEntry(Base):
     token_id: Mapped[str | None] = mapped_column(String(32), index=True)
     token_name: Mapped[str | None] = mapped_column(String(200))
     role: Mapped[str | None] = mapped_column(String(20))
-    remote: Mapped[str | None] = mapped_column(String(100))
+    remote: Mapped[str | None] = mapped_column(FreeString(100))
     method: Mapped[str] = mapped_column(String(10))
-    path: Mapped[str] = mapped_column(Text)
-    action: Mapped[str | None] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(FreeText())
+    action: Mapped[str | None] = mapped_column(FreeText())
     status_code: Mapped[int | None] = mapped_column(Integer)
-    result: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[str | None] = mapped_column(FreeText())
     duration_ms: Mapped[float | None] = mapped_column(Float)
 
 

@@ -37,6 +37,7 @@ from wm.store.models import (
     WorkerTransition,
     WorkerVersion,
 )
+from wm.text import storable_data
 from wm.views import (
     DeadLetterInfo,
     ScheduleInfo,
@@ -169,7 +170,7 @@ def add_outbox(
         "reason": reason,
         **data,
     }
-    event = lifecycle_event(kind, str(worker.id), payload)
+    event = lifecycle_event(kind, str(worker.id), storable_data(payload))
     session.add(OutboxEvent(topic=LIFECYCLE_TOPIC, payload=encode(event)))
 
 
