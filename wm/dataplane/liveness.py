@@ -273,6 +273,14 @@ class Heartbeat:
 
     def __init__(self, settings: Settings, app: Any, node: str) -> None:
         check_settings(settings)
+        if settings.visibility_timeout_s <= MIN_BEATS_MISSED * settings.node_heartbeat_s:
+            logger.warning(
+                "WM_VISIBILITY_TIMEOUT_S=%s is not above %d heartbeats (WM_NODE_HEARTBEAT_S=%g):"
+                " a delivery running longer may be handed out again while it runs",
+                settings.visibility_timeout_s,
+                MIN_BEATS_MISSED,
+                settings.node_heartbeat_s,
+            )
         self.settings, self.app, self.node = settings, app, node
         self.connection: Any = None
         self.stopped = threading.Event()
