@@ -13,8 +13,11 @@ transport) while channels still restore unacknowledged messages or delete queues
 kombu then asks the detached connection for its host and fails with ``AttributeError:
 'NoneType' object has no attribute 'hostname'`` (kombu issues #582 and #970), an error no
 caller expects, which ended the node. Here that is the connection error it really is, which
-kombu's close path ignores; the messages stay unacknowledged in Redis and come back after
-WM_VISIBILITY_TIMEOUT_S (or through the pending-ledger sweep).
+kombu's close path ignores; the messages stay unacknowledged in Redis, held by the node,
+and come back when its liveness expires (``wm.dataplane.liveness``).
+
+The scripts that take a worker queue's message also record it as unacknowledged and held by
+this node (:data:`wm.dataplane.liveness.HOLD`), so no kill between the two loses it.
 
 kombu keeps one list per queue and priority level (``WM_PRIORITY_STEPS``; kombu's default
 0,3,6,9 makes every BRPOP name each queue four times). A node reads only its levels, so the
