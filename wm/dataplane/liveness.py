@@ -141,11 +141,6 @@ def hold_as(holder: str) -> None:
     _holder = holder
 
 
-def holder() -> str:
-    """This process's name as a holder ('' when it is no node)."""
-    return _holder
-
-
 def record_key(node: str) -> str:
     return f"{NODE_PREFIX}{node}"
 
@@ -283,32 +278,31 @@ class Heartbeat:
             )
         self.settings, self.app, self.node = settings, app, node
         self.connection: Any = None
-        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="wm-heartbeat", daemon=True)
 
     def start(self) -> None:
         """The first beat (the record exists before the node takes a message), then the
         thread; from now on this process records itself as the holder of what it takes."""
-        self.once()
+        self._beat()
         hold_as(self.node)
         self.thread.start()
 
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join()
-
     def _run(self) -> None:
-        while not self.stopped.wait(self.settings.node_heartbeat_s):
-            try:
-                self.once()
-            except Exception as exc:
-                self._drop_connection()
-                logger.warning(
-                    "heartbeat of node %s failed (%s); next try in %gs",
-                    self.node,
-                    exc,
-                    self.settings.node_heartbeat_s,
-                )
+        while True:
+            time.sleep(self.settings.node_heartbeat_s)
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self.once()
+        except Exception as exc:  # Redis away: the next beat tries again
+            self._drop_connection()
+            logger.warning(
+                "heartbeat of node %s failed (%s); next try in %gs",
+                self.node,
+                exc,
+                self.settings.node_heartbeat_s,
+            )
 
     def once(self) -> int:
         """One beat; returns how many messages of dead nodes it put back."""
@@ -316,13 +310,18 @@ class Heartbeat:
             self.connection = self.app.connection_for_write()
         channel = self.connection.default_channel
         alive, dead = beat(channel, self.node, self.settings.node_dead_after_s)
-        if not alive and _holder:
-            logger.warning(
-                "node %s missed its own heartbeats for WM_NODE_DEAD_AFTER_S=%gs: what it held "
-                "was given to other nodes, and deliveries running here may run there too",
-                self.node,
-                self.settings.node_dead_after_s,
-            )
+        if not alive:
+            # Its first beat, or this node could not beat (it stalled, or Redis was away,
+            # when every record may have lapsed): the others get one beat to renew theirs.
+            if _holder:
+                logger.warning(
+                    "node %s missed its own heartbeats for WM_NODE_DEAD_AFTER_S=%gs: what it "
+                    "held may have gone to other nodes, and deliveries running here may run "
+                    "there too",
+                    self.node,
+                    self.settings.node_dead_after_s,
+                )
+            return 0
         return restore_dead(channel, self.node, [d for d in dead if d != self.node])
 
     def _drop_connection(self) -> None:

@@ -225,8 +225,7 @@ def start_heartbeat(settings: Settings, app: Celery, hostname: str) -> Heartbeat
     if not redis_broker(settings.broker_url):
         return None  # RabbitMQ gives a closed connection's messages back itself
     heartbeat = Heartbeat(settings, app, f"{hostname}.{uuid.uuid4().hex[:12]}")
-    with broker_errors(settings):
-        heartbeat.start()
+    heartbeat.start()
     return heartbeat
 
 
