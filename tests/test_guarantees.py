@@ -434,7 +434,11 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         group_lock_handoff_ms=handoff_ms,
         group_lock_retry_base_delay_ms=20,
         group_lock_max_retries=3,
+        # Short: the bound on stalls is about lock hand-overs, and a killed node's messages
+        # come back 5 s after its last heartbeat instead of WM_NODE_DEAD_AFTER_S.
+        visibility_timeout_s=5,
         reconcile_interval_s=1.0,
+        redeliver_after_s=20.0,
     )
     run = uuid.uuid4().hex[:8]
     done, topics = f"done.{run}", (f"in-a.{run}", f"in-b.{run}")
