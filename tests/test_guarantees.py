@@ -164,9 +164,7 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
     """On RabbitMQ an output to a plain subscription is marked right after its publish,
     so a kill between the two may repeat that one output, with its id (README): at most
     one per kill there, none on Redis."""
-    settings = broker.replace(
-        visibility_timeout_s=5, reconcile_interval_s=1.0, redeliver_after_s=20.0
-    )
+    settings = broker.replace(reconcile_interval_s=1.0)
     topic, done = f"in.{uuid.uuid4().hex[:8]}", f"done.{uuid.uuid4().hex[:8]}"
     manager = WorkManager(settings)
     sink = manager.subscribe(done, "sink")
@@ -410,7 +408,6 @@ def test_a_holder_killed_after_its_write_stalls_its_group_at_most_two_leases(
     settings = pg_settings.replace(
         group_lock_lease_s=TEST_LEASE_S,
         group_lock_retry_base_delay_ms=50,
-        visibility_timeout_s=4,
         reconcile_interval_s=1.0,
     )
     manager = WorkManager(settings)
@@ -443,7 +440,8 @@ def test_a_holder_killed_after_its_write_stalls_its_group_at_most_two_leases(
     assert outputs, f"group g stalled: nothing ran {resumed_after_s:.1f} s after the kill"
     assert resumed_after_s <= 2 * TEST_LEASE_S, resumed_after_s
     assert int(outputs[0][FENCE_EXTENSION]) > holder["fence"]
-    # The killed delivery comes back (visibility timeout) and republishes its recorded outcome.
+    # The killed delivery comes back (its node's liveness expired) and republishes its
+    # recorded outcome.
     published = drain(settings, bulk_sink, BULK_OUTPUTS, timeout_s=60)
     published += drain(settings, bulk_sink, 1, timeout_s=2)  # a duplicate would arrive too
     assert len({e["id"] for e in published}) == len(published) == BULK_OUTPUTS
@@ -556,6 +554,8 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         group_lock_lease_s=TEST_LEASE_S,
         group_lock_handoff_ms=handoff_ms,
         group_lock_retry_base_delay_ms=20,
+        # Short: the bound on stalls is about lock hand-overs, and a killed node's messages
+        # come back 5 s after its last heartbeat instead of WM_NODE_DEAD_AFTER_S.
         visibility_timeout_s=5,
         reconcile_interval_s=1.0,
         redeliver_after_s=20.0,

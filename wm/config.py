@@ -385,7 +385,22 @@ class Settings:
         "WM_VISIBILITY_TIMEOUT_S",
         3600,
         _parse_int,
-        "Redis broker: unacknowledged messages of a lost node are redelivered after this.",
+        "Redis broker, the last resort: a message unacknowledged this long with no live node "
+        "holding it (taken by a client that keeps no heartbeat) is delivered again.",
+    )
+    node_heartbeat_s: float = _setting(
+        "WM_NODE_HEARTBEAT_S",
+        2.0,
+        _parse_float,
+        "Redis broker: how often a node renews its liveness record and the time of the "
+        "messages it holds, and puts back the messages of nodes found dead.",
+    )
+    node_dead_after_s: float = _setting(
+        "WM_NODE_DEAD_AFTER_S",
+        10.0,
+        _parse_float,
+        "Redis broker: a node whose liveness record is this old counts as dead and the "
+        "messages it held go back to their queues (at least 2 heartbeats).",
     )
     redeliver_after_s: float = _setting(
         "WM_REDELIVER_AFTER_S",

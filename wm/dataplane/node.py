@@ -25,6 +25,7 @@ from wm.config import Settings
 from wm.dataplane import outbox, pending, probes, runtime, sweep, workerhealth
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
+from wm.dataplane.liveness import Heartbeat
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
 from wm.engine import check_engines
 from wm.lifecycle import Status
@@ -182,6 +183,7 @@ class Reconciler(bootsteps.StartStopStep):
         if not self.recovered:  # once per node; the step restarts after broker reconnects
             check_engines(self.settings)  # a host that cannot run an engine safely stops here
             recover_with_retries(self.settings, parent.app)
+            start_heartbeat(self.settings, parent.app, parent.hostname)
             self.recovered = True
         if parent.hub is not None:
             # The first reconcile starts consuming: from the event loop, once the task
@@ -214,6 +216,17 @@ class Reconciler(bootsteps.StartStopStep):
             logger.exception(
                 "reconcile failed; next try in %ss", self.settings.reconcile_interval_s
             )
+
+
+def start_heartbeat(settings: Settings, app: Celery, hostname: str) -> Heartbeat | None:
+    """On a Redis broker, the node's liveness (``wm.dataplane.liveness``): before it takes a
+    message, so that every message it takes is known to be its own. A restarted node is
+    another one (a name of its own), whose predecessor's messages go back at once."""
+    if not redis_broker(settings.broker_url):
+        return None  # RabbitMQ gives a closed connection's messages back itself
+    heartbeat = Heartbeat(settings, app, f"{hostname}.{uuid.uuid4().hex[:12]}")
+    heartbeat.start()
+    return heartbeat
 
 
 def recover_with_retries(settings: Settings, app: Celery) -> None:

@@ -13,8 +13,11 @@ transport) while channels still restore unacknowledged messages or delete queues
 kombu then asks the detached connection for its host and fails with ``AttributeError:
 'NoneType' object has no attribute 'hostname'`` (kombu issues #582 and #970), an error no
 caller expects, which ended the node. Here that is the connection error it really is, which
-kombu's close path ignores; the messages stay unacknowledged in Redis and come back after
-WM_VISIBILITY_TIMEOUT_S (or through the pending-ledger sweep).
+kombu's close path ignores; the messages stay unacknowledged in Redis, held by the node,
+and come back when its liveness expires (``wm.dataplane.liveness``).
+
+The scripts that take a worker queue's message also record it as unacknowledged and held by
+this node (:data:`wm.dataplane.liveness.HOLD`), so no kill between the two loses it.
 
 kombu keeps one list per queue and priority level (``WM_PRIORITY_STEPS``; kombu's default
 0,3,6,9 makes every BRPOP name each queue four times). A node reads only its levels, so the
@@ -53,6 +56,7 @@ from kombu.transport.virtual import Empty
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from wm.dataplane.liveness import HOLD, QoS, hold_args
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
 from wm.state.connection import refuse_cluster_broker
 
@@ -86,9 +90,13 @@ _PUT = """
 if redis.call('LPUSH', KEYS[1], ARGV[1]) == 1 then redis.call('LPUSH', KEYS[2], ARGV[2]) end
 """
 # The message of a popped name. KEYS: the ready list, the lists of the queue's levels read,
-# highest priority first. ARGV: the queue. Returns {oldest message, names still listed}, or
-# nil when the queue is empty.
-_TAKE = """
+# highest priority first. ARGV: the queue, then the H of liveness.HOLD. Returns {oldest
+# message, names still listed, its delivery tag if recorded as held}, or nil when the queue
+# is empty.
+_TAKE = (
+    HOLD
+    + """
+local H = {unpack(ARGV, 2)}
 for i = 2, #KEYS do
   local message = redis.call('RPOP', KEYS[i])
   if message then
@@ -98,17 +106,22 @@ for i = 2, #KEYS do
         break
       end
     end
-    return {message, redis.call('LLEN', KEYS[1])}
+    return {message, redis.call('LLEN', KEYS[1]), hold(message, H)}
   end
 end
 return false
 """
+)
 # Without blocking: the next message of the ready list's queues, or of the other queues
 # consumed. KEYS: the ready list, then the other queues' lists. ARGV: 1 to try the other
-# queues first, the number L of levels, the L suffixes of a level's list. Returns
-# {queue, message, the list it came from} or nil. A name whose queue is empty is dropped.
-_TAKE_NEXT = """
+# queues first, the number L of levels, the L suffixes of a level's list, then the H of
+# liveness.HOLD. Returns {queue, message, the list it came from, its delivery tag if
+# recorded as held} or nil. A name whose queue is empty is dropped.
+_TAKE_NEXT = (
+    HOLD
+    + """
 local levels = tonumber(ARGV[2])
+local H = {unpack(ARGV, levels + 3)}
 local function listed()
   local queue = redis.call('RPOP', KEYS[1])
   while queue do
@@ -136,9 +149,12 @@ local function others()
   end
   return false
 end
-if ARGV[1] == '1' then return others() or listed() end
-return listed() or others()
+local taken
+if ARGV[1] == '1' then taken = others() or listed() else taken = listed() or others() end
+if taken then taken[4] = hold(taken[2], H) end
+return taken
 """
+)
 # KEYS: the ready list, the lists of the queue's levels read. ARGV: the queue. Lists it if it
 # holds messages and is not listed.
 _ARM = """
@@ -178,6 +194,7 @@ REPAIR_QUEUES_PER_CALL = 500
 
 
 class Channel(kombu_redis.Channel):
+    QoS = QoS
     from_transport_options = (  # type: ignore[assignment]  # kombu types it by its length
         *kombu_redis.Channel.from_transport_options,
         "ready_key",
@@ -192,6 +209,8 @@ class Channel(kombu_redis.Channel):
         self._backlog = False  # the last take saw more listed: take without blocking
         self._sent = "BRPOP"  # the command in flight on the polling connection
         self._scripts: dict[str, Any] = {}
+        #: The delivery tag of the message being delivered if its take recorded it as held.
+        self.recorded: str | None = None
         super().__init__(*args, **kwargs)
         broker = self.connection.client
         refuse_cluster_broker(self.client, f"at {broker.hostname}:{broker.port}")
@@ -281,7 +300,7 @@ class Channel(kombu_redis.Channel):
             self._sent = "EVAL"
             suffixes = self._levels("")
             command = ["EVAL", _TAKE_NEXT, 1 + len(others), self.ready_key, *others]
-            command += [int(self._others_first), len(suffixes), *suffixes]
+            command += [int(self._others_first), len(suffixes), *suffixes, *hold_args(self)]
         else:
             self._sent = "BRPOP"
             keys = [*others, self.ready_key] if self._others_first else [self.ready_key, *others]
@@ -325,12 +344,12 @@ class Channel(kombu_redis.Channel):
             raise Empty()
         keys = [self.ready_key, *self._levels(queue)]
         with self.conn_or_acquire() as client:
-            reply = self._script(_TAKE)(keys=keys, args=[queue], client=client)
+            reply = self._script(_TAKE)(keys=keys, args=[queue, *hold_args(self)], client=client)
         if not reply:
             raise Empty()
-        item, listed = reply
+        item, listed, tag = (*reply, None)[:3]
         self._backlog = int(listed) > 0
-        self._deliver_item(item, queue)
+        self._deliver_item(item, queue, tag)
         return True
 
     def _took_next(self, reply: Any) -> bool:
@@ -339,24 +358,36 @@ class Channel(kombu_redis.Channel):
             self._backlog = False
             raise Empty()
         queue, item, key = (bytes_to_str(reply[0]), reply[1], bytes_to_str(reply[2]))
+        tag = reply[3] if len(reply) > 3 else None
         if not self._ready_for(queue):  # one of the other queues
             queue = queue.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
         elif queue not in self.active_queues:
             # Not this node's to take (a stopped worker's): back where it was, unlisted.
             with self.conn_or_acquire() as client, client.pipeline() as pipe:
-                pipe.rpush(key, item).lrem(self.ready_key, 0, queue).execute()
+                pipe.rpush(key, item).lrem(self.ready_key, 0, queue)
+                if tag:
+                    self.qos._remove_from_indices(bytes_to_str(tag), pipe)
+                pipe.execute()
             raise Empty()
-        self._deliver_item(item, queue)
+        self._deliver_item(item, queue, tag)
         return True
 
-    def _deliver_item(self, item: bytes, queue: str) -> None:
-        """Deliver a popped list item; one that is no kombu message as raw bytes."""
+    def _deliver_item(self, item: bytes, queue: str, tag: bytes | None = None) -> None:
+        """Deliver a popped list item; one that is no kombu message as raw bytes. ``tag``:
+        the take recorded the message as held (kombu's QoS.append need not)."""
         try:
             message = loads(bytes_to_str(item))
         except json.JSONDecodeError as exc:
             message = raw_message(self, exc.doc.encode(), queue)
-        self.connection._deliver(message, queue)
+            if tag:  # Redis's JSON parser took it: the raw message gets a tag of its own
+                self.qos._remove_from_indices(bytes_to_str(tag)).execute()
+                tag = None
+        self.recorded = bytes_to_str(tag) if tag else None
+        try:
+            self.connection._deliver(message, queue)
+        finally:
+            self.recorded = None
 
     def _connparams(self, asynchronous: bool = False) -> Any:
         if self.connection.client is None:

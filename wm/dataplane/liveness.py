@@ -1,0 +1,331 @@
+"""Which node holds which unacknowledged message on a Redis broker, and who gives back the
+messages of a node that died.
+
+kombu's Redis transport keeps a message a node took but has not acknowledged in the hash
+``unacked`` (delivery tag → message) and its time in the sorted set ``unacked_index``; any
+node puts back what waited there longer than WM_VISIBILITY_TIMEOUT_S. Nothing says which node
+holds it, so the timeout must outlast the slowest delivery (an hour by default), and a killed
+node's messages waited that long. Here a node records itself as the holder of each message
+it takes, in the same script that takes it (``wm.dataplane.transport``) or in kombu's own
+transaction, and keeps a liveness record that expires WM_NODE_DEAD_AFTER_S after its last
+heartbeat. Every WM_NODE_HEARTBEAT_S each node
+
+- renews its record and refreshes the time of each message it holds, so kombu's visibility
+  timeout never puts back a delivery that is still running, however long it runs; and
+- claims the messages of every node whose record expired and puts them back in their queues
+  (kombu's restore, which lists the queue in the ready list again).
+
+Keys, in the broker's database, beside kombu's: ``wm.nodes`` (the set of nodes that may hold
+messages), ``wm.node.<node>`` (a node's liveness record), ``wm.node.<node>.held`` (the
+delivery tags it holds) and ``wm.held`` (delivery tag → its holder). A node is one process
+lifetime: a restarted node is another one, so a node's record never hides its earlier life.
+
+A claim is one script: the messages of a dead node move to the claimer's name, so two
+nodes claiming at once share nothing, and a claimer that dies midway leaves the rest held
+by itself, for the next one. A delivery tag comes back with its message: when the holder
+of record is another live node (it took the message again), a late acknowledgement or
+restore of the earlier holder (a node that stalled past its expiry and came back) leaves
+the message alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from wm.config import Settings
+from wm.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+#: The set of nodes that may hold messages.
+NODES_KEY = "wm.nodes"
+#: Delivery tag → the node that holds the message.
+HOLDERS_KEY = "wm.held"
+#: A node's liveness record is ``<prefix><node>``, the tags it holds ``<prefix><node>.held``.
+NODE_PREFIX = "wm.node."
+#: Fewest heartbeats a node may miss before it counts as dead.
+MIN_BEATS_MISSED = 2
+
+# The holding of a message just popped, for the take scripts: KEYS of those scripts do not
+# name it. H: {this node ('' when not a node), now, unacked, unacked_index, wm.held, the
+# node's held set}. Records what kombu's QoS.append records, and the holder; returns the
+# delivery tag, or false for an item that is not a kombu message (the node parks it).
+HOLD = """
+local function hold(message, H)
+  if H[1] == '' then return false end
+  local ok, m = pcall(cjson.decode, message)
+  if not ok or type(m) ~= 'table' or m.body == nil or m.headers == nil then return false end
+  local p = m.properties
+  if type(p) ~= 'table' or type(p.delivery_tag) ~= 'string' then return false end
+  local info = p.delivery_info
+  if type(info) ~= 'table' or type(info.exchange) ~= 'string'
+      or type(info.routing_key) ~= 'string' then return false end
+  local tag = p.delivery_tag
+  local entry = '[' .. message .. ',' .. cjson.encode(info.exchange) .. ','
+    .. cjson.encode(info.routing_key) .. ']'
+  redis.call('ZADD', H[4], H[2], tag)
+  redis.call('HSET', H[3], tag, entry)
+  redis.call('HSET', H[5], tag, H[1])
+  redis.call('SADD', H[6], tag)
+  return tag
+end
+"""
+# KEYS: wm.nodes, unacked_index, wm.held. ARGV: this node, the record's life (ms), now, the
+# prefix of a node's keys. Renews the record, refreshes the time of the messages the node
+# holds (and forgets tags it no longer holds). Returns {1 if the record was there, the dead
+# nodes}.
+_BEAT = """
+local me, prefix = ARGV[1], ARGV[4]
+local was = redis.call('EXISTS', prefix .. me)
+redis.call('SET', prefix .. me, ARGV[3], 'PX', ARGV[2])
+redis.call('SADD', KEYS[1], me)
+local held = prefix .. me .. '.held'
+for _, tag in ipairs(redis.call('SMEMBERS', held)) do
+  if redis.call('HGET', KEYS[3], tag) == me and redis.call('ZSCORE', KEYS[2], tag) then
+    redis.call('ZADD', KEYS[2], ARGV[3], tag)
+  else
+    redis.call('SREM', held, tag)
+  end
+end
+local dead = {}
+for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', prefix .. node) == 0 then table.insert(dead, node) end
+end
+return {was, dead}
+"""
+# KEYS: wm.nodes, wm.held. ARGV: a dead node, this node, the prefix of a node's keys. Moves
+# what the dead node holds to this node; returns the tags.
+_CLAIM = """
+local dead, me, prefix = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('EXISTS', prefix .. dead) == 1 then return {} end
+local from, to, claimed = prefix .. dead .. '.held', prefix .. me .. '.held', {}
+for _, tag in ipairs(redis.call('SMEMBERS', from)) do
+  if redis.call('HGET', KEYS[2], tag) == dead then
+    redis.call('HSET', KEYS[2], tag, me)
+    redis.call('SADD', to, tag)
+    table.insert(claimed, tag)
+  end
+end
+redis.call('DEL', from)
+redis.call('SREM', KEYS[1], dead)
+return claimed
+"""
+# KEYS: unacked, unacked_index, wm.held, this node's held set. ARGV: the tag, this node.
+# kombu's ack, unless another node holds the message now.
+_ACK = """
+local holder = redis.call('HGET', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[4], ARGV[1])
+if holder and holder ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+#: This process's name as a holder of messages, once it is a node (:func:`hold_as`).
+_holder = ""
+
+
+def hold_as(holder: str) -> None:
+    """Record from now on the messages this process takes as held by ``holder``."""
+    global _holder
+    _holder = holder
+
+
+def record_key(node: str) -> str:
+    return f"{NODE_PREFIX}{node}"
+
+
+def held_key(node: str) -> str:
+    return f"{NODE_PREFIX}{node}.held"
+
+
+def hold_args(channel: Any) -> list[Any]:
+    """The ``H`` of :data:`HOLD` for ``channel`` now."""
+    me = _holder if holds(channel) else ""
+    keys = [channel.unacked_key, channel.unacked_index_key, HOLDERS_KEY, held_key(me)]
+    return [me, time.time(), *keys]
+
+
+def holds(channel: Any) -> bool:
+    """Whether ``channel`` records holders (a node's; kombu's key prefix leaves it off)."""
+    return bool(_holder) and not channel.global_keyprefix
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's acknowledgement emulation, with the holder of each message recorded."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        channel = self.channel
+        if channel.recorded == delivery_tag:  # the take's script recorded it
+            virtual.QoS.append(self, message, delivery_tag)
+            return
+        if not holds(channel):
+            super().append(message, delivery_tag)
+            return
+        info = message.delivery_info
+        entry = dumps([message._raw, info["exchange"], info["routing_key"]])
+        with self.pipe_or_acquire() as pipe:
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+            pipe.hset(self.unacked_key, delivery_tag, entry)
+            pipe.hset(HOLDERS_KEY, delivery_tag, _holder)
+            pipe.sadd(held_key(_holder), delivery_tag).execute()
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        if not holds(self.channel):
+            super().ack(delivery_tag)
+            return
+        keys = [self.unacked_key, self.unacked_index_key, HOLDERS_KEY, held_key(_holder)]
+        with self.channel.conn_or_acquire() as client:
+            self.channel._script(_ACK)(keys=keys, args=[delivery_tag, _holder], client=client)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue or not holds(self.channel):
+            super().reject(delivery_tag, requeue)
+        else:
+            self.ack(delivery_tag)
+
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        pipe = super()._remove_from_indices(delivery_tag, pipe)
+        if not self.channel.global_keyprefix:
+            pipe.hdel(HOLDERS_KEY, delivery_tag)
+        if holds(self.channel):
+            pipe.srem(held_key(_holder), delivery_tag)
+        return pipe
+
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        """kombu's restore, unless another live node holds the message now."""
+
+        def restore_transaction(pipe: Any) -> None:
+            raw = pipe.hget(self.unacked_key, tag)
+            holder = bytes_to_str(pipe.hget(HOLDERS_KEY, tag) or _holder)
+            if holder != _holder and pipe.exists(record_key(holder)):
+                return
+            pipe.multi()
+            self._remove_from_indices(tag, pipe)
+            if raw:
+                message, exchange, routing_key = loads(bytes_to_str(raw))
+                self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
+
+        with self.channel.conn_or_acquire(client) as client:
+            client.transaction(restore_transaction, self.unacked_key, HOLDERS_KEY)
+
+
+def check_settings(settings: Settings) -> None:
+    """Refuse a heartbeat that could not keep a live node alive."""
+    beat, dead = settings.node_heartbeat_s, settings.node_dead_after_s
+    if beat <= 0 or dead < MIN_BEATS_MISSED * beat:
+        raise ConfigurationError(
+            f"WM_NODE_DEAD_AFTER_S={dead:g} must be at least {MIN_BEATS_MISSED} × "
+            f"WM_NODE_HEARTBEAT_S={beat:g} (and the heartbeat above 0): a node would count as "
+            "dead between two heartbeats and its deliveries would run twice"
+        )
+
+
+def beat(channel: Any, node: str, dead_after_s: float) -> tuple[bool, list[str]]:
+    """Renew ``node``'s liveness and the time of the messages it holds; returns whether its
+    record was still there, and the dead nodes."""
+    keys = [NODES_KEY, channel.unacked_index_key, HOLDERS_KEY]
+    args = [node, max(1, round(dead_after_s * 1000)), time.time(), NODE_PREFIX]
+    with channel.conn_or_acquire() as client:
+        was, dead = channel._script(_BEAT)(keys=keys, args=args, client=client)
+    return bool(int(was)), [bytes_to_str(other) for other in dead]
+
+
+def restore_dead(channel: Any, node: str, dead: list[str]) -> int:
+    """Claim the messages the ``dead`` nodes held and put them back; returns how many."""
+    restored = 0
+    for other in dead:
+        with channel.conn_or_acquire() as client:
+            args = [other, node, NODE_PREFIX]
+            tags = channel._script(_CLAIM)(keys=[NODES_KEY, HOLDERS_KEY], args=args, client=client)
+        for tag in tags:
+            channel.qos.restore_by_tag(bytes_to_str(tag))
+        if tags:
+            logger.warning(
+                "node %s missed its heartbeats: %d message(s) it held are back in their queues",
+                other,
+                len(tags),
+            )
+        restored += len(tags)
+    return restored
+
+
+class Heartbeat:
+    """A node's heartbeat: a thread of its main process, so that neither a busy event loop
+    nor a long reconcile makes the node look dead while its deliveries run."""
+
+    def __init__(self, settings: Settings, app: Any, node: str) -> None:
+        check_settings(settings)
+        if settings.visibility_timeout_s <= MIN_BEATS_MISSED * settings.node_heartbeat_s:
+            logger.warning(
+                "WM_VISIBILITY_TIMEOUT_S=%s is not above %d heartbeats (WM_NODE_HEARTBEAT_S=%g):"
+                " a delivery running longer may be handed out again while it runs",
+                settings.visibility_timeout_s,
+                MIN_BEATS_MISSED,
+                settings.node_heartbeat_s,
+            )
+        self.settings, self.app, self.node = settings, app, node
+        self.connection: Any = None
+        self.thread = threading.Thread(target=self._run, name="wm-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """The first beat (the record exists before the node takes a message), then the
+        thread; from now on this process records itself as the holder of what it takes."""
+        self._beat()
+        hold_as(self.node)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.settings.node_heartbeat_s)
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self.once()
+        except Exception as exc:  # Redis away: the next beat tries again
+            self._drop_connection()
+            logger.warning(
+                "heartbeat of node %s failed (%s); next try in %gs",
+                self.node,
+                exc,
+                self.settings.node_heartbeat_s,
+            )
+
+    def once(self) -> int:
+        """One beat; returns how many messages of dead nodes it put back."""
+        if self.connection is None:
+            self.connection = self.app.connection_for_write()
+        channel = self.connection.default_channel
+        alive, dead = beat(channel, self.node, self.settings.node_dead_after_s)
+        if not alive:
+            # Its first beat, or this node could not beat (it stalled, or Redis was away,
+            # when every record may have lapsed): the others get one beat to renew theirs.
+            if _holder:
+                logger.warning(
+                    "node %s missed its own heartbeats for WM_NODE_DEAD_AFTER_S=%gs: what it "
+                    "held may have gone to other nodes, and deliveries running here may run "
+                    "there too",
+                    self.node,
+                    self.settings.node_dead_after_s,
+                )
+            return 0
+        return restore_dead(channel, self.node, [d for d in dead if d != self.node])
+
+    def _drop_connection(self) -> None:
+        if self.connection is not None:
+            with contextlib.suppress(Exception):
+                self.connection.close()
+        self.connection = None
