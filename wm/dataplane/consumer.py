@@ -78,19 +78,20 @@ class Consumer(CeleryConsumer):
 def owned(queue: str) -> bool:
     """Whether this deployment's store holds the worker of the worker queue ``queue`` (a
     deleted worker too: what reaches its queue is parked here, with its own deployment)."""
-    worker_id = uuid.UUID(queue.rpartition(SEPARATOR)[2])
     try:
+        worker_id = uuid.UUID(queue.rpartition(SEPARATOR)[2])
         with store.session_scope(Settings.from_env()) as session:
             if workers.names(session, [worker_id]):
                 return True
+    except ValueError:
+        pass  # no worker's id: no worker of ours
     except WorkManagerError as exc:
         logger.warning("not consuming %s before the store says it is ours: %s", queue, exc)
         return False
     logger.warning(
-        "leaving queue %s alone: worker %s is not in this deployment's store (another "
+        "leaving queue %s alone: its worker is not in this deployment's store (another "
         "deployment sharing the broker asked to consume it)",
         queue,
-        worker_id,
     )
     return False
 
