@@ -20,7 +20,7 @@ from tests.cli_env import one_error_line, wm, wm_json
 from tests.helpers import Exchange, http_server, plain, run_in_terminal
 from tests.test_cli import create
 from wm import Settings, store
-from wm.config import settings_table
+from wm.config import deployment_name, settings_table
 
 WM = [sys.executable, "-m", "wm.cli"]
 #: A narrow terminal: every table must still fit it.
@@ -60,6 +60,8 @@ def test_config_json_lists_every_setting_with_passwords_masked(env: dict[str, st
     assert set(rows["WM_BROKER_URL"]) == {"variable", "default", "current", "meaning"}
     assert rows["WM_BROKER_URL"]["current"] == "redis://operator:**@127.0.0.1:1/0"
     assert rows["WM_DATABASE_URL"]["current"] == env["WM_DATABASE_URL"]
+    # a derived deployment name is shown in parentheses
+    assert rows["WM_DEPLOYMENT"]["current"] == f"({deployment_name(Settings.from_env(env))})"
 
 
 def test_config_table_wraps_to_a_narrow_terminal(env: dict[str, str]) -> None:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from wm.errors import ConfigurationError
 
@@ -131,6 +131,17 @@ def _parse_redis_url(raw: str) -> str:
     return _url(raw, ("redis", "rediss", "unix"), "redis://HOST:PORT/DB (or rediss://, unix://)")
 
 
+#: What WM_DEPLOYMENT may be: it names AMQP exchanges and Redis channels.
+DEPLOYMENT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _parse_deployment(raw: str) -> str:
+    value = raw.strip()
+    if value and not DEPLOYMENT_PATTERN.fullmatch(value):
+        raise ValueError("expected a deployment name")
+    return value
+
+
 _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_bool: "true or false",
     _parse_int: "a non-negative integer",
@@ -141,6 +152,8 @@ _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_priority_steps: f"ascending levels from 0 to {MAX_PRIORITY}, starting with 0 "
     "(0, or 0,3,6,9)",
     _parse_log_format: " or ".join(LOG_FORMATS),
+    _parse_deployment: "up to 64 letters, digits, '.', '-' or '_', starting with a letter or "
+    "digit (empty: derived from WM_REDIS_URL's database number)",
 }
 
 
@@ -169,6 +182,14 @@ class Settings:
         "redis://127.0.0.1:6379/1",
         _parse_redis_url,
         "Redis for derived state: routing table, locks, fences, outcomes, leases.",
+    )
+    deployment: str = _setting(
+        "WM_DEPLOYMENT",
+        "",
+        _parse_deployment,
+        "Name of the deployment on servers it shares with others: its Redis channel and its "
+        "Celery control and event exchanges carry it. Empty means `db<N>`, N being "
+        "WM_REDIS_URL's database number. Set it alike on every node and client.",
     )
     group_lock_retry_base_delay_ms: int = _setting(
         "GROUP_LOCK_RETRY_BASE_DELAY_MS",
@@ -523,6 +544,21 @@ class Settings:
 #: Docker and Kubernetes secrets hand them over, never in the process environment.
 FROM_FILE = ("WM_DATABASE_URL", "WM_BROKER_URL", "WM_REDIS_URL")
 FILE_SUFFIX = "_FILE"
+
+
+def deployment_name(settings: Settings) -> str:
+    """WM_DEPLOYMENT, or ``db<N>`` for the database number N of WM_REDIS_URL: the one thing
+    every node and client of a deployment agrees on (they share its state store), whatever
+    host name each reaches the server by, and that two deployments on one server differ in."""
+    if settings.deployment:
+        return settings.deployment
+    url = urlsplit(settings.redis_url)
+    db = parse_qs(url.query).get("db", [url.path.strip("/") or "0"])[0]
+    if not db.isdigit():
+        raise ConfigurationError(
+            f"WM_REDIS_URL names database {db!r}: expected a number (redis://host:6379/1)"
+        )
+    return f"db{int(db)}"
 
 
 def given(name: str, env: Mapping[str, str] | None = None) -> bool:

@@ -11,7 +11,7 @@ import click
 
 from wm.cli.arguments import POSITIVE_INT, Command, Group, pass_output
 from wm.cli.output import Output
-from wm.config import current_values, masked, settings_table
+from wm.config import current_values, deployment_name, masked, settings_table
 from wm.errors import InvalidArgument, MissingDependency
 
 #: Narrowest a DEFAULT, CURRENT or MEANING cell of ``wm config`` gets before the VARIABLE
@@ -113,11 +113,15 @@ def _config_wrap(out: Output, variables: list[str]) -> tuple[str, ...]:
 
 
 def _current_values(out: Output) -> dict[str, str]:
-    """Each variable's value in effect, shown like its default; passwords in URLs masked."""
-    return {
+    """Each variable's value in effect, shown like its default; passwords in URLs masked; the
+    deployment's name also when it is derived."""
+    values = {
         env: masked(shown) if "://" in shown else shown
         for env, shown in current_values(out.settings).items()
     }
+    if not out.settings.deployment:
+        values["WM_DEPLOYMENT"] = f"({deployment_name(out.settings)})"
+    return values
 
 
 # -- wm up ---------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from celery import Celery
 from kombu.exceptions import KombuError
 from kombu.utils.url import maybe_sanitize_url
 
-from wm.config import Settings
+from wm.config import Settings, deployment_name
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, READY_LIST, subscription_queue
 from wm.errors import BrokerUnavailable, ConfigurationError
 from wm.state.connection import CLUSTER_BROKER, cluster_refusal
@@ -58,8 +58,19 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Messages that are no delivery are parked, never dropped, never fatal.
         "worker_consumer": "wm.dataplane.consumer:Consumer",
+        **control_exchanges(settings),
         **_redis_transport(settings.broker_url),
     }
+
+
+def control_exchanges(settings: Settings) -> dict[str, str]:
+    """The deployment's own remote control (``add_consumer``, ping, Flower's commands) and
+    event exchanges: Celery's defaults, ``celery`` and ``celeryev``, are shared by every app
+    on a RabbitMQ vhost, so nodes would hear another deployment's broadcasts. Nodes, the
+    CLI and Flower (``celery -A wm.celeryapp flower``) build their app from the same
+    settings, so they meet on the same names."""
+    name = deployment_name(settings)
+    return {"control_exchange": f"wm.{name}", "event_exchange": f"wm.{name}.events"}
 
 
 def redis_broker(broker_url: str) -> bool:

@@ -1,4 +1,12 @@
-"""The node's message consumer: Celery's, except for messages that are no delivery.
+"""The node's message consumer: Celery's, except for queues that are not its deployment's and
+messages that are no delivery.
+
+A node consumes a worker's queue only if its own store holds the worker: an ``add_consumer``
+broadcast by another deployment that shares the broker (with another WM_DEPLOYMENT, or an
+older release on Celery's shared ``celery`` exchange) names a queue no worker of this
+deployment owns, and consuming it would take that deployment's events and dead-letter them
+here as deliveries to an unknown worker. Such a queue is left alone; its messages wait for
+the nodes of its own deployment.
 
 Celery drops what it cannot run with a log line: a body it cannot decode or may not accept
 (pickle, text/plain, raw bytes), a message without a task, a task nobody registered. On a
@@ -10,20 +18,35 @@ message goes back to its queue for a later try.
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 
+from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters, malformed
+from wm.dataplane.queues import is_worker_queue
 from wm.errors import WorkManagerError
+from wm.names import SEPARATOR
+from wm.store import workers
 
 logger = logging.getLogger(__name__)
 
 
 class Consumer(CeleryConsumer):
     """``worker_consumer`` of a node (see ``wm.dataplane.app.celery_settings``)."""
+
+    #: Worker queues of running workers, as the node's own store listed them at its last
+    #: reconcile (``wm.dataplane.node.reconcile``): known to be ours without asking again.
+    own_queues: frozenset[str] = frozenset()
+
+    def add_task_queue(self, queue: str, *args: Any, **options: Any) -> None:
+        """Celery's, for every queue but a worker's queue this deployment does not own."""
+        if is_worker_queue(queue) and queue not in self.own_queues and not owned(queue):
+            return
+        super().add_task_queue(queue, *args, **options)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         self._park(message, f"the message cannot be decoded: {exc}")
@@ -49,3 +72,24 @@ class Consumer(CeleryConsumer):
             message.reject(requeue=True)
             return
         message.ack()
+
+
+def owned(queue: str) -> bool:
+    """Whether this deployment's store holds the worker of the worker queue ``queue`` (a
+    deleted worker too: what reaches its queue is parked here, with its own deployment)."""
+    try:
+        worker_id = uuid.UUID(queue.rpartition(SEPARATOR)[2])
+        with store.session_scope(Settings.from_env()) as session:
+            if workers.names(session, [worker_id]):
+                return True
+    except ValueError:
+        pass  # no worker's id: no worker of ours
+    except WorkManagerError as exc:
+        logger.warning("not consuming %s before the store says it is ours: %s", queue, exc)
+        return False
+    logger.warning(
+        "leaving queue %s alone: its worker is not in this deployment's store (another "
+        "deployment sharing the broker asked to consume it)",
+        queue,
+    )
+    return False

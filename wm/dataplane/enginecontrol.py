@@ -3,8 +3,8 @@
 
 A worker's engines live in the processes that ran its deliveries (a prefork node's pool
 processes, a threads node's one process); Celery's remote control reaches only a node's main
-process. So each process that runs deliveries listens on the Redis channel
-:data:`CHANNEL` (one daemon thread, started with its runtime) for three commands:
+process. So each process that runs deliveries listens on the deployment's Redis channel
+(:func:`channel`; one daemon thread, started with its runtime) for three commands:
 
 - ``ask``: answer how many deliveries to the worker run here (a field of the reply hash the
   command names). ``PUBLISH`` says how many processes listen, so the asker knows when every
@@ -29,12 +29,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from wm.config import Settings
+from wm.config import Settings, deployment_name
 from wm.state.connection import own_client, redis_errors, redis_for, text
 
 logger = logging.getLogger(__name__)
-#: Redis pub/sub channel of engine commands.
-CHANNEL = "wm:engines"
 ASK, KILL, UNLOAD = "ask", "kill", "unload"
 #: Seconds between the checks of a stop waiting for deliveries in flight.
 POLL_S = 0.5
@@ -47,12 +45,19 @@ RESUBSCRIBE_S = 1.0
 Handler = Callable[[str, str], int | None]
 
 
+def channel(settings: Settings) -> str:
+    """The Redis pub/sub channel of engine commands. Channels are server-wide, not per
+    database number, so it carries the deployment's name: a process of another deployment
+    on the same server would count as listening and never answer where the asker looks."""
+    return f"wm:{deployment_name(settings)}:engines"
+
+
 def send(settings: Settings, op: str, worker_id: str, **extra: Any) -> int:
     """Ask every process that runs deliveries to ``op`` the worker's engine; returns how
     many processes listen."""
     command = json.dumps({"op": op, "worker": worker_id, **extra})
     with redis_errors(settings):
-        return int(redis_for(settings).publish(CHANNEL, command))
+        return int(redis_for(settings).publish(channel(settings), command))
 
 
 def in_flight(settings: Settings, worker_id: str) -> int:
@@ -93,7 +98,7 @@ def wait_idle(settings: Settings, worker_id: str, grace_s: float) -> int:
 
 
 class Listener(threading.Thread):
-    """Calls ``handle(op, worker_id)`` for each command on :data:`CHANNEL`; subscribes again
+    """Calls ``handle(op, worker_id)`` for each command on :func:`channel`; subscribes again
     after a Redis failure; ends within :data:`POLL_S` of :meth:`stop` (or with its process:
     a daemon)."""
 
@@ -120,7 +125,7 @@ class Listener(threading.Thread):
         client = own_client(self.settings)
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
-            pubsub.subscribe(CHANNEL)
+            pubsub.subscribe(channel(self.settings))
             self.subscribed.set()
             while not self._stopped.is_set():
                 message = pubsub.get_message(timeout=POLL_S)

@@ -151,8 +151,11 @@ def recover(settings: Settings, app: Celery) -> bool:
 
 
 def reconcile(consumer: Any, wanted: Iterable[str]) -> tuple[set[str], set[str]]:
-    """Consume every running worker's queue and nothing else; returns (added, cancelled)."""
+    """Consume every running worker's queue and nothing else; returns (added, cancelled).
+    ``wanted`` comes from the node's own store: the consumer adds them without asking it
+    again (``wm.dataplane.consumer``)."""
     wanted = set(wanted)
+    consumer.own_queues = frozenset(wanted)
     current = {q.name for q in consumer.task_consumer.queues}
     ours = {name for name in current if "::" in name}
     added, cancelled = wanted - current, ours - wanted
