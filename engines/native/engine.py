@@ -200,7 +200,9 @@ class NativeEngine(Engine):
         process: the library's initializers never run in the validating process."""
         package = read_package(code)
         _mode(package, worker)
-        helper = start_helper(package, identity(worker), Sinks(self.settings, worker))
+        helper = start_helper(
+            package, identity(worker), Sinks(self.settings, worker), self.settings.max_output_bytes
+        )
         helper.close()
 
     def load(self, code: bytes, worker: WorkerSpec) -> None:
@@ -209,10 +211,10 @@ class NativeEngine(Engine):
         sinks = Sinks(self.settings, worker)
         runner: Runner
         if mode == "subprocess":
-            runner = start_helper(package, identity(worker), sinks)
+            runner = start_helper(package, identity(worker), sinks, self.settings.max_output_bytes)
         else:
             self._set_identity(worker)
-            runner = InProcess(_open(package, sinks), sinks)
+            runner = InProcess(_open(package, sinks, self.settings.max_output_bytes), sinks)
         with self._exclusive():
             previous, self._runner, self._worker = self._runner, runner, worker
         if previous is not None:
@@ -259,6 +261,9 @@ class NativeEngine(Engine):
         if runner is not None:
             runner.close()
         self._restore_identity()
+
+    def stops_calls(self) -> bool:
+        return isinstance(self._runner, HelperProcess)
 
     def processes(self) -> list[int]:
         runner = self._runner
@@ -329,7 +334,7 @@ def _mode(package: Package, worker: WorkerSpec) -> str:
     return str(mode)
 
 
-def _open(package: Package, sinks: Sinks) -> NativeLibrary:
+def _open(package: Package, sinks: Sinks, max_output_bytes: int) -> NativeLibrary:
     manifest = package.manifest
     return NativeLibrary(
         package.library,
@@ -339,6 +344,7 @@ def _open(package: Package, sinks: Sinks) -> NativeLibrary:
         sinks.log,
         sinks.gateway,
         manifest.probe,
+        max_output_bytes,
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from engines.isolation.host import Callbacks, HelperProcess
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import Package, library_file
-from wm.errors import InvalidCode
+from wm.errors import InvalidCode, OutputTooLarge
 
 #: The module the helper process runs (``python -m``).
 HELPER_MODULE = "engines.native.helper"
@@ -23,11 +23,12 @@ HELPER_MODULE = "engines.native.helper"
 REFUSALS: dict[str, type[Exception]] = {
     "InvalidCode": InvalidCode,
     "NativeOutputRefused": NativeOutputRefused,
+    "OutputTooLarge": OutputTooLarge,
 }
 
 
 def start_helper(
-    package: Package, env: Mapping[str, str | None], sinks: Callbacks
+    package: Package, env: Mapping[str, str | None], sinks: Callbacks, max_output_bytes: int
 ) -> HelperProcess:
     """A helper that loaded ``package``'s library, with ``env`` set over the host's;
     InvalidCode if the library does not load there."""
@@ -37,6 +38,7 @@ def start_helper(
         "entry_point": manifest.entry_point,
         "free_result": manifest.free_result,
         "probe": manifest.probe,
+        "max_output_bytes": max_output_bytes,
     }
     return HelperProcess(
         HELPER_MODULE,
