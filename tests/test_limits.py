@@ -49,7 +49,9 @@ def worker_errors(settings: Settings, queue: str, count: int, timeout_s: float =
     seen: list[dict[str, Any]] = []
 
     def enough() -> list[dict[str, Any]] | None:
-        seen.extend(e for e in drain(settings, queue, 100, timeout_s=0.5) if e["type"] == WORKER_ERROR)
+        seen.extend(
+            e for e in drain(settings, queue, 100, timeout_s=0.5) if e["type"] == WORKER_ERROR
+        )
         return seen if len(seen) >= count else None
 
     return list(eventually(enough, timeout_s=timeout_s))
@@ -103,3 +105,143 @@ def test_a_native_call_that_never_returns_ends_at_its_limit_and_its_process_is_r
     time.sleep(3)  # the messages the replaced processes held come back: each is only acked
     assert len(DeadLetters(pg_settings).list()) == 1
     assert drain(pg_settings, done, 10, timeout_s=1) == []
+
+
+#: Spins for ever on subject ``spin`` (before returning its task), and on ``spin-later``
+#: after an ``await`` (on a thread-pool thread, once its task was returned); answers
+#: ``big`` with 24 MiB; echoes the others.
+SPINS = csharp("""
+    public sealed class Spinner : WorkerBase
+    {
+        public Spinner() : base("spinner.done", "/spinner") { }
+
+        static void Spin() { while (true) { } }
+
+        public override async Task<CloudEvent> ProcessAsync(CloudEvent input)
+        {
+            if (input.Subject == "spin") Spin();
+            if (input.Subject == "spin-later") { await Task.Yield(); Spin(); }
+            if (input.Subject == "big") return Response(input, new string('x', 24 << 20));
+            return Response(input, input.Data);
+        }
+    }
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("subject", ["spin", "spin-later"])
+def test_a_spinning_csharp_worker_ends_at_its_limit_and_its_process_is_replaced(
+    dotnet: Any, pg_settings: Settings, start_node: Any, subject: str
+) -> None:
+    """A synchronous loop never returns its task (the watchdog takes the call over); a loop
+    after ``await`` times out in the engine, but its thread would spin on: in both cases the
+    pool process is replaced, and the delivery is retried, then dead-lettered."""
+    manager = WorkManager(pg_settings)
+    done = manager.subscribe("spinner.done", "sink")
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
+    worker = manager.create_worker(
+        code=SPINS.encode(),
+        mime_type=SOURCE,
+        topic="spinner",
+        settings={"timeout_s": 1, "max_retries": 1, "retry_base_delay_ms": 20},
+    )
+    node = start_node(pg_settings, concurrency=1)
+    node.consuming(f"spinner::{worker.id}")
+    manager.publish(make_event("spinner", "/tests", {"before": subject}))
+    assert drain(pg_settings, done, 1, timeout_s=60)[0]["data"] == {"before": subject}
+    [first_pool] = pool_pids(node)
+
+    manager.publish(make_event("spinner", "/tests", {}, subject=subject))
+    [letter] = eventually(lambda: DeadLetters(pg_settings).list(), timeout_s=120)
+    assert letter.error_type == "WorkerTimeout" and letter.attempts == 2
+    reported = worker_errors(pg_settings, lifecycle, 2)
+    assert [e["data"]["attempt"] for e in reported] == [1, 2]
+    assert {e["data"]["error_type"] for e in reported} == {"WorkerTimeout"}
+    assert not alive(first_pool)  # with its spinning thread
+
+    manager.publish(make_event("spinner", "/tests", {"after": subject}))
+    [after] = drain(pg_settings, done, 1, timeout_s=60)
+    assert after["data"] == {"after": subject}
+    assert node.proc.poll() is None and len(pool_pids(node)) == 1
+    time.sleep(3)  # a message held by a replaced process comes back and is only acked
+    assert len(DeadLetters(pg_settings).list()) == 1
+
+
+@pytest.mark.slow
+def test_a_csharp_output_over_the_cap_is_refused(
+    dotnet: Any, pg_settings: Settings, start_node: Any
+) -> None:
+    """WM_MAX_OUTPUT_BYTES at its default (16 MiB), as native answers are capped."""
+    manager = WorkManager(pg_settings)
+    done = manager.subscribe("spinner.done", "sink")
+    worker = manager.create_worker(code=SPINS.encode(), mime_type=SOURCE, topic="spinner")
+    node = start_node(pg_settings, concurrency=1)
+    node.consuming(f"spinner::{worker.id}")
+
+    manager.publish(make_event("spinner", "/tests", {}, subject="big"))
+    [letter] = eventually(lambda: DeadLetters(pg_settings).list(), timeout_s=60)
+    assert letter.error_type == "OutputTooLarge" and letter.attempts == 1
+    assert "over WM_MAX_OUTPUT_BYTES (16777216)" in letter.error_message
+    assert drain(pg_settings, done, 1, timeout_s=1) == []
+
+
+#: Keeps 48 MiB more (touched) on every event whose subject is ``leak``; echoes every event.
+LEAKS = csharp("""
+    using System.Collections.Generic;
+
+    public sealed class Leaky : WorkerBase
+    {
+        static readonly List<byte[]> Kept = new List<byte[]>();
+
+        public Leaky() : base("leaky.done", "/leaky") { }
+
+        public override Task<CloudEvent> ProcessAsync(CloudEvent input)
+        {
+            if (input.Subject == "leak")
+            {
+                byte[] block = new byte[48 << 20];
+                for (int i = 0; i < block.Length; i += 4096) block[i] = 1;
+                Kept.Add(block);
+            }
+            return Task.FromResult(Response(input, input.Data));
+        }
+    }
+""")
+
+
+def resident_mb(pid: int) -> float:
+    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.slow
+def test_an_in_process_worker_that_outgrows_max_memory_mb_has_its_process_replaced(
+    dotnet: Any, pg_settings: Settings, start_node: Any
+) -> None:
+    """Measured on a pool process that already runs the same code (another worker): the limit
+    is 100 MiB above it; every 'leak' event keeps 48 MiB more. Each event's output arrives
+    once, nothing is dead-lettered, and the pool process is replaced on the way."""
+    manager = WorkManager(pg_settings)
+    done = manager.subscribe("leaky.done", "sink")
+    gauge = manager.create_worker(code=LEAKS.encode(), mime_type=SOURCE, topic="gauge")
+    node = start_node(pg_settings, concurrency=1)
+    node.consuming(f"gauge::{gauge.id}")
+    manager.publish(make_event("gauge", "/tests", {"n": -1}))
+    assert len(drain(pg_settings, done, 1, timeout_s=60)) == 1
+    [first_pool] = pool_pids(node)
+    limit_mb = int(resident_mb(first_pool)) + 100
+
+    leaky = manager.create_worker(
+        code=LEAKS.encode(), mime_type=SOURCE, topic="leaky", settings={"max_memory_mb": limit_mb}
+    )
+    node.consuming(f"leaky::{leaky.id}")
+    events = [make_event("leaky", "/tests", {"n": n}, subject="leak") for n in range(8)]
+    for event in events:
+        manager.publish(event)
+    outputs = drain(pg_settings, done, len(events), timeout_s=120)
+    assert sorted(o["data"]["n"] for o in outputs) == list(range(8))
+    assert not alive(first_pool) and len(pool_pids(node)) == 1
+    assert "over max_memory_mb" in node.log.read_text()
+    time.sleep(3)  # messages held by replaced processes come back: each is only acknowledged
+    assert drain(pg_settings, done, 10, timeout_s=1) == []
+    assert DeadLetters(pg_settings).list() == []

@@ -32,10 +32,12 @@ class Replacement(Feature):
     @contextmanager
     def admit(self, delivery: Delivery) -> Iterator[None]:
         if delivery.redelivered and settled.marked(delivery.rt.settings, delivery.message_key):
-            raise Settled(
+            reason = (
                 f"event {delivery.event.get_id()} was settled for worker {delivery.meta.id} "
-                "before its pool process was replaced"
+                "before its pool process was replaced: acknowledged only"
             )
+            logger.info("%s", reason)
+            raise Settled(reason)
         yield
 
     def failed(self, delivery: Delivery, error: Exception) -> Verdict | None:
