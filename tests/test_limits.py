@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from engines.python.isolation import resource_limits
 from tests.helpers import drain, eventually
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
@@ -245,3 +246,11 @@ def test_an_in_process_worker_that_outgrows_max_memory_mb_has_its_process_replac
     time.sleep(3)  # messages held by replaced processes come back: each is only acknowledged
     assert drain(pg_settings, done, 10, timeout_s=1) == []
     assert DeadLetters(pg_settings).list() == []
+
+
+def test_max_memory_mb_caps_a_sandbox_childs_address_space() -> None:
+    """The Python sandbox's rlimit takes the lower of the engine's memory_mb (512 by default)
+    and the core's max_memory_mb."""
+    assert resource_limits({}, 30)["as_bytes"] == 512 * 2**20
+    assert resource_limits({"max_memory_mb": 300}, 30)["as_bytes"] == 300 * 2**20
+    assert resource_limits({"max_memory_mb": 900, "memory_mb": 400}, 30)["as_bytes"] == 400 * 2**20
