@@ -107,7 +107,11 @@ def _replace_if_due(rt: Runtime, delivery: Delivery) -> None:
     message out again as lost with the process; its next run only acknowledges it."""
     if rt.replacing is None:
         return
-    settled.mark(rt.settings, delivery.message_key)
+    try:
+        settled.mark(rt.settings, delivery.message_key)
+    except Unavailable as exc:  # its next run would run it again: replaced after another
+        logger.warning("pool process not replaced yet (%s): %s", rt.replacing, exc)
+        return
     raise SystemExit(rt.replacing)
 
 
