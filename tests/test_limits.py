@@ -6,9 +6,12 @@ every engine; ``max_memory_mb`` replaces a pool process that grew past it, losin
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +19,15 @@ import pytest
 
 from engines.python.isolation import resource_limits
 from tests.helpers import drain, eventually
+from tests.native.harness import HERE, KIT, RID, run
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
 
 NATIVE = "application/x-native-dll"
 SOURCE = "text/x-csharp"
 WORKER_ERROR = LIFECYCLE_TYPE_PREFIX + "error"
+#: How native_abi's Makefile compiles C workers.
+C_FLAGS = ["-std=c99", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror", "-D_POSIX_C_SOURCE=200809L"]
 
 
 def pool_pids(node: Any) -> set[int]:
@@ -58,6 +64,29 @@ def worker_errors(settings: Settings, queue: str, count: int, timeout_s: float =
     return list(eventually(enough, timeout_s=timeout_s))
 
 
+@pytest.fixture(scope="module")
+def limits_zip(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """tests/native/limits.c built as a native worker zip (library ``limits``)."""
+    out = tmp_path_factory.mktemp("limits-worker")
+    library = out / "liblimits.so"
+    run(
+        [
+            os.environ.get("CC", "cc"),
+            *C_FLAGS,
+            f"-I{KIT}",
+            "-shared",
+            "-o",
+            str(library),
+            str(HERE / "limits.c"),
+        ]
+    )
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zipped:
+        zipped.writestr("manifest.json", json.dumps({"abi_version": 1, "library": "limits"}))
+        zipped.write(library, f"runtimes/{RID}/native/liblimits.so")
+    return archive.getvalue()
+
+
 def csharp(body: str) -> str:
     usings = "using System;\nusing System.Threading.Tasks;\nusing Virtufin.Worker.DevKit;\n"
     return usings + textwrap.dedent(body)
@@ -65,7 +94,7 @@ def csharp(body: str) -> str:
 
 @pytest.mark.slow
 def test_a_native_call_that_never_returns_ends_at_its_limit_and_its_process_is_replaced(
-    pg_settings: Settings, start_node: Any, native_zips: dict[str, Path]
+    pg_settings: Settings, start_node: Any, limits_zip: bytes
 ) -> None:
     """Every setting at its default but the worker's timeout_s: the hang is retried with
     WM_MAX_RETRIES, each attempt ends with worker.error at its limit, then the dead letter."""
@@ -73,28 +102,28 @@ def test_a_native_call_that_never_returns_ends_at_its_limit_and_its_process_is_r
     done = manager.subscribe("inproc.processed", "sink")
     lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "audit")
     worker = manager.create_worker(
-        code=native_zips["misbehave"].read_bytes(),
+        code=limits_zip,
         mime_type=NATIVE,
         topic="inproc",
         settings={"timeout_s": 1},
     )
     node = start_node(pg_settings, concurrency=1)
     node.consuming(f"inproc::{worker.id}")
-    manager.publish(make_event("inproc", "/tests", {"before": "hang"}))
-    assert drain(pg_settings, done, 1)[0]["data"] == {"BEFORE": "HANG"}
+    manager.publish(make_event("inproc", "/tests", {"before": "spin"}))
+    assert drain(pg_settings, done, 1)[0]["data"] == {"before": "spin"}
     [first_pool] = pool_pids(node)
 
     started = time.monotonic()
-    manager.publish(make_event("inproc", "/tests", {}, subject="hang"))
+    manager.publish(make_event("inproc", "/tests", {}, subject="spin"))
     [first] = worker_errors(pg_settings, lifecycle, 1)
     assert time.monotonic() - started < 15
     assert first["data"]["error_type"] == "WorkerTimeout" and first["data"]["attempt"] == 1
     assert "did not return within 1 s" in first["data"]["error_message"]
     eventually(lambda: not alive(first_pool))
 
-    manager.publish(make_event("inproc", "/tests", {"after": "hang"}))  # served between retries
+    manager.publish(make_event("inproc", "/tests", {"after": "spin"}))  # served between retries
     [after] = drain(pg_settings, done, 1, timeout_s=60)
-    assert after["data"] == {"AFTER": "HANG"}
+    assert after["data"] == {"after": "spin"}
 
     retries = pg_settings.max_retries
     [letter] = eventually(lambda: DeadLetters(pg_settings).list(), timeout_s=180)
@@ -254,3 +283,29 @@ def test_max_memory_mb_caps_a_sandbox_childs_address_space() -> None:
     assert resource_limits({}, 30)["as_bytes"] == 512 * 2**20
     assert resource_limits({"max_memory_mb": 300}, 30)["as_bytes"] == 300 * 2**20
     assert resource_limits({"max_memory_mb": 900, "memory_mb": 400}, 30)["as_bytes"] == 400 * 2**20
+
+
+@pytest.mark.slow
+def test_an_isolated_helper_that_outgrows_max_memory_mb_is_started_afresh(
+    pg_settings: Settings, start_node: Any, limits_zip: bytes
+) -> None:
+    """A native helper process (about 30 MiB before it leaks) keeps 48 MiB more per event:
+    past 150 MiB it is unloaded after its delivery, the next starts a fresh one."""
+    manager = WorkManager(pg_settings)
+    done = manager.subscribe("leaky.processed", "sink")
+    worker = manager.create_worker(
+        code=limits_zip,
+        mime_type=NATIVE,
+        topic="leaky",
+        settings={"isolation": "subprocess", "max_memory_mb": 150},
+    )
+    node = start_node(pg_settings, concurrency=1)
+    node.consuming(f"leaky::{worker.id}")
+    [pool] = pool_pids(node)
+    for n in range(8):
+        manager.publish(make_event("leaky", "/tests", {"n": n}, subject="leak"))
+    outputs = drain(pg_settings, done, 8, timeout_s=120)
+    assert sorted(o["data"]["n"] for o in outputs) == list(range(8))
+    assert node.log.read_text().count("over max_memory_mb (150): unloading it") >= 2
+    assert pool_pids(node) == {pool}  # the helper goes, the pool process stays
+    assert DeadLetters(pg_settings).list() == []

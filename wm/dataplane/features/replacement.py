@@ -54,7 +54,7 @@ class Replacement(Feature):
         if engine is None:
             return
         apart = engine.stops_calls()  # its code runs in processes of its own
-        used = sum(map(resident_bytes, engine.processes())) if apart else resident_bytes()
+        used = sum(map(_tree_bytes, engine.processes())) if apart else resident_bytes()
         if used <= limit_mb * MIB:
             return
         where = "its processes use" if apart else "its pool process uses"
@@ -65,3 +65,13 @@ class Replacement(Feature):
             rt.command(enginecontrol.UNLOAD, worker_id)
         else:
             rt.replace(reason)
+
+
+def _tree_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and its descendants (a helper may run under a wrapper)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as handle:
+            children = [int(child) for child in handle.read().split()]
+    except (OSError, ValueError):
+        children = []
+    return resident_bytes(pid) + sum(map(_tree_bytes, children))
