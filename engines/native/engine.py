@@ -166,7 +166,8 @@ class Watchdog:
                 if deadline < now and self._calls.pop(token, None) is not None:
                     logger.error(
                         "native worker %s is still in %s past its time limit; an "
-                        "in-process call cannot be stopped (isolation 'subprocess' can)",
+                        "in-process call cannot be stopped apart from its process (the "
+                        "node's watchdog ends a delivery's; isolation 'subprocess' kills it)",
                         worker_id,
                         export,
                     )
