@@ -22,6 +22,7 @@ from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
 from wm import BrokerUnavailable, DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Route
 from wm.dataplane.delivery import FENCE_EXTENSION
+from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.events import derive_id, encode, event_key
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
@@ -483,15 +484,17 @@ def test_a_long_delivery_keeps_its_group_lock_for_many_leases(
 def test_code_running_past_its_time_limit_loses_the_lock_and_cannot_write(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    """Code that overruns its time limit (the stub engine does not enforce it) is renewed for
-    that limit plus one lease only: the group moves on, and the late write is refused
-    (FenceRejected, retried, then dead-lettered) instead of stalling the group."""
+    """Code that overruns its time limit (the stub engine does not enforce it, and returns
+    before the watchdog's grace ends) is renewed for that limit plus one lease only: the group
+    moves on, and the late write is refused (FenceRejected, retried, then dead-lettered)
+    instead of stalling the group."""
     lease_s = 0.5
     settings = pg_settings.replace(group_lock_lease_s=lease_s, reconcile_interval_s=1.0)
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
     hung = manager.create_worker(
-        code=stub(output_type="done", sleep_ms=4000),
+        # returns at 2 s: the lock is lost by 1.5 s, the watchdog takes over at 0.5 + 2 s
+        code=stub(output_type="done", sleep_ms=round(OVERRUN_GRACE_S * 1000)),
         mime_type=STUB,
         topic="hung",
         group="g",
@@ -508,7 +511,7 @@ def test_code_running_past_its_time_limit_loses_the_lock_and_cannot_write(
     published_at = time.time()
     _publish(manager, "quick", 1)
     [output] = drain(settings, sink, 1, timeout_s=10)
-    # Renewed for 0.5 s + one lease, then free within one more lease: long before 4 s.
+    # Renewed for 0.5 s + one lease, then free within one more lease: before the stub returns.
     assert output["data"]["input"] == {"n": 0}
     assert output["data"]["started_at"] - published_at < 0.5 + 2 * lease_s + 1.0
     [letter] = eventually(lambda: DeadLetters(settings).list(), timeout_s=20)

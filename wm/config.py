@@ -291,6 +291,13 @@ class Settings:
         _parse_int,
         "Upper bound of one retry delay.",
     )
+    max_output_bytes: int = _setting(
+        "WM_MAX_OUTPUT_BYTES",
+        16 * 1024 * 1024,
+        _parse_int,
+        "Largest outcome of one message (its output events as recorded, JSON), for every "
+        "engine; a larger one is dead-lettered as OutputTooLarge.",
+    )
     code_max_bytes: int = _setting(
         "WM_CODE_MAX_BYTES",
         16 * 1024 * 1024,

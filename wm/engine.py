@@ -114,6 +114,12 @@ class Engine:
         memory counts against the engine cache's budget (``WM_ENGINE_CACHE_MB``)."""
         return []
 
+    def stops_calls(self) -> bool:
+        """True when the engine itself stops a call at its time limit (its code runs in a
+        process it kills). False (the default): the code runs in this process, and the data
+        plane's watchdog ends the process when a call outlives its limit."""
+        return False
+
     def kill(self) -> bool:
         """Kill the processes running the worker's code now, from any thread, without waiting
         for calls in flight (they fail; the next call starts afresh). False when the code runs

@@ -237,7 +237,13 @@ class WorkerExecutionError(EngineError, DeliveryFailed):
 
 
 class WorkerTimeout(WorkerExecutionError):
-    """Raised when worker code exceeds its per-message time limit."""
+    """Raised when worker code exceeds its per-message time limit. ``stray``: the call could
+    not be stopped and its code still runs in this process (a .NET task spinning after an
+    ``await``); the data plane replaces the process once the delivery has ended."""
+
+    def __init__(self, *args: object, stray: bool = False) -> None:
+        super().__init__(*args)
+        self.stray = stray
 
 
 class WorkerCrashed(WorkerExecutionError):
@@ -255,6 +261,11 @@ class OutputRefused(WorkerExecutionError):
     ``output_topics``. The same code would return it again, so it is parked at once."""
 
     retryable = False
+
+
+class OutputTooLarge(OutputRefused):
+    """Raised when the events a worker returned for one message exceed
+    ``WM_MAX_OUTPUT_BYTES`` (the same cap for every engine). Parked at once."""
 
 
 class GatewayError(DeliveryFailed):

@@ -93,6 +93,10 @@ class WorkerSettings:
     #: the code's health probe: seconds between probes, failed probes that make it unhealthy
     probe_interval_s: float = _setting(30.0, NUMBER)
     max_probe_failures: int = _setting(3, COUNT)
+    #: memory of the worker's code, MiB (None: no limit): checked after each delivery on
+    #: the pool process (in-process code) or the helper/sandbox processes, replaced past it;
+    #: a sandbox child's address space is capped at it too
+    max_memory_mb: int | None = _setting(None, COUNT)
     #: the only topics the outputs may go to (None: any topic that is not reserved)
     output_topics: tuple[str, ...] | None = _setting(None, None)
     #: the engine's own settings (its ``worker_settings`` rules), read by the engine

@@ -161,7 +161,10 @@ class Runner(Protocol):
 class Context:
     """A worker loaded into a collectible context of this process's runtime. A call past
     its time limit cannot be stopped (CoreCLR cannot abort a thread): the context is marked
-    poisoned, unloaded once that call returns, and a fresh one takes the next message."""
+    poisoned, unloaded once that call returns, and a fresh one takes the next message; the
+    timeout says the call still runs (``stray``), so the data plane replaces a pool process
+    once its delivery is settled. A call that never returns its task (a synchronous loop) is
+    taken over by the data plane's watchdog, which ends the process."""
 
     def __init__(
         self, settings: Settings, worker: WorkerSpec, image: Image, sinks: Callbacks
@@ -229,9 +232,10 @@ class Context:
                 host.Abandon(call)
                 self._poison(handle)
                 raise WorkerTimeout(
-                    f"{what} did not finish within {timeout_s:g} s; its context is replaced "
-                    "for the next message and unloaded once the call returns (use isolation "
-                    "'subprocess' to kill such a call instead)"
+                    f"{what} did not finish within {timeout_s:g} s; its task cannot be "
+                    "stopped, so its context is replaced and the process running it too "
+                    "(use isolation 'subprocess' to kill such a call instead)",
+                    stray=True,
                 )
         elapsed_s = time.monotonic() - started
         if elapsed_s > timeout_s:  # the method blocked before returning its task
@@ -420,6 +424,9 @@ class DotNetEngine(Engine):
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.close()
+
+    def stops_calls(self) -> bool:
+        return isinstance(self._runner, Isolated)
 
     def processes(self) -> list[int]:
         runner = self._runner

@@ -167,7 +167,8 @@ class Watchdog:
                 if deadline < now and self._calls.pop(token, None) is not None:
                     logger.error(
                         "native worker %s is still in %s past its time limit; an "
-                        "in-process call cannot be stopped (isolation 'subprocess' can)",
+                        "in-process call cannot be stopped apart from its process (the "
+                        "node's watchdog ends a delivery's; isolation 'subprocess' kills it)",
                         worker_id,
                         export,
                     )
@@ -202,7 +203,10 @@ class NativeEngine(Engine):
         package = read_package(code)
         _mode(package, worker)
         sinks = Sinks(self.settings, worker)
-        helper = start_helper(package, identity(worker), sinks, Limits.from_settings(self.settings))
+        limits = Limits.from_settings(self.settings)
+        helper = start_helper(
+            package, identity(worker), sinks, limits, self.settings.max_output_bytes
+        )
         helper.close()
 
     def load(self, code: bytes, worker: WorkerSpec) -> None:
@@ -211,12 +215,13 @@ class NativeEngine(Engine):
         sinks = Sinks(self.settings, worker)
         runner: Runner
         if mode == "subprocess":
+            limits = Limits.from_settings(self.settings)
             runner = start_helper(
-                package, identity(worker), sinks, Limits.from_settings(self.settings)
+                package, identity(worker), sinks, limits, self.settings.max_output_bytes
             )
         else:
             self._set_identity(worker)
-            runner = InProcess(_open(package, sinks), sinks)
+            runner = InProcess(_open(package, sinks, self.settings.max_output_bytes), sinks)
         with self._exclusive():
             previous, self._runner, self._worker = self._runner, runner, worker
         if previous is not None:
@@ -263,6 +268,9 @@ class NativeEngine(Engine):
         if runner is not None:
             runner.close()
         self._restore_identity()
+
+    def stops_calls(self) -> bool:
+        return isinstance(self._runner, HelperProcess)
 
     def processes(self) -> list[int]:
         runner = self._runner
@@ -333,7 +341,7 @@ def _mode(package: Package, worker: WorkerSpec) -> str:
     return str(mode)
 
 
-def _open(package: Package, sinks: Sinks) -> NativeLibrary:
+def _open(package: Package, sinks: Sinks, max_output_bytes: int) -> NativeLibrary:
     manifest = package.manifest
     return NativeLibrary(
         package.library,
@@ -343,6 +351,7 @@ def _open(package: Package, sinks: Sinks) -> NativeLibrary:
         sinks.log,
         sinks.gateway,
         manifest.probe,
+        max_output_bytes,
     )
 
 

@@ -27,6 +27,7 @@ def load(spec: dict[str, Any], image: bytes, host: Host) -> NativeLibrary:
         host.log,
         host.gateway,
         spec["probe"],
+        spec["max_output_bytes"],
     )
 
 

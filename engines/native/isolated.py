@@ -16,7 +16,7 @@ from engines.childproc.limits import Limits
 from engines.isolation.host import Callbacks, HelperProcess
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import Package, library_file
-from wm.errors import InvalidCode
+from wm.errors import InvalidCode, OutputTooLarge
 
 #: The module the helper process runs (``python -m``).
 HELPER_MODULE = "engines.native.helper"
@@ -24,20 +24,27 @@ HELPER_MODULE = "engines.native.helper"
 REFUSALS: dict[str, type[Exception]] = {
     "InvalidCode": InvalidCode,
     "NativeOutputRefused": NativeOutputRefused,
+    "OutputTooLarge": OutputTooLarge,
 }
 
 
 def start_helper(
-    package: Package, env: Mapping[str, str | None], sinks: Callbacks, limits: Limits
+    package: Package,
+    env: Mapping[str, str | None],
+    sinks: Callbacks,
+    limits: Limits,
+    max_output_bytes: int,
 ) -> HelperProcess:
     """A helper that loaded ``package``'s library, with ``env`` set over the host's, within
-    ``limits``; InvalidCode if the library does not load there."""
+    ``limits``, refusing outputs over ``max_output_bytes``; InvalidCode if the library does
+    not load there."""
     manifest = package.manifest
     spec = {
         "file_name": library_file(manifest.library),
         "entry_point": manifest.entry_point,
         "free_result": manifest.free_result,
         "probe": manifest.probe,
+        "max_output_bytes": max_output_bytes,
     }
     return HelperProcess(
         HELPER_MODULE,

@@ -20,11 +20,11 @@ from typing import Any
 from cffi import FFI, CDefError
 
 from engines.native.abi import ABI, ABI_VERSION
-from wm.errors import InvalidCode, WorkerExecutionError
+from wm.errors import InvalidCode, OutputTooLarge, WorkerExecutionError
 
 logger = logging.getLogger(__name__)
 
-#: Largest answer accepted from Process.
+#: Largest answer accepted from Process unless the node's WM_MAX_OUTPUT_BYTES says otherwise.
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 _CODES = ABI.constants
 #: Return codes of Process and Probe, by name (virtufin_worker_api.h).
@@ -98,8 +98,10 @@ class NativeLibrary:
         log: LogSink,
         gateway: GatewaySink,
         probe: str | None = None,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
     ) -> None:
         self.file_name = file_name
+        self.max_output_bytes = max_output_bytes
         self._log, self._gateway = log, gateway
         self._responses: set[int] = set()
         self._responses_lock = threading.Lock()
@@ -166,10 +168,14 @@ class NativeLibrary:
         try:
             if code:
                 raise NativeCallFailed(code, f"Process returned {code_name(code)}")
-            if not 0 < length <= MAX_OUTPUT_BYTES:
+            if length > self.max_output_bytes:  # refused before it is copied
+                raise OutputTooLarge(
+                    f"Process returned an output length of {length} bytes, over "
+                    f"WM_MAX_OUTPUT_BYTES ({self.max_output_bytes})"
+                )
+            if length <= 0:
                 raise NativeOutputRefused(
-                    f"Process returned an output length of {length} bytes; "
-                    f"expected 1 to {MAX_OUTPUT_BYTES}"
+                    f"Process returned an output length of {length} bytes; expected 1 or more"
                 )
             return bytes(ffi.buffer(buffer, length))
         finally:

@@ -188,6 +188,9 @@ class PythonEngine(Engine):
         if process is not None:
             process.kill()
 
+    def stops_calls(self) -> bool:
+        return True  # the code runs in a sandbox process, killed at the limit
+
     def processes(self) -> list[int]:
         process = self._process
         return [process.pid] if process is not None and not process.exited else []

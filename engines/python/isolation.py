@@ -43,6 +43,7 @@ from typing import Any
 from engines.childproc import limits
 from engines.python import bwrap
 from wm.errors import ConfigurationError, InvalidCode, WorkerExecutionError
+from wm.workersettings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -430,6 +431,9 @@ def _positive_number(settings: Mapping[str, Any], key: str, default: float) -> f
 def resource_limits(worker_settings: Mapping[str, Any], message_timeout_s: float) -> dict[str, int]:
     """The rlimits of a child (see ``runner.apply_limits``), from the worker's settings."""
     memory_mb = _positive_number(worker_settings, "memory_mb", DEFAULT_MEMORY_MB)
+    ceiling_mb = WorkerSettings.of(worker_settings).max_memory_mb  # the core's limit, if set
+    if ceiling_mb:
+        memory_mb = min(memory_mb, ceiling_mb)
     cpu_default = max(MIN_CPU_LIMIT_S, CPU_LIMIT_FACTOR * message_timeout_s)
     cpu_s = _positive_number(worker_settings, "cpu_limit_s", cpu_default)
     return {

@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from wm.dataplane.deadletters import Failure
 from wm.dataplane.message import DeliveryState
 from wm.dataplane.observe import notify
 from wm.dataplane.runtime import Runtime
+from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.engine import Engine, Outputs
 from wm.errors import InvalidArgument, OutputRefused, WorkerExecutionError
 from wm.events import (
@@ -78,6 +80,10 @@ class Delivery:
     began: float = 0.0
     #: The node's name (Celery's hostname), as its health records it.
     node: str = ""
+    #: Settles this delivery from the watchdog's thread when its call outlived its limit and
+    #: cannot be stopped; the process ends after (``wm.dataplane.watchdog``). None: the
+    #: process cannot be ended apart from the node, the overrun is only logged.
+    on_overrun: Callable[[Delivery], None] | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -99,6 +105,11 @@ class Delivery:
     def timeout_s(self) -> float:
         """The per-message time limit of the worker's code."""
         return self.worker_settings.timeout_s_on(self.rt.settings)
+
+    @property
+    def message_key(self) -> str:
+        """This message among the deliveries of the event (each resend is a new message)."""
+        return f"{self.meta.id}:{self.delivery_id}:{self.attempt}:{self.state.lock_waits}"
 
     @property
     def max_retries(self) -> int:
@@ -192,10 +203,20 @@ class Delivery:
     def execute(self, engine: Engine) -> list[CloudEvent]:
         started = time.monotonic()
         try:
-            with tracing.step("engine call"):
+            with tracing.step("engine call"), self.watched(engine, started):
                 return engine.process(self.event, self.timeout_s)
         finally:
             notify("engine", self.meta, time.monotonic() - started)
+
+    def watched(self, engine: Engine, started: float) -> AbstractContextManager[None]:
+        """A call the engine cannot stop is watched: past its limit and a grace, the watchdog
+        takes it over (``on_overrun``) and ends the process."""
+        if engine.stops_calls():
+            return contextlib.nullcontext()
+        deadline = started + self.timeout_s + OVERRUN_GRACE_S
+        what = f"the call of worker {self.meta.id} on event {self.event.get_id()}"
+        overrun = None if self.on_overrun is None else functools.partial(self.on_overrun, self)
+        return self.rt.watchdog.watch(deadline, what, overrun)
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the

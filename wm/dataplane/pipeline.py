@@ -98,7 +98,14 @@ class Pipeline:
     def run(self, delivery: Delivery) -> Verdict:
         """The attempt's verdict; a dead letter is stored before the features hear of it.
         Platform errors (broker, database out of reach) propagate: nothing was decided."""
-        verdict = self._attempt(delivery)
+        return self._settle(delivery, self._attempt(delivery))
+
+    def fail(self, delivery: Delivery, error: Exception) -> Verdict:
+        """The verdict on an attempt whose call was taken over by the watchdog
+        (``wm.dataplane.watchdog``), judged from its thread as ``run`` judges a failure."""
+        return self._settle(delivery, self.judge(delivery, error))
+
+    def _settle(self, delivery: Delivery, verdict: Verdict) -> Verdict:
         if isinstance(verdict, Park):
             delivery.rt.dead_letters.park(verdict.failure)
         for feature in self._hooks.ended:

@@ -20,6 +20,7 @@ from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.enginecache import EngineCache
 from wm.dataplane.outputs import OutputPublisher
+from wm.dataplane.watchdog import Watchdog
 from wm.state.directory import Directory
 from wm.state.health import Tally
 from wm.state.ledger import Ledger
@@ -62,6 +63,9 @@ class Runtime:
         self.killed_at: dict[str, float] = {}
         self.listener = enginecontrol.Listener(settings, self.command)
         self.listener.start()
+        self.watchdog = Watchdog()
+        #: Why this pool process ends once the delivery in hand is settled (None: it goes on).
+        self.replacing: str | None = None
 
     def begin(self, worker_id: str) -> None:
         with self._flight_lock:
@@ -76,6 +80,19 @@ class Runtime:
     def interrupted(self, worker_id: str, began: float) -> bool:
         """A delivery to ``worker_id`` begun at ``began`` was cut short by a stop's kill."""
         return self.killed_at.get(worker_id, 0.0) >= began
+
+    def replace(self, reason: str) -> None:
+        """End this pool process once the delivery in hand is settled (``wm.dataplane.tasks``);
+        the node starts another. For code that keeps running in it, or grew it too much."""
+        if not POOL_CHILD:
+            logger.error(
+                "%s; this process is the node's own and is not replaced (run the node with "
+                "the prefork pool to have it replaced)",
+                reason,
+            )
+            return
+        logger.warning("%s: pool process %d is replaced after this delivery", reason, os.getpid())
+        self.replacing = reason
 
     def command(self, op: str, worker_id: str) -> int | None:
         """An engine command: ``ask`` how many of the worker's deliveries run here, ``kill``

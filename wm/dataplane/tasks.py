@@ -16,12 +16,15 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from celery import Task, shared_task
+from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 
 from wm.dataplane import logcontext, pending
+from wm.dataplane import runtime as runtime_module
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure, malformed
 from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery
@@ -31,6 +34,7 @@ from wm.dataplane.pipeline import Pipeline
 from wm.dataplane.queues import DELIVER_TASK, delivery_labels
 from wm.dataplane.runtime import Runtime, reset_runtime, runtime
 from wm.dataplane.verdicts import Park, Requeue, Resend, Verdict
+from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.errors import (
     DeadLettered,
     EventDecodeError,
@@ -39,9 +43,11 @@ from wm.errors import (
     RequeueLimitExceeded,
     Unavailable,
     WorkerNotFound,
+    WorkerTimeout,
 )
 from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
+from wm.state import settled
 from wm.state.directory import WorkerMeta
 from wm.state.requeues import Requeues
 
@@ -95,7 +101,55 @@ def _deliver(task: Task, rt: Runtime, message: _Message) -> None:
         _park(rt, message.failure(message.malformed, None))
     logcontext.bind(attempt=message.number)
     delivery = _delivery(task, rt, message)
-    _carry_out(task, delivery, PIPELINE.run(delivery))
+    verdict = PIPELINE.run(delivery)
+    try:
+        _carry_out(task, delivery, verdict)
+    except (Retry, DeadLettered):
+        _replace_if_due(rt, delivery)
+        raise
+    _replace_if_due(rt, delivery)
+
+
+def _replace_if_due(rt: Runtime, delivery: Delivery) -> None:
+    """The delivery is settled (done, sent again or parked); a pool process that must be
+    replaced (``Runtime.replace``) marks its message settled and ends. Its node hands the
+    message out again as lost with the process; its next run only acknowledges it."""
+    if rt.replacing is None:
+        return
+    try:
+        settled.mark(rt.settings, delivery.message_key)
+    except Unavailable as exc:  # its next run would run it again: replaced after another
+        logger.warning("pool process not replaced yet (%s): %s", rt.replacing, exc)
+        return
+    raise SystemExit(rt.replacing)
+
+
+def _overrun(task: Task, request: Context) -> Callable[[Delivery], None]:
+    """What the watchdog does with a delivery whose call outlived its limit
+    (``wm.dataplane.watchdog``), from its own thread: judge it as failed with WorkerTimeout
+    (``worker.error``, retry or dead letter), carry the verdict out as the task would, mark the
+    message settled and free the group lock. The watchdog then ends the process."""
+
+    def settle(delivery: Delivery) -> None:
+        limit_s = delivery.timeout_s
+        error = WorkerTimeout(
+            f"worker {delivery.meta.id} did not return within {limit_s:g} s (+{OVERRUN_GRACE_S:g} "
+            "s of grace) and its code cannot be stopped: its pool process is replaced"
+        )
+        verdict = PIPELINE.fail(delivery, error)
+        task.request_stack.push(request)  # the task's request, as task.retry reads it
+        try:
+            _carry_out(task, delivery, verdict)
+        except (Retry, DeadLettered):
+            settled.mark(delivery.rt.settings, delivery.message_key)
+        except Requeue:  # requeued: as a message lost with its process is
+            pass
+        finally:
+            task.request_stack.pop()
+            if delivery.lease is not None:
+                delivery.rt.locks.release(delivery.lease)
+
+    return settle
 
 
 def _requeue(task: Task, rt: Runtime, message: _Message, verdict: Requeue) -> NoReturn:
@@ -220,6 +274,7 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         redelivered=bool((request.delivery_info or {}).get("redelivered")),
         facts=dict(zip(keys, values, strict=True)),
         node=request.hostname or "",
+        on_overrun=_overrun(task, request) if runtime_module.POOL_CHILD else None,
     )
 
 

@@ -46,3 +46,8 @@ class Park(Verdict):
     def __init__(self, failure: Failure) -> None:
         super().__init__(f"{failure.error_type}: {failure.error_message}")
         self.failure = failure
+
+
+class Settled(Verdict):
+    """The message was settled by an earlier run whose pool process then ended on purpose
+    (``wm.dataplane.watchdog``, ``Runtime.replace``): acknowledged, nothing else."""

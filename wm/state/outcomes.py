@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wm.config import Settings
+from wm.errors import OutputTooLarge
 from wm.events import CloudEvent, decode, encode
 from wm.state.connection import StatePipeline, StateRedis, queue_eval, redis_errors, redis_for
 from wm.state.ledger import Settlement
@@ -69,6 +70,18 @@ class Outcomes:
     def parse(raw: bytes | str | None) -> list[CloudEvent] | None:
         return None if raw is None else [decode(item) for item in json.loads(raw)]
 
+    def encoded(self, outputs: list[CloudEvent]) -> str:
+        """The outcome as recorded; :class:`~wm.errors.OutputTooLarge` over
+        ``WM_MAX_OUTPUT_BYTES``, the one cap of every engine (nothing is written then)."""
+        body = json.dumps([encode(e) for e in outputs])  # ASCII: one byte per character
+        limit = self.settings.max_output_bytes
+        if len(body) > limit:
+            raise OutputTooLarge(
+                f"the worker returned {len(outputs)} event(s) of {len(body)} bytes as "
+                f"recorded, over WM_MAX_OUTPUT_BYTES ({limit}); nothing was published"
+            )
+        return body
+
     def record(
         self,
         worker_id: str,
@@ -87,7 +100,7 @@ class Outcomes:
         the lease was lost."""
         key = self.key(worker_id, event_key)
         keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
-        args = [json.dumps([encode(e) for e in outputs]), self.ttl_s, settlement.member]
+        args = [self.encoded(outputs), self.ttl_s, settlement.member]
         args.append(settlement.key)
         script = _RECORD
         if fence is not None:

@@ -16,12 +16,14 @@ from wm.dataplane.features.interruption import Interruption
 from wm.dataplane.features.metrics import Metrics
 from wm.dataplane.features.ordering import Ordering
 from wm.dataplane.features.quota import Quota
+from wm.dataplane.features.replacement import Replacement
 from wm.dataplane.features.retries import Retries
 from wm.dataplane.features.slots import ConcurrencySlots
 from wm.dataplane.features.tracing import Tracing
 from wm.dataplane.pipeline import Feature
 
 FEATURES: tuple[Feature, ...] = (
+    Replacement(),  # a settled message of a replaced process is acked; max_memory_mb
     Quota(),  # max_events: one of the worker's slots, or requeued; the last one finishes it
     Ordering(),  # ordering=key: in its turn; a success or a dead letter ends the turn
     Tracing(),  # the delivery's span
