@@ -330,8 +330,12 @@ class _UnreadNode:
         assert self.proc.stdout is not None
         self.out = self.proc.stdout.fileno()
         self.seen = b""
-        self.read_until(f"Started consuming from {queue}".encode())
-        self.read_until(b"reconciled consumers")  # the line after
+        try:
+            self.read_until(f"Started consuming from {queue}".encode())
+            self.read_until(b"reconciled consumers")  # the line after
+        except BaseException:
+            self.kill()
+            raise
 
     def stop_reading(self) -> None:
         """Fill the pipe, through a description of its own (the node's blocks)."""
