@@ -9,7 +9,10 @@ import itertools
 import json
 import os
 import random
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +25,7 @@ import pytest
 import redis
 from kombu import Connection
 
+from tests.conftest import ROOT, env_of
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane import liveness
@@ -300,3 +304,110 @@ def test_a_node_that_comes_back_leaves_the_new_holders_message_alone(broker_url:
 def test_a_heartbeat_a_node_could_miss_is_refused(pg_settings: Settings) -> None:
     with pytest.raises(ConfigurationError, match="WM_NODE_DEAD_AFTER_S=3 must be at least 2"):
         liveness.check_settings(pg_settings.replace(node_heartbeat_s=2.0, node_dead_after_s=3.0))
+
+
+# A node whose event loop is wedged while its heartbeat thread beats on.
+
+
+class _UnreadNode:
+    """A node whose output goes to a pipe read until it consumes ``queue``, then never
+    again and full (a log collector that stopped reading): the next line its main process
+    logs, a message received, blocks its event loop, holding that message, before a pool
+    process gets it. Its heartbeat thread writes nothing while Redis answers, so it beats
+    on. (SIGSTOP would stop that thread too: the node would look dead without this change.)"""
+
+    def __init__(self, settings: Settings, name: str, queue: str) -> None:
+        cmd = [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker", "-n"]
+        cmd += [f"{name}@%h", "-c", "2", "--loglevel=INFO", "--without-gossip"]
+        self.proc = subprocess.Popen(
+            [*cmd, "--without-mingle"],
+            env=env_of(settings),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self.out = self.proc.stdout.fileno()
+        self.seen = b""
+        try:
+            self.read_until(f"Started consuming from {queue}".encode())
+            self.read_until(b"reconciled consumers")  # the line after
+        except BaseException:
+            self.kill()
+            raise
+
+    def stop_reading(self) -> None:
+        """Fill the pipe, through a description of its own (the node's blocks)."""
+        pipe = os.open(f"/proc/{self.proc.pid}/fd/1", os.O_WRONLY | os.O_NONBLOCK)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(pipe, b"\n" * 4096)
+        os.close(pipe)
+
+    def read_until(self, text: bytes, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.seen:
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.seen[-2000:]
+            if select.select([self.out], [], [], 0.5)[0]:
+                self.seen += os.read(self.out, 1 << 16)
+
+    def wedged(self) -> bool:
+        """Its main thread waits to write to the pipe."""
+        return Path(f"/proc/{self.proc.pid}/wchan").read_text().endswith("pipe_write")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _held_by(broker: redis.Redis, name: str) -> int:
+    """How many messages the node called ``name`` holds (0 once claimed)."""
+    return sum(
+        broker.scard(key) for key in broker.scan_iter(f"{liveness.NODE_PREFIX}{name}@*.held")
+    )
+
+
+@pytest.mark.slow
+def test_a_node_whose_event_loop_is_wedged_loses_what_it_holds_to_a_live_node(
+    pg_settings: Settings, start_node: Any, tmp_path: Path
+) -> None:
+    """A node whose event loop stands still while its heartbeat thread beats on holds
+    prefetched messages it will not run. They come back within WM_NODE_DEAD_AFTER_S and a
+    heartbeat of the wedge, with the defaults, and each event has one output. Before, the
+    heartbeat renewed its record and their visibility for as long as the node lived."""
+    settings = pg_settings
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    trace = tmp_path / "runs.jsonl"
+    worker = manager.create_worker(
+        code=stub(output_type="done", sleep_ms=50, trace=str(trace)), mime_type=STUB, topic="in"
+    )
+    queue = f"in::{worker.id}"
+    start_node(settings, name="live").consuming(queue)
+    wedged = _UnreadNode(settings, "wedged", queue)
+    broker = redis.Redis.from_url(settings.broker_url)
+    try:
+        wedged.stop_reading()
+        ids = _publish(manager, "in", 60)
+        wedged_at = eventually(lambda: wedged.wedged() and time.monotonic(), interval_s=0.05)
+        held = _held_by(broker, "wedged")
+        assert held > 0, "the node wedged holding nothing: no case"
+        restored_at = eventually(lambda: _held_by(broker, "wedged") == 0 and time.monotonic())
+        expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
+        outputs = drain(settings, sink, len(expected), timeout_s=60)
+        outputs += drain(settings, sink, 1, timeout_s=2 * settings.node_heartbeat_s)
+    finally:
+        wedged.kill()
+    took_s = restored_at - wedged_at
+    runs = len(trace.read_text().splitlines())
+    print(f"wedged node: {held} held messages back {took_s:.1f} s after the wedge; {runs} runs")
+    counts = Counter(e["id"] for e in outputs)
+    assert sorted(expected - set(counts)) == []
+    assert [i for i, n in counts.items() if n > 1 or i not in expected] == []
+    # A beat of the live node; another for the loop's last turn and a loaded machine.
+    assert took_s <= settings.node_dead_after_s + 2 * settings.node_heartbeat_s, took_s
+    assert DeadLetters(settings).list() == []

@@ -7,8 +7,10 @@ node puts back what waited there longer than WM_VISIBILITY_TIMEOUT_S. Nothing sa
 holds it, so the timeout must outlast the slowest delivery (an hour by default), and a killed
 node's messages waited that long. Here a node records itself as the holder of each message
 it takes, in the same script that takes it (``wm.dataplane.transport``) or in kombu's own
-transaction, and keeps a liveness record that expires WM_NODE_DEAD_AFTER_S after its last
-heartbeat. Every WM_NODE_HEARTBEAT_S each node
+transaction, and keeps a liveness record that expires WM_NODE_DEAD_AFTER_S after its event
+loop last turned (the loop that hands its messages to the pool: a node whose loop is wedged
+holds messages it will not run, so it counts as dead though its heartbeat thread lives).
+Every WM_NODE_HEARTBEAT_S each node
 
 - renews its record and refreshes the time of each message it holds, so kombu's visibility
   timeout never puts back a delivery that is still running, however long it runs; and
@@ -133,12 +135,20 @@ return 1
 
 #: This process's name as a holder of messages, once it is a node (:func:`hold_as`).
 _holder = ""
+#: This process's heartbeat, once it is a node.
+_beating: list[Heartbeat] = []
 
 
 def hold_as(holder: str) -> None:
     """Record from now on the messages this process takes as held by ``holder``."""
     global _holder
     _holder = holder
+
+
+def drain() -> None:
+    """A warm shutdown began: the node keeps what it holds while its deliveries end."""
+    for heartbeat in _beating:
+        heartbeat.drain()
 
 
 def record_key(node: str) -> str:
@@ -263,8 +273,13 @@ def restore_dead(channel: Any, node: str, dead: list[str]) -> int:
 
 
 class Heartbeat:
-    """A node's heartbeat: a thread of its main process, so that neither a busy event loop
-    nor a long reconcile makes the node look dead while its deliveries run."""
+    """A node's heartbeat: a thread of its main process, so that neither a long reconcile
+    nor a loaded machine makes the node look dead between two turns of its event loop. The
+    loop calls :meth:`turn` (``wm.dataplane.node``); the record then lasts until
+    WM_NODE_DEAD_AFTER_S after the last turn, so a node whose loop is wedged lapses, and what
+    it holds goes back, though this thread beats on. Without a watched loop (before the first
+    turn, a pool without an event loop) and while a warm shutdown drains the deliveries in
+    flight (:meth:`drain`), the record lasts WM_NODE_DEAD_AFTER_S after each beat."""
 
     def __init__(self, settings: Settings, app: Any, node: str) -> None:
         check_settings(settings)
@@ -278,6 +293,10 @@ class Heartbeat:
             )
         self.settings, self.app, self.node = settings, app, node
         self.connection: Any = None
+        #: When the node's event loop last turned (monotonic); None: no loop is watched.
+        self.turned: float | None = None
+        self.draining = False
+        self.lapsed = False  # the loop stood still too long; said once
         self.thread = threading.Thread(target=self._run, name="wm-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -285,11 +304,32 @@ class Heartbeat:
         thread; from now on this process records itself as the holder of what it takes."""
         self._beat()
         hold_as(self.node)
+        _beating.append(self)
         self.thread.start()
+
+    def turn(self) -> None:
+        """The node's event loop turned (a timer entry of the loop calls this)."""
+        self.turned = time.monotonic()
+
+    def drain(self) -> None:
+        """A warm shutdown began: the loop stops, the deliveries in flight run to their end
+        (WM_SHUTDOWN_GRACE_S at most) and the node keeps their messages until then."""
+        self.draining = True
+
+    def life_s(self) -> float:
+        """How much longer the node counts as alive from now."""
+        dead_after = self.settings.node_dead_after_s
+        if self.turned is None or self.draining:
+            return dead_after
+        return dead_after - (time.monotonic() - self.turned)
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.settings.node_heartbeat_s)
+            # Closer to the end of the record's life, sooner: a loop that turns again just
+            # before it lapses is seen in time.
+            life = self.life_s()
+            beat_s = self.settings.node_heartbeat_s
+            time.sleep(beat_s if life <= 0 else min(beat_s, max(life / 2, 0.1)))
             self._beat()
 
     def _beat(self) -> None:
@@ -308,8 +348,13 @@ class Heartbeat:
         """One beat; returns how many messages of dead nodes it put back."""
         if self.connection is None:
             self.connection = self.app.connection_for_write()
+        life = self.life_s()
+        if life <= 0:
+            self._lapse()
+            return 0
+        self.lapsed = False
         channel = self.connection.default_channel
-        alive, dead = beat(channel, self.node, self.settings.node_dead_after_s)
+        alive, dead = beat(channel, self.node, life)
         if not alive:
             # Its first beat, or this node could not beat (it stalled, or Redis was away,
             # when every record may have lapsed): the others get one beat to renew theirs.
@@ -323,6 +368,17 @@ class Heartbeat:
                 )
             return 0
         return restore_dead(channel, self.node, [d for d in dead if d != self.node])
+
+    def _lapse(self) -> None:
+        """Renew nothing: the loop that would run what the node holds stands still."""
+        if not self.lapsed:
+            self.lapsed = True
+            logger.warning(
+                "node %s: its event loop has not turned for WM_NODE_DEAD_AFTER_S=%gs; its "
+                "liveness lapses and the other nodes put back the messages it holds",
+                self.node,
+                self.settings.node_dead_after_s,
+            )
 
     def _drop_connection(self) -> None:
         if self.connection is not None:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, bootsteps
+from celery.concurrency.solo import TaskPool as SoloPool
 from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import outbox, pending, probes, runtime, sweep, workerhealth
+from wm.dataplane import liveness, outbox, pending, probes, runtime, sweep, workerhealth
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.liveness import Heartbeat
@@ -180,14 +181,17 @@ class Reconciler(bootsteps.StartStopStep):
         self.settings = Settings.from_env()
         self.tref: Any = None
         self.first: Any = None
+        self.turns: Any = None
+        self.heartbeat: Heartbeat | None = None
         self.recovered = False
 
     def start(self, parent: Any) -> None:
         if not self.recovered:  # once per node; the step restarts after broker reconnects
             check_engines(self.settings)  # a host that cannot run an engine safely stops here
             recover_with_retries(self.settings, parent.app)
-            start_heartbeat(self.settings, parent.app, parent.hostname)
+            self.heartbeat = start_heartbeat(self.settings, parent.app, parent.hostname)
             self.recovered = True
+        self.turns = watch_loop(self.heartbeat, parent)
         if parent.hub is not None:
             # The first reconcile starts consuming: from the event loop, once the task
             # consumer has its callback. Run here, a RabbitMQ backlog would be delivered
@@ -201,10 +205,10 @@ class Reconciler(bootsteps.StartStopStep):
         )
 
     def stop(self, parent: Any) -> None:
-        for entry in (self.first, self.tref):
+        for entry in (self.first, self.tref, self.turns):
             if entry is not None:
                 entry.cancel()
-        self.first = self.tref = None
+        self.first = self.tref = self.turns = None
 
     def _tick(self, parent: Any, starting: bool = False) -> None:
         try:
@@ -230,6 +234,18 @@ def start_heartbeat(settings: Settings, app: Celery, hostname: str) -> Heartbeat
     heartbeat = Heartbeat(settings, app, f"{hostname}.{uuid.uuid4().hex[:12]}")
     heartbeat.start()
     return heartbeat
+
+
+def watch_loop(heartbeat: Heartbeat | None, parent: Any) -> Any:
+    """Let the heartbeat see the node's event loop turn (a timer entry of the loop, every
+    half heartbeat); returns the entry. Not where there is no event loop, nor on the solo
+    pool, which runs each delivery inside the loop (a long delivery is no wedge there)."""
+    if heartbeat is None or parent.hub is None or isinstance(parent.pool, SoloPool):
+        return None
+    heartbeat.turn()
+    return parent.timer.call_repeatedly(
+        heartbeat.settings.node_heartbeat_s / 2, heartbeat.turn, priority=10
+    )
 
 
 def recover_with_retries(settings: Settings, app: Celery) -> None:
@@ -263,6 +279,8 @@ def on_shutting_down(how: str) -> None:
     connection closes; on Redis the consumer puts them back as it closes), their group locks
     expire within a lease, and a sandbox ends with its pool process. Nothing is lost; an
     interrupted run recorded nothing, so it runs again."""
+    if how == "Warm":
+        liveness.drain()
     grace_s = Settings.from_env().shutdown_grace_s
     if how != "Warm" or not grace_s:
         return
