@@ -411,3 +411,34 @@ def test_a_node_whose_event_loop_is_wedged_loses_what_it_holds_to_a_live_node(
     # A beat of the live node; another for the loop's last turn and a loaded machine.
     assert took_s <= settings.node_dead_after_s + 2 * settings.node_heartbeat_s, took_s
     assert DeadLetters(settings).list() == []
+
+
+
+@pytest.mark.slow
+def test_a_node_that_lost_its_broker_gives_back_what_it_had_reserved(
+    pg_settings: Settings, own_redis: Any, start_node: Any
+) -> None:
+    """Redis restarts with its data (append-only file) while a node holds messages: Celery
+    forgets those it had reserved and not started, and could not put them back while Redis
+    was away; the node's beat would keep them held, and visible, for as long as it lives.
+    It takes a new life when it reconnects, so they go back when the old one lapses. Every
+    setting at its default but the URLs of this test's own Redis."""
+    port, restart = own_redis
+    settings = pg_settings.replace(
+        broker_url=f"redis://127.0.0.1:{port}/0", redis_url=f"redis://127.0.0.1:{port}/1"
+    )
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="done", sleep_ms=400), mime_type=STUB, topic="in"
+    )
+    node = start_node(settings, name="n0")
+    node.consuming(f"in::{worker.id}")
+    _publish(manager, "in", 30)
+    outputs = drain(settings, sink, 4, timeout_s=60)
+    assert redis.Redis(port=port).hlen(liveness.HOLDERS_KEY) > 2  # it holds what it reserved
+    restart()
+    budget_s = settings.node_dead_after_s + 4 * settings.node_heartbeat_s + 45
+    outputs += drain(settings, sink, 30 - len(outputs), timeout_s=budget_s)
+    assert sorted({o["data"]["input"]["n"] for o in outputs}) == list(range(30)), node.tail()
+    assert node.proc.poll() is None

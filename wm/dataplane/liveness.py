@@ -36,6 +36,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -297,6 +298,7 @@ class Heartbeat:
         self.turned: float | None = None
         self.draining = False
         self.lapsed = False  # the loop stood still too long; said once
+        self.first = True  # the next beat is the first of this life: no record yet
         self.thread = threading.Thread(target=self._run, name="wm-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -306,6 +308,19 @@ class Heartbeat:
         hold_as(self.node)
         _beating.append(self)
         self.thread.start()
+
+    def new_life(self) -> None:
+        """The node reconnected to the broker: Celery dropped the messages it had reserved
+        and not started, which it could not put back if Redis was away. They are held under
+        the old name, which this node no longer renews: they go back when it lapses (with
+        any delivery that was running then, as a closed connection gives back on RabbitMQ;
+        its outputs stay effectively once)."""
+        old, self.node = self.node, f"{self.node.rpartition('.')[0]}.{uuid.uuid4().hex[:12]}"
+        self.first = True
+        hold_as(self.node)
+        logger.info(
+            "node %s reconnected as %s: what %s held goes back as it lapses", old, self.node, old
+        )
 
     def turn(self) -> None:
         """The node's event loop turned (a timer entry of the loop calls this)."""
@@ -354,20 +369,21 @@ class Heartbeat:
             return 0
         self.lapsed = False
         channel = self.connection.default_channel
-        alive, dead = beat(channel, self.node, life)
+        node, first, self.first = self.node, self.first, False
+        alive, dead = beat(channel, node, life)
         if not alive:
             # Its first beat, or this node could not beat (it stalled, or Redis was away,
             # when every record may have lapsed): the others get one beat to renew theirs.
-            if _holder:
+            if not first:
                 logger.warning(
                     "node %s missed its own heartbeats for WM_NODE_DEAD_AFTER_S=%gs: what it "
                     "held may have gone to other nodes, and deliveries running here may run "
                     "there too",
-                    self.node,
+                    node,
                     self.settings.node_dead_after_s,
                 )
             return 0
-        return restore_dead(channel, self.node, [d for d in dead if d != self.node])
+        return restore_dead(channel, node, [d for d in dead if d != node])
 
     def _lapse(self) -> None:
         """Renew nothing: the loop that would run what the node holds stands still."""

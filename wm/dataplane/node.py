@@ -191,6 +191,8 @@ class Reconciler(bootsteps.StartStopStep):
             recover_with_retries(self.settings, parent.app)
             self.heartbeat = start_heartbeat(self.settings, parent.app, parent.hostname)
             self.recovered = True
+        elif self.heartbeat is not None:  # the step restarts after a broker reconnect
+            self.heartbeat.new_life()
         self.turns = watch_loop(self.heartbeat, parent)
         if parent.hub is not None:
             # The first reconcile starts consuming: from the event loop, once the task
