@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
-from wm import Settings
+from wm import Settings, WorkManager, make_event
 
 STUB = "application/x-wm-stub"
 
@@ -33,6 +33,16 @@ def free_port() -> int:
 
 def stub(**spec: Any) -> bytes:
     return json.dumps(spec).encode()
+
+
+def publish_numbered(manager: WorkManager, topic: str, count: int, **ext: Any) -> list[str]:
+    """Publish ``count`` events ``{"n": 0…}`` to ``topic``; returns their ids in order."""
+    ids = []
+    for n in range(count):
+        event = make_event(topic, "/tests", {"n": n}, extensions=ext or None)
+        manager.publish(event)
+        ids.append(event.get_id())
+    return ids
 
 
 def drain(

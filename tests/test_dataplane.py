@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import STUB, drain, eventually, queue_empty, stub
+from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Route
 from wm.dataplane.node import LEADER_KEY
@@ -30,15 +30,6 @@ def fast(settings: Settings) -> Settings:
     return settings.replace(reconcile_interval_s=1.0)
 
 
-def _publish(manager: WorkManager, topic: str, count: int, **ext: Any) -> list[str]:
-    ids = []
-    for n in range(count):
-        event = make_event(topic, "/tests", {"n": n}, extensions=ext or None)
-        manager.publish(event)
-        ids.append(event.get_id())
-    return ids
-
-
 @pytest.mark.slow
 def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
@@ -50,7 +41,7 @@ def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: 
     b = manager.create_worker(code=stub(output_type="done.b"), mime_type=STUB, topic="orders")
     node.consuming(f"orders::{a.id}")
     node.consuming(f"orders::{b.id}")
-    ids = _publish(manager, "orders", 10, correlationid="corr-1")
+    ids = publish_numbered(manager, "orders", 10, correlationid="corr-1")
 
     out_a, out_b = drain(fast, sink_a, 10), drain(fast, sink_b, 10)
     keys = [event_key("/tests", i) for i in ids]
@@ -71,7 +62,7 @@ def test_stopped_worker_keeps_its_queue_and_resumes(fast: Settings, start_node: 
     node.consuming(f"in::{worker.id}")
     manager.stop_worker(worker.id)
     node.wait_for(f"Canceling queue in::{worker.id}")
-    _publish(manager, "in", 5)
+    publish_numbered(manager, "in", 5)
     assert queue_empty(fast, sink, 2.0)
     assert manager.bus.queue_depth(f"in::{worker.id}") == 5
     manager.start_worker(worker.id)
@@ -83,7 +74,7 @@ def test_deleting_a_worker_removes_its_queue(fast: Settings, start_node: Any) ->
     manager = WorkManager(fast)
     start_node(fast)
     worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in", start=False)
-    _publish(manager, "in", 3)
+    publish_numbered(manager, "in", 3)
     assert manager.bus.queue_depth(f"in::{worker.id}") == 3
     manager.delete_worker(worker.id)
     assert manager.bus.routes("in") == []
@@ -98,10 +89,10 @@ def test_code_update_reaches_a_running_node(fast: Settings, start_node: Any) -> 
     sink = manager.subscribe("done", "sink")
     worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
     node.consuming(f"in::{worker.id}")
-    _publish(manager, "in", 3)
+    publish_numbered(manager, "in", 3)
     assert {e["data"]["version"] for e in drain(fast, sink, 3)} == {1}
     manager.load_code_from_content(worker.id, stub(output_type="done", outputs=2))
-    _publish(manager, "in", 3)
+    publish_numbered(manager, "in", 3)
     second = drain(fast, sink, 6)
     assert {e["data"]["version"] for e in second} == {2}
     assert len(second) == 6
@@ -118,7 +109,7 @@ def test_retries_then_dead_letter_then_replay(fast: Settings, start_node: Any) -
         code=stub(fail="boom"), mime_type=STUB, topic="in", settings=FAST
     )
     node.consuming(f"in::{worker.id}")
-    [event_id] = _publish(manager, "in", 1)
+    [event_id] = publish_numbered(manager, "in", 1)
 
     [alert] = drain(fast, dead, 1)
     assert alert["data"]["event_id"] == event_id and alert["data"]["attempts"] == 3
@@ -154,7 +145,7 @@ def test_replay_to_the_same_version_fails_again(fast: Settings, start_node: Any)
         code=stub(fail="v1 fails"), mime_type=STUB, topic="in", settings={**FAST, "max_retries": 0}
     )
     node.consuming(f"in::{worker.id}")
-    _publish(manager, "in", 1)
+    publish_numbered(manager, "in", 1)
     letters = DeadLetters(fast)
     [letter] = eventually(letters.list)
     manager.load_code_from_content(worker.id, stub(output_type="done"))
@@ -192,7 +183,7 @@ def test_node_start_recovers_state_redis_lost(fast: Settings, start_node: Any) -
     assert state.hlen("wm:topic:{in}:routes") == 1 and state.exists("wm:topic:{in}:ready")
     assert not state.exists(LEADER_KEY)
     node.consuming(f"in::{worker.id}")
-    _publish(manager, "in", 2)
+    publish_numbered(manager, "in", 2)
     assert len(drain(fast, sink, 2)) == 2
 
 
@@ -206,7 +197,7 @@ def test_deliveries_the_broker_lost_are_sent_again(fast: Settings, start_node: A
     worker = manager.create_worker(
         code=stub(output_type="done"), mime_type=STUB, topic="in", start=False
     )
-    ids = _publish(manager, "in", 3)
+    ids = publish_numbered(manager, "in", 3)
     ledger = Ledger(settings)
     assert ledger.pending(str(worker.id)) == 3
     redis.Redis.from_url(settings.broker_url).delete(f"in::{worker.id}")  # the broker lost them
@@ -256,12 +247,12 @@ def test_settled_and_dead_lettered_deliveries_leave_the_ledger(
     node = start_node(fast)
     node.consuming(f"in::{ok.id}")
     node.consuming(f"in::{bad.id}")
-    _publish(manager, "in", 4)
+    publish_numbered(manager, "in", 4)
     ledger = Ledger(fast)
     eventually(lambda: len(DeadLetters(fast).list()) == 4)
     eventually(lambda: ledger.pending(str(ok.id)) == ledger.pending(str(bad.id)) == 0)
     manager.stop_worker(bad.id)
-    _publish(manager, "in", 1)
+    publish_numbered(manager, "in", 1)
     assert ledger.pending(str(bad.id)) == 1
     manager.delete_worker(bad.id)
     assert ledger.pending(str(bad.id)) == 0
@@ -292,7 +283,7 @@ def test_a_route_lost_behind_workmanagers_back_is_repaired(fast: Settings, start
     state.hset("wm:topic:{in}:routes", "in::gone", "")  # a route whose subscription does not exist
     assert manager.bus.routes("in") == [Route("in::gone", None)]
     eventually(lambda: manager.bus.routes("in") == [Route(f"in::{worker.id}", str(worker.id))])
-    _publish(manager, "in", 1)
+    publish_numbered(manager, "in", 1)
     assert len(drain(fast, sink, 1)) == 1
 
 

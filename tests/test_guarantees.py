@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
+from tests.helpers import STUB, drain, eventually, free_port, publish_numbered, stub, wm_cli
 from wm import BrokerUnavailable, DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Route
 from wm.dataplane.delivery import FENCE_EXTENSION
@@ -27,15 +27,6 @@ from wm.events import derive_id, encode, event_key
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
-
-
-def _publish(manager: WorkManager, topic: str, count: int) -> list[str]:
-    ids = []
-    for n in range(count):
-        event = make_event(topic, "/tests", {"n": n})
-        manager.publish(event)
-        ids.append(event.get_id())
-    return ids
 
 
 @pytest.mark.slow
@@ -59,7 +50,7 @@ def test_group_members_never_overlap_and_fences_increase(broker: Settings, start
     for node in nodes:
         for worker in workers:
             node.consuming(f"{topic}::{worker.id}")
-    _publish(manager, topic, 250)
+    publish_numbered(manager, topic, 250)
     outputs = drain(settings, sink, 500, timeout_s=240)
     try:
         _check_fenced_runs(settings, outputs)
@@ -94,10 +85,10 @@ def test_delivery_resumes_after_a_redis_restart(
     worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
     node = start_node(settings)
     node.consuming(f"in::{worker.id}")
-    _publish(manager, "in", 5)
+    publish_numbered(manager, "in", 5)
     assert len(drain(settings, sink, 5)) == 5
     restart()
-    _publish(manager, "in", 5)
+    publish_numbered(manager, "in", 5)
     assert len(drain(settings, sink, 5, timeout_s=60)) == 5
     assert node.proc.poll() is None
 
@@ -124,7 +115,7 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
     node.consuming(f"in::{worker.id}")
     node.consuming(f"in::{failing.id}")
     try:
-        _publish(manager, "in", 10)
+        publish_numbered(manager, "in", 10)
         assert len(drain(settings, sink, 10)) == 10
         letters = eventually(
             lambda: len(DeadLetters(settings).list()) == 10 and DeadLetters(settings).list(),
@@ -133,7 +124,7 @@ def test_same_code_path_on_rabbitmq(amqp_settings: Settings, start_node: Any) ->
         assert {x.attempts for x in letters} == {2}
         manager.stop_worker(worker.id)
         node.wait_for(f"Canceling queue in::{worker.id}")
-        _publish(manager, "in", 3)
+        publish_numbered(manager, "in", 3)
         assert manager.bus.queue_depth(f"in::{worker.id}") == 3
     finally:
         for w in (worker, failing):
@@ -173,7 +164,7 @@ def test_kill_9_in_the_middle_of_a_stream_loses_and_duplicates_nothing(
         code=stub(output_type=done, sleep_ms=2), mime_type=STUB, topic=topic
     )
     queue = f"{topic}::{worker.id}"
-    ids = _publish(manager, topic, 1000)
+    ids = publish_numbered(manager, topic, 1000)
     ledger = Ledger(settings)
     kills = 3
     try:
@@ -301,10 +292,10 @@ def test_lock_waiters_free_their_pool_processes_and_are_never_dead_lettered(
     node.consuming(f"in::{grouped.id}")
     node.consuming(f"other::{free.id}")
     with GroupLocks(fast).holding("busy", "operator-script", limit_s=60):
-        _publish(manager, "in", 6)
+        publish_numbered(manager, "in", 6)
         time.sleep(0.5)  # the waiters have been taken and sent back to wait
         published_at = time.monotonic()
-        _publish(manager, "other", 10)
+        publish_numbered(manager, "other", 10)
         assert len(drain(fast, free_sink, 10, timeout_s=30)) == 10
         free_took_s = time.monotonic() - published_at
         time.sleep(max(0.0, 3.0 - free_took_s))  # several waits each, under a held lock
@@ -424,7 +415,7 @@ def test_a_holder_killed_after_its_write_stalls_its_group_at_most_two_leases(
         node.consuming(f"a::{bulk.id}")
         node.consuming(f"b::{other.id}")
     locks, state = GroupLocks(settings), redis.Redis.from_url(settings.redis_url)
-    [bulk_event] = _publish(manager, "a", 1)
+    [bulk_event] = publish_numbered(manager, "a", 1)
     outcome = Outcomes.key(str(bulk.id), event_key("/tests", bulk_event))
     holder = eventually(  # fence checked, outcome recorded: publishing under the lock
         lambda: (h := locks.holder("g")) is not None and state.exists(outcome) and h,
@@ -434,7 +425,7 @@ def test_a_holder_killed_after_its_write_stalls_its_group_at_most_two_leases(
     victim = _node_of(holder["owner"], nodes)
     victim.kill(signal.SIGKILL)
     killed_at = time.monotonic()
-    _publish(manager, "b", 1)
+    publish_numbered(manager, "b", 1)
     outputs = drain(settings, sink, 1, timeout_s=2 * TEST_LEASE_S + 10)
     resumed_after_s = time.monotonic() - killed_at
     print(f"group resumed {resumed_after_s:.2f} s after its holder was killed")
@@ -469,9 +460,9 @@ def test_a_long_delivery_keeps_its_group_lock_for_many_leases(
     node = start_node(settings)
     node.consuming(f"slow::{slow.id}")
     node.consuming(f"quick::{quick.id}")
-    _publish(manager, "slow", 1)
+    publish_numbered(manager, "slow", 1)
     eventually(lambda: GroupLocks(settings).holder("g"), timeout_s=10, interval_s=0.01)
-    _publish(manager, "quick", 1)
+    publish_numbered(manager, "quick", 1)
     first, second = drain(settings, sink, 2, timeout_s=30)
     assert first["data"]["finished_at"] - first["data"]["started_at"] >= 4 * lease_s
     assert second["data"]["started_at"] >= first["data"]["finished_at"]
@@ -506,10 +497,10 @@ def test_code_running_past_its_time_limit_loses_the_lock_and_cannot_write(
     node = start_node(settings)
     node.consuming(f"hung::{hung.id}")
     node.consuming(f"quick::{quick.id}")
-    [hung_event] = _publish(manager, "hung", 1)
+    [hung_event] = publish_numbered(manager, "hung", 1)
     eventually(lambda: GroupLocks(settings).holder("g"), timeout_s=10, interval_s=0.01)
     published_at = time.time()
-    _publish(manager, "quick", 1)
+    publish_numbered(manager, "quick", 1)
     [output] = drain(settings, sink, 1, timeout_s=10)
     # Renewed for 0.5 s + one lease, then free within one more lease: before the stub returns.
     assert output["data"]["input"] == {"n": 0}
@@ -579,7 +570,7 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
     ]
     queues = [f"{w.topic}::{w.id}" for w in workers]
     half = GROUP_CHAOS_EVENTS // 2
-    ids = [*_publish(manager, topics[0], half), *_publish(manager, topics[1], half)]
+    ids = [*publish_numbered(manager, topics[0], half), *publish_numbered(manager, topics[1], half)]
     ledger, locks = Ledger(settings), GroupLocks(settings)
 
     def pending() -> int:

@@ -26,8 +26,8 @@ import redis
 from kombu import Connection
 
 from tests.conftest import ROOT, env_of
-from tests.helpers import STUB, drain, eventually, stub
-from wm import DeadLetters, Settings, WorkManager, make_event
+from tests.helpers import STUB, drain, eventually, publish_numbered, stub
+from wm import DeadLetters, Settings, WorkManager
 from wm.dataplane import liveness
 from wm.dataplane.delivery import FENCE_EXTENSION
 from wm.dataplane.queues import EXCHANGE, subscription_queue
@@ -39,15 +39,6 @@ from wm.state.locks import GroupLocks
 
 #: Most seconds from the last kill to the last output (the issue's bound).
 RECOVERED_WITHIN_S = 60
-
-
-def _publish(manager: WorkManager, topic: str, count: int) -> list[str]:
-    ids = []
-    for n in range(count):
-        event = make_event(topic, "/tests", {"n": n})
-        manager.publish(event)
-        ids.append(event.get_id())
-    return ids
 
 
 def _unacked(settings: Settings) -> int:
@@ -142,7 +133,7 @@ def test_kill_9_of_group_nodes_with_the_defaults_recovers_in_seconds(
         )
         for side in "ab"
     ]
-    ids = {w.id: _publish(manager, w.topic, 400) for w in workers}
+    ids = {w.id: publish_numbered(manager, w.topic, 400) for w in workers}
     killed_at = _chaos(settings, start_node, rng, [str(w.id) for w in workers], 800, kills=3)
     expected = {derive_id(event_key("/tests", i), str(w), 0) for w, e in ids.items() for i in e}
     outputs, complete_at = _outputs(settings, sink, expected)
@@ -175,7 +166,7 @@ def test_kill_9_without_a_group_with_the_defaults_recovers_in_seconds(
     worker = manager.create_worker(
         code=stub(output_type=done, sleep_ms=20), mime_type=STUB, topic=topic
     )
-    ids = _publish(manager, topic, 2000)
+    ids = publish_numbered(manager, topic, 2000)
     killed_at = _chaos(settings, start_node, rng, [str(worker.id)], 2000, kills=5)
     expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
     outputs, complete_at = _outputs(settings, sink, expected)
@@ -212,7 +203,7 @@ def test_a_delivery_running_three_heartbeats_runs_once(
     )
     for name in ("n0", "n1"):
         start_node(settings, name=name).consuming(f"slow::{worker.id}")
-    _publish(manager, "slow", 1)
+    publish_numbered(manager, "slow", 1)
     outputs = drain(settings, sink, 1, timeout_s=60)
     outputs += drain(settings, sink, 1, timeout_s=2 * settings.node_heartbeat_s)
     assert len(outputs) == 1
@@ -392,7 +383,7 @@ def test_a_node_whose_event_loop_is_wedged_loses_what_it_holds_to_a_live_node(
     broker = redis.Redis.from_url(settings.broker_url)
     try:
         wedged.stop_reading()
-        ids = _publish(manager, "in", 60)
+        ids = publish_numbered(manager, "in", 60)
         wedged_at = eventually(lambda: wedged.wedged() and time.monotonic(), interval_s=0.05)
         held = _held_by(broker, "wedged")
         assert held > 0, "the node wedged holding nothing: no case"
@@ -411,7 +402,6 @@ def test_a_node_whose_event_loop_is_wedged_loses_what_it_holds_to_a_live_node(
     # A beat of the live node; another for the loop's last turn and a loaded machine.
     assert took_s <= settings.node_dead_after_s + 2 * settings.node_heartbeat_s, took_s
     assert DeadLetters(settings).list() == []
-
 
 
 @pytest.mark.slow
@@ -434,7 +424,7 @@ def test_a_node_that_lost_its_broker_gives_back_what_it_had_reserved(
     )
     node = start_node(settings, name="n0")
     node.consuming(f"in::{worker.id}")
-    _publish(manager, "in", 30)
+    publish_numbered(manager, "in", 30)
     outputs = drain(settings, sink, 4, timeout_s=60)
     assert redis.Redis(port=port).hlen(liveness.HOLDERS_KEY) > 2  # it holds what it reserved
     restart()
