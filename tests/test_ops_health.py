@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from engines.python.isolation import WANTED_LAYERS, kernel_isolation
+from engines.python.isolation import WANTED_LAYERS, kernel_isolation, limit_layers
 from tests.conftest import env_of
 from tests.helpers import STUB, eventually, free_port, stub
 from wm import Settings, WorkManager, make_event, store
@@ -76,11 +76,13 @@ def test_a_node_reports_healthy_then_degraded_by_code_it_cannot_load(
     assert _get(f"{base}/health/ready")[0] == 200
     assert _get(f"{base}/nothing")[0] == 404
 
-    # the Python sandbox's layers as the node's own probe found them, the same as here
+    # the Python sandbox's layers (and limit layers) as the node's own probe found them, the
+    # same as here
     layers = kernel_isolation().layers
     assert found["engines"]["text/x-python"] == {
         "sandbox_layers": list(layers),
         "sandbox_missing": [name for name in WANTED_LAYERS if name not in layers],
+        "limit_layers": list(limit_layers()),
     }
     assert "network namespace" in layers  # bubblewrap is installed where the tests run
 
@@ -88,7 +90,10 @@ def test_a_node_reports_healthy_then_degraded_by_code_it_cannot_load(
     assert cli.returncode == 0, cli.stderr
     assert "status:" in cli.stdout and "healthy" in cli.stdout and "broker:" in cli.stdout
     [python] = [line for line in cli.stdout.splitlines() if line.startswith("text/x-python:")]
-    assert python.endswith(f"sandbox layers: {', '.join(layers)}; sandbox missing: none")
+    assert python.endswith(
+        f"sandbox layers: {', '.join(layers)}; sandbox missing: none; "
+        f"limit layers: {', '.join(limit_layers())}"
+    )
 
     # code accepted at create time that no longer loads: the worker fails, the node degrades
     manager = WorkManager(settings)
