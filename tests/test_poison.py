@@ -125,7 +125,7 @@ def test_a_lone_surrogate_in_an_event_id_is_delivered(
     assert node.proc.poll() is None, node.tail()
 
 
-def _send(manager: WorkManager, queue: str, *args: Any, **kwargs: Any) -> None:
+def _send(manager: WorkManager, queue: str, *args: Any, _retries: Any = 0, **kwargs: Any) -> None:
     app = manager.bus.app
     with app.producer_or_acquire() as producer:
         app.send_task(
@@ -134,13 +134,14 @@ def _send(manager: WorkManager, queue: str, *args: Any, **kwargs: Any) -> None:
             kwargs=kwargs,
             queue=subscription_queue(queue),
             producer=producer,
+            retries=_retries,
         )
 
 
 @pytest.mark.slow
 def test_malformed_deliver_messages_are_parked(pg_settings: Settings, start_node: Any) -> None:
     """``wm.deliver`` with a missing argument was dropped; with extra arguments of the wrong
-    type it was requeued for ever."""
+    type it was requeued for ever; with a retries header that is no count it was dropped."""
     fast = pg_settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     node = start_node(fast)
@@ -158,8 +159,9 @@ def test_malformed_deliver_messages_are_parked(pg_settings: Settings, start_node
     _send(manager, queue, wid, payload(3), state={"first_failure_at": float("inf")})
     _send(manager, queue, 42, payload(4))  # no worker id
     _send(manager, queue, wid, {"not": "a string"})
+    _send(manager, queue, wid, payload(6), _retries="many")  # a retries header of no count
 
-    letters = _letters(fast, 6)
+    letters = _letters(fast, 7)
     assert {(d.error_type, d.worker_id, d.topic) for d in letters} == {
         ("MalformedMessage", wid, "in")
     }
@@ -170,6 +172,7 @@ def test_malformed_deliver_messages_are_parked(pg_settings: Settings, start_node
     assert "first_failure_at must be a number" in reasons
     assert "worker_id must be a worker's id" in reasons
     assert "payload must be an encoded event" in reasons
+    assert "its retries header must be a count" in reasons
     assert any('"extra"' in d.envelope for d in letters)  # its arguments, as they came
 
     manager.publish(make_event("in", "/tests", {"n": 5}))

@@ -146,6 +146,21 @@ def resident_bytes(pid: int | None = None) -> int:
         return 0
 
 
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` (none once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as handle:
+            return [int(child) for child in handle.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def tree_resident_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and its descendants (a sandbox or helper may run under a
+    wrapper such as bubblewrap)."""
+    return resident_bytes(pid) + sum(map(tree_resident_bytes, child_pids(pid)))
+
+
 # -- registry --------------------------------------------------------------------------------
 
 #: Entry-point group engines register their MIME type in.

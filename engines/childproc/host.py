@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from engines.childproc import frames
 from engines.childproc.limits import Cgroups, Limits, cgroups_for
+from wm.engine import child_pids
 from wm.errors import WorkerExecutionError, WorkerTimeout
 
 #: Lines of the child's output kept to explain its end.
@@ -93,15 +94,6 @@ class ChildExited(WorkerExecutionError):
         self.pid, self.returncode = pid, returncode
 
 
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (none once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as handle:
-            return [int(p) for p in handle.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
 def _terminate(
     popen: subprocess.Popen[bytes],
     fds: list[int],
@@ -117,7 +109,7 @@ def _terminate(
     so the interpreter is dead when the wait returns (killing bwrap first would leave that
     to an asynchronous parent-death signal).
     """
-    inner = children(popen.pid) if wrapped and popen.poll() is None else []
+    inner = child_pids(popen.pid) if wrapped and popen.poll() is None else []
     for pid in inner:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)

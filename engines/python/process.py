@@ -22,9 +22,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engines.childproc import frames
-from engines.childproc.host import ChildExited, ChildProcess, Launch, Wrapper, children
+from engines.childproc.host import ChildExited, ChildProcess, Launch, Wrapper
 from engines.childproc.limits import Limits
 from engines.python.protocol import GATEWAY_FAILED, GATEWAY_OK
+from wm.engine import child_pids
 from wm.errors import WorkerExecutionError
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class SandboxProcess:
         (bwrap's reaper is pid 1 of the namespace, the interpreter its child)."""
         pid = self._child.pid
         for _ in range(WRAPPER_DEPTH):
-            found = children(pid)
+            found = child_pids(pid)
             if len(found) != 1:
                 break
             pid = found[0]

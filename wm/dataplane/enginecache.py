@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from wm.config import Settings
 from wm.dataplane.observe import notify
-from wm.engine import Engine, WorkerSpec, engine_class, resident_bytes
+from wm.engine import Engine, WorkerSpec, engine_class, resident_bytes, tree_resident_bytes
 from wm.state.directory import Directory, WorkerMeta
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class _Loaded:
     def sample(self) -> int:
         """Charge the engine its current memory: its processes' resident memory now, plus
         what loading it added to this process."""
-        self.charge = self.in_process + sum(map(resident_bytes, self.engine.processes()))
+        self.charge = self.in_process + sum(map(tree_resident_bytes, self.engine.processes()))
         return self.charge
 
 

@@ -107,6 +107,10 @@ def _deliver(task: Task, rt: Runtime, message: _Message) -> None:
     except (Retry, DeadLettered):
         _replace_if_due(rt, delivery)
         raise
+    except Requeue:
+        if rt.replacing is not None:  # its message goes back with the process, unsettled
+            raise SystemExit(rt.replacing) from None
+        raise
     _replace_if_due(rt, delivery)
 
 
@@ -122,6 +126,13 @@ def _replace_if_due(rt: Runtime, delivery: Delivery) -> None:
         logger.warning("pool process not replaced yet (%s): %s", rt.replacing, exc)
         return
     raise SystemExit(rt.replacing)
+
+
+def _mark_settled(delivery: Delivery) -> None:
+    try:
+        settled.mark(delivery.rt.settings, delivery.message_key)
+    except Unavailable as exc:  # unavoidable: its next run runs it again
+        logger.warning("could not mark a timed-out delivery settled; it may run again: %s", exc)
 
 
 def _overrun(task: Task, request: Context) -> Callable[[Delivery], None]:
@@ -141,8 +152,8 @@ def _overrun(task: Task, request: Context) -> Callable[[Delivery], None]:
         try:
             _carry_out(task, delivery, verdict)
         except (Retry, DeadLettered):
-            settled.mark(delivery.rt.settings, delivery.message_key)
-        except Requeue:  # requeued: as a message lost with its process is
+            _mark_settled(delivery)
+        except Requeue:  # it goes back as a message lost with its process (not counted)
             pass
         finally:
             task.request_stack.pop()
@@ -181,9 +192,10 @@ class _Message:
         request = task.request
         self.queue = str((request.delivery_info or {}).get("routing_key") or "unknown")
         #: how often it was sent again (a retry, a wait): its number among its messages
-        self.resends = int(request.retries or 0)
+        self.resends = 0
         self.malformed: MalformedMessage | None = None
         try:
+            self.resends = _resends(request.retries)
             self.worker_id, self.payload, self.state = _arguments(args, kwargs)
         except MalformedMessage as exc:
             self.malformed, self.worker_id, self.state = exc, "", DeliveryState()
@@ -236,6 +248,16 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str,
         return worker_id, payload, DeliveryState.read(given.get("state"), given.get("legacy", {}))
     except (TypeError, InvalidArgument) as exc:
         raise MalformedMessage(f"not a {DELIVER_TASK}{_SHAPE_SHOWN} message: {exc}") from exc
+
+
+def _resends(retries: Any) -> int:
+    """The message's ``retries`` header, a count (Celery's own would fail on another)."""
+    if retries is None:
+        return 0
+    if isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0:
+        return retries
+    error = f"its retries header must be a count, not {retries!r:.40}"
+    raise MalformedMessage(f"not a {DELIVER_TASK}{_SHAPE_SHOWN} message: {error}")
 
 
 def _is_uuid(text: str) -> bool:

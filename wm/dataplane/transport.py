@@ -377,12 +377,13 @@ class Channel(kombu_redis.Channel):
         """Deliver a popped list item; one that is no kombu message as raw bytes. ``tag``:
         the take recorded the message as held (kombu's QoS.append need not)."""
         try:
-            message = loads(bytes_to_str(item))
+            message, taken = loads(bytes_to_str(item)), True
         except json.JSONDecodeError as exc:
-            message = raw_message(self, exc.doc.encode(), queue)
-            if tag:  # Redis's JSON parser took it: the raw message gets a tag of its own
-                self.qos._remove_from_indices(bytes_to_str(tag)).execute()
-                tag = None
+            message, taken = raw_message(self, exc.doc.encode(), queue), False
+        if tag and not (taken and is_kombu_message(self, message)):
+            # Redis's JSON parser took it, kombu cannot: the raw message gets a tag of its own
+            self.qos._remove_from_indices(bytes_to_str(tag)).execute()
+            tag = None
         self.recorded = bytes_to_str(tag) if tag else None
         try:
             self.connection._deliver(message, queue)

@@ -421,7 +421,7 @@ async def _failed(request: Request, exc: WorkManagerError) -> JSONResponse:
     if code != 422:
         return gate.problem(code, str(exc), type(exc).__name__)
     loc = ["body", "code"] if isinstance(exc, CodeSourceError | EngineLoadError) else ["body"]
-    body = {"detail": [{"loc": loc, "msg": str(exc), "type": type(exc).__name__}]}
+    body = {"detail": [{"loc": loc, "msg": storable(str(exc)), "type": type(exc).__name__}]}
     return JSONResponse(body, status_code=422)
 
 

@@ -18,7 +18,7 @@ from wm.dataplane import enginecontrol
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.pipeline import Feature
 from wm.dataplane.verdicts import Settled, Verdict
-from wm.engine import resident_bytes
+from wm.engine import resident_bytes, tree_resident_bytes
 from wm.errors import WorkerTimeout
 from wm.state import settled
 
@@ -54,7 +54,7 @@ class Replacement(Feature):
         if engine is None:
             return
         apart = engine.stops_calls()  # its code runs in processes of its own
-        used = sum(map(_tree_bytes, engine.processes())) if apart else resident_bytes()
+        used = sum(map(tree_resident_bytes, engine.processes())) if apart else resident_bytes()
         if used <= limit_mb * MIB:
             return
         where = "its processes use" if apart else "its pool process uses"
@@ -65,13 +65,3 @@ class Replacement(Feature):
             rt.command(enginecontrol.UNLOAD, worker_id)
         else:
             rt.replace(reason)
-
-
-def _tree_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and its descendants (a helper may run under a wrapper)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as handle:
-            children = [int(child) for child in handle.read().split()]
-    except (OSError, ValueError):
-        children = []
-    return resident_bytes(pid) + sum(map(_tree_bytes, children))
