@@ -8,7 +8,7 @@ import difflib
 import logging
 import os
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
@@ -97,6 +97,22 @@ class Engine:
         """Run the code on ``event`` and return the events it produced (maybe none; an
         :class:`Outputs` when the worker answered with an error)."""
         raise NotImplementedError("Engine.process() must be implemented.")
+
+    def process_batch(
+        self, events: Sequence[CloudEvent], timeout_s: float
+    ) -> list[list[CloudEvent] | Exception]:
+        """Run the code on each of ``events`` in one call: for each event, in order, the
+        events it produced (as :meth:`process` returns them) or the error it failed with, so
+        one failing event fails alone. ``timeout_s`` is the limit of one event; the whole
+        call may take ``timeout_s`` times the events. Engines whose code has a batch entry
+        point override this; the default calls :meth:`process` once per event."""
+        results: list[list[CloudEvent] | Exception] = []
+        for event in events:
+            try:
+                results.append(self.process(event, timeout_s))
+            except Exception as exc:  # that event's failure alone
+                results.append(exc)
+        return results
 
     def probe(self, timeout_s: float) -> bool | None:
         """Run the health probe of the loaded code (issue 14): True when it passed, False
