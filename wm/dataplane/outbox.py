@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from wm import store
@@ -28,22 +28,26 @@ FLUSH_BATCH = 500
 def flush(settings: Settings, bus: Bus) -> int:
     """Publish lifecycle events written by committed changes; returns how many were sent.
 
-    Rows are locked with SKIP LOCKED, so concurrent flushes never send one event twice;
-    a broker or database outage leaves the rest for the next flush.
+    Rows are locked with SKIP LOCKED, so concurrent flushes never send one event twice.
+    SQLite has no row locks: there each row is deleted before it is sent, and a flush whose
+    delete finds the row gone leaves it to the flush that took it (the first delete holds
+    the database's write lock until it commits). A broker or database outage leaves the
+    rest for the next flush.
     """
     sent = 0
     try:
         with store.session_scope(settings) as session:
-            rows = session.scalars(
-                select(OutboxEvent)
+            rows = session.execute(
+                select(OutboxEvent.id, OutboxEvent.topic, OutboxEvent.payload)
                 .order_by(OutboxEvent.id)
                 .limit(FLUSH_BATCH)
                 .with_for_update(skip_locked=True)
             ).all()
-            for row in rows:
-                bus.publish(decode(row.payload), row.topic)
-                session.delete(row)
-                sent += 1
+            for row_id, topic, payload in rows:
+                taken = session.execute(delete(OutboxEvent).where(OutboxEvent.id == row_id))
+                if taken.rowcount:  # type: ignore[attr-defined]
+                    bus.publish(decode(payload), topic)
+                    sent += 1
     except Unavailable as exc:
         logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
     return sent
