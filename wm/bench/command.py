@@ -327,8 +327,8 @@ def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
         type=node_counts,
         default=[],
         help="Also run the multi-node drain phase: at each count N, N plain Celery nodes "
-        "against N WorkManager nodes (each of --concurrency processes) drain "
-        "--drain-events queued events, --scale-repeats times; throughput and scaling efficiency. The scale "
+        "against N WorkManager nodes (each of --concurrency processes) drain --drain-events "
+        "queued events, --scale-repeats times; throughput and scaling efficiency. The scale "
         "phase (--scale-workers) runs on the largest count (3 nodes if none is given).",
     )
     parser.add_argument(

@@ -24,7 +24,7 @@ from typing import Any
 from celery import Celery
 
 from wm.bench.plain import plaincelery
-from wm.bench.rig import POOL_SPARE
+from wm.bench.rig import size_pools
 
 #: The folder ``celery -A plaincelery`` runs from: the only one put on its import path.
 PLAIN_DIR = Path(plaincelery.__file__).resolve().parent
@@ -196,7 +196,6 @@ def control_app(broker_url: str, prefix: str, nodes: int) -> Celery:
     app = Celery(f"{prefix}-control", set_as_current=False)
     app.conf.update(
         broker_url=broker_url,
-        broker_pool_limit=2 * nodes + POOL_SPARE,
         task_serializer="json",
         accept_content=["json"],
         result_backend=None,
@@ -204,4 +203,5 @@ def control_app(broker_url: str, prefix: str, nodes: int) -> Celery:
         control_exchange=prefix,
         event_exchange=f"{prefix}.events",
     )
+    size_pools(app, nodes)
     return app

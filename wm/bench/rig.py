@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from celery import Celery
+from kombu import pools
 
 from wm.config import Settings
 from wm.dataplane.app import make_app, redis_broker
@@ -323,14 +324,15 @@ class Rig:
 
 
 def size_pools(app: Celery, nodes: int) -> None:
-    """Give ``app`` a broker connection and a producer per node, and spares: the threads that
-    start and ping many nodes each hold one of both at once, and with Celery's default limit
-    of 10 (``broker_pool_limit``) more than about nine nodes deadlock at start."""
-    limit = max(app.conf.broker_pool_limit or 0, 2 * nodes + POOL_SPARE)
+    """Room in the broker pools for ``nodes`` nodes: the threads that start and ping many
+    nodes each hold a connection and a producer at once, and with Celery's default limit of
+    10 (``broker_pool_limit``) more than about nine nodes deadlock at start. kombu's pools
+    and their limit are the process's, not the app's, and an app sets the limit to its own
+    ``broker_pool_limit`` when it first uses its pool: the limit only grows, on every app
+    of the bench that is given it."""
+    limit = max(pools.get_limit() or 0, app.conf.broker_pool_limit or 0, 2 * nodes + POOL_SPARE)
     app.conf.broker_pool_limit = limit
-    for pool in (app.pool, app.amqp.producer_pool):
-        if pool.limit < limit:
-            pool.limit = limit
+    pools.set_limit(limit)
 
 
 _REGISTERED = re.compile(r"^(?P<name>\S+)(?: \[(?P<options>.*)\])?$")
