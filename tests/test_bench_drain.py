@@ -162,6 +162,10 @@ def test_a_drain_declared_over_has_every_message_acknowledged_on_both_sides(
         assert plain.succeeded() - before == 40
         assert _ready(rig, reference.queue) == 0
         assert _unacked(rig) == 0
+    # both sides log at WARNING: no line per task (Celery's INFO has two)
+    for log in (tmp_path / "node.log", tmp_path / "plain-0" / "node.log"):
+        text = log.read_text()
+        assert "] received" not in text and "] succeeded in " not in text, text[-2000:]
 
 
 @pytest.mark.slow

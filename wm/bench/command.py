@@ -96,7 +96,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         _check_rabbitmq(args.broker_url)
     elif args.broker_url is not None:
         parser.error("--broker-url names RabbitMQ for --broker amqp")
-    if (args.drain_repeats or args.scale_nodes) and args.drain_events < 1:
+    if (args.drain_repeats or _multi_node(args)) and args.drain_events < 1:
         parser.error("the drain and multi-node phases need --drain-events above 0")
     if args.scale_workers and not 1 <= args.scale_topics <= args.scale_workers:
         parser.error("--scale-topics must be between 1 and --scale-workers")
@@ -121,7 +121,7 @@ def _bench(args: argparse.Namespace, begin: Begin) -> dict[str, Any]:
                     settings.replace(task_events=True), home, args, begin
                 )
             found.update(_broker_phases(settings, home, args, begin))
-            if args.scale_nodes:
+            if _multi_node(args):
                 found["multi_node"] = _multi_node_phase(settings, home, args, begin)
             _scale_phase(settings, home, args, begin)
             _pools_phase(settings, home, args, begin)
@@ -143,7 +143,7 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int]]:
         ("task events", 3 + engines if args.events else 0),
         ("drain", 1 if args.drain_repeats else 0),
         ("round trips", 1 if args.round_trips else 0),
-        ("multi-node", 1 if args.scale_nodes else 0),
+        ("multi-node", 1 if _multi_node(args) else 0),
         ("scale", 1 if args.scale_workers else 0),
         ("pools", 1 if args.pools else 0),
         ("start-up", 1 if args.startup_repeats else 0),
@@ -300,7 +300,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     (not for a flag or an option that is off unless given)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == 0:
+        if action.default is None or action.default is False or action.default in (0, []):
             return action.help
         return super()._get_help_string(action)
 
@@ -326,10 +326,11 @@ def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
         metavar="N,N,…",
         type=node_counts,
         default=[],
-        help="Also run the multi-node drain phase: at each count N, N plain Celery nodes "
-        "against N WorkManager nodes (each of --concurrency processes) drain --drain-events "
-        "queued events, --scale-repeats times; throughput and scaling efficiency. The scale "
-        "phase (--scale-workers) runs on the largest count (3 nodes if none is given).",
+        help="Without --scale-workers: run the multi-node drain phase, at each count N, N "
+        "plain Celery nodes against N WorkManager nodes (each of --concurrency processes) "
+        "draining --drain-events queued events, --scale-repeats times: throughput and scaling "
+        "efficiency. With --scale-workers: the nodes of the scale phase (the largest count; "
+        f"{SCALE_NODES} if none is given).",
     )
     parser.add_argument(
         "--scale-deliveries",
@@ -403,6 +404,11 @@ def _add_broker(parser: argparse.ArgumentParser) -> None:
         help=f"RabbitMQ for --broker amqp (default {DEFAULT_AMQP_URL}); the bench's queues "
         "and exchanges there are its own and deleted when it ends.",
     )
+
+
+def _multi_node(args: argparse.Namespace) -> bool:
+    """The multi-node drain runs on ``--scale-nodes`` unless they are the scale phase's."""
+    return bool(args.scale_nodes) and not args.scale_workers
 
 
 def node_counts(text: str) -> list[int]:
