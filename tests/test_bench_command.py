@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+from celery import Celery
+
 from tests.conftest import ROOT
-from tests.helpers import plain, run_in_terminal
-from wm.bench.rig import percentile
+from tests.helpers import free_port, plain, run_in_terminal
+from wm.bench.rig import POOL_SPARE, percentile, size_pools
 
 #: Messages of each engine round trip: enough to have a p99, few enough to be quick.
 MESSAGES = "20"
@@ -100,3 +103,63 @@ def test_a_pipe_gets_the_tables_and_a_summary_without_a_bar() -> None:
     assert lines[-1].startswith("wm bench: engine round trips in "), done.stdout
     assert "returns one event  median" in done.stdout
     assert "━" not in done.stdout + done.stderr and "\x1b[" not in done.stdout + done.stderr
+
+
+def test_drain_and_multi_node_phases_report_both_sides_in_one_object() -> None:
+    done = _bench(
+        "--events", "0", "--engine-messages", "0", "--drain-repeats", "1",
+        "--drain-events", "20", "--scale-nodes", "2,1", "--scale-repeats", "1", "--json",
+        timeout_s=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["phases"] == ["drain", "multi-node"]
+    phase = found["drain"]
+    assert (phase["events"], phase["repeats"], phase["concurrency"]) == (20, 1, 2)
+    names = [row["scenario"] for row in phase["scenarios"]]
+    assert names[:3] == ["plain celery", "no output", "one output"]
+    assert names[-3:] == ["group", "python worker", "wm.noop, wm node"]
+    assert ("batched" in names) != any("batched: not available" in n for n in phase["notes"])
+    plain = phase["scenarios"][0]
+    assert plain["full_ratio"] == 1.0 and plain["target"] is None
+    for row in phase["scenarios"]:
+        assert row["full_events_per_s"] > 0 and row["cpu_ms_per_event"] > 0
+        assert row["commands_per_event"] > 0
+    targets = {row["scenario"]: row["target"] for row in phase["scenarios"]}
+    assert (targets["no output"], targets["one output"]) == (1.0, 0.9)
+    rows = found["multi_node"]["rows"]
+    assert [(row["side"], row["nodes"]) for row in rows] == [
+        ("plain celery", 1),
+        ("plain celery", 2),
+        ("no output", 1),
+        ("no output", 2),
+    ]
+    assert all(row["full_events_per_s"] > 0 for row in rows)
+    assert rows[0]["efficiency"] == rows[2]["efficiency"] == 1.0
+    assert "efficiency at 2 nodes: wm within 0.1 of plain celery's: " in done.stderr
+    assert "no module of wm loaded" in done.stderr
+
+
+def test_node_counts_that_are_no_list_are_refused() -> None:
+    for bad in ("0,2", "two", ""):
+        done = _bench("--scale-nodes", bad, timeout_s=60)
+        assert done.returncode == 2
+        assert f"{bad!r} is no list of node counts such as 1,2,4,8" in done.stderr
+
+
+def test_pool_limits_grow_with_the_node_count() -> None:
+    # an address of its own: a pool of its own in kombu's process-wide registry
+    app = Celery("pools", set_as_current=False)
+    app.conf.broker_url = f"redis://127.0.0.1:{free_port()}/0"
+    held = [app.pool.acquire(block=True, timeout=0.1) for _ in range(10)]  # Celery's default
+    with pytest.raises(app.pool.LimitExceeded):
+        app.pool.acquire(block=True, timeout=0.1)
+    size_pools(app, 12)
+    held += [app.pool.acquire(block=True, timeout=0.1) for _ in range(2 * 12 + POOL_SPARE - 10)]
+    for connection in held:
+        connection.release()
+    # each producer holds a connection of the pool as well
+    producers = [app.amqp.producer_pool.acquire(block=True, timeout=0.1) for _ in range(24)]
+    for producer in producers:
+        producer.release()
+    app.close()

@@ -1,10 +1,14 @@
-"""The bench's drain and round-trip phases on a real node, on Redis and on RabbitMQ: every
-scenario timed and counted, the end of a drain exact, the bench's names its own and gone
-afterwards (small numbers: this checks the tool, not the speed)."""
+"""The bench's drain and round-trip phases on real nodes, on Redis and on RabbitMQ: every
+scenario timed and counted against a plain Celery reference in a process tree of its own,
+the end of a drain exact on both sides, the bench's names its own and gone afterwards (small
+numbers: this checks the tool, not the speed)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +20,12 @@ from kombu.transport.redis import PRIORITY_STEPS
 from tests.conftest import AMQP_URL, need
 from wm import Settings
 from wm.bench import drain, roundtrip
+from wm.bench.drainclock import RedisProbe, time_drain
+from wm.bench.plainnodes import PLAIN_DIR, PlainNodes
 from wm.bench.rig import PYTHON_ANSWER, EngineWorker, Rig, mismatches, task_options
 from wm.dataplane.app import make_app
 from wm.dataplane.queues import plain_queue_name
+from wm.engine import child_pids
 
 #: Busy time of each event of the slow stub worker (ms), and how many it is sent.
 SLOW_MS, SLOW_EVENTS = 200, 8
@@ -77,62 +84,136 @@ def engines(native_zips: dict[str, Path]) -> list[EngineWorker]:
     ]
 
 
+#: A row of the drain's table: name, full drain and window (events/s, ratio, spread),
+#: Redis commands and CPU milliseconds per event, and the target's verdict if it has one.
+ROW = re.compile(
+    r"^(?P<name>[a-z.,# ]+?)\s+(?P<full>\d+)\s+(?P<full_ratio>[\d.]+)× \[[\d.]+–[\d.]+\]"
+    r"\s+(?P<window>\d+)\s+[\d.]+× \[[\d.]+–[\d.]+\]\s+(?P<commands>[\d.]+)\s+"
+    r"(?P<cpu>[\d.]+)(?P<verdict>  target ≥ [\d.]+×: full (met|MISSED), window (met|MISSED))?$",
+    flags=re.MULTILINE,
+)
+
+
 @pytest.mark.slow
-def test_the_drain_phase_times_every_scenario_and_counts_redis_commands(
+def test_the_drain_phase_times_every_scenario_against_the_plain_reference(
     rig: Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str], engines: list[EngineWorker]
 ) -> None:
-    header, results = drain.measure(rig, tmp_path, 30, 2, 2, engines)
-    drain.report(results, header, 30, 2, 2, rig)
+    header, results, notes = drain.measure(rig, tmp_path, 30, 2, 2, engines)
+    drain.report(results, header, notes, 30, 2, rig)
     out = capsys.readouterr().out
     broker = "Redis" if rig.redis_broker else "RabbitMQ"
     assert f"Drain on {broker}: 30 queued events per scenario, 2 repetitions" in out
     assert "task events off" in out
-    assert "prefork:TaskPool, 2 processes, prefetch 8" in out
+    assert "plain celery " in out and "acks late True, serializer json, log level WARNING" in out
+    assert "no module of wm loaded" in out
+    assert "prefork:TaskPool, 2 processes, prefetch 8 (multiplier 4)" in out
     assert "wm.noop, wm.echo configured like wm.deliver (acks_late=True" in out
-    rows = {
-        match["name"].strip(): (float(match["rate"]), float(match["commands"]))
-        for match in re.finditer(
-            r"^(?P<name>[a-z ]+?)\s+(?P<rate>\d+) \(\d+ \d+\)\s+[\d.]+× \[[\d.–]+\]\s+"
-            r"(?P<commands>[\d.]+)",
-            out,
-            flags=re.MULTILINE,
-        )
-    }
-    workers = {"no group", "group", "one output", "python worker", "native worker"}
-    assert set(rows) == {"bare celery", *workers}, out
-    assert all(rate > 0 for rate, _ in rows.values())
-    # WorkManager adds its own Redis work to what Celery does for a bare task; on RabbitMQ
-    # the state store sees nothing of a bare task
-    bare_commands = rows["bare celery"][1]
-    assert all(rows[name][1] > bare_commands for name in workers)
+    rows = {match["name"].strip(): match for match in ROW.finditer(out)}
+    batched = ["batched"] if drain.batch_settings() else []
+    workers = ["no output", "one output", *batched, "group", "python worker", "native worker"]
+    assert list(rows) == [drain.PLAIN, *workers, drain.WM_NOOP], out
+    if not batched:
+        assert "batched: not available in this build" in out
+    assert all(int(row["full"]) > 0 and float(row["cpu"]) > 0 for row in rows.values())
+    assert rows[drain.PLAIN]["full_ratio"] == "1.00"
+    assert [name for name, row in rows.items() if row["verdict"]] == [
+        "no output",
+        "one output",
+        *batched,
+        "group",
+    ]
+    # WorkManager adds its own Redis work to what Celery does for a plain task; on RabbitMQ
+    # the state store sees nothing of a plain task
+    plain_commands = float(rows[drain.PLAIN]["commands"])
+    assert all(float(rows[name]["commands"]) > plain_commands for name in workers)
     if not rig.redis_broker:
-        assert bare_commands < 1, out
+        assert plain_commands < 1, out
+    figures = drain.figures(results, notes, 30, 2, 2)
+    assert [row["scenario"] for row in figures["scenarios"]] == list(rows)
 
 
 @pytest.mark.slow
-def test_a_drain_ends_when_the_last_message_is_acknowledged_not_when_the_queue_is_empty(
+def test_a_drain_declared_over_has_every_message_acknowledged_on_both_sides(
     rig: Rig, tmp_path: Path
 ) -> None:
-    # the node prefetches all eight at once: the queue is empty long before they are done;
-    # each event's output is published before its message is acknowledged
+    # prefetch (8 per node) takes the whole queue at once: the queue is empty long before
+    # the last message is done; each event's output is published before its ack
     outputs = rig.subscribe("slow.out", "outputs")
     code = f'{{"sleep_ms": {SLOW_MS}, "output_type": "{rig.name("slow.out")}"}}'.encode()
-    scenario = drain.worker_scenario(rig, "slow", "slow", code)
-    probe = drain.probe_for(rig)
-    with rig.node(tmp_path, 2, [rig.queue("idle")]):
+    with (
+        rig.node(tmp_path, 2, [rig.queue("idle")]) as node,
+        PlainNodes(rig.settings.broker_url, rig.prefix, tmp_path, 1, 2) as plain,
+    ):
+        slow = drain.worker_side(rig, [node.pid], "slow", "slow", code)
         # the bench's node hears the bench's broadcasts only, not a default app's
         default = make_app(rig.settings)
         assert default.control.ping(destination=[rig.node_name]) == []
         default.close()
         assert rig.control("ping") == {"ok": "pong"}
-        drain.time_drain(rig, probe, scenario, SLOW_EVENTS)
-        assert _ready(probe, outputs) == SLOW_EVENTS
+        before = rig.succeeded()
+        timing = time_drain(slow, SLOW_EVENTS)
+        assert rig.succeeded() - before == SLOW_EVENTS
+        assert _ready(rig, outputs) == SLOW_EVENTS
+        # at most two run at once: the drain took at least four sleeps
+        assert timing.full_rate <= 2 / (SLOW_MS / 1000)
+        reference = drain.plain_side(rig, plain, rig.name("plain"))
+        before = plain.succeeded()
+        time_drain(reference, 40)
+        assert plain.succeeded() - before == 40
+        assert _ready(rig, reference.queue) == 0
+        assert _unacked(rig) == 0
+    # both sides log at WARNING: no line per task (Celery's INFO has two)
+    for log in (tmp_path / "node.log", tmp_path / "plain-0" / "node.log"):
+        text = log.read_text()
+        assert "] received" not in text and "] succeeded in " not in text, text[-2000:]
 
 
-def _ready(probe: drain.Probe, queue: str) -> int:
-    if isinstance(probe, drain.RedisProbe):
+@pytest.mark.slow
+def test_the_reference_is_a_process_tree_of_its_own_that_loads_nothing_of_wm(
+    rig: Rig, tmp_path: Path
+) -> None:
+    with (
+        rig.node(tmp_path, 2, [rig.queue("idle")]) as node,
+        PlainNodes(rig.settings.broker_url, rig.prefix, tmp_path, 1, 2) as plain,
+    ):
+        assert plain.wm_modules() == []
+        [root] = plain.pids
+        pool = child_pids(root)
+        assert len(pool) == 2  # -c 2, prefork
+        wm_tree = {node.pid, *child_pids(node.pid)}
+        assert not {root, *pool} & wm_tree
+        assert os.getsid(root) == root != os.getsid(node.pid)
+        command = Path(f"/proc/{root}/cmdline").read_bytes().split(b"\0")
+        assert b"plaincelery" in command and b"--loglevel=WARNING" in command
+        environ = dict(
+            item.split(b"=", 1)
+            for item in Path(f"/proc/{root}/environ").read_bytes().split(b"\0")
+            if item
+        )
+        assert environ[b"PYTHONPATH"] == str(PLAIN_DIR).encode()
+        # nothing else to import on its path
+        assert {path.name for path in PLAIN_DIR.glob("*.py")} == {"__init__.py", "plaincelery.py"}
+    # the probe can fail: WorkManager's own package, imported the same way, is seen
+    seen = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(PLAIN_DIR)!r}); "
+         "import plaincelery, wm; print(sorted(m for m in sys.modules if m == 'wm'))"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert seen.stdout.strip() == "['wm']"
+
+
+def _ready(rig: Rig, queue: str) -> int:
+    probe = drain.wm_probe(rig)
+    if isinstance(probe, RedisProbe):
         return sum(probe.client.llen(key) for key in probe.keys(queue))
-    return probe.ready(queue)
+    return probe.left(queue)
+
+
+def _unacked(rig: Rig) -> int:
+    probe = drain.wm_probe(rig)
+    if isinstance(probe, RedisProbe):
+        return int(probe.client.hlen(probe.unacked))
+    return 0  # AMQP counts none: the successes above are the check
 
 
 @pytest.mark.slow
@@ -156,13 +237,12 @@ def test_the_round_trip_phase_times_every_side_one_event_at_a_time(
         assert re.search(rf"^{name}\s+[\d.]+ \([\d.]+ [\d.]+\)\s+[\d.]+\s+[\d.]+× \[", out, re.M)
     assert out.count("target ≤ 2×") == 1  # the target is the stub worker's
     # every answer was read: nothing is left on any reply queue
-    probe = drain.probe_for(rig)
     replies = [rig.name("rt.bare.reply"), plain_queue_name(rig.name("rt.out"), "answers")]
     replies += [
         plain_queue_name(rig.name(f"rt.{e}.processed"), "answers") for e in ("python", "native")
     ]
     for queue in replies:
-        assert _ready(probe, queue) == 0
+        assert _ready(rig, queue) == 0
 
 
 def test_the_redis_done_check_reads_every_priority_list_the_transport_uses(
@@ -174,14 +254,14 @@ def test_the_redis_done_check_reads_every_priority_list_the_transport_uses(
         with Rig(settings) as rig:
             options = dict(rig.app.conf.broker_transport_options, priority_steps=steps)
             rig.app.conf.broker_transport_options = options
-            probe = drain.probe_for(rig)
-            assert isinstance(probe, drain.RedisProbe)
+            probe = drain.wm_probe(rig)
+            assert isinstance(probe, RedisProbe)
             queue = rig.queue("priorities")
             assert len(probe.keys(queue)) == lists
-            assert probe.done(queue, 0)
+            assert probe.left(queue) == 0 and probe.done(queue, 0, 0)
             with rig.app.producer_or_acquire() as producer:
                 producer.publish({}, routing_key=queue, exchange="wm", priority=9)
-            assert probe.done(queue, 1) is False
+            assert probe.left(queue) == 1
             assert sum(probe.client.llen(key) for key in probe.keys(queue)) == 1
 
 

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from kombu.connection import Connection
 
 from wm import store
-from wm.bench import drain, enginetrips, pools, roundtrip, scale, startup, taskevents
+from wm.bench import drain, enginetrips, multinode, pools, roundtrip, scale, startup, taskevents
 from wm.bench.rig import (
     BROKERS,
     CSHARP,
@@ -40,6 +40,8 @@ from wm.dataplane.app import BROKER_ERRORS
 from wm.errors import BrokerUnavailable
 from wm.local.up import embedded_redis
 
+#: Nodes of the scale phase unless ``--scale-nodes`` gives counts (it runs on the largest).
+SCALE_NODES = 3
 #: What ``wm bench --help`` says: plain text (the module's docstring is for its readers).
 DESCRIPTION = """\
 Times WorkManager's delivery against a bare Celery task, in one run, on the
@@ -51,9 +53,12 @@ trips too.
 
 The first phase times both sides from Celery's task events, on the embedded
 Redis (or on WM_BROKER_URL and WM_REDIS_URL when set). The drain
-(--drain-repeats), round-trip (--round-trips), scale (--scale-workers) and pool
-(--pools) phases run on the broker --broker names, with task events off as on a
-node. Each phase makes names, a node and exchanges of its own and deletes them
+(--drain-repeats), round-trip (--round-trips), multi-node (--scale-nodes),
+scale (--scale-workers) and pool (--pools) phases run on the broker --broker
+names, with task events off as on a node. The drain and multi-node phases
+measure WorkManager's node against an independent plain Celery app in its own
+process tree (acks_late, prefetch multiplier 4, JSON, prefork, log level
+WARNING on both sides). Each phase makes names, a node and exchanges of its own and deletes them
 when it ends.
 
 A progress bar shows on standard error at a terminal, and a summary line ends
@@ -91,14 +96,14 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         _check_rabbitmq(args.broker_url)
     elif args.broker_url is not None:
         parser.error("--broker-url names RabbitMQ for --broker amqp")
-    if args.drain_repeats and not args.events:
-        parser.error("the drain phase needs --events above 0")
+    if (args.drain_repeats or _multi_node(args)) and args.drain_events < 1:
+        parser.error("the drain and multi-node phases need --drain-events above 0")
     if args.scale_workers and not 1 <= args.scale_topics <= args.scale_workers:
         parser.error("--scale-topics must be between 1 and --scale-workers")
     if args.pools and args.pool_repeats < 1:
         parser.error("--pool-repeats must be 1 or more")
-    if args.scale_workers and min(args.scale_nodes, args.scale_deliveries, args.scale_repeats) < 1:
-        parser.error("--scale-nodes, --scale-deliveries and --scale-repeats must be 1 or more")
+    if args.scale_workers and min(args.scale_deliveries, args.scale_repeats) < 1:
+        parser.error("--scale-deliveries and --scale-repeats must be 1 or more")
     return args
 
 
@@ -115,7 +120,9 @@ def _bench(args: argparse.Namespace, begin: Begin) -> dict[str, Any]:
                 found["task_events"] = _task_event_phase(
                     settings.replace(task_events=True), home, args, begin
                 )
-            _broker_phases(settings, home, args, begin)
+            found.update(_broker_phases(settings, home, args, begin))
+            if _multi_node(args):
+                found["multi_node"] = _multi_node_phase(settings, home, args, begin)
             _scale_phase(settings, home, args, begin)
             _pools_phase(settings, home, args, begin)
             if args.startup_repeats:
@@ -136,6 +143,7 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int]]:
         ("task events", 3 + engines if args.events else 0),
         ("drain", 1 if args.drain_repeats else 0),
         ("round trips", 1 if args.round_trips else 0),
+        ("multi-node", 1 if _multi_node(args) else 0),
         ("scale", 1 if args.scale_workers else 0),
         ("pools", 1 if args.pools else 0),
         ("start-up", 1 if args.startup_repeats else 0),
@@ -292,7 +300,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     (not for a flag or an option that is off unless given)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == 0:
+        if action.default is None or action.default is False or action.default in (0, []):
             return action.help
         return super()._get_help_string(action)
 
@@ -314,7 +322,15 @@ def _add_scale_phase(parser: argparse.ArgumentParser) -> None:
         help="Topics of the scale phase's workers.",
     )
     parser.add_argument(
-        "--scale-nodes", metavar="N", type=int, default=3, help="Nodes of the scale phase."
+        "--scale-nodes",
+        metavar="N,N,…",
+        type=node_counts,
+        default=[],
+        help="Without --scale-workers: run the multi-node drain phase, at each count N, N "
+        "plain Celery nodes against N WorkManager nodes (each of --concurrency processes) "
+        "draining --drain-events queued events, --scale-repeats times: throughput and scaling "
+        "efficiency. With --scale-workers: the nodes of the scale phase (the largest count; "
+        f"{SCALE_NODES} if none is given).",
     )
     parser.add_argument(
         "--scale-deliveries",
@@ -341,6 +357,13 @@ def _add_broker_phases(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Also run the drain phase (queues filled first, then timed), this many "
         "interleaved repetitions (0 skips it).",
+    )
+    parser.add_argument(
+        "--drain-events",
+        metavar="N",
+        type=int,
+        default=2000,
+        help="Queued events per scenario of the drain and multi-node phases.",
     )
     parser.add_argument(
         "--round-trips",
@@ -383,10 +406,30 @@ def _add_broker(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace, begin: Begin) -> None:
-    """The drain and round-trip phases, on the broker ``--broker`` names."""
+def _multi_node(args: argparse.Namespace) -> bool:
+    """The multi-node drain runs on ``--scale-nodes`` unless they are the scale phase's."""
+    return bool(args.scale_nodes) and not args.scale_workers
+
+
+def node_counts(text: str) -> list[int]:
+    """``--scale-nodes``: counts of nodes, ascending, each 1 or more."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no list of node counts such as 1,2,4,8")
+    return sorted(set(counts))
+
+
+def _broker_phases(
+    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
+) -> dict[str, Any]:
+    """The drain and round-trip phases, on the broker ``--broker`` names; the drain's
+    figures."""
+    found: dict[str, Any] = {}
     if not (args.drain_repeats or args.round_trips):
-        return
+        return found
     settings = settings.replace(task_events=args.drain_task_events)
     if args.broker == "amqp":
         settings = settings.replace(broker_url=args.broker_url)
@@ -394,12 +437,32 @@ def _broker_phases(settings: Settings, home: Path, args: argparse.Namespace, beg
     engines = [e for e in _engine_workers(args, answering=True) if e.processed]
     if args.drain_repeats:
         begin("drain phase")
-        drain.run(settings, home, args.events, args.drain_repeats, args.concurrency, engines)
+        found["drain"] = drain.run(
+            settings, home, args.drain_events, args.drain_repeats, args.concurrency, engines
+        )
     if args.round_trips:
         begin("round-trip phase")
         roundtrip.run(
             settings, home, args.round_trips, args.round_trip_repeats, args.concurrency, engines
         )
+    return found
+
+
+def _multi_node_phase(
+    settings: Settings, home: Path, args: argparse.Namespace, begin: Begin
+) -> dict[str, Any]:
+    """The multi-node drain, on the broker ``--broker`` names."""
+    if args.broker == "amqp":
+        settings = settings.replace(broker_url=args.broker_url)
+    begin("multi-node phase")
+    return multinode.run(
+        settings.replace(task_events=args.drain_task_events),
+        home,
+        args.scale_nodes,
+        args.drain_events,
+        args.scale_repeats,
+        args.concurrency,
+    )
 
 
 def _pools_phase(settings: Settings, home: Path, args: argparse.Namespace, begin: Begin) -> None:
@@ -426,7 +489,7 @@ def _scale_phase(settings: Settings, home: Path, args: argparse.Namespace, begin
         home,
         args.scale_workers,
         args.scale_topics,
-        args.scale_nodes,
+        max(args.scale_nodes, default=SCALE_NODES),
         args.scale_deliveries,
         args.scale_repeats,
         args.concurrency,

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from wm.bench.rig import Rig
+from wm.bench.rig import Rig, size_pools
 from wm.engine import resident_bytes
 
 #: Seconds the nodes have to answer a ping and to consume every queue.
@@ -39,6 +39,8 @@ class Nodes:
         self.rig, self.home, self.count = rig, home, count
         self.concurrency, self.queue, self.pool = concurrency, queue, pool
         self.names = [f"{rig.node_name}.{n}" for n in range(count)]
+        self.pids: list[int] = []
+        size_pools(rig.app, count)
         self.launched = 0.0
         self.up_s: float | None = None
         self.errors: list[BaseException] = []
@@ -73,7 +75,8 @@ class Nodes:
         try:
             with self.rig.node(
                 home, self.concurrency, [self.queue], name_suffix=f".{n}", pool=self.pool
-            ):
+            ) as node:
+                self.pids.append(node.pid)
                 self._stop.wait()
         except BaseException as exc:  # reported by the thread that waits for the nodes
             self.errors.append(exc)

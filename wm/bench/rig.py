@@ -17,13 +17,17 @@ import contextlib
 import re
 import socket
 import statistics
+import subprocess
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
+
+from celery import Celery
+from kombu import pools
 
 from wm.config import Settings
 from wm.dataplane.app import make_app, redis_broker
@@ -40,6 +44,8 @@ BROKERS = ("redis", "amqp")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 #: Seconds a control command (ping, inspect, consumer changes) waits for the node's reply.
 CONTROL_TIMEOUT_S = 5.0
+#: Broker connections (and producers) of the bench's app beyond two per node it starts.
+POOL_SPARE = 4
 #: The inspect command of ``wm.bench.benchnode``: tasks its node finished with success.
 SUCCEEDED_COMMAND = "wm_bench_succeeded"
 #: The bare-Celery reference tasks (``wm.dataplane.tasks``), compared with ``wm.deliver``.
@@ -137,12 +143,21 @@ class Rig:
         return name
 
     def worker(
-        self, suffix: str, code: bytes, group: str | None = None, mime_type: str = STUB
+        self,
+        suffix: str,
+        code: bytes,
+        group: str | None = None,
+        mime_type: str = STUB,
+        settings: Mapping[str, Any] | None = None,
     ) -> WorkerInfo:
         """A running worker (a stub by default) on topic ``<prefix>.<suffix>``."""
         topic = self.name(suffix)
         info = self.manager.create_worker(
-            code=code, mime_type=mime_type, topic=topic, group=group and self.name(group)
+            code=code,
+            mime_type=mime_type,
+            topic=topic,
+            group=group and self.name(group),
+            settings=settings,
         )
         self._workers.append(str(info.id))
         self.queues.append(worker_queue_name(topic, str(info.id)))
@@ -165,12 +180,13 @@ class Rig:
         *,
         name_suffix: str = "",
         pool: str = "prefork",
-    ) -> Iterator[None]:
+    ) -> Iterator[subprocess.Popen[bytes]]:
         """The bench's node, consuming ``queues`` and every running worker's queue.
 
         A phase with several nodes tells them apart with ``name_suffix``, appended to the
         node's name (``<prefix>@<host><suffix>``; the part before ``@``, which names the
-        node's exchanges, stays the prefix). Entered once any node of the phase answers."""
+        node's exchanges, stays the prefix). Entered once any node of the phase answers;
+        yields the node's main process. Its log level is WARNING (``wm.bench.benchnode``)."""
         with celery_node(
             home,
             self.settings,
@@ -180,8 +196,8 @@ class Rig:
             name=self.node_name + name_suffix,
             control=self.app,
             pool=pool,
-        ):
-            yield
+        ) as process:
+            yield process
 
     def control(self, command: str, **arguments: Any) -> Any:
         """The node's reply to a control command; raises if it gives none in time."""
@@ -305,6 +321,18 @@ class Rig:
         pidbox = f"{self.prefix}.pidbox"
         own = [pidbox, f"reply.{pidbox}", node_conf(self.prefix)["event_exchange"]]
         return own + [q for q in self.queues if "::" not in q]
+
+
+def size_pools(app: Celery, nodes: int) -> None:
+    """Room in the broker pools for ``nodes`` nodes: the threads that start and ping many
+    nodes each hold a connection and a producer at once, and with Celery's default limit of
+    10 (``broker_pool_limit``) more than about nine nodes deadlock at start. kombu's pools
+    and their limit are the process's, not the app's, and an app sets the limit to its own
+    ``broker_pool_limit`` when it first uses its pool: the limit only grows, on every app
+    of the bench that is given it."""
+    limit = max(pools.get_limit() or 0, app.conf.broker_pool_limit or 0, 2 * nodes + POOL_SPARE)
+    app.conf.broker_pool_limit = limit
+    pools.set_limit(limit)
 
 
 _REGISTERED = re.compile(r"^(?P<name>\S+)(?: \[(?P<options>.*)\])?$")
