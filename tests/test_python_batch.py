@@ -11,11 +11,12 @@ import pytest
 import wm  # noqa: F401 - import the platform before engines
 from engines.python import PythonEngine
 from engines.python.engine import PythonWorkerError
+from engines.python.protocol import answer_event
 from tests.workers import child_pids
 from wm.config import Settings
 from wm.engine import WorkerSpec
-from wm.errors import WorkerExecutionError, WorkerTimeout
-from wm.events import CloudEvent, make_event
+from wm.errors import EventDecodeError, WorkerExecutionError, WorkerTimeout
+from wm.events import CloudEvent, decode, make_event
 
 #: Echoes ``n``; n == 2 raises, n == 4 ends the sandbox (SystemExit), n == 6 outlives any
 #: limit, n == 8 answers with no output.
@@ -123,3 +124,62 @@ def test_a_batch_before_load_fails_every_event() -> None:
     assert len(results) == 2
     assert all(isinstance(r, WorkerExecutionError) for r in results)
     assert "before load()" in str(results[0])
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0"},
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0", "data": {"a": [1]}},
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0", "data_base64": "AAE="},
+        {
+            "id": "1",
+            "source": "/s",
+            "type": "t",
+            "specversion": "1.0",
+            "time": "2026-01-02T03:04:05.5Z",
+        },
+        {
+            "id": "1",
+            "source": "/s",
+            "type": "t",
+            "specversion": "1.0",
+            "time": "2026-01-02T03:04:05+02:00",
+        },
+        {
+            "id": "1",
+            "source": "/s",
+            "type": "t",
+            "specversion": "1.0",
+            "time": "2026-01-02T03:04:05",
+        },
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0", "time": "20260102T030405Z"},
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0", "time": "yesterday"},
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0", "correlationid": "c"},
+        {"source": "/s", "type": "t", "specversion": "1.0"},
+        {"id": "1", "source": "/s", "type": "t", "specversion": "0.3"},
+        {"id": "1", "source": "/s", "type": "t", "specversion": "1.0", "Bad-Name": "x"},
+        ["not", "an", "object"],
+    ],
+)
+def test_an_answers_events_read_as_wm_events_decode_reads_them(answer: Any) -> None:
+    """The host's reader of a sandbox's output events skips two JSON passes and dateutil;
+    what it reads, and every error it raises, are :func:`wm.events.decode`'s."""
+    expected: CloudEvent | str
+    try:
+        expected = decode(answer)
+    except EventDecodeError as exc:
+        expected = str(exc)
+    try:
+        read: CloudEvent | str = answer_event(answer)
+    except EventDecodeError as exc:
+        read = str(exc)
+    if isinstance(expected, str):
+        assert read == expected
+    else:
+        assert isinstance(read, CloudEvent)
+        ours, theirs = read.get_attributes(), expected.get_attributes()
+        if "time" not in answer:  # the SDK's constructor stamps the time it runs
+            assert abs((ours.pop("time") - theirs.pop("time")).total_seconds()) < 60
+        assert ours == theirs
+        assert read.get_data() == expected.get_data()

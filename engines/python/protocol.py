@@ -73,11 +73,9 @@ def answer_event(obj: Any) -> CloudEvent:
     from wm.errors import EventDecodeError  # the host's alone: the child never decodes one
     from wm.events import decode
 
-    if not isinstance(obj, dict):
-        raise EventDecodeError("not a JSON CloudEvent: expected a JSON object")
-    time = obj.get("time")
-    if time is not None and _fast_time(time) is None:
-        return decode(obj)  # a form only the SDK's own reader (dateutil) may take
+    time = obj.get("time") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or (time is not None and _fast_time(time) is None):
+        return decode(obj)  # not an object, or a time only the SDK's reader (dateutil) takes
     missing = [k for k in ("id", "source", "type", "specversion") if not obj.get(k)]
     if missing:
         raise EventDecodeError(f"CloudEvent lacks required attribute(s): {', '.join(missing)}")
