@@ -6,14 +6,16 @@ its last two arguments: never over its stdin, stdout or stderr, so what its code
 corrupt them.
 
 Host → child: ``INIT`` (a JSON object, ``\\n``, a blob: what to load and the code),
-``CALL`` (a request), ``PROBE`` (run the code's health probe), ``GATEWAY_REPLY`` (an int32
-code, the response). Child → host: ``READY`` (the code loaded), ``ANSWER`` (to a CALL or a
-PROBE), ``FAILED`` (a JSON object with ``type`` and ``message``: the code refused at INIT, or
-a failed call or probe), ``LOG`` (an int32 Python logging level, a UTF-8 message),
-``GATEWAY`` (a JSON object naming ``service`` and ``method``, ``\\n``, the request).
+``CALL`` (a request), ``BATCH`` (a JSON array of requests), ``PROBE`` (run the code's
+health probe), ``GATEWAY_REPLY`` (an int32 code, the response). Child → host: ``READY``
+(the code loaded), ``ANSWER`` (to a CALL or a PROBE), ``FAILED`` (a JSON object with
+``type`` and ``message``: the code refused at INIT, or a failed call or probe), ``LOG``
+(an int32 Python logging level, a UTF-8 message), ``GATEWAY`` (a JSON object naming
+``service`` and ``method``, ``\\n``, the request).
 
-The child answers INIT with READY or FAILED, and each CALL and PROBE with one ANSWER or
-FAILED; any number of LOG and GATEWAY frames may come first, each GATEWAY answered by one
+The child answers INIT with READY or FAILED, each CALL and PROBE with one ANSWER or
+FAILED, and a BATCH with one ANSWER or FAILED per request, in order (the host times each);
+any number of LOG and GATEWAY frames may come first, each GATEWAY answered by one
 GATEWAY_REPLY. What a CALL, an ANSWER, a READY or a probe's answer holds is the engine's
 business.
 
@@ -40,6 +42,7 @@ READ_CHUNK_BYTES = 1024 * 1024
 # host -> child
 INIT = b"I"
 CALL = b"C"
+BATCH = b"B"
 PROBE = b"P"
 GATEWAY_REPLY = b"g"
 # child -> host

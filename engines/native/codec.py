@@ -80,6 +80,8 @@ _VECTOR_TAIL: Final = (b"", b"\0\0\0", b"\0\0", b"\0")
 _U32S: Final = tuple(struct.Struct(f"<{n + 1}I") for n in range(8))
 _U16S: Final = tuple(struct.Struct(f"<{n}H") for n in range(_CE_FIELDS + 1))
 _ZEROS: Final = tuple((0,) * n for n in range(_CE_FIELDS + 1))
+#: A table's field offsets, its vtable's position and the table's size (see ``_fields``).
+_Vtable = tuple[tuple[int, ...], int, int]
 _EXTENSION_NAME = re.compile(r"[a-z0-9]+")
 _RFC3339 = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
@@ -312,10 +314,22 @@ def decode_response(buf: bytes | memoryview) -> Response:
 def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[int, ...]]:
     """Check the table at ``table`` and its vtable; return the table's position and the
     offsets of its first ``count`` fields (0: absent)."""
+    return table, _fields(buf, table, count, what, None)[0]
+
+
+def _fields(buf: bytes, table: int, count: int, what: str, known: _Vtable | None) -> _Vtable:
+    """The offsets of the first ``count`` fields of the table at ``table`` and its vtable's
+    position and table size, checked against the buffer. ``known``: the answer for another
+    table, reused without reading the vtable again when this one shares it (as every
+    Extension table of a well-formed buffer does)."""
     size = len(buf)
     if table + 4 > size:
         raise CodecError(f"{what}: table offset {table} is outside the {size}-byte buffer")
     vtable = table - _I32.unpack_from(buf, table)[0]
+    if known is not None and known[1] == vtable:
+        if table + known[2] > size:
+            raise CodecError(f"{what}: table of {known[2]} bytes at {table} overruns the buffer")
+        return known
     if vtable < 0 or vtable + 4 > size:
         raise CodecError(f"{what}: vtable offset {vtable} is outside the {size}-byte buffer")
     vtable_size, table_size = _VT_HEAD.unpack_from(buf, vtable)
@@ -323,11 +337,11 @@ def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[in
         raise CodecError(f"{what}: vtable of {vtable_size} bytes at {vtable} is malformed")
     if table_size < 4 or table + table_size > size:
         raise CodecError(f"{what}: table of {table_size} bytes at {table} overruns the buffer")
-    known = min((vtable_size - 4) >> 1, count)
-    fields = _U16S[known].unpack_from(buf, vtable + 4) + _ZEROS[count - known]
+    present = min((vtable_size - 4) >> 1, count)
+    fields = _U16S[present].unpack_from(buf, vtable + 4) + _ZEROS[count - present]
     if max(fields, default=0) > table_size - 4:
         raise CodecError(f"{what}: a field lies outside its {table_size}-byte table")
-    return table, fields
+    return fields, vtable, table_size
 
 
 def _text(buf: bytes, at: int, what: str) -> str:
@@ -407,9 +421,12 @@ def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
     budget = len(buf)
     shared: dict[int, str] = {}
     element = first
+    known: _Vtable | None = None
     try:
         for element in range(first, first + 4 * length, 4):
-            table, (key_at, value_at) = _table(buf, element + _u32(buf, element)[0], 2, "table")
+            table = element + _u32(buf, element)[0]
+            known = _fields(buf, table, 2, "table", known)
+            key_at, value_at = known[0]
             if not key_at:
                 raise CodecError("required field 'key' is missing")
             key = _text(buf, table + key_at, "key")

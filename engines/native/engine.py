@@ -106,17 +106,17 @@ class InProcess:
         self.library, self.sinks = library, sinks
 
     def call(self, request: bytes, timeout_s: float) -> bytes:
-        return self._bounded(lambda: self.library.call(request), timeout_s, "Process")
+        return self._bounded(self.library.call, timeout_s, "Process", request)
 
     def probe(self, timeout_s: float) -> bool | None:
         return self._bounded(self.library.probe, timeout_s, "Probe")
 
-    def _bounded(self, run: Callable[[], T], timeout_s: float, export: str) -> T:
+    def _bounded(self, run: Callable[..., T], timeout_s: float, export: str, *args: Any) -> T:
         started = time.monotonic()
         self.sinks.deadline.value = started + timeout_s
         token = WATCHDOG.enter(started + timeout_s, self.sinks.worker.worker_id, export)
         try:
-            answer = run()
+            answer = run(*args)
         finally:
             WATCHDOG.leave(token)
         elapsed_s = time.monotonic() - started
@@ -242,8 +242,11 @@ class NativeEngine(Engine):
             raise EventDecodeError(
                 f"event {event.get_id()} cannot be written as a FlatBuffer CloudEvent: {exc}"
             ) from exc
-        with self._loaded("process") as (runner, worker):
+        runner, worker = self._enter("process")
+        try:
             answer = runner.call(request, timeout_s)
+        finally:
+            self._leave()
         try:
             response = codec.decode_response(answer)
         except codec.CodecError as exc:
@@ -280,6 +283,15 @@ class NativeEngine(Engine):
     @contextmanager
     def _loaded(self, method: str) -> Iterator[tuple[Runner, WorkerSpec]]:
         """The runner and worker loaded now, which a reload waits for until the block ends."""
+        loaded = self._enter(method)
+        try:
+            yield loaded
+        finally:
+            self._leave()
+
+    def _enter(self, method: str) -> tuple[Runner, WorkerSpec]:
+        """The runner and worker loaded now, counted in flight until :meth:`_leave` (the
+        per-message path, without a context manager's generator)."""
         with self._gate:
             while self._reloading:
                 self._gate.wait()
@@ -287,13 +299,13 @@ class NativeEngine(Engine):
             if runner is None or worker is None:
                 raise WorkerExecutionError(f"NativeEngine.{method}() called before load()")
             self._in_flight += 1
-        try:
-            yield runner, worker
-        finally:
-            with self._gate:
-                self._in_flight -= 1
-                if self._reloading and not self._in_flight:
-                    self._gate.notify_all()
+        return runner, worker
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._in_flight -= 1
+            if self._reloading and not self._in_flight:
+                self._gate.notify_all()
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:

@@ -105,6 +105,8 @@ class NativeLibrary:
         self._log, self._gateway = log, gateway
         self._responses: set[int] = set()
         self._responses_lock = threading.Lock()
+        #: Per thread, Process's out-parameters, allocated once (a call cannot nest).
+        self._slots = threading.local()
         self._ffi = FFI()
         self._ffi.include(ffi)
         self._probe: Any = None
@@ -157,8 +159,12 @@ class NativeLibrary:
 
     def call(self, request: bytes) -> bytes:
         """Run Process on ``request`` (a CloudEvent FlatBuffer); its answer, copied."""
-        out_buf = ffi.new("uint8_t**")
-        out_len = ffi.new("int32_t*")
+        slots = self._slots
+        try:
+            out_buf, out_len = slots.pair
+        except AttributeError:  # this thread's first call: its two out-parameters
+            out_buf, out_len = slots.pair = (ffi.new("uint8_t**"), ffi.new("int32_t*"))
+        out_buf[0], out_len[0] = ffi.NULL, 0
         code = self._process(self._host, request, len(request), out_buf, out_len)
         buffer, length = out_buf[0], out_len[0]
         if buffer == ffi.NULL:

@@ -14,18 +14,20 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from engines.childproc import frames
 from engines.childproc.limits import Limits
 from engines.python import isolation
 from engines.python.process import GatewayHandler, SandboxProcess, interpreter_argv
-from engines.python.protocol import event_body
+from engines.python.protocol import answer_event, event_body
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
 from wm.engine import Engine, Outputs, WorkerSpec
 from wm.errors import EventDecodeError, InvalidCode, WorkerExecutionError, WorkerTimeout
-from wm.events import CloudEvent, decode
+from wm.events import CloudEvent
 from wm.workersettings import SettingRule
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,25 @@ class PythonEngine(Engine):
                 return self._exchange(process, event, timeout_s)
             finally:
                 self._drop_if_broken(process)
+
+    def process_batch(
+        self, events: Sequence[CloudEvent], timeout_s: float
+    ) -> list[list[CloudEvent] | Exception]:
+        """One frame with the events and one answer each, each event within ``timeout_s``.
+        An event that fails, outlives its limit or ends the sandbox fails alone: the events
+        after one that ended (or broke) the sandbox go to a fresh one."""
+        results: list[list[CloudEvent] | Exception] = []
+        with self._lock:
+            while len(results) < len(events):
+                try:
+                    process = self._ready()
+                except WorkerExecutionError as exc:  # no sandbox: every event left fails
+                    return results + [exc] * (len(events) - len(results))
+                try:
+                    results += self._exchange_batch(process, events[len(results) :], timeout_s)
+                finally:
+                    self._drop_if_broken(process)
+        return results
 
     def probe(self, timeout_s: float) -> bool | None:
         """The code's ``probe()`` (a function, or a WorkerBase method), run in the sandbox
@@ -293,6 +314,29 @@ class PythonEngine(Engine):
         reply = self._request(process, frames.CALL, event_body(event), timeout_s, what, "failed")
         return self._outputs(process, reply)
 
+    def _exchange_batch(
+        self, process: SandboxProcess, events: Sequence[CloudEvent], timeout_s: float
+    ) -> Iterator[list[CloudEvent] | Exception]:
+        """Send ``events`` in one BATCH frame, then yield each one's outcome as its answer
+        comes, each within ``timeout_s``; stop after one that breaks the sandbox."""
+        payload = b"[" + b",".join(event_body(event) for event in events) + b"]"
+        try:
+            with _named_timeout(process, timeout_s, "the batch was not taken"):
+                process.send(frames.BATCH, payload, time.monotonic() + timeout_s)
+        except WorkerExecutionError as exc:
+            yield exc  # the first event's failure: the rest go to a fresh sandbox
+            return
+        for event in events:
+            what = f"Python worker {process.worker_id} did not finish event {event.get_id()}"
+            try:
+                deadline = time.monotonic() + timeout_s
+                reply = self._reply(process, deadline, timeout_s, what, "failed")
+                yield self._outputs(process, reply)
+            except WorkerExecutionError as exc:
+                yield exc
+            if process.broken:
+                return
+
     def _ask_probe(self, process: SandboxProcess, timeout_s: float) -> bool:
         what = f"the probe of Python worker {process.worker_id} did not finish"
         reply = self._request(process, frames.PROBE, b"", timeout_s, what, "probe failed")
@@ -315,13 +359,17 @@ class PythonEngine(Engine):
         """The child's ANSWER to a frame; its FAILED reply raised as the worker's error
         (``failed``), a timeout as :class:`WorkerTimeout` (``late`` says what did not
         finish: the child is killed, a fresh one answers the next call)."""
-        try:
-            answered, reply = process.request(kind, payload, time.monotonic() + timeout_s)
-        except WorkerTimeout as exc:
-            raise WorkerTimeout(
-                f"{late} within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and "
-                "a fresh one starts with the next call"
-            ) from exc
+        deadline = time.monotonic() + timeout_s
+        with _named_timeout(process, timeout_s, late):
+            process.send(kind, payload, deadline)
+        return self._reply(process, deadline, timeout_s, late, failed)
+
+    def _reply(
+        self, process: SandboxProcess, deadline: float, timeout_s: float, late: str, failed: str
+    ) -> dict[str, Any]:
+        """The child's next ANSWER, as :meth:`_request` reads it."""
+        with _named_timeout(process, timeout_s, late):
+            answered, reply = process.receive(deadline)
         if answered == frames.FAILED:
             self._raise_worker_error(process, reply, failed)
         if answered != frames.ANSWER:
@@ -352,8 +400,20 @@ class PythonEngine(Engine):
     def _outputs(self, process: SandboxProcess, reply: dict[str, Any]) -> list[CloudEvent]:
         self._recycle_if_spent(process, reply)
         try:
-            events = [decode(raw) for raw in reply.get("events", [])]
+            events = [answer_event(raw) for raw in reply.get("events", [])]
         except (EventDecodeError, TypeError) as exc:
             raise WorkerExecutionError(f"Python worker returned an invalid event: {exc}") from exc
         done = reply.get("done")
         return events if done is None else Outputs(events, done=str(done))
+
+
+@contextmanager
+def _named_timeout(process: SandboxProcess, timeout_s: float, late: str) -> Iterator[None]:
+    """A WorkerTimeout raised again saying what did not finish (``late``)."""
+    try:
+        yield
+    except WorkerTimeout as exc:
+        raise WorkerTimeout(
+            f"{late} within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and "
+            "a fresh one starts with the next call"
+        ) from exc

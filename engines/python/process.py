@@ -12,13 +12,14 @@ a child's end is told.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from engines.childproc import frames
@@ -177,9 +178,28 @@ class SandboxProcess:
         ``deadline`` (a ``time.monotonic`` value) passes, WorkerExecutionError when the child
         dies or breaks the protocol; either way the process is marked broken.
         """
-        try:
-            kind, body = self._child.request(kind, payload, deadline)
+        self.send(kind, payload, deadline)
+        return self.receive(deadline)
+
+    def send(self, kind: bytes, payload: bytes, deadline: float) -> None:
+        """Send a frame (a BATCH's replies are then read one by one with :meth:`receive`)."""
+        with self._failures():
+            self._child.send(kind, payload, deadline)
+
+    def receive(self, deadline: float) -> tuple[bytes, dict[str, Any]]:
+        """The kind and JSON object of the child's next reply, as :meth:`request`."""
+        with self._failures():
+            kind, body = self._child.receive(deadline)
             reply = frames.json_object(body)
+        self._startup_sys_path = None
+        return kind, reply
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Mark the process broken on any failure; the child's death and protocol errors
+        raised as WorkerExecutionError."""
+        try:
+            yield
         except ChildExited as exc:
             self.broken = True
             raise self._died(exc.returncode) from None
@@ -189,8 +209,6 @@ class SandboxProcess:
         except (frames.FrameError, OSError) as exc:
             self.broken = True
             raise WorkerExecutionError(f"protocol failure with the Python sandbox: {exc}") from exc
-        self._startup_sys_path = None
-        return kind, reply
 
     def _died(self, returncode: int | None) -> WorkerExecutionError:
         summary = self.output_summary()

@@ -251,11 +251,12 @@ def error_body(exc: BaseException, worker_file: str, *, fatal: bool = False) -> 
 Reply = tuple[bytes, bytes, bool]
 
 
-def handle(entry: Entry, event: bytes, worker_file: str) -> Reply:
-    """Run the worker on one event (a CALL's payload)."""
+def handle(entry: Entry, event: bytes | Any, worker_file: str) -> Reply:
+    """Run the worker on one event: a CALL's payload, or one JSON object of a BATCH's."""
 
     def call() -> bytes:
-        events = normalize(entry.call(event_from_json(json.loads(event))))
+        request = json.loads(event) if isinstance(event, bytes) else event
+        events = normalize(entry.call(event_from_json(request)))
         times = os.times()
         return result_body(events, times.user + times.system, take_done())
 
@@ -321,7 +322,7 @@ def _flush_stdio() -> None:
 
 
 def serve(channel: Channel, entry: Entry, worker_file: str) -> None:
-    """Answer CALL and PROBE frames until the host closes the pipe (or a fatal error)."""
+    """Answer CALL, BATCH and PROBE frames until the host closes the pipe (or a fatal error)."""
     while True:
         frame = channel.receive()
         if frame is None:
@@ -331,11 +332,32 @@ def serve(channel: Channel, entry: Entry, worker_file: str) -> None:
             reply, body, fatal = handle(entry, payload, worker_file)
         elif kind == frames.PROBE:
             reply, body, fatal = handle_probe(entry, worker_file)
+        elif kind == frames.BATCH:
+            if serve_batch(channel, entry, payload, worker_file):
+                continue
+            return
         else:
             return
         channel.send(reply, body)
         if fatal:
             return
+
+
+def serve_batch(channel: Channel, entry: Entry, payload: bytes, worker_file: str) -> bool:
+    """Answer each event of a BATCH as it is done (the host times each); False when the
+    child must end (a fatal reply, or a payload that is not a JSON array)."""
+    try:
+        requests = json.loads(payload)
+    except ValueError:
+        return False
+    if not isinstance(requests, list):
+        return False
+    for request in requests:
+        reply, body, fatal = handle(entry, request, worker_file)
+        channel.send(reply, body)
+        if fatal:
+            return False
+    return True
 
 
 def run(config: dict[str, Any], read_fd: int, write_fd: int) -> None:
