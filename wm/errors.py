@@ -199,6 +199,16 @@ class BrokerUnavailable(Unavailable):
     """Raised when the message broker or Redis cannot be reached."""
 
 
+class PublishInterrupted(BrokerUnavailable):
+    """Raised when ``publish_many`` could not publish a batch: the first ``sent`` events were
+    published, the others were not (publishing them again is safe: deliveries to workers
+    are idempotent by event id)."""
+
+    def __init__(self, message: str, sent: int) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
 class NodeUnavailable(Unavailable):
     """Raised when a node does not answer: its health endpoint (``wm health``), or the node
     ``wm up`` started, which exited or stayed silent."""
