@@ -201,12 +201,13 @@ class BrokerUnavailable(Unavailable):
 
 class PublishInterrupted(BrokerUnavailable):
     """Raised when ``publish_many`` could not publish a batch: the first ``sent`` events were
-    published, the others were not (publishing them again is safe: deliveries to workers
-    are idempotent by event id)."""
+    published (``reached``: the subscriptions each reached), the others were not (publishing
+    them again is safe: deliveries to workers are idempotent by event id)."""
 
-    def __init__(self, message: str, sent: int) -> None:
+    def __init__(self, message: str, reached: list[int]) -> None:
         super().__init__(message)
-        self.sent = sent
+        self.reached = reached
+        self.sent = len(reached)
 
 
 class NodeUnavailable(Unavailable):

@@ -271,7 +271,7 @@ class Bus:
                 raise PublishInterrupted(
                     f"{exc}; the first {start} of {len(events)} events were published, the "
                     "others were not",
-                    sent=start,
+                    reached,
                 ) from exc
             reached += [len(out.routes) for out in outs]
         return reached
