@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import STUB, drain, eventually, free_port, stub
+from tests.helpers import STUB, drain, eventually, free_port, queue_empty, stub
 from wm import BrokerUnavailable, InvalidArgument, PublishInterrupted, Settings, WorkManager
+from wm.control.publishing import checked
 from wm.dataplane.outgoing import PUBLISH_BATCH
 from wm.events import make_event
 from wm.state.ledger import Ledger
@@ -32,7 +33,7 @@ def broker(request: pytest.FixtureRequest, pg_settings: Settings) -> Settings:
 def test_publish_many_delivers_every_event_once_to_every_subscriber_in_key_order(
     broker: Settings, start_node: Any, rng: random.Random
 ) -> None:
-    """More events than one batch, to a plain subscription, a worker and an ordered worker:
+    """Several batches, to a plain subscription, a worker and an ordered worker:
     each event reaches each once, and the ordered worker runs each key's events in the order
     given (its sequence numbers were taken in the batch's one script)."""
     topic, done = f"many.{uuid.uuid4().hex[:8]}", f"done.{uuid.uuid4().hex[:8]}"
@@ -42,31 +43,37 @@ def test_publish_many_delivers_every_event_once_to_every_subscriber_in_key_order
     keyed = manager.create_worker(
         code=stub(output_type=done), mime_type=STUB, topic=topic, settings={"ordering": "key"}
     )
-    count = PUBLISH_BATCH + PUBLISH_BATCH // 5
+    count, batch = 60, 25  # three batches
     keys = [rng.choice(KEYS) for _ in range(count)]
     events = [
         make_event(topic, "/tests", {"n": n, "key": key}, extensions={"partitionkey": key})
         for n, key in enumerate(keys)
     ]
     try:
-        assert manager.publish_many(events) == [3] * count
+        assert manager.bus.publish_many(checked(events), batch=batch) == [3] * count
         node = start_node(broker)
         for worker in (plain, keyed):
             node.consuming(f"{topic}::{worker.id}")
-        tapped = drain(broker, tap, count + 1, timeout_s=60)
+        tapped = drain(broker, tap, count, timeout_s=60)
         assert [e["data"]["n"] for e in tapped] == list(range(count))  # once each, in order
-        outputs = drain(broker, sink, 2 * count + 1, timeout_s=300)
+        outputs = drain(broker, sink, 2 * count, timeout_s=240)
         runs = Counter((o["source"], o["data"]["input"]["n"]) for o in outputs)
         assert set(runs.values()) == {1} and len(runs) == 2 * count
+        assert queue_empty(broker, tap) and queue_empty(broker, sink)
         ordered = [o["data"]["input"] for o in outputs if o["source"] == f"/workers/{keyed.id}"]
         for key in KEYS:
             in_order = [i["n"] for i in ordered if i["key"] == key]
             assert in_order == [n for n, k in enumerate(keys) if k == key], key
         ledger = Ledger(broker)
-        eventually(lambda: ledger.pending_of([str(plain.id), str(keyed.id)]) == {
-            str(plain.id): 0,
-            str(keyed.id): 0,
-        })
+        eventually(
+            lambda: (
+                ledger.pending_of([str(plain.id), str(keyed.id)])
+                == {
+                    str(plain.id): 0,
+                    str(keyed.id): 0,
+                }
+            )
+        )
     finally:
         for worker in (plain, keyed):
             manager.delete_worker(worker.id)

@@ -254,18 +254,20 @@ class Bus:
             logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
         return len(out.routes)
 
-    def publish_many(self, events: Sequence[tuple[CloudEvent, str]]) -> list[int]:
-        """Publish each (event, checked topic) in order, :data:`PUBLISH_BATCH` at a time: per
+    def publish_many(
+        self, events: Sequence[tuple[CloudEvent, str]], batch: int = PUBLISH_BATCH
+    ) -> list[int]:
+        """Publish each (event, checked topic) in order, ``batch`` at a time: per
         batch one round trip for the routes and the ledger and one for the broker
         (``wm.dataplane.batches``). Returns the subscriptions each reached.
 
         A batch that fails raises :class:`PublishInterrupted` with the count of events (the
         first ones) published; the failed batch's ledger entries are withdrawn."""
         reached: list[int] = []
-        for start in range(0, len(events), PUBLISH_BATCH):
-            batch = events[start : start + PUBLISH_BATCH]
+        for start in range(0, len(events), batch):
+            some = events[start : start + batch]
             try:
-                outs = self._record([traced(event, topic) for event, topic in batch])
+                outs = self._record([traced(event, topic) for event, topic in some])
                 self._send_batch([out for out in outs if out.routes])
             except Unavailable as exc:
                 raise PublishInterrupted(

@@ -36,7 +36,9 @@ from pydantic import (
     AwareDatetime,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     create_model,
     field_validator,
     model_validator,
@@ -226,6 +228,18 @@ class CloudEventIn(BaseModel):
     subject: str | None = None
     datacontenttype: str | None = None
     data: Any = None
+
+
+def _one_or_many(value: Any) -> str:
+    return "events" if isinstance(value, list) else "event"
+
+
+#: ``POST /v1/events``'s body: one event, or a list of them; an error's ``loc`` names which
+#: (``["body", "event", "type"]``, ``["body", "events", 3, "type"]``).
+EventsIn = Annotated[
+    Annotated[CloudEventIn, Tag("event")] | Annotated[list[CloudEventIn], Tag("events")],
+    Discriminator(_one_or_many),
+]
 
 
 class LetterSelection(_Strict):
@@ -581,7 +595,7 @@ EVENTS = APIRouter(prefix="/v1/events", tags=["events"], route_class=_Guarded)
 @EVENTS.post("", status_code=202, dependencies=[OPERATOR])
 def publish(
     svc: Svc,
-    event: CloudEventIn | list[CloudEventIn],
+    event: EventsIn,
     topic: Annotated[str | None, Query(description="default: each event's type")] = None,
 ) -> Published | PublishedMany:
     """Publish one CloudEvent, or a JSON list of them (in order, in batches), to a topic.
@@ -592,12 +606,12 @@ def publish(
         with _field("query", "topic"):
             check_name("topic", topic)
     if isinstance(event, list):
-        events = [_decoded(item, "body", str(index)) for index, item in enumerate(event)]
+        events = [_decoded(item, "body", "events", index) for index, item in enumerate(event)]
         return PublishedMany(reached=svc.manager.publish_many(events, topic))
     return Published(reached=svc.manager.publish(_decoded(event, "body"), topic))
 
 
-def _decoded(event: CloudEventIn, *loc: str) -> CloudEvent:
+def _decoded(event: CloudEventIn, *loc: str | int) -> CloudEvent:
     fields = event.model_dump(exclude_none=True)
     fields.setdefault("id", str(uuid.uuid4()))
     try:
