@@ -30,7 +30,7 @@ from schemathesis import GenerationMode, checks
 
 from tests.conftest import env_of
 from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
-from wm import Settings, store
+from wm import Settings, WorkManager, store
 from wm.control.access import Tokens
 from wm.ops import api as admin_api
 from wm.views import Role
@@ -210,6 +210,30 @@ def test_a_worker_lives_its_whole_life_over_http_with_a_real_node(
         assert http.get("/v1/health").json()["status"] == "healthy"
 
 
+def test_a_list_of_events_is_published_in_order_and_a_bad_one_is_named(api: Api) -> None:
+    """``POST /v1/events`` with a JSON list: one ``publish_many``; a bad event is a 422
+    naming its index, and then none of the list is sent."""
+    queue = WorkManager(api.settings).subscribe("api.many", "tap")
+    events = [{"type": "api.many", "source": "/t", "id": f"e{n}", "data": n} for n in range(5)]
+    lone = '{"type": "api.many", "source": "/t", "id": "\\udcff"}'
+    lone_list = f'[{{"type": "api.many", "source": "/t"}}, {lone}]'
+    with api.client(Role.OPERATOR) as http:
+        sent = http.post("/v1/events", json=events)
+        assert sent.status_code == 202 and sent.json() == {"reached": [1] * 5}, sent.text
+        assert [e["id"] for e in drain(api.settings, queue, 6, timeout_s=5)] == [
+            f"e{n}" for n in range(5)
+        ]
+        bad = http.post("/v1/events", json=[events[0], {"type": "api.many"}])
+        assert bad.status_code == 422
+        assert ["body", "events", 1, "source"] in [e["loc"] for e in bad.json()["detail"]]
+        surrogate = http.post(
+            "/v1/events", content=lone_list, headers={"Content-Type": "application/json"}
+        )
+        assert surrogate.status_code == 422, surrogate.text
+        assert http.post("/v1/events", json=[]).json() == {"reached": []}
+    assert drain(api.settings, queue, 1, timeout_s=1) == []
+
+
 def test_dead_letters_are_listed_inspected_replayed_and_purged_over_http(
     api: Api, start_node: Any
 ) -> None:
@@ -278,7 +302,8 @@ def test_invalid_input_is_refused_with_422_naming_the_field(api: Api) -> None:
         ("POST", w, {**ok, "colour": 1}, ["body", "colour"]),
         ("POST", f"{w}/x/rollback", {"version": 0}, ["body", "version"]),
         ("POST", "/v1/events?topic=a%3A%3Ab", {"type": "t", "source": "/s"}, ["query", "topic"]),
-        ("POST", "/v1/events", {"source": "/s"}, ["body", "type"]),
+        ("POST", "/v1/events", {"source": "/s"}, ["body", "event", "type"]),
+        ("POST", "/v1/events", [{"type": "t", "source": "/s"}, {}], ["body", "events", 1, "type"]),
         ("POST", "/v1/deadletters/replay", {"ids": ["a"], "topic": "t"}, ["body"]),
         ("POST", "/v1/deadletters/replay", {"ids": ["a"], "rate_per_s": 0}, ["body", "rate_per_s"]),
         ("GET", "/v1/deadletters?worker=nobody", {}, ["query", "worker"]),

@@ -481,6 +481,24 @@ def test_routes_are_loaded_repaired_and_count_drops(cluster_settings: Settings) 
     assert bus.routes(topics[3]) == []
 
 
+def test_publish_many_routes_records_and_counts_drops_on_the_cluster(
+    cluster_settings: Settings,
+) -> None:
+    """On a cluster the lookups and the ledger writes of a batch are two round trips (their
+    keys lie in different slots): each event still reaches its topic's subscriptions, each
+    delivery to a worker is pending, and an event nobody hears is counted."""
+    manager = WorkManager(cluster_settings)
+    queue = manager.subscribe("many-a", "sink")
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="many-b")
+    topics = ["many-a", "many-b", "nobody.many", "many-a", "many-b"]
+    events = [make_event(topic, "/tests", {"n": n}) for n, topic in enumerate(topics)]
+    assert manager.publish_many(events) == [1, 1, 0, 1, 1]
+    assert manager.bus.dropped("nobody.many") == 1
+    assert [e["data"]["n"] for e in drain(cluster_settings, queue, 2)] == [0, 3]
+    assert Ledger(cluster_settings).pending(str(worker.id)) == 2
+    manager.delete_worker(worker.id)
+
+
 def test_an_output_reaches_a_plain_subscription_once_with_the_marker_on_the_cluster(
     cluster_settings: Settings,
 ) -> None:

@@ -199,6 +199,17 @@ class BrokerUnavailable(Unavailable):
     """Raised when the message broker or Redis cannot be reached."""
 
 
+class PublishInterrupted(BrokerUnavailable):
+    """Raised when ``publish_many`` could not publish a batch: the first ``sent`` events were
+    published (``reached``: the subscriptions each reached), the others were not (publishing
+    them again is safe: deliveries to workers are idempotent by event id)."""
+
+    def __init__(self, message: str, reached: list[int]) -> None:
+        super().__init__(message)
+        self.reached = reached
+        self.sent = len(reached)
+
+
 class NodeUnavailable(Unavailable):
     """Raised when a node does not answer: its health endpoint (``wm health``), or the node
     ``wm up`` started, which exited or stayed silent."""

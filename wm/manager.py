@@ -227,6 +227,19 @@ class WorkManager:
         """Publish ``event`` to ``topic`` (default: its type); returns subscriptions reached."""
         return self.bus.publish(event, topic)
 
+    def publish_many(self, events: Iterable[CloudEvent], topic: str | None = None) -> list[int]:
+        """Publish ``events`` in order to ``topic`` (default: each event's type), in batches
+        of one round trip each for the routes and the ledger and for the broker; returns the
+        subscriptions each reached (0: dropped and counted).
+
+        Every event and topic is checked first: a bad one raises :class:`InvalidArgument`
+        naming its index, and nothing is sent. A batch the broker refuses raises
+        :class:`PublishInterrupted`, whose ``sent`` says how many events (the first ones)
+        were published."""
+        from wm.control.publishing import checked
+
+        return self.bus.publish_many(checked(events, topic))
+
     def flush_outbox(self) -> int:
         """Publish lifecycle events written by committed changes; returns how many were sent."""
         return self._context.flush_outbox()

@@ -23,7 +23,17 @@ from typing import Any, TextIO
 from kombu.connection import Connection
 
 from wm import store
-from wm.bench import drain, enginetrips, multinode, pools, roundtrip, scale, startup, taskevents
+from wm.bench import (
+    drain,
+    enginetrips,
+    multinode,
+    pools,
+    publishing,
+    roundtrip,
+    scale,
+    startup,
+    taskevents,
+)
 from wm.bench.rig import (
     BROKERS,
     CSHARP,
@@ -125,6 +135,12 @@ def _bench(args: argparse.Namespace, begin: Begin) -> dict[str, Any]:
                 found["multi_node"] = _multi_node_phase(settings, home, args, begin)
             _scale_phase(settings, home, args, begin)
             _pools_phase(settings, home, args, begin)
+            if args.publish_events:
+                begin("publish phase")
+                broker = args.broker_url if args.broker == "amqp" else settings.broker_url
+                found["publish"] = publishing.run(
+                    settings.replace(broker_url=broker), args.publish_events, args.publish_repeats
+                )
             if args.startup_repeats:
                 begin("start-up phase")
                 found["startup"] = startup.report(args.startup_repeats, settings.redis_url)
@@ -146,6 +162,7 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int]]:
         ("multi-node", 1 if _multi_node(args) else 0),
         ("scale", 1 if args.scale_workers else 0),
         ("pools", 1 if args.pools else 0),
+        ("publish", 1 if args.publish_events else 0),
         ("start-up", 1 if args.startup_repeats else 0),
         (
             "engine round trips",
@@ -283,6 +300,17 @@ def _add_pools_and_startup(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="Interleaved rounds of the pool phase.",
+    )
+    parser.add_argument(
+        "--publish-events",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Publish phase: N events per round from this process by a bare send_task, "
+        "publish and publish_many, on the broker --broker names (0: skip).",
+    )
+    parser.add_argument(
+        "--publish-repeats", metavar="R", type=int, default=3, help="Rounds of the publish phase."
     )
     parser.add_argument(
         "--startup-repeats",

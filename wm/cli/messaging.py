@@ -193,24 +193,45 @@ class _Tally:
         return self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
+#: Events per ``publish_many`` call of a bulk publish: the progress bar moves per chunk.
+_CHUNK = 1000
+
+
 def _publish_many(out: Output, events: list[tuple[CloudEvent, str]]) -> int:
     tally = _Tally()
     started = time.monotonic()
     with out.progress("publishing", len(events)) as advance:
-        for event, topic in events:
+        for start in range(0, len(events), _CHUNK):
+            chunk = events[start : start + _CHUNK]
             try:
-                reached = out.manager.publish(event, topic)
+                reached = _publish_chunk(out, chunk, tally)
             except WorkManagerError as exc:
                 exc.add_note(_sent(tally, events))
                 raise
             except KeyboardInterrupt:
                 out.note(f"interrupted: {_sent(tally, events)}")
                 raise
-            tally.add(topic, reached)
-            advance(1)
+            for (_, topic), count in zip(chunk, reached, strict=True):
+                tally.add(topic, count)
+            advance(len(chunk))
     tally.elapsed_s = time.monotonic() - started
     _print_tally(out, tally)
     return 0
+
+
+def _publish_chunk(out: Output, chunk: list[tuple[CloudEvent, str]], tally: _Tally) -> list[int]:
+    """One ``publish_many``; the events it published before a failure go into ``tally``."""
+    from wm.errors import PublishInterrupted
+
+    topics = {topic for _, topic in chunk}  # one: --topic (or one type); more: each its type
+    try:
+        return out.manager.publish_many(
+            [event for event, _ in chunk], topics.pop() if len(topics) == 1 else None
+        )
+    except PublishInterrupted as exc:
+        for (_, topic), count in zip(chunk, exc.reached, strict=False):
+            tally.add(topic, count)
+        raise
 
 
 def _sent(tally: _Tally, events: list[Any]) -> str:

@@ -1,28 +1,40 @@
 """Topic routing and publishing (DESIGN.md §5.1).
 
 ``publish(event, topic)`` looks the topic up in the routing table (a Redis hash per topic,
-loaded from the ``subscriptions`` table whenever it is missing) and sends one message per
-subscription to that subscription's own durable queue: a Celery task message for a worker,
-a plain structured-mode CloudEvent for a plain subscription (sinks, observers, ``wm tail``).
+loaded from the ``subscriptions`` table whenever it is missing; ``wm.dataplane.routes``) and
+sends one message per subscription to that subscription's own durable queue: a Celery task
+message for a worker, a plain structured-mode CloudEvent for a plain subscription (sinks,
+observers, ``wm tail``). The lookup and the pending-ledger write are one script, so a
+publish costs two round trips: that script, then the send. ``publish_many`` does the same
+for a batch of events: one script per topic of the batch and one pipelined send.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import Celery
+from redis.cluster import RedisCluster
 from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
 from wm.dataplane import tracing
 from wm.dataplane.app import BROKER_ERRORS, broker_errors, make_app
+from wm.dataplane.batches import Deliveries, batch_producer
 from wm.dataplane.message import numbered
+from wm.dataplane.outgoing import (
+    PUBLISH_BATCH,
+    Encoded,
+    Outgoing,
+    encoded,
+    outgoing,
+    route_keys,
+    traced,
+)
 from wm.dataplane.queues import (
     CLOUDEVENT_CONTENT_TYPE,
     DELIVER_TASK,
@@ -30,99 +42,32 @@ from wm.dataplane.queues import (
     delivery_labels,
     subscription_queue,
 )
-from wm.errors import Unavailable
+from wm.dataplane.routes import (
+    DROPPED,
+    LEGACY_DROPPED,
+    LEGACY_READY,
+    LEGACY_ROUTES,
+    READY,
+    ROUTES,
+    ROUTES_OR_DROP,
+    TOPIC,
+    topic_key,
+)
+from wm.dataplane.routes import Route as Route  # re-exported: the callers' import
+from wm.dataplane.routes import ordered as ordered
+from wm.errors import PublishInterrupted, Unavailable
 from wm.events import (
     CloudEvent,
-    encode,
-    key_of,
     payload_about,
     payload_key,
     payload_partition,
 )
 from wm.names import check_name
-from wm.state.connection import StateRedis, redis_errors, redis_for, text
-from wm.state.ledger import Entries, Ledger
+from wm.state.connection import StateRedis, queue_eval, redis_errors, redis_for, text
+from wm.state.ledger import Delivery, Entries, Ledger
 from wm.store.models import Subscription, Worker
-from wm.workersettings import WorkerSettings
 
 logger = logging.getLogger(__name__)
-
-#: The routing table, one set of keys per topic, each tagged with the topic: on a Redis
-#: Cluster every topic lives on one shard (topics spread over the shards), and a lookup's
-#: script touches one slot.
-#:
-#: - ``wm:topic:{<topic>}:routes``: hash, queue → worker id ('' for a plain subscription);
-#: - ``wm:topic:{<topic>}:ready``: the topic's routes were loaded from the database. It is
-#:   lost with its shard's data, and a lookup that misses it loads the topic first;
-#: - ``wm:topic:{<topic>}:dropped``: events published to the topic while nobody subscribed.
-_TOPIC = "wm:topic:"
-_ROUTES, _READY, _DROPPED = "routes", "ready", "dropped"
-#: The layout of earlier releases, across several slots: a hash per topic and one flag for
-#: the whole table, and one hash of drop counts (field ``*``: all topics). Processes of an
-#: earlier release still read it during an upgrade: :meth:`Bus.add_route` writes it too
-#: while its flag exists, and a full rebuild deletes the flag, so they rebuild theirs from
-#: the database. Drops counted there are still reported by :meth:`Bus.dropped`.
-_LEGACY_ROUTES = "wm:routes:"
-_LEGACY_READY = "wm:routes-ready"
-_LEGACY_DROPPED = "wm:stats:dropped"
-# KEYS: the topic's ready flag, routes, drop counter. ARGV: "1" to count a drop.
-# Returns false when the topic's routes must be loaded first, else the routes (HGETALL's
-# list); an empty one is counted as a drop in the same round trip.
-_ROUTES_OR_DROP = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local routes = redis.call('HGETALL', KEYS[2])
-if #routes == 0 and ARGV[1] == '1' then redis.call('INCR', KEYS[3]) end
-return routes
-"""
-
-
-def topic_key(topic: str, kind: str) -> str:
-    """The key of ``topic``'s routes, ready flag or drop counter (``kind``)."""
-    return f"{_TOPIC}{{{topic}}}:{kind}"
-
-
-@dataclass(frozen=True)
-class Route:
-    """One subscription of a topic: its queue and, for a worker, the worker id, its name and
-    whether it orders its events by ``partitionkey`` (``wm.state.ordering``)."""
-
-    queue: str
-    worker_id: str | None
-    ordered: bool = False
-    name: str | None = None
-
-    @property
-    def value(self) -> str:
-        """The route's value in the routing table: '' for a plain subscription, the worker id
-        (the format of earlier releases), or JSON with the worker's name and ordering."""
-        if self.worker_id is None:
-            return ""
-        if not (self.name or self.ordered):
-            return self.worker_id
-        found: dict[str, Any] = {"id": self.worker_id}
-        if self.name:
-            found["name"] = self.name
-        if self.ordered:
-            found["ordering"] = "key"
-        return json.dumps(found, separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, queue: Any, value: Any) -> Route:
-        worker = text(value)
-        if not worker.startswith("{"):
-            return cls(text(queue), worker or None)
-        found = json.loads(worker)
-        return cls(text(queue), found["id"], found.get("ordering") == "key", found.get("name"))
-
-    @property
-    def topic(self) -> str:
-        """The topic a worker's queue is named after (``<topic>::<worker id>``)."""
-        return self.queue.rpartition("::")[0] or self.queue
-
-
-def ordered(settings: dict[str, Any] | None) -> bool:
-    """A worker with these settings orders its events by ``partitionkey``."""
-    return WorkerSettings.of(settings).ordered
 
 
 def send_plain(producer: Any, queue: str, payload: str) -> None:
@@ -147,6 +92,7 @@ class Bus:
     def __init__(self, settings: Settings, app: Celery | None = None) -> None:
         self.settings = settings
         self.app = app if app is not None else make_app(settings)
+        self._scripts: dict[str, Any] = {}
 
     @property
     def redis(self) -> StateRedis:
@@ -168,8 +114,8 @@ class Bus:
     @staticmethod
     def routes_command(topic: str, count_drop: bool) -> tuple[Any, ...]:
         """The EVAL arguments of a routes lookup (for a pipeline; see :meth:`parse_routes`)."""
-        keys = (topic_key(topic, _READY), topic_key(topic, _ROUTES), topic_key(topic, _DROPPED))
-        return (_ROUTES_OR_DROP, len(keys), *keys, "1" if count_drop else "0")
+        keys = (topic_key(topic, READY), topic_key(topic, ROUTES), topic_key(topic, DROPPED))
+        return (ROUTES_OR_DROP, len(keys), *keys, "1" if count_drop else "0")
 
     @staticmethod
     def parse_routes(flat: list[Any] | None) -> list[Route] | None:
@@ -197,13 +143,13 @@ class Bus:
             loaded = {t for t, _ in [*wanted, *actual]} | ({topic} if topic else set())
             pipe = self.redis.pipeline(transaction=False)
             for (name, queue), worker in missing.items():
-                pipe.hset(topic_key(name, _ROUTES), queue, worker)
+                pipe.hset(topic_key(name, ROUTES), queue, worker)
             for name, queue in extra:
-                pipe.hdel(topic_key(name, _ROUTES), queue)
+                pipe.hdel(topic_key(name, ROUTES), queue)
             for name in loaded:  # after its routes: a topic's keys share one node
-                pipe.set(topic_key(name, _READY), "1")
+                pipe.set(topic_key(name, READY), "1")
             if topic is None:
-                pipe.delete(_LEGACY_READY)
+                pipe.delete(LEGACY_READY)
             pipe.execute()
         if missing or extra:
             logger.warning(
@@ -232,11 +178,11 @@ class Bus:
 
     def _routed(self, topic: str | None) -> dict[tuple[str, str], str]:
         if topic is not None:
-            found = self.redis.hgetall(topic_key(topic, _ROUTES))
+            found = self.redis.hgetall(topic_key(topic, ROUTES))
             return {(topic, text(queue)): text(worker) for queue, worker in found.items()}
         routed: dict[tuple[str, str], str] = {}
-        head, tail = len(_TOPIC) + 1, len(_ROUTES) + 2  # "{" and "}:"
-        for key in self.redis.scan_iter(match=f"{_TOPIC}*:{_ROUTES}", count=500):
+        head, tail = len(TOPIC) + 1, len(ROUTES) + 2  # "{" and "}:"
+        for key in self.redis.scan_iter(match=f"{TOPIC}*:{ROUTES}", count=500):
             name = text(key)[head:-tail]
             for queue, worker in self.redis.hgetall(key).items():
                 routed[(name, text(queue))] = text(worker)
@@ -246,25 +192,25 @@ class Bus:
         """Declare the route's queue, then route ``topic`` to it."""
         self.declare_queue(route.queue)
         with redis_errors(self.settings):
-            self.redis.hset(topic_key(topic, _ROUTES), route.queue, route.value)
-            if self.redis.exists(_LEGACY_READY):  # an earlier release still reads it
-                self.redis.hset(_LEGACY_ROUTES + topic, route.queue, route.worker_id or "")
+            self.redis.hset(topic_key(topic, ROUTES), route.queue, route.value)
+            if self.redis.exists(LEGACY_READY):  # an earlier release still reads it
+                self.redis.hset(LEGACY_ROUTES + topic, route.queue, route.worker_id or "")
 
     def remove_route(self, topic: str, queue: str, *, delete_queue: bool = True) -> None:
         with redis_errors(self.settings):
-            self.redis.hdel(topic_key(topic, _ROUTES), queue)
-            self.redis.hdel(_LEGACY_ROUTES + topic, queue)
+            self.redis.hdel(topic_key(topic, ROUTES), queue)
+            self.redis.hdel(LEGACY_ROUTES + topic, queue)
         if delete_queue:
             self.delete_queue(queue)
 
     def dropped(self, topic: str | None = None) -> int:
         """Events dropped because nobody subscribed (per topic, or in total), counted by
-        this release and by earlier ones (:data:`_LEGACY_DROPPED`)."""
+        this release and by earlier ones (:data:`LEGACY_DROPPED`)."""
         with redis_errors(self.settings):
-            legacy = int(self.redis.hget(_LEGACY_DROPPED, topic or "*") or 0)
+            legacy = int(self.redis.hget(LEGACY_DROPPED, topic or "*") or 0)
             if topic is not None:
-                return legacy + int(self.redis.get(topic_key(topic, _DROPPED)) or 0)
-            counters = self.redis.scan_iter(match=f"{_TOPIC}*:{_DROPPED}", count=500)
+                return legacy + int(self.redis.get(topic_key(topic, DROPPED)) or 0)
+            counters = self.redis.scan_iter(match=f"{TOPIC}*:{DROPPED}", count=500)
             return legacy + sum(int(self.redis.get(key) or 0) for key in counters)
 
     # -- queues ----------------------------------------------------------------------------
@@ -296,17 +242,41 @@ class Bus:
     def publish(self, event: CloudEvent, topic: str | None = None) -> int:
         """Send ``event`` to every subscription of ``topic`` (default: its type).
 
+        One round trip looks the routes up and writes the pending ledger, one more sends.
         Returns how many subscriptions it was sent to; 0 means it was dropped and counted.
         """
         topic = check_name("topic", topic or event.get_type())
-        routes = self.routes(topic, count_drop=True)
-        if not routes:
-            logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
-            return 0
         with tracing.publishing(event, topic) as traced:
-            about = (traced.get_id(), traced.get_type())
-            self.send(encode(traced), routes, key=key_of(traced), about=about)
-        return len(routes)
+            [out] = self._record([encoded(traced, topic)])
+            if out.routes:
+                self._send_out(out, {})
+        if not out.routes:
+            logger.debug("dropped event %s: topic %r has no subscriber", event.get_id(), topic)
+        return len(out.routes)
+
+    def publish_many(
+        self, events: Sequence[tuple[CloudEvent, str]], batch: int = PUBLISH_BATCH
+    ) -> list[int]:
+        """Publish each (event, checked topic) in order, ``batch`` at a time: per
+        batch one round trip for the routes and the ledger and one for the broker
+        (``wm.dataplane.batches``). Returns the subscriptions each reached.
+
+        A batch that fails raises :class:`PublishInterrupted` with the count of events (the
+        first ones) published; the failed batch's ledger entries are withdrawn."""
+        reached: list[int] = []
+        for start in range(0, len(events), batch):
+            some = events[start : start + batch]
+            try:
+                outs = self._record([traced(event, topic) for event, topic in some])
+                self._send_batch([out for out in outs if out.routes])
+            except Unavailable as exc:
+                raise PublishInterrupted(
+                    f"{exc}; the first {start} of {len(events)} events were published, the "
+                    "others were not",
+                    reached,
+                ) from exc
+            reached += [len(out.routes) for out in outs]
+        return reached
 
     def send(
         self,
@@ -317,7 +287,8 @@ class Bus:
         about: tuple[str, str] | None = None,
         **task_options: Any,
     ) -> None:
-        """Send an encoded event to the given subscriptions (publish and dead-letter replay).
+        """Send an encoded event to the given subscriptions (dead-letter replay, outputs,
+        the sweep).
 
         Deliveries to workers are written to the pending ledger first (``wm.state.ledger``);
         if the send raises, those it did not complete are withdrawn from the ledger.
@@ -329,16 +300,113 @@ class Bus:
         entries = self._pending(routes, key, payload)
         if about is None and any(r.worker_id is not None for r in routes):
             about = payload_about(payload)
-        unsent = set(entries.created)
-        try:
-            with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
-                for route in routes:
-                    seq = entries.numbers.get(route.worker_id or "")
-                    self._send_one(producer, route, payload, dict(task_options), seq, about)
-                    unsent.discard(route.worker_id or "")
-        except Exception:
-            self._withdraw(unsent, key, payload)
-            raise
+        self._send_out(Outgoing(payload, key, about, routes, entries), task_options)
+
+    def _record(self, events: list[Encoded]) -> list[Outgoing]:
+        """The routes of each event's topic, its deliveries to workers written to the pending
+        ledger first (a drop counted for each event nobody subscribed to): one round trip on
+        a single Redis server, two on a Redis Cluster (whose slots keep a topic's routes and a
+        worker's ledger apart)."""
+        if isinstance(self.redis, RedisCluster):
+            return self._record_apart(events)
+        found: dict[int, Outgoing] = {}
+        waiting = self._record_some(events, range(len(events)), found)
+        if waiting:  # after loading the topics Redis lost
+            for topic in {events[index].topic for index in waiting}:
+                self.rebuild_routes(topic)
+            self._record_some(events, waiting, found)
+        return [found[index] for index in range(len(events))]
+
+    def _record_some(
+        self, events: list[Encoded], indexes: Iterable[int], found: dict[int, Outgoing]
+    ) -> list[int]:
+        """Record the events of ``indexes`` into ``found``; returns those whose topic must
+        be loaded first."""
+        by_topic: dict[str, list[int]] = {}
+        for index in indexes:
+            by_topic.setdefault(events[index].topic, []).append(index)
+        replies = self._routed_adds(events, by_topic)
+        waiting: list[int] = []
+        for mine, reply in zip(by_topic.values(), replies, strict=True):
+            if reply is None:
+                waiting += mine
+                continue
+            flat, done = reply
+            width = len(flat) // 2
+            for n, index in enumerate(mine):
+                found[index] = outgoing(events[index], flat, done[n * width : (n + 1) * width])
+        return waiting
+
+    def _routed_adds(
+        self, events: list[Encoded], by_topic: dict[str, list[int]]
+    ) -> list[tuple[list[Any], list[tuple[int, int]]] | None]:
+        """One routed add (``Ledger.routed_add_command``) per topic, in one round trip."""
+        commands = [
+            Ledger.routed_add_command(
+                route_keys(topic),
+                True,
+                [(events[i].key, events[i].payload, events[i].partition) for i in indexes],
+            )
+            for topic, indexes in by_topic.items()
+        ]
+        with redis_errors(self.settings):
+            if len(commands) == 1:  # EVALSHA: the script's text is not sent every time
+                source, count, *rest = commands[0]
+                script = self._scripts.get(source) or self._scripts.setdefault(
+                    source, self.redis.register_script(source)
+                )
+                replies = [script(keys=rest[:count], args=rest[count:], client=self.redis)]
+            else:
+                pipe = self.redis.pipeline(transaction=False)
+                for command in commands:
+                    pipe.eval(*command)
+                replies = pipe.execute()
+        return [Ledger.parse_routed_add(reply) for reply in replies]
+
+    def _record_apart(self, events: list[Encoded]) -> list[Outgoing]:
+        """:meth:`_record` on a Redis Cluster: the lookups, then the ledger writes."""
+        routes = self._lookups([event.topic for event in events])
+        writes = [
+            Delivery(
+                event.key,
+                event.payload,
+                tuple((r.worker_id, r.queue) for r in found if r.worker_id is not None),
+                tuple(r.worker_id for r in found if r.ordered and r.worker_id is not None),
+                event.partition,
+            )
+            for event, found in zip(events, routes, strict=True)
+        ]
+        entries = Ledger(self.settings).add_many(writes)
+        return [
+            Outgoing(event.payload, event.key, event.about, found, written)
+            for event, found, written in zip(events, routes, entries, strict=True)
+        ]
+
+    def _lookups(self, topics: list[str]) -> list[list[Route]]:
+        """Each topic's routes, a drop counted for each without any, in one round trip
+        (plus the loading of topics Redis lost, then one more for them)."""
+        found: dict[int, list[Route]] = {}
+        waiting = list(range(len(topics)))
+        for _ in range(2):
+            with redis_errors(self.settings):
+                pipe = self.redis.pipeline(transaction=False)
+                for index in waiting:
+                    script, count, *rest = self.routes_command(topics[index], True)
+                    queue_eval(pipe, script, rest[:count], *rest[count:])
+                replies = pipe.execute()
+            missing = []
+            for index, reply in zip(waiting, replies, strict=True):
+                routes = self.parse_routes(reply)
+                if routes is None:
+                    missing.append(index)
+                else:
+                    found[index] = routes
+            waiting = missing
+            if not waiting:
+                break
+            for topic in {topics[index] for index in waiting}:
+                self.rebuild_routes(topic)
+        return [found[index] for index in range(len(topics))]
 
     def _pending(self, routes: list[Route], key: str | None, payload: str) -> Entries:
         """Write the deliveries to workers to the pending ledger."""
@@ -351,19 +419,57 @@ class Bus:
             deliveries, key, payload, numbered=numbered, partition=partition
         )
 
-    def _withdraw(self, unsent: set[str], key: str | None, payload: str) -> None:
+    def _send_out(self, out: Outgoing, task_options: dict[str, Any]) -> None:
+        """Send one event to its routes; what the send did not complete leaves the ledger."""
+        unsent = set(out.entries.created)
+        try:
+            with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
+                for route in out.routes:
+                    seq = out.entries.numbers.get(route.worker_id or "")
+                    self._send_one(producer, route, out.payload, dict(task_options), seq, out.about)
+                    unsent.discard(route.worker_id or "")
+        except Exception:
+            self._withdraw([(unsent, out.key, out.payload)])
+            raise
+
+    def _send_batch(self, outs: list[Outgoing]) -> None:
+        """Send events to their routes in one batch; if it fails, none of it stays in the
+        ledger (the caller is told the batch was not published)."""
+        if not outs:
+            return
+        messages = sum(len(out.routes) for out in outs)
+        tasks = Deliveries(self.app)
+        try:
+            with broker_errors(self.settings), batch_producer(self.app, messages) as producer:
+                for out in outs:
+                    for route in out.routes:
+                        if route.worker_id is None:
+                            send_plain(producer, route.queue, out.payload)
+                            continue
+                        seq = out.entries.numbers.get(route.worker_id)
+                        kwargs = {} if seq is None else numbered(None, seq)
+                        labels = self._labels(route, out.payload, out.about)
+                        args = [route.worker_id, out.payload]
+                        tasks.send(producer, route.queue, args, kwargs, labels)
+        except Exception:
+            self._withdraw([(out.entries.created, out.key, out.payload) for out in outs])
+            raise
+
+    def _withdraw(self, unsent: list[tuple[Iterable[str], str | None, str]]) -> None:
         """The send raised: the caller hears it failed, so what it did not send leaves the
         ledger, or the sweep would deliver it later."""
-        if not (unsent and key):
+        unsent = [(workers, key, payload) for workers, key, payload in unsent if workers and key]
+        if not unsent:
             return
         try:
-            Ledger(self.settings).withdraw(unsent, key, payload)
+            Ledger(self.settings).withdraw_many(
+                (workers, key, payload) for workers, key, payload in unsent if key
+            )
         except Unavailable as exc:
             logger.warning(
-                "event %s: a failed send stays in the pending ledger of %s (%s); the sweep "
-                "may still deliver it",
-                key,
-                sorted(unsent),
+                "%d event(s): a failed send stays in the pending ledger (%s); the sweep may "
+                "still deliver it",
+                len(unsent),
                 exc,
             )
 
@@ -382,11 +488,7 @@ class Bus:
         queue = subscription_queue(route.queue)
         if seq is not None:  # its number among the worker's events of its partition key
             task_options["kwargs"] = numbered(task_options.get("kwargs"), seq)
-        event_id, event_type = about or ("?", "?")
-        shown = payload if self.settings.flower_show_data else None
-        labels = delivery_labels(
-            route.topic, route.name or route.worker_id, event_id, event_type, 1, shown
-        )
+        labels = self._labels(route, payload, about)
         self.app.send_task(
             DELIVER_TASK,
             args=[route.worker_id, payload],
@@ -396,6 +498,12 @@ class Bus:
             producer=producer,
             **task_options,
         )
+
+    def _labels(self, route: Route, payload: str, about: tuple[str, str] | None) -> dict[str, str]:
+        event_id, event_type = about or ("?", "?")
+        shown = payload if self.settings.flower_show_data else None
+        worker = route.name or route.worker_id or route.queue
+        return delivery_labels(route.topic, worker, event_id, event_type, 1, shown)
 
     # -- consumers on running nodes --------------------------------------------------------
 

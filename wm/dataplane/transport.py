@@ -46,7 +46,8 @@ are consumed as kombu does.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from time import monotonic
 from typing import Any
 
@@ -209,11 +210,45 @@ class Channel(kombu_redis.Channel):
         self._backlog = False  # the last take saw more listed: take without blocking
         self._sent = "BRPOP"  # the command in flight on the polling connection
         self._scripts: dict[str, Any] = {}
+        self._bound: set[str] = set()  # queues bound to EXCHANGE under their own name
+        self._commands: Any = None  # the client conn_or_acquire lends
         #: The delivery tag of the message being delivered if its take recorded it as held.
         self.recorded: str | None = None
         super().__init__(*args, **kwargs)
         broker = self.connection.client
         refuse_cluster_broker(self.client, f"at {broker.hostname}:{broker.port}")
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> Any:
+        """WorkManager binds each subscription queue to its exchange under the queue's own
+        name (``subscription_queue``). kombu reads the exchange's whole binding table (one
+        member per queue of the deployment) from Redis for every message published there;
+        here a binding this channel made or found is remembered, and only a routing key not
+        seen yet reads the table. A queue deleted by another process stays known here: the
+        routing table no longer names it, so no publish goes there."""
+        if exchange == EXCHANGE.name and routing_key in self._bound:
+            return [routing_key]
+        found = super()._lookup(exchange, routing_key, default)
+        if exchange == EXCHANGE.name and found == [routing_key]:
+            self._bound.add(routing_key)
+        return found
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        super()._queue_bind(exchange, routing_key, pattern, queue)
+        if exchange == EXCHANGE.name and routing_key == queue:
+            self._bound.add(queue)
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu builds a new redis-py client (and its table of reply callbacks) for every
+        command it sends, a publish's LPUSH included; here one is kept per channel and
+        pool (a client only borrows a pooled connection for each command)."""
+        if client:
+            yield client
+            return
+        pool = self.pool
+        if self._commands is None or self._commands.connection_pool is not pool:
+            self._commands = self._create_client()
+        yield self._commands
 
     def _ready_for(self, queue: str) -> bool:
         """Whether messages of ``queue`` go through the ready list."""
@@ -426,6 +461,7 @@ class Channel(kombu_redis.Channel):
         return moved
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self._bound.discard(queue)
         super()._delete(queue, *args, **kwargs)
         unread = [key for key, _ in self.unread_levels(queue)]
         if unread:

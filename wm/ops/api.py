@@ -36,7 +36,9 @@ from pydantic import (
     AwareDatetime,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     create_model,
     field_validator,
     model_validator,
@@ -53,6 +55,7 @@ from wm.errors import (
     Conflict,
     DeliveryFailed,
     EngineLoadError,
+    EventDecodeError,
     InvalidArgument,
     Misconfigured,
     NotFound,
@@ -61,7 +64,7 @@ from wm.errors import (
     WorkerNotFound,
     WorkManagerError,
 )
-from wm.events import decode
+from wm.events import CloudEvent, decode
 from wm.lifecycle import Status
 from wm.manager import WorkManager
 from wm.names import check_name
@@ -227,6 +230,18 @@ class CloudEventIn(BaseModel):
     data: Any = None
 
 
+def _one_or_many(value: Any) -> str:
+    return "events" if isinstance(value, list) else "event"
+
+
+#: ``POST /v1/events``'s body: one event, or a list of them; an error's ``loc`` names which
+#: (``["body", "event", "type"]``, ``["body", "events", 3, "type"]``).
+EventsIn = Annotated[
+    Annotated[CloudEventIn, Tag("event")] | Annotated[list[CloudEventIn], Tag("events")],
+    Discriminator(_one_or_many),
+]
+
+
 class LetterSelection(_Strict):
     ids: list[str] | None = Field(None, min_length=1, max_length=MAX_REPLAY)
     topic: str | None = None
@@ -259,6 +274,10 @@ DeadLetterDetail = create_model(
 
 class Published(BaseModel):
     reached: int = Field(description="subscriptions the event was routed to")
+
+
+class PublishedMany(BaseModel):
+    reached: list[int] = Field(description="subscriptions each event was routed to, in order")
 
 
 class Replayed(BaseModel):
@@ -576,16 +595,33 @@ EVENTS = APIRouter(prefix="/v1/events", tags=["events"], route_class=_Guarded)
 @EVENTS.post("", status_code=202, dependencies=[OPERATOR])
 def publish(
     svc: Svc,
-    event: CloudEventIn,
-    topic: Annotated[str | None, Query(description="default: the event's type")] = None,
-) -> Published:
-    """Publish one CloudEvent to a topic."""
+    event: EventsIn,
+    topic: Annotated[str | None, Query(description="default: each event's type")] = None,
+) -> Published | PublishedMany:
+    """Publish one CloudEvent, or a JSON list of them (in order, in batches), to a topic.
+
+    A list is checked whole first: a bad event is a 422 naming its index, and none is sent.
+    A 503 for a list says how many of its events (the first ones) were published."""
     if topic is not None:
         with _field("query", "topic"):
             check_name("topic", topic)
+    if isinstance(event, list):
+        events = [_decoded(item, "body", "events", index) for index, item in enumerate(event)]
+        return PublishedMany(reached=svc.manager.publish_many(events, topic))
+    return Published(reached=svc.manager.publish(_decoded(event, "body"), topic))
+
+
+def _decoded(event: CloudEventIn, *loc: str | int) -> CloudEvent:
     fields = event.model_dump(exclude_none=True)
     fields.setdefault("id", str(uuid.uuid4()))
-    return Published(reached=svc.manager.publish(decode(fields), topic))
+    try:
+        return decode(fields)
+    except EventDecodeError as exc:
+        if len(loc) == 1:  # one event: the error as it always was
+            raise
+        raise RequestValidationError(
+            [{"loc": loc, "msg": str(exc), "type": "value_error"}]
+        ) from exc
 
 
 # -- dead letters --------------------------------------------------------------------------

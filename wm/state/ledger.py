@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from wm.config import Settings
 from wm.state.connection import StateRedis, redis_errors, redis_for, text
@@ -56,6 +57,46 @@ return #members
 
 #: Separates the event key from the payload in a member (keys are UUIDs).
 _SEP = "\n"
+# A publish's routes lookup and its ledger writes in one round trip, on a single Redis server
+# (the script names each worker's keys itself: on a Redis Cluster they lie in other slots,
+# and :meth:`Ledger.add_many` writes them after the lookup). KEYS: the topic's ready flag,
+# routes and drop counter (``wm.dataplane.bus``). ARGV: '1' to count drops, the time, the
+# ledger index's and the sequence key's text before and after a worker id, then per event
+# its member ('' for none) and partition key ('' for none). Returns false when the topic's
+# routes must be loaded first, else {HGETALL's list, {created, number} per event and route}.
+_ROUTED_ADD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local routes = redis.call('HGETALL', KEYS[2])
+if #routes == 0 then
+  if ARGV[1] == '1' then redis.call('INCRBY', KEYS[3], (#ARGV - 6) / 2) end
+  return {routes, {}}
+end
+local workers, ordered = {}, {}
+for i = 2, #routes, 2 do
+  local worker, by_key = routes[i], false
+  if string.sub(worker, 1, 1) == '{' then
+    local found = cjson.decode(worker)
+    worker, by_key = found['id'], found['ordering'] == 'key'
+  end
+  workers[#workers + 1], ordered[#ordered + 1] = worker, by_key
+end
+local done = {}
+for e = 7, #ARGV, 2 do
+  local entry, partition = ARGV[e], ARGV[e + 1]
+  for r = 1, #workers do
+    local created, number = 0, 0
+    if workers[r] ~= '' and entry ~= '' then
+      created = redis.call('ZADD', ARGV[3] .. workers[r] .. ARGV[4], 'NX', ARGV[2], entry)
+      if ordered[r] and partition ~= '' then
+        number = redis.call('HINCRBY', ARGV[5] .. workers[r] .. ARGV[6], partition, 1)
+      end
+    end
+    done[#done + 1] = created
+    done[#done + 1] = number
+  end
+end
+return {routes, done}
+"""
 
 
 def member(key: str, payload: str) -> str:
@@ -80,6 +121,19 @@ class Entries:
 
     numbers: dict[str, int]
     created: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """An event to write to the ledger before it is sent (:meth:`Ledger.add_many`): its key
+    and payload, the (worker id, queue) of each delivery, the workers that number it and its
+    partition key (``wm.state.ordering``)."""
+
+    key: str
+    payload: str
+    deliveries: tuple[tuple[str, str], ...]
+    numbered: tuple[str, ...] = ()
+    partition: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,15 +195,72 @@ class Ledger:
         numbers = zip(numbered, results[-len(numbered) :], strict=True)
         return Entries({w: int(n) for w, n in numbers}, created)
 
+    def add_many(self, events: Sequence[Delivery]) -> list[Entries]:
+        """:meth:`add` for many events in one round trip."""
+        now = time.time()
+        with redis_errors(self.settings):
+            pipe = self.redis.pipeline(transaction=False)
+            for event in events:
+                entry = member(event.key, event.payload)
+                for worker_id, _ in event.deliveries:
+                    pipe.zadd(self._index(worker_id), {entry: now}, nx=True)
+                if event.partition is not None:
+                    for worker_id in event.numbered:
+                        pipe.hincrby(sequence_key(worker_id), event.partition, 1)
+            results = iter(pipe.execute())
+        found = []
+        for event in events:
+            added = [int(next(results)) for _ in event.deliveries]
+            numbers = (
+                [int(next(results)) for _ in event.numbered] if event.partition is not None else []
+            )
+            created = tuple(w for (w, _), n in zip(event.deliveries, added, strict=True) if n)
+            found.append(Entries(dict(zip(event.numbered, numbers, strict=False)), created))
+        return found
+
+    @staticmethod
+    def routed_add_command(
+        route_keys: Sequence[str],
+        count_drop: bool,
+        events: Sequence[tuple[str | None, str, str | None]],
+    ) -> tuple[Any, ...]:
+        """The EVAL arguments that look a topic's routes up (``route_keys``: its ready flag,
+        routes and drop counter) and add each of ``events`` (key, payload, partition key) to
+        the ledger of each worker route, ordered workers numbering it under its partition
+        key, in one round trip (single Redis server only). :meth:`parse_routed_add` reads
+        the reply."""
+        around = [*Ledger._index("\0").split("\0"), *sequence_key("\0").split("\0")]
+        args: list[Any] = ["1" if count_drop else "0", time.time(), *around]
+        for key, payload, partition in events:
+            args += [member(key, payload) if key else "", partition or ""]
+        return (_ROUTED_ADD, len(route_keys), *route_keys, *args)
+
+    @staticmethod
+    def parse_routed_add(reply: Any) -> tuple[list[Any], list[tuple[int, int]]] | None:
+        """(HGETALL's list of the routes, (created, number) per event and route) of a routed
+        add's reply; None when the topic's routes must be loaded first."""
+        if reply is None:
+            return None
+        flat, done = reply
+        pairs = [(int(c), int(n)) for c, n in zip(done[::2], done[1::2], strict=True)]
+        return list(flat), pairs
+
     def withdraw(self, worker_ids: Iterable[str], key: str, payload: str) -> None:
         """The broker refused these deliveries (or their send failed before it was done):
         their caller was told, so nothing of them stays to be sent again by the sweep."""
-        entry = member(key, payload)
+        self.withdraw_many([(worker_ids, key, payload)])
+
+    def withdraw_many(self, events: Iterable[tuple[Iterable[str], str, str]]) -> None:
+        """:meth:`withdraw` for many events, (worker ids, key, payload) each, in one round
+        trip."""
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
-            for worker_id in worker_ids:
-                pipe.zrem(self._index(worker_id), entry)
-            pipe.execute()
+            for worker_ids, key, payload in events:
+                entry = member(key, payload)
+                for worker_id in worker_ids:
+                    pipe.zrem(self._index(worker_id), entry)
+            if len(pipe):
+                pipe.execute()
 
     def settlement(
         self, worker_id: str, key: str, payload: str, *, ran_again: bool = False

@@ -1,0 +1,88 @@
+"""The routing table's layout in Redis and its values: one :class:`Route` per subscription of
+a topic (DESIGN.md §5.1). :class:`wm.dataplane.bus.Bus` reads and maintains it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from wm.state.connection import text
+from wm.workersettings import WorkerSettings
+
+#: The routing table, one set of keys per topic, each tagged with the topic: on a Redis
+#: Cluster every topic lives on one shard (topics spread over the shards), and a lookup's
+#: script touches one slot.
+#:
+#: - ``wm:topic:{<topic>}:routes``: hash, queue → worker id ('' for a plain subscription);
+#: - ``wm:topic:{<topic>}:ready``: the topic's routes were loaded from the database. It is
+#:   lost with its shard's data, and a lookup that misses it loads the topic first;
+#: - ``wm:topic:{<topic>}:dropped``: events published to the topic while nobody subscribed.
+TOPIC = "wm:topic:"
+ROUTES, READY, DROPPED = "routes", "ready", "dropped"
+#: The layout of earlier releases, across several slots: a hash per topic and one flag for
+#: the whole table, and one hash of drop counts (field ``*``: all topics). Processes of an
+#: earlier release still read it during an upgrade: :meth:`Bus.add_route` writes it too
+#: while its flag exists, and a full rebuild deletes the flag, so they rebuild theirs from
+#: the database. Drops counted there are still reported by :meth:`Bus.dropped`.
+LEGACY_ROUTES = "wm:routes:"
+LEGACY_READY = "wm:routes-ready"
+LEGACY_DROPPED = "wm:stats:dropped"
+# KEYS: the topic's ready flag, routes, drop counter. ARGV: "1" to count a drop.
+# Returns false when the topic's routes must be loaded first, else the routes (HGETALL's
+# list); an empty one is counted as a drop in the same round trip.
+ROUTES_OR_DROP = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local routes = redis.call('HGETALL', KEYS[2])
+if #routes == 0 and ARGV[1] == '1' then redis.call('INCR', KEYS[3]) end
+return routes
+"""
+
+
+def topic_key(topic: str, kind: str) -> str:
+    """The key of ``topic``'s routes, ready flag or drop counter (``kind``)."""
+    return f"{TOPIC}{{{topic}}}:{kind}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One subscription of a topic: its queue and, for a worker, the worker id, its name and
+    whether it orders its events by ``partitionkey`` (``wm.state.ordering``)."""
+
+    queue: str
+    worker_id: str | None
+    ordered: bool = False
+    name: str | None = None
+
+    @property
+    def value(self) -> str:
+        """The route's value in the routing table: '' for a plain subscription, the worker id
+        (the format of earlier releases), or JSON with the worker's name and ordering."""
+        if self.worker_id is None:
+            return ""
+        if not (self.name or self.ordered):
+            return self.worker_id
+        found: dict[str, Any] = {"id": self.worker_id}
+        if self.name:
+            found["name"] = self.name
+        if self.ordered:
+            found["ordering"] = "key"
+        return json.dumps(found, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, queue: Any, value: Any) -> Route:
+        worker = text(value)
+        if not worker.startswith("{"):
+            return cls(text(queue), worker or None)
+        found = json.loads(worker)
+        return cls(text(queue), found["id"], found.get("ordering") == "key", found.get("name"))
+
+    @property
+    def topic(self) -> str:
+        """The topic a worker's queue is named after (``<topic>::<worker id>``)."""
+        return self.queue.rpartition("::")[0] or self.queue
+
+
+def ordered(settings: dict[str, Any] | None) -> bool:
+    """A worker with these settings orders its events by ``partitionkey``."""
+    return WorkerSettings.of(settings).ordered
