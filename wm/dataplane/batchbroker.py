@@ -12,6 +12,8 @@ lives on would otherwise hold them for ever. Only on a Redis broker (kombu's tra
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import threading
 import time
@@ -69,10 +71,17 @@ end
 
 @dataclass(frozen=True)
 class Taken:
-    """A message taken for a batch: kombu's message and its delivery tag."""
+    """A message taken for a batch: its headers, properties and decoded body (None: it
+    cannot be decoded), and its delivery tag."""
 
-    message: Any
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    body: Any
     tag: str
+
+    @property
+    def delivery_info(self) -> dict[str, Any]:
+        return dict(self.properties.get("delivery_info") or {})
 
 
 class BatchBroker:
@@ -111,11 +120,7 @@ class BatchBroker:
         ]
         with channel.conn_or_acquire() as client:
             reply = channel._script(_TAKE_MORE)(keys=keys, args=[most, *h], client=client)
-        taken = []
-        for raw, tag in zip(reply[::2], reply[1::2], strict=True):
-            message = channel.Message(loads(bytes_to_str(raw)), channel=channel)
-            taken.append(Taken(message, bytes_to_str(tag)))
-        return taken
+        return [_read(channel, raw, tag) for raw, tag in zip(reply[::2], reply[1::2], strict=True)]
 
     def ack(self, tags: list[str]) -> None:
         """Acknowledge ``tags`` (messages this process holds), in one script."""
@@ -187,6 +192,31 @@ class BatchBroker:
                     self._renew()
                 except Exception:  # Redis away: the next beat tries again
                     continue
+
+
+def _read(channel: Any, raw: bytes, tag: bytes) -> Taken:
+    """A taken message as a task run reads it. JSON bodies in base64 (what Celery sends
+    through kombu's Redis transport) are read with the standard library's decoder, several
+    times faster than kombu's, whose object hook only matters for its tagged types."""
+    payload = _json(bytes_to_str(raw))
+    try:
+        body = _body(channel, payload)
+    except Exception:  # the task reads it as a message of another shape, and parks it
+        body = None
+    return Taken(payload.get("headers") or {}, payload["properties"], body, bytes_to_str(tag))
+
+
+def _json(text: str) -> Any:
+    return loads(text) if "__type__" in text else json.loads(text)
+
+
+def _body(channel: Any, payload: dict[str, Any]) -> Any:
+    properties = payload["properties"]
+    if payload.get("content-type") == "application/json" and (
+        properties.get("body_encoding") == "base64"
+    ):
+        return _json(base64.b64decode(payload["body"]).decode())
+    return channel.Message(payload, channel=channel).decode()
 
 
 _broker: BatchBroker | None = None

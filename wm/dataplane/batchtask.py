@@ -34,7 +34,7 @@ from wm.dataplane.delivery import Delivery
 from wm.dataplane.pipeline import Feature
 from wm.dataplane.queues import DELIVER_TASK
 from wm.dataplane.runtime import Runtime, runtime
-from wm.dataplane.verdicts import Requeue, Verdict
+from wm.dataplane.verdicts import Done, Requeue, Verdict
 from wm.errors import DeadLettered, EventDecodeError, WorkerNotFound
 from wm.events import decode, key_of
 from wm.lifecycle import Status
@@ -112,12 +112,11 @@ class Batcher:
         return verdicts[0]
 
     def _read(self, task: Task, broker: BatchBroker, taken: Taken) -> _Follower:
-        message = taken.message
         try:
-            args, kwargs, embed = message.decode()
-        except Exception:  # not a task message this node can read: another reader's
-            args, kwargs, embed = (), {"body": repr(message.body)[:200]}, {}
-        request = _request(task, message, args, kwargs, embed)
+            args, kwargs, embed = taken.body
+        except (TypeError, ValueError):  # not a task message of this shape: parked as such
+            args, kwargs, embed = (), {"body": repr(taken.body)[:200]}, {}
+        request = _request(task, taken, args, kwargs, embed)
         task.push_request(**request)
         try:
             read = self.boundary.message(task, tuple(args), dict(kwargs))
@@ -210,6 +209,8 @@ class Batcher:
         """Carry out a follower's verdict under its own request; its tag when it is to be
         acknowledged (None: put back, or left held for the holder's lapse)."""
         assert follower.delivery is not None and follower.verdict is not None
+        if isinstance(follower.verdict, Done):  # nothing to carry out: acknowledged
+            return follower.taken.tag
         task.push_request(**follower.request)
         try:
             self.boundary.carry_out(task, follower.delivery, follower.verdict)
@@ -252,12 +253,12 @@ def _worker_of(request: Any) -> str | None:
     return args[0] if args else kwargs.get("worker_id")
 
 
-def _request(task: Task, message: Any, args: Any, kwargs: Any, embed: Any) -> dict[str, Any]:
-    """The request a task run of ``message`` would have (Celery's ``Request``)."""
-    info, properties, leader = message.delivery_info, message.properties, task.request
+def _request(task: Task, taken: Taken, args: Any, kwargs: Any, embed: Any) -> dict[str, Any]:
+    """The request a task run of the message would have (Celery's ``Request``)."""
+    info, properties, leader = taken.delivery_info, taken.properties, task.request
     return {
-        **(message.headers or {}),
-        **(embed or {}),
+        **taken.headers,
+        **(embed if isinstance(embed, dict) else {}),
         "args": args,
         "kwargs": kwargs,
         "called_directly": False,
