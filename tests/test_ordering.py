@@ -10,6 +10,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager
 from wm.control.deadletters import DeadLetters
@@ -19,9 +21,11 @@ from wm.state.ordering import Ordering
 KEYS = ("alpha", "beta", "gamma")
 
 
+@pytest.mark.parametrize("batch_size", [1, 8], ids=["per-message", "batched"])
 def test_ordered_keys_keep_publish_order_under_retries_with_two_nodes(
-    pg_settings: Settings, start_node: Any, rng: random.Random, tmp_path: Path
+    pg_settings: Settings, start_node: Any, rng: random.Random, tmp_path: Path, batch_size: int
 ) -> None:
+    """With ``batch_size``, events of one key in one batch run in successive calls."""
     manager = WorkManager(pg_settings)
     out = manager.subscribe("ord.done", "out")
     trace = tmp_path / "runs.jsonl"
@@ -38,6 +42,7 @@ def test_ordered_keys_keep_publish_order_under_retries_with_two_nodes(
         topic="ord.in",
         settings={
             "ordering": "key",
+            "batch_size": batch_size,
             "max_retries": 3,
             "retry_base_delay_ms": 200,
             "failure_threshold": 0,
@@ -49,6 +54,7 @@ def test_ordered_keys_keep_publish_order_under_retries_with_two_nodes(
         topic="ord.in",
         settings={
             "ordering": "key",
+            "batch_size": batch_size,
             "max_retries": 1,
             "retry_base_delay_ms": 50,
             "failure_threshold": 0,

@@ -67,8 +67,9 @@ def test_each_feature_owns_fields_that_exist_and_no_field_has_two_owners() -> No
     owned = [name for feature in FEATURES for name in feature.owns]
     assert sorted(set(owned) - set(FIELDS)) == []
     assert len(owned) == len(set(owned))
-    # the rest belong to the control plane or the core: the engine's own, the allow-list
-    assert set(FIELDS) - set(owned) == {"engine", "output_topics"}
+    # the rest belong to the control plane or the core: the engine's own, the allow-list,
+    # the batch size (the task's boundary, wm.dataplane.batchtask)
+    assert set(FIELDS) - set(owned) == {"engine", "output_topics", "batch_size"}
     assert set(CORE_RULES) == set(FIELDS) - {"engine", "output_topics"}
 
 

@@ -97,6 +97,10 @@ class WorkerSettings:
     #: the pool process (in-process code) or the helper/sandbox processes, replaced past it;
     #: a sandbox child's address space is capped at it too
     max_memory_mb: int | None = _setting(None, COUNT)
+    #: events of the worker's queue delivered together in one task run, one engine call
+    #: and one Redis round trip per step (None: WM_BATCH_SIZE; 0 or 1: one at a time). On a
+    #: Redis broker only; each event keeps its own outcome, retries and dead letter
+    batch_size: int | None = _setting(None, COUNT)
     #: the only topics the outputs may go to (None: any topic that is not reserved)
     output_topics: tuple[str, ...] | None = _setting(None, None)
     #: the engine's own settings (its ``worker_settings`` rules), read by the engine
@@ -143,6 +147,11 @@ class WorkerSettings:
     def retry_base_delay_ms_on(self, env: Settings) -> int:
         base = self.retry_base_delay_ms
         return int(base if base is not None else env.retry_base_delay_ms)
+
+    def batch_size_on(self, env: Settings) -> int:
+        """Events per task run (at least 1)."""
+        size = self.batch_size if self.batch_size is not None else env.batch_size
+        return max(1, int(size))
 
     def breaker_delay_s(self, trips: int) -> float:
         """The circuit breaker's pause after its ``trips``-th opening in a row: base,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from wm.engine import Engine, WorkerSpec
@@ -72,6 +73,24 @@ class StubEngine(Engine):
 
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
         assert self._worker is not None, "load() first"
+        return self._run(event)
+
+    def process_batch(
+        self, events: Sequence[CloudEvent], timeout_s: float
+    ) -> list[list[CloudEvent] | Exception]:
+        """The stub's batch entry point: one call, each event run in turn (its trace line
+        written as it begins), each failure its own event's alone."""
+        assert self._worker is not None, "load() first"
+        results: list[list[CloudEvent] | Exception] = []
+        for event in events:
+            try:
+                results.append(self._run(event))
+            except Exception as exc:  # that event's alone
+                results.append(exc)
+        return results
+
+    def _run(self, event: CloudEvent) -> list[CloudEvent]:
+        assert self._worker is not None
         started = time.time()
         if "trace" in self._spec:
             _trace(self._spec["trace"], event.get_id(), started)

@@ -19,6 +19,10 @@ one of them (STYLE.md habit 16). A feature's hooks, each optional:
 - :meth:`Feature.failed`: what a failed attempt means: a :class:`Verdict`, or None to let
   the next feature judge;
 - :meth:`Feature.ended`: told the attempt's verdict (``DONE`` for a success).
+
+In a batch (``wm.dataplane.batching``) two more: :meth:`Feature.around_batch`, once around
+the batch's one engine call instead of ``around_call`` for each delivery, and
+:meth:`Feature.batch_key`, which keeps deliveries of one key out of the same call.
 """
 
 from __future__ import annotations
@@ -61,6 +65,16 @@ class Feature:
         return None
 
     def ended(self, delivery: Delivery, verdict: Verdict) -> None:
+        return None
+
+    def around_batch(
+        self, deliveries: Sequence[Delivery], engine: Engine
+    ) -> AbstractContextManager[object]:
+        """Overridden: called once per batch call instead of :meth:`around_call`."""
+        return contextlib.nullcontext()
+
+    def batch_key(self, delivery: Delivery) -> str | None:
+        """Deliveries with one key run in separate calls of a batch, in their order."""
         return None
 
 

@@ -25,6 +25,7 @@ from celery.exceptions import Reject, Retry
 
 from wm.dataplane import logcontext, pending
 from wm.dataplane import runtime as runtime_module
+from wm.dataplane.batchtask import Batcher, Boundary
 from wm.dataplane.bus import send_plain
 from wm.dataplane.deadletters import Failure, malformed
 from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery
@@ -101,7 +102,7 @@ def _deliver(task: Task, rt: Runtime, message: _Message) -> None:
         _park(rt, message.failure(message.malformed, None))
     logcontext.bind(attempt=message.number)
     delivery = _delivery(task, rt, message)
-    verdict = PIPELINE.run(delivery)
+    verdict = BATCHER.run(task, delivery) if BATCHER.wanted(delivery) else PIPELINE.run(delivery)
     try:
         _carry_out(task, delivery, verdict)
     except (Retry, DeadLettered):
@@ -376,3 +377,7 @@ def echo(self: Task, queue: str, payload: str) -> None:
     worker with one output to a plain subscription does."""
     with self.app.producer_or_acquire() as producer:
         send_plain(producer, queue, payload)
+
+
+#: Batched deliveries (``wm.dataplane.batchtask``), with this module's boundary.
+BATCHER = Batcher(FEATURES, Boundary(_Message, _carry_out, _requeue))

@@ -116,3 +116,33 @@ class Outcomes:
                 raise fence.refused(reply[1], reply[2])
             reply = reply[1]
         return (outputs if reply is None else self.parse(reply) or []), more
+
+    def queue_record(
+        self,
+        pipe: StatePipeline,
+        worker_id: str,
+        event_key: str,
+        body: str,
+        settlement: Settlement,
+        fence: WriteFence | None = None,
+    ) -> None:
+        """:meth:`record`'s script for one of a batch's deliveries (``body``: its
+        :meth:`encoded` outputs), queued in ``pipe``; :meth:`recorded` reads its reply."""
+        keys = [self.key(worker_id, event_key), settlement.index]
+        keys += [settlement.runs] if settlement.runs else []
+        args = [body, self.ttl_s, settlement.member, settlement.key]
+        script = _RECORD
+        if fence is not None:
+            script, keys, args = _RECORD_FENCED, [fence.key, *keys], [*args, *fence.args]
+        queue_eval(pipe, script, keys, *args)
+
+    def recorded(
+        self, reply: Any, outputs: list[CloudEvent], fence: WriteFence | None = None
+    ) -> list[CloudEvent]:
+        """The outcome that counts, from a :meth:`queue_record` reply (``FenceRejected`` when
+        the lease was lost: nothing was written)."""
+        if fence is not None:
+            if int(reply[0]) == 0:
+                raise fence.refused(reply[1], reply[2])
+            reply = reply[1]
+        return outputs if reply is None else self.parse(reply) or []

@@ -5,12 +5,13 @@ lock may come from a holder that died after recording its outcome, or this event
 been processed by another copy while this one waited: the outcome is read as the lock is
 taken (one round trip on one Redis server) and a recorded one is republished, never run
 again. A lock held through the hand-off window raises
-:class:`~wm.errors.LockContention` (see ``contention``)."""
+:class:`~wm.errors.LockContention` (see ``contention``). A batch (``wm.dataplane.batching``)
+takes one lease for its call, then reads every event's outcome under it in one MGET."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from wm.dataplane import tracing
@@ -18,6 +19,7 @@ from wm.dataplane.delivery import Delivery
 from wm.dataplane.observe import notify
 from wm.dataplane.pipeline import Feature
 from wm.engine import Engine
+from wm.state.connection import redis_errors
 
 
 class GroupLock(Feature):
@@ -38,3 +40,25 @@ class GroupLock(Feature):
                 yield
         finally:
             locks.release(delivery.lease)
+
+    @contextmanager
+    def around_batch(self, deliveries: Sequence[Delivery], engine: Engine) -> Iterator[None]:
+        first = deliveries[0]
+        group = first.meta.group
+        if not group:
+            yield
+            return
+        rt = first.rt
+        waited = time.monotonic()
+        with tracing.step("lock wait"):
+            lease = rt.locks.take(group, first.holder)
+        notify("lock_wait", first.meta, time.monotonic() - waited)
+        try:
+            with rt.locks.keep_alive(lease, first.hold_limit_s * len(deliveries)):
+                with redis_errors(rt.settings):  # what a previous holder recorded
+                    found = rt.outcomes.redis.mget([d.outcome_key for d in deliveries])
+                for delivery, raw in zip(deliveries, found, strict=True):
+                    delivery.lease, delivery.recorded = lease, rt.outcomes.parse(raw)
+                yield
+        finally:
+            rt.locks.release(lease)

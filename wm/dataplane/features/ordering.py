@@ -3,7 +3,8 @@
 Each event of an ordering worker is numbered per key as it is sent (``wm.state.ordering``);
 a delivery runs in its turn (before it :class:`~wm.state.ordering.NotYourTurn` sends it
 again, see ``contention``), and its success or dead letter ends the turn. A number that never
-comes is skipped after ``ordering_gap_s``.
+comes is skipped after ``ordering_gap_s``. In a batch, the events of one key run in
+successive calls (:meth:`Ordering.batch_key`), each after the turn of the one before ended.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class Ordering(Feature):
                 due,
                 seq,
             )
+
+    def batch_key(self, delivery: Delivery) -> str | None:
+        return _partition(delivery)
 
     def ended(self, delivery: Delivery, verdict: Verdict) -> None:
         partition = _partition(delivery)
