@@ -16,7 +16,6 @@ spread printed.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -30,10 +29,8 @@ from wm.bench.plainnodes import PlainNodes
 from wm.bench.rig import STUB, EngineWorker, Rig
 from wm.config import Settings
 from wm.dataplane.queues import subscription_queue, worker_queue_name
-from wm.errors import InvalidArgument
 from wm.events import make_event
 from wm.manager import WorkManager
-from wm.workersettings import WorkerSettings
 
 #: Seconds the nodes have to consume every queue and load every engine before timing.
 WARM_UP_S = 5.0
@@ -41,8 +38,8 @@ WARM_UP_S = 5.0
 TARGETS = {"no output": 1.0, "one output": 0.9, "batched": 3.0, "group": 0.7}
 #: The reference's row, and the extra row of the bare task on WorkManager's own node.
 PLAIN, WM_NOOP = "plain celery", "wm.noop, wm node"
-#: The worker setting of batched deliveries, and the batch the bench asks for.
-BATCH_SETTING, BATCH_EVENTS = "batch", 32
+#: The batched scenario's worker settings (batches are taken on a Redis broker only).
+BATCHED = {"batch_size": 100}
 
 
 def run(
@@ -101,14 +98,11 @@ def _sides(
             rig, pids, "one output", "drain.output", f'{{"output_type": "{out}"}}'.encode()
         ),
     ]
-    batch = batch_settings()
-    notes = (
-        []
-        if batch
-        else [f"batched: not available in this build (no {BATCH_SETTING!r} worker setting)"]
-    )
-    if batch:
-        sides.append(worker_side(rig, pids, "batched", "drain.batched", b"{}", settings=batch))
+    notes = []
+    if rig.redis_broker:
+        sides.append(worker_side(rig, pids, "batched", "drain.batched", b"{}", settings=BATCHED))
+    else:
+        notes.append("batched: on a Redis broker only (RabbitMQ delivers one event per run)")
     sides.append(worker_side(rig, pids, "group", "drain.group", b"{}", group="drain"))
     for e in engines:
         sides.append(
@@ -116,19 +110,6 @@ def _sides(
         )
     sides.append(noop_side(rig, pids, noop))
     return sides, notes
-
-
-def batch_settings() -> Mapping[str, Any] | None:
-    """The stub worker's settings for batched deliveries: None where ``WorkerSettings`` has
-    no ``batch`` field (the bench never makes up a number for a missing feature)."""
-    if BATCH_SETTING not in {f.name for f in dataclasses.fields(WorkerSettings)}:
-        return None
-    wanted = {BATCH_SETTING: BATCH_EVENTS}
-    try:
-        WorkerSettings.parse(wanted)
-    except InvalidArgument:
-        return None
-    return wanted
 
 
 def wm_probe(rig: Rig) -> Probe:
