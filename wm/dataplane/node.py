@@ -226,6 +226,8 @@ class Reconciler(bootsteps.StartStopStep):
             if entry is not None:
                 entry.cancel()
         self.first = self.tref = self.turns = self.watching = None
+        if self.watcher is not None:
+            leave_placement(self.watcher, parent.app)
 
     def _tick(self, parent: Any, starting: bool = False) -> None:
         try:
@@ -258,7 +260,7 @@ def start_placement(settings: Settings, heartbeat: Heartbeat | None) -> placemen
     and waits on the ready list; None when off (WM_PLACEMENT_SPILL=0)."""
     if heartbeat is None or not settings.ready_list or not settings.placement_spill:
         return None
-    return placement.Watcher(heartbeat.node, settings.placement_spill)
+    return placement.Watcher(heartbeat.node, settings.placement_spill, settings.node_dead_after_s)
 
 
 def watch_nodes(watcher: placement.Watcher | None, parent: Any, every_s: float) -> Any:
@@ -275,6 +277,15 @@ def watch_nodes(watcher: placement.Watcher | None, parent: Any, every_s: float) 
 
     refresh()
     return parent.timer.call_repeatedly(every_s, refresh, priority=10)
+
+
+def leave_placement(watcher: placement.Watcher, app: Celery) -> None:
+    """The node stops consuming: its share goes to the others now, not when it lapses."""
+    try:
+        with app.connection_for_write() as conn:
+            watcher.leave(conn.default_channel)
+    except Exception as exc:  # the broker is away: the membership lapses instead
+        logger.warning("placement: could not leave (%s); the others wait for it to lapse", exc)
 
 
 def watch_loop(heartbeat: Heartbeat | None, parent: Any) -> Any:

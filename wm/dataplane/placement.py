@@ -11,9 +11,11 @@ no more than WM_PLACEMENT_SPILL messages, goes to that node's *inbox* (``<ready 
 take, whatever its own view of the live nodes, so a name moves at most once. Nothing moves a
 consumer or a message: a node that dies holds messages that come back to their queues as
 before (``wm.dataplane.liveness``), and its share goes to the others as soon as their view
-of the live nodes drops it (refreshed every WM_NODE_HEARTBEAT_S by :class:`Watcher`, which
-also puts the names left in a dead node's inbox back in the shared ready list). One live node
-places every worker on itself: it behaves as without placement.
+of the live nodes drops it. The view is a membership each node renews every
+WM_NODE_HEARTBEAT_S from its event loop and that lapses WM_NODE_DEAD_AFTER_S after (as its
+liveness does), and leaves when it stops (:class:`Watcher`); the names left in a departed
+node's inbox go back to the shared ready list. A node alone places every worker on itself
+and reads no inbox: it behaves as without placement.
 
 The owner of a queue is the live node whose ``sha1(node + "/" + queue)`` is largest, in
 Python (:func:`owner`) as in Lua (:data:`PLACE`), so a node joining or leaving moves only its
@@ -29,12 +31,23 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
-from wm.dataplane.liveness import NODES_KEY, record_key
-
 logger = logging.getLogger(__name__)
 
 #: A node's inbox is ``<ready list><INBOX><node>``.
 INBOX = ".inbox."
+#: The live members of placement are the sorted set ``<ready list><MEMBERS>`` (node → when
+#: its membership ends, in ms of the Redis clock).
+MEMBERS = ".members"
+# KEYS: the members. ARGV: this node, its membership's life (ms). Renews it on the Redis
+# clock, removes the members whose life ended; returns {live members, those removed}.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return {redis.call('ZRANGE', KEYS[1], 0, -1), dead}
+"""
 
 # Lua, prepended to the transport's take scripts, as liveness.HOLD is. P: {the inbox prefix
 # ('' when placement is off), this node, the spill, the live nodes...}. relist(queue, left)
@@ -84,7 +97,8 @@ class View:
 
     @property
     def active(self) -> bool:
-        return bool(self.node) and self.spill > 0
+        """Placement is on and another node is live: alone, a node takes as without it."""
+        return bool(self.node) and self.spill > 0 and len(self.nodes) > 1
 
 
 #: This process's view (a node's main process; elsewhere placement is off).
@@ -118,17 +132,16 @@ def owner(queue: str, nodes: Iterable[str]) -> str:
     return max(nodes, key=score)
 
 
-def live_nodes(client: Any) -> tuple[list[str], list[str]]:
-    """(The nodes that may hold messages, those of them whose liveness record exists), from
-    ``wm.dataplane.liveness``'s keys, sorted."""
-    known = sorted(bytes_to_str(node) for node in client.smembers(NODES_KEY))
-    if not known:
-        return [], []
-    with client.pipeline(transaction=False) as pipe:
-        for node in known:
-            pipe.exists(record_key(node))
-        alive = pipe.execute()
-    return known, [node for node, exists in zip(known, alive, strict=True) if exists]
+def members_key(ready_key: str) -> str:
+    return f"{ready_key}{MEMBERS}"
+
+
+def renew(client: Any, ready_key: str, node: str, life_s: float) -> tuple[list[str], list[str]]:
+    """Renew ``node``'s membership for ``life_s``; returns (the live members, sorted; the
+    members that expired, now removed)."""
+    args = [node, max(1, round(life_s * 1000))]
+    live, dead = client.eval(_RENEW, 1, members_key(ready_key), *args)
+    return sorted(map(bytes_to_str, live)), [bytes_to_str(node) for node in dead]
 
 
 def give_back(client: Any, ready_key: str, gone: Sequence[str]) -> int:
@@ -142,34 +155,50 @@ def give_back(client: Any, ready_key: str, gone: Sequence[str]) -> int:
 
 
 class Watcher:
-    """A node's view of the live nodes, refreshed from the event loop every heartbeat:
-    what the take scripts place by (:data:`VIEW`)."""
+    """A node's membership of placement and its view of the live members, renewed from the
+    event loop every heartbeat (so a node whose loop stands still drops out, as its liveness
+    lapses): what the take scripts place by (:data:`VIEW`). Members are per ready list, so
+    nodes of another deployment sharing the broker place nothing here."""
 
-    #: Refreshes during which a departed node's inbox is still given back (a node whose
-    #: view lagged may have put names in it after it left).
+    #: Renewals during which a departed node's inbox is still given back (a node whose view
+    #: lagged may have put names in it after it left).
     LINGER = 5
 
-    def __init__(self, node: str, spill: int) -> None:
+    def __init__(self, node: str, spill: int, life_s: float) -> None:
         VIEW.node, VIEW.spill, VIEW.nodes = node, spill, (node,)
+        self.life_s = life_s
         self.departed: dict[str, int] = {}
 
     def rename(self, node: str) -> None:
-        """The node reconnected under a new name (``Heartbeat.new_life``)."""
+        """The node reconnected under a new name (``Heartbeat.new_life``); the old one left."""
         VIEW.node = node
 
     def refresh(self, channel: Any) -> None:
-        """Read the live nodes; give back the inboxes of nodes that left the view."""
+        """Renew the membership, read the live members; give back the inboxes of members
+        that left."""
         if not channel.ready_key:
             return
         with channel.conn_or_acquire() as client:
-            known, live = live_nodes(client)
+            live, dead = renew(client, channel.ready_key, VIEW.node, self.life_s)
             nodes = tuple(sorted({*live, VIEW.node}))
-            for node in {*VIEW.nodes, *known} - set(nodes):
+            for node in {*VIEW.nodes, *dead} - set(nodes):
                 self.departed.setdefault(node, self.LINGER)
             if nodes != VIEW.nodes:
                 logger.info("placement over %d live node(s): %s", len(nodes), ", ".join(nodes))
             VIEW.nodes = nodes
-            moved = give_back(client, channel.ready_key, list(self.departed))
+            # Alone, the node reads no inbox: names put in its own while it was not go back.
+            gone = [*self.departed, *([VIEW.node] if len(nodes) < 2 else [])]
+            moved = give_back(client, channel.ready_key, gone)
         self.departed = {node: n - 1 for node, n in self.departed.items() if n > 1}
         if moved:
-            logger.warning("%d name(s) left in the inbox of a dead node listed again", moved)
+            logger.warning("%d name(s) left in the inbox of a node gone listed again", moved)
+
+    def leave(self, channel: Any) -> None:
+        """The node stops consuming (a warm shutdown, a broker reconnect): the others place
+        its share at their next renewal, and what its inbox holds goes back."""
+        if not channel.ready_key:
+            return
+        with channel.conn_or_acquire() as client:
+            client.zrem(members_key(channel.ready_key), VIEW.node)
+            give_back(client, channel.ready_key, [VIEW.node])
+        VIEW.nodes = (VIEW.node,)
