@@ -208,7 +208,6 @@ class Reconciler(bootsteps.StartStopStep):
             if self.watcher is not None:
                 self.watcher.rename(self.heartbeat.node)
         self.turns = watch_loop(self.heartbeat, parent)
-        self.watching = watch_nodes(self.watcher, parent, self.settings.node_heartbeat_s)
         if parent.hub is not None:
             # The first reconcile starts consuming: from the event loop, once the task
             # consumer has its callback. Run here, a RabbitMQ backlog would be delivered
@@ -234,6 +233,10 @@ class Reconciler(bootsteps.StartStopStep):
             running = running_queues(self.settings)
             reconcile(parent, running)
             STATE.consuming, STATE.queues = True, len(set(running))
+            if self.watching is None:  # a member once it consumes (the first reconcile may
+                # hold the loop longer than a membership lasts)
+                every_s = self.settings.node_heartbeat_s
+                self.watching = watch_nodes(self.watcher, parent, every_s)
             if starting:
                 consumed = [queue.name for queue in parent.task_consumer.queues]
                 merge_levels(self.settings, parent.app, consumed)
