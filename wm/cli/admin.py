@@ -156,7 +156,7 @@ def _current_values(out: Output) -> dict[str, str]:
     default=0,
     metavar="N",
     help="Celery nodes; 0: one prefork node per --concurrency cores (a node's main process "
-    "caps it at about 1,000 events/s, README, Nodes and scaling).",
+    "caps it at about 1,000 events/s, README, Nodes and cores).",
 )
 @pass_output
 def up(out: Output, demo: bool, events: int, concurrency: int, pool: str, nodes: int) -> int:
