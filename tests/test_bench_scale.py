@@ -31,6 +31,7 @@ def _bench(*args: str, env: dict[str, str], timeout: float) -> subprocess.Comple
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # above the bench's own hang guard
 def test_the_scale_phase_serves_every_worker_and_reports_every_figure(
     own_redis: tuple[int, object], tmp_path: Path
 ) -> None:
