@@ -144,7 +144,7 @@ def _assert_nothing_left(out: str) -> None:
         for line in out.splitlines()
         if line.startswith(("wm up  redis", "wm up  node"))
     ]
-    assert len(pids) == 2  # the Redis server and the Celery node
+    assert len(pids) >= 2  # the Redis server and the Celery nodes
 
     def gone() -> bool:
         return not any(_alive(pid) for pid in pids)
@@ -162,3 +162,24 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_one_prefork_node_per_concurrency_cores_by_default() -> None:
+    from wm.local.up import default_nodes
+
+    assert [default_nodes(2, "prefork", cores) for cores in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    assert default_nodes(4, "prefork", 16) == 4 and default_nodes(2, "threads", 16) == 1
+
+
+@pytest.mark.slow
+def test_several_nodes_serve_the_demo_and_all_stop(tmp_path: Path) -> None:
+    proc = _run_up(tmp_path, "--demo", "--events", "3", "--nodes", "2")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert out.count("wm up  node       celery pid") == 2, out
+    assert "cores      2 nodes of 2 processes each (--nodes)" in out
+    for n in (1, 2, 3):
+        assert f"HELLO NUMBER {n}!" in out
+    assert (tmp_path / ".wm" / "node-2.log").exists()
+    assert out.rstrip().endswith("stopped")
+    _assert_nothing_left(out)

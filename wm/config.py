@@ -416,6 +416,15 @@ class Settings:
         "Redis broker: nodes wait on one list of worker queues that hold messages instead "
         "of naming every queue in BRPOP; set the same on nodes and publishers.",
     )
+    placement_spill: int = _setting(
+        "WM_PLACEMENT_SPILL",
+        20,
+        _parse_int,
+        "Redis broker with the ready list: each worker is served by one of the live nodes "
+        "(placement), so a node's processes load only their share of the workers, until its "
+        "queue holds more than this many messages; then every node serves it. 0 turns "
+        "placement off: every node serves every worker.",
+    )
     visibility_timeout_s: int = _setting(
         "WM_VISIBILITY_TIMEOUT_S",
         3600,

@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 from wm.bench.nodes import Nodes
 from wm.bench.rig import Rig
 from wm.config import Settings
+from wm.dataplane.app import redis_broker
 from wm.events import make_event
 from wm.state.connection import pooled_client
 from wm.state.ledger import Ledger
@@ -173,7 +174,7 @@ def run(
     print(
         f"\nScale on {broker}: {workers} stub workers over {topics} topics against one, "
         f"{nodes} nodes of {concurrency} processes, {per_worker * workers} deliveries per "
-        f"throughput run, {repeats} interleaved repetitions",
+        f"throughput run, {repeats} interleaved repetitions, {_placement(settings)}",
         flush=True,
     )
     with Rig(settings) as rig:
@@ -181,6 +182,18 @@ def run(
         started = time.monotonic()
     print(f"  cleaned up in {time.monotonic() - started:.0f} s", flush=True)
     print_report(report, rig.counted, broker)
+
+
+def _placement(settings: Settings) -> str:
+    """How the nodes share the workers (``wm.dataplane.placement``)."""
+    if not redis_broker(settings.broker_url) or not settings.ready_list:
+        return "every node serving every worker"
+    if not settings.placement_spill:
+        return "placement off (WM_PLACEMENT_SPILL=0): every node serving every worker"
+    return (
+        "each worker placed on one node, on every node past "
+        f"{settings.placement_spill} queued (WM_PLACEMENT_SPILL)"
+    )
 
 
 def measure(

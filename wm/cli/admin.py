@@ -141,7 +141,7 @@ def _current_values(out: Output) -> dict[str, str]:
     type=POSITIVE_INT,
     default=2,
     metavar="N",
-    help="Celery processes (or threads) of the node.",
+    help="Celery processes (or threads) of each node.",
 )
 @click.option(
     "--pool",
@@ -150,16 +150,29 @@ def _current_values(out: Output) -> dict[str, str]:
     help="The node's Celery pool; threads suit I/O-bound stub, native and .NET workers "
     "(README, Benchmarks, pool phase).",
 )
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Celery nodes; 0: one prefork node per --concurrency cores (a node's main process "
+    "caps it at about 1,000 events/s, README, Nodes and cores).",
+)
 @pass_output
-def up(out: Output, demo: bool, events: int, concurrency: int, pool: str) -> int:
-    """Run the whole stack embedded on this machine (Redis, SQLite, a node).
+def up(out: Output, demo: bool, events: int, concurrency: int, pool: str, nodes: int) -> int:
+    """Run the whole stack embedded on this machine (Redis, SQLite, nodes).
 
     Runs in the foreground until Ctrl-C. With --json it prints one JSON object, the
     environment it wrote, once the system is up.
     """
     return int(
         component("wm.local.up").run(
-            demo=demo, events=events, concurrency=concurrency, pool=pool, as_json=out.as_json
+            demo=demo,
+            events=events,
+            concurrency=concurrency,
+            pool=pool,
+            as_json=out.as_json,
+            nodes=nodes,
         )
     )
 

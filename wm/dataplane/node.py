@@ -23,7 +23,16 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane import liveness, outbox, pending, probes, runtime, sweep, workerhealth
+from wm.dataplane import (
+    liveness,
+    outbox,
+    pending,
+    placement,
+    probes,
+    runtime,
+    sweep,
+    workerhealth,
+)
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.liveness import Heartbeat
@@ -183,6 +192,8 @@ class Reconciler(bootsteps.StartStopStep):
         self.first: Any = None
         self.turns: Any = None
         self.heartbeat: Heartbeat | None = None
+        self.watcher: placement.Watcher | None = None
+        self.watching: Any = None
         self.recovered = False
 
     def start(self, parent: Any) -> None:
@@ -190,9 +201,12 @@ class Reconciler(bootsteps.StartStopStep):
             check_engines(self.settings)  # a host that cannot run an engine safely stops here
             recover_with_retries(self.settings, parent.app)
             self.heartbeat = start_heartbeat(self.settings, parent.app, parent.hostname)
+            self.watcher = start_placement(self.settings, self.heartbeat)
             self.recovered = True
         elif self.heartbeat is not None:  # the step restarts after a broker reconnect
             self.heartbeat.new_life()
+            if self.watcher is not None:
+                self.watcher.rename(self.heartbeat.node)
         self.turns = watch_loop(self.heartbeat, parent)
         if parent.hub is not None:
             # The first reconcile starts consuming: from the event loop, once the task
@@ -207,16 +221,22 @@ class Reconciler(bootsteps.StartStopStep):
         )
 
     def stop(self, parent: Any) -> None:
-        for entry in (self.first, self.tref, self.turns):
+        for entry in (self.first, self.tref, self.turns, self.watching):
             if entry is not None:
                 entry.cancel()
-        self.first = self.tref = self.turns = None
+        self.first = self.tref = self.turns = self.watching = None
+        if self.watcher is not None:
+            leave_placement(self.watcher, parent.app)
 
     def _tick(self, parent: Any, starting: bool = False) -> None:
         try:
             running = running_queues(self.settings)
             reconcile(parent, running)
             STATE.consuming, STATE.queues = True, len(set(running))
+            if self.watching is None:  # a member once it consumes (the first reconcile may
+                # hold the loop longer than a membership lasts)
+                every_s = self.settings.node_heartbeat_s
+                self.watching = watch_nodes(self.watcher, parent, every_s)
             if starting:
                 consumed = [queue.name for queue in parent.task_consumer.queues]
                 merge_levels(self.settings, parent.app, consumed)
@@ -236,6 +256,39 @@ def start_heartbeat(settings: Settings, app: Celery, hostname: str) -> Heartbeat
     heartbeat = Heartbeat(settings, app, f"{hostname}.{uuid.uuid4().hex[:12]}")
     heartbeat.start()
     return heartbeat
+
+
+def start_placement(settings: Settings, heartbeat: Heartbeat | None) -> placement.Watcher | None:
+    """Worker placement (``wm.dataplane.placement``), where the node keeps a liveness record
+    and waits on the ready list; None when off (WM_PLACEMENT_SPILL=0)."""
+    if heartbeat is None or not settings.ready_list or not settings.placement_spill:
+        return None
+    return placement.Watcher(heartbeat.node, settings.placement_spill, settings.node_dead_after_s)
+
+
+def watch_nodes(watcher: placement.Watcher | None, parent: Any, every_s: float) -> Any:
+    """Refresh the placement's view of the live nodes now and every ``every_s`` seconds,
+    from the node's event loop; returns the timer entry."""
+    if watcher is None:
+        return None
+
+    def refresh() -> None:
+        try:
+            watcher.refresh(parent.task_consumer.channel)
+        except Exception as exc:  # Redis away: the heartbeat says so too; next turn retries
+            logger.warning("placement: could not read the live nodes (%s)", exc)
+
+    refresh()
+    return parent.timer.call_repeatedly(every_s, refresh, priority=10)
+
+
+def leave_placement(watcher: placement.Watcher, app: Celery) -> None:
+    """The node stops consuming: its share goes to the others now, not when it lapses."""
+    try:
+        with app.connection_for_write() as conn:
+            watcher.leave(conn.default_channel)
+    except Exception as exc:  # the broker is away: the membership lapses instead
+        logger.warning("placement: could not leave (%s); the others wait for it to lapse", exc)
 
 
 def watch_loop(heartbeat: Heartbeat | None, parent: Any) -> Any:

@@ -58,6 +58,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from wm.dataplane.liveness import HOLD, QoS, hold_args
+from wm.dataplane.placement import PLACE, my_inbox, place_args
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
 from wm.state.connection import refuse_cluster_broker
 
@@ -91,55 +92,61 @@ _PUT = """
 if redis.call('LPUSH', KEYS[1], ARGV[1]) == 1 then redis.call('LPUSH', KEYS[2], ARGV[2]) end
 """
 # The message of a popped name. KEYS: the ready list, the lists of the queue's levels read,
-# highest priority first. ARGV: the queue, then the H of liveness.HOLD. Returns {oldest
-# message, names still listed, its delivery tag if recorded as held}, or nil when the queue
-# is empty.
+# highest priority first. ARGV: the queue, 1 if the name came from this node's inbox, the six
+# H of liveness.HOLD, then the P of placement.PLACE. Returns {oldest message, names still
+# listed, its delivery tag if recorded as held}, or nil when the queue is empty or placed on
+# another node (its name is then in that node's inbox).
 _TAKE = (
     HOLD
+    + PLACE
     + """
-local H = {unpack(ARGV, 2)}
+local H, P, lists = {unpack(ARGV, 3, 8)}, {unpack(ARGV, 9)}, {unpack(KEYS, 2)}
+if ARGV[2] ~= '1' and not placed(ARGV[1], lists, P) then return false end
 for i = 2, #KEYS do
   local message = redis.call('RPOP', KEYS[i])
   if message then
-    for j = i, #KEYS do
-      if redis.call('LLEN', KEYS[j]) > 0 then
-        redis.call('LPUSH', KEYS[1], ARGV[1])
-        break
-      end
-    end
-    return {message, redis.call('LLEN', KEYS[1]), hold(message, H)}
+    relist(ARGV[1], depth(lists), P)
+    local listed = redis.call('LLEN', KEYS[1])
+    if P[1] ~= '' then listed = listed + redis.call('LLEN', P[1] .. P[2]) end
+    return {message, listed, hold(message, H)}
   end
 end
 return false
 """
 )
-# Without blocking: the next message of the ready list's queues, or of the other queues
-# consumed. KEYS: the ready list, then the other queues' lists. ARGV: 1 to try the other
-# queues first, the number L of levels, the L suffixes of a level's list, then the H of
-# liveness.HOLD. Returns {queue, message, the list it came from, its delivery tag if
-# recorded as held} or nil. A name whose queue is empty is dropped.
+# Without blocking: the next message of the ready list's queues (this node's inbox first,
+# placement.PLACE), or of the other queues consumed. KEYS: the ready list, then the other
+# queues' lists. ARGV: 1 to try the other queues first, the number L of levels, the L
+# suffixes of a level's list, then the six H of liveness.HOLD and the P of placement.PLACE.
+# Returns {queue, message, the list it came from, its delivery tag if recorded as held} or
+# nil. A name whose queue is empty is dropped; one placed on another node goes to its inbox.
 _TAKE_NEXT = (
     HOLD
+    + PLACE
     + """
 local levels = tonumber(ARGV[2])
-local H = {unpack(ARGV, levels + 3)}
+local H, P = {unpack(ARGV, levels + 3, levels + 8)}, {unpack(ARGV, levels + 9)}
+local inbox = P[1] ~= '' and (P[1] .. P[2]) or nil
+local function pop()
+  local queue = inbox and redis.call('RPOP', inbox)
+  if queue then return queue, true end
+  return redis.call('RPOP', KEYS[1]), false
+end
 local function listed()
-  local queue = redis.call('RPOP', KEYS[1])
+  local queue, mine = pop()
   while queue do
-    for l = 3, levels + 2 do
-      local key = queue .. ARGV[l]
-      local message = redis.call('RPOP', key)
-      if message then
-        for m = l, levels + 2 do
-          if redis.call('LLEN', queue .. ARGV[m]) > 0 then
-            redis.call('LPUSH', KEYS[1], queue)
-            break
-          end
+    local lists = {}
+    for l = 3, levels + 2 do lists[#lists + 1] = queue .. ARGV[l] end
+    if mine or placed(queue, lists, P) then
+      for _, key in ipairs(lists) do
+        local message = redis.call('RPOP', key)
+        if message then
+          relist(queue, depth(lists), P)
+          return {queue, message, key}
         end
-        return {queue, message, key}
       end
     end
-    queue = redis.call('RPOP', KEYS[1])
+    queue, mine = pop()
   end
   return false
 end
@@ -336,9 +343,11 @@ class Channel(kombu_redis.Channel):
             suffixes = self._levels("")
             command = ["EVAL", _TAKE_NEXT, 1 + len(others), self.ready_key, *others]
             command += [int(self._others_first), len(suffixes), *suffixes, *hold_args(self)]
+            command += place_args(self)
         else:
             self._sent = "BRPOP"
-            keys = [*others, self.ready_key] if self._others_first else [self.ready_key, *others]
+            ready = [self.ready_key, *filter(None, [my_inbox(self)])]
+            keys = [*others, *ready] if self._others_first else [*ready, *others]
             timeout = self.brpop_timeout if timeout is None else timeout
             command = ["BRPOP", *keys, timeout or 0]
         self._in_poll = self.client.connection
@@ -359,8 +368,8 @@ class Channel(kombu_redis.Channel):
             if not reply:
                 raise Empty()
             dest, item = bytes_to_str(reply[0]), reply[1]
-            if dest == self.ready_key:
-                return self._take(bytes_to_str(item))
+            if dest == self.ready_key or dest == my_inbox(self):
+                return self._take(bytes_to_str(item), dest != self.ready_key)
             queue = dest.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
             self._deliver_item(item, queue)
@@ -371,15 +380,17 @@ class Channel(kombu_redis.Channel):
             if flush is not None:
                 flush()
 
-    def _take(self, queue: str) -> bool:
-        """Take the oldest message of ``queue``, whose name BRPOP popped off the ready list."""
+    def _take(self, queue: str, mine: bool = False) -> bool:
+        """Take the oldest message of ``queue``, whose name BRPOP popped off the ready list
+        (``mine``: off this node's inbox)."""
         if queue not in self.active_queues:
             # A stopped worker's queue, or one this node does not consume yet: it stays
             # unlisted until a node consumes it (or the repair lists it).
             raise Empty()
         keys = [self.ready_key, *self._levels(queue)]
         with self.conn_or_acquire() as client:
-            reply = self._script(_TAKE)(keys=keys, args=[queue, *hold_args(self)], client=client)
+            args = [queue, int(mine), *hold_args(self), *place_args(self)]
+            reply = self._script(_TAKE)(keys=keys, args=args, client=client)
         if not reply:
             raise Empty()
         item, listed, tag = (*reply, None)[:3]

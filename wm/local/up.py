@@ -68,8 +68,11 @@ def run(
     concurrency: int = 2,
     pool: str = "prefork",
     as_json: bool = False,
+    nodes: int = 0,
 ) -> int:
     """Run until Ctrl-C (or until ``events`` demo events went through); returns an exit code.
+
+    ``nodes`` Celery nodes of ``concurrency`` processes run (0: :func:`default_nodes`).
 
     With ``as_json`` the messages for people go to standard error and standard output gets
     one JSON object once the system is up (:func:`_announce`), for a script that starts it.
@@ -84,7 +87,7 @@ def run(
         with embedded_redis(home) as settings:
             store.upgrade(settings)
             _say(f"database   {masked(settings.database_url)} (migrated)")
-            with celery_node(home, settings, concurrency, pool=pool, beat=True) as node:
+            with celery_nodes(home, settings, nodes, concurrency, pool) as node:
                 try:
                     # written only now: a file naming a system that never came up would send
                     # the next `set -a; . .wm/env` (and `wm up`) to services that are not there
@@ -97,6 +100,57 @@ def run(
                     _say("stopping   …")
         _say("stopped")
     return 0
+
+
+def default_nodes(concurrency: int, pool: str, cores: int | None = None) -> int:
+    """One prefork node per ``concurrency`` cores (at least one), one node of another pool.
+
+    A node's main process takes, decodes and acknowledges every message and hands each to
+    a pool process, one at a time: it caps a node at about 1,000 events/s whatever its
+    process count, so a machine's cores are used by several small nodes, not one big one.
+    """
+    if pool != "prefork":
+        return 1
+    return max(1, (cores or os.cpu_count() or 1) // concurrency)
+
+
+@contextlib.contextmanager
+def celery_nodes(
+    home: Path, settings: Settings, count: int, concurrency: int, pool: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``count`` nodes (0: :func:`default_nodes`) of ``wm up``, the first running beat;
+    yields the first once every one answers a ping."""
+    count = count or default_nodes(concurrency, pool)
+    names = [NODE_NAME] + [NODE_NAME.replace("@", f"-{n}@") for n in range(2, count + 1)]
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(celery_node(home, settings, concurrency, pool=pool, beat=True))
+        for n, name in enumerate(names[1:], start=2):
+            stack.enter_context(
+                celery_node(
+                    home, settings, concurrency, pool=pool, name=name, log_name=f"node-{n}.log"
+                )
+            )
+        if count > 1:
+            _wait_for_all(settings, [host_format(name) for name in names])
+            _say(f"cores      {count} nodes of {concurrency} {_unit(pool)} each (--nodes)")
+        yield first
+
+
+def _wait_for_all(settings: Settings, names: list[str]) -> None:
+    app, answered = make_app(settings), set()
+    deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with broker_errors(settings):
+            for reply in app.control.ping(destination=names, timeout=1.0) or []:
+                answered.update(reply)
+        if answered >= set(names):
+            return
+    missing = ", ".join(sorted(set(names) - answered))
+    raise NodeUnavailable(f"nodes {missing} did not answer within {NODE_START_TIMEOUT_S}s")
+
+
+def _unit(pool: str) -> str:
+    return "processes" if pool == "prefork" else pool
 
 
 def _serve(settings: Settings, demo: bool, events: int) -> None:
@@ -220,6 +274,7 @@ def celery_node(
     control: Celery | None = None,
     pool: str = "prefork",
     beat: bool = False,
+    log_name: str = "node.log",
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A Celery node as a child process in its own session; stopped with a warm shutdown.
 
@@ -228,7 +283,7 @@ def celery_node(
     ``pool`` is Celery's execution pool (``-P``) and ``concurrency`` its size. ``beat``
     also runs Celery beat in the node (``-B``), which fires the workers' schedules.
     """
-    log_path = home / "node.log"
+    log_path = home / log_name
     command = _node_command(app_module, name, pool, concurrency, queues, beat)
     with log_path.open("ab") as log:
         node = subprocess.Popen(
@@ -240,8 +295,7 @@ def celery_node(
         )
     try:
         _wait_for_node(control or make_app(settings), settings, node, log_path)
-        workers = "processes" if pool == "prefork" else pool
-        _say(f"node       celery pid {node.pid}, {concurrency} {workers}, log {log_path}")
+        _say(f"node       celery pid {node.pid}, {concurrency} {_unit(pool)}, log {log_path}")
         if beat:
             _say("beat       in the node: fires the workers' schedules (wm schedule)")
         yield node
