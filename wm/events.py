@@ -103,9 +103,7 @@ def event_to_dict(event: CloudEvent) -> dict[str, Any]:
 def decode(raw: str | bytes | Mapping[str, Any]) -> CloudEvent:
     """Parse a structured-mode CloudEvent; any defect raises :class:`EventDecodeError`."""
     try:
-        if isinstance(raw, Mapping):
-            raw = json.dumps(dict(raw))
-        parsed = json.loads(raw)
+        parsed = json.loads(json.dumps(dict(raw)) if isinstance(raw, Mapping) else raw)
     except (TypeError, ValueError, UnicodeDecodeError) as exc:
         raise EventDecodeError(f"not a JSON CloudEvent: {exc}") from exc
     if not isinstance(parsed, dict):
@@ -115,8 +113,9 @@ def decode(raw: str | bytes | Mapping[str, Any]) -> CloudEvent:
         raise EventDecodeError(f"CloudEvent lacks required attribute(s): {', '.join(missing)}")
     if parsed["specversion"] != "1.0":
         raise EventDecodeError(f"unsupported specversion {parsed['specversion']!r}; expected 1.0")
-    try:
-        event = _FORMAT.read(None, json.dumps(parsed))
+    try:  # the text itself when given (the same JSON: no second encoding of it)
+        text = json.dumps(parsed) if isinstance(raw, Mapping) else raw
+        event = _FORMAT.read(None, text)
     except (BaseCloudEventException, ValueError, TypeError, OverflowError) as exc:
         raise EventDecodeError(f"invalid CloudEvent: {exc}") from exc
     assert isinstance(event, CloudEvent)

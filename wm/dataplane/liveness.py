@@ -33,6 +33,7 @@ the message alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -134,6 +135,9 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 return 1
 """
 
+#: Acknowledgements sent whose replies are not read yet, most (:class:`Acks`).
+MAX_UNREAD_ACKS = 64
+
 #: This process's name as a holder of messages, once it is a node (:func:`hold_as`).
 _holder = ""
 #: This process's heartbeat, once it is a node.
@@ -197,9 +201,12 @@ class QoS(kombu_redis.QoS):
             super().ack(delivery_tag)
             return
         keys = [self.unacked_key, self.unacked_index_key, HOLDERS_KEY, held_key(_holder)]
-        with self.channel.conn_or_acquire() as client:
-            self.channel._script(_ACK)(keys=keys, args=[delivery_tag, _holder], client=client)
+        self.acks.send(keys, [delivery_tag, _holder])
         virtual.QoS.ack(self, delivery_tag)
+
+    @functools.cached_property
+    def acks(self) -> Acks:
+        return Acks(self.channel)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue or not holds(self.channel):
@@ -231,6 +238,59 @@ class QoS(kombu_redis.QoS):
 
         with self.channel.conn_or_acquire(client) as client:
             client.transaction(restore_transaction, self.unacked_key, HOLDERS_KEY)
+
+
+class Acks:
+    """A channel's acknowledgements, pipelined: each is written to Redis at once, on a
+    connection of its own, and its reply read later (before the next one when it has come,
+    or when :data:`MAX_UNREAD_ACKS` wait). Redis runs each as it arrives, so none waits
+    longer than the write; the node's event loop no longer waits a round trip per message.
+    An error in a reply (a script error, the connection lost) is raised by a later call;
+    an acknowledgement lost with the connection leaves its message held by this node, as a
+    synchronous one that failed would."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self.connection: Any = None
+        self.unread = 0
+
+    def send(self, keys: list[str], args: list[Any]) -> None:
+        if self.connection is None:
+            self.connection = self.channel.pool.get_connection()
+        try:
+            self.read(block=False)
+            self.connection.send_command("EVAL", _ACK, len(keys), *keys, *args)
+            self.unread += 1
+            self.read(block=self.unread >= MAX_UNREAD_ACKS)
+        except self.channel.connection_errors:
+            self.drop()
+            raise
+
+    def read(self, block: bool = True) -> None:
+        """Read the replies that came (``block``: every one)."""
+        while self.unread and (block or self.connection.can_read(timeout=0)):
+            self.unread -= 1
+            self.connection.read_response()
+
+    def close(self) -> None:
+        """Read every reply, then give the connection back."""
+        if self.connection is None:
+            return
+        try:
+            self.read()
+        except Exception as exc:  # closing: the error is the last ack's, logged
+            logger.warning("an acknowledgement failed while the channel closed: %s", exc)
+            self.drop()
+            return
+        self.channel.pool.release(self.connection)
+        self.connection = None
+
+    def drop(self) -> None:
+        if self.connection is not None:
+            with contextlib.suppress(Exception):
+                self.connection.disconnect()
+                self.channel.pool.release(self.connection)
+        self.connection, self.unread = None, 0
 
 
 def check_settings(settings: Settings) -> None:

@@ -44,6 +44,7 @@ class OutputPublisher:
         self.redis_broker = redis_broker(bus.settings.broker_url)
         self._connection: Any = None
         self._channel: Any = None
+        self._push_script: Any = None
 
     def lookups(self, outputs: list[CloudEvent]) -> Callable[[StatePipeline], None]:
         """Queues the routes lookups of ``outputs`` in a pipeline (drops counted), so
@@ -90,7 +91,9 @@ class OutputPublisher:
                 keys.append(key)
                 messages.append(message)
             client = pooled_client(settings.broker_url, BROKER_SOCKET_TIMEOUT_S)
-            client.eval(_PUSH_ONCE, len(keys), *keys, self.ttl_s, *messages)
+            if self._push_script is None:  # EVALSHA: the script's text is not sent each time
+                self._push_script = client.register_script(_PUSH_ONCE)
+            self._push_script(keys=keys, args=[self.ttl_s, *messages], client=client)
 
     def _message_channel(self) -> Any:
         """A kombu channel of the broker, kept to build messages exactly as kombu's Redis

@@ -32,6 +32,8 @@ TRACE_ATTRIBUTES = ("traceparent", "tracestate")
 
 _tracer = trace.get_tracer("workmanager")
 _propagator = TraceContextTextMapPropagator()
+#: Tracer providers of the API alone (no SDK configured): their spans record nothing.
+_NO_SDK = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 
 
 def _parent(event: CloudEvent) -> Any:
@@ -63,9 +65,21 @@ def publishing(event: CloudEvent, topic: str) -> Iterator[CloudEvent]:
         yield with_attributes(event, **traced) if traced else event
 
 
-@contextlib.contextmanager
-def delivering(event: CloudEvent, attributes: Mapping[str, Any]) -> Iterator[None]:
+def enabled() -> bool:
+    """Whether spans are recorded: an SDK's tracer provider is set (``wm.ops.tracing``).
+    Without one every span is a no-op, and the delivery skips them (six per delivery)."""
+    return not isinstance(trace.get_tracer_provider(), _NO_SDK)
+
+
+def delivering(
+    event: CloudEvent, attributes: Mapping[str, Any]
+) -> contextlib.AbstractContextManager[Any]:
     """The delivery span, a child of the event's ``traceparent``."""
+    return _delivering(event, attributes) if enabled() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _delivering(event: CloudEvent, attributes: Mapping[str, Any]) -> Iterator[None]:
     with _tracer.start_as_current_span(
         f"deliver {event.get_type()}",
         context=_parent(event),
@@ -77,4 +91,4 @@ def delivering(event: CloudEvent, attributes: Mapping[str, Any]) -> Iterator[Non
 
 def step(name: str) -> contextlib.AbstractContextManager[Any]:
     """A child span of the current delivery: ``lock wait``, ``engine call``, ``output publish``."""
-    return _tracer.start_as_current_span(name)
+    return _tracer.start_as_current_span(name) if enabled() else contextlib.nullcontext()

@@ -257,6 +257,12 @@ class Channel(kombu_redis.Channel):
             self._commands = self._create_client()
         yield self._commands
 
+    def close(self) -> None:
+        qos = self._qos
+        if qos is not None and "acks" in qos.__dict__:  # acknowledgements sent: read them
+            qos.acks.close()
+        super().close()
+
     def _ready_for(self, queue: str) -> bool:
         """Whether messages of ``queue`` go through the ready list."""
         return bool(self.ready_key) and not self.global_keyprefix and is_worker_queue(queue)

@@ -57,6 +57,22 @@ class WorkerMeta:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
 
+#: Worker facts parsed, by their cached text: a pool process reads the same text for every
+#: delivery to a worker, and parses it (and types its settings) once per change.
+_PARSED: dict[bytes | str, WorkerMeta] = {}
+#: Texts kept at most; beyond, the cache starts again.
+_PARSED_MAX = 1024
+
+
+def _parsed(raw: bytes | str) -> WorkerMeta:
+    meta = _PARSED.get(raw)
+    if meta is None:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        meta = _PARSED[raw] = WorkerMeta(**json.loads(raw))
+    return meta
+
+
 class Directory:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -83,7 +99,7 @@ class Directory:
         with redis_errors(self.settings):
             raw, seen, *more = self.redis.mget([cache, generation, *keys])
             if raw is not None:
-                return WorkerMeta(**json.loads(raw)), more
+                return _parsed(raw), more
             meta = self.load(worker_id)
             if meta is not None:
                 self.redis.eval(
