@@ -1,6 +1,7 @@
-"""Worker placement on Redis (``wm.dataplane.placement``): real nodes with every setting at
-its default serve each worker from one node, spread the workers over the live nodes, and give
-a node's share to the others when it is killed, losing nothing."""
+"""Worker placement on Redis (``wm.dataplane.placement``, off by default): real nodes with
+WM_PLACEMENT_SPILL set and every other setting at its default serve each worker from one
+node, spread the workers over the live nodes, and give a node's share to the others when it
+is killed, losing nothing."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from wm.state.ledger import Ledger
 #: Most seconds from a kill -9 to every event published after it being served (the
 #: liveness bound is about 12 s with the defaults; the machine running the tests is shared).
 SERVED_AFTER_KILL_S = 60
+#: WM_PLACEMENT_SPILL of these tests (0, the default, turns placement off).
+SPILL = 20
 
 
 def test_python_and_the_take_scripts_place_alike_and_a_leaving_node_moves_only_its_share(
@@ -122,7 +125,7 @@ def _views(nodes: list[Any], count: int) -> None:
 def test_nodes_share_the_workers_and_a_killed_nodes_share_moves_with_nothing_lost(
     pg_settings: Settings, start_node: Any, tmp_path: Path, rng: random.Random
 ) -> None:
-    settings = pg_settings
+    settings = pg_settings.replace(placement_spill=SPILL)
     work = _Round(settings, tmp_path, workers=24)
     nodes = [start_node(settings, name=f"p{n}") for n in range(2)]
     _views(nodes, 2)
@@ -160,10 +163,10 @@ def test_nodes_share_the_workers_and_a_killed_nodes_share_moves_with_nothing_los
 def test_a_worker_whose_queue_outgrows_the_spill_is_served_by_every_node(
     pg_settings: Settings, start_node: Any, tmp_path: Path
 ) -> None:
-    settings = pg_settings
+    settings = pg_settings.replace(placement_spill=SPILL)
     work = _Round(settings, tmp_path, workers=1)
     nodes = [start_node(settings, name=f"s{n}") for n in range(2)]
     _views(nodes, 2)
-    work.publish(400)  # far past WM_PLACEMENT_SPILL's default
+    work.publish(400)  # far past SPILL
     work.served(timeout_s=180)
     assert work.runs(nodes)[work.ids[0]] == {"s0", "s1"}

@@ -418,12 +418,12 @@ class Settings:
     )
     placement_spill: int = _setting(
         "WM_PLACEMENT_SPILL",
-        20,
+        0,
         _parse_int,
-        "Redis broker with the ready list: each worker is served by one of the live nodes "
-        "(placement), so a node's processes load only their share of the workers, until its "
-        "queue holds more than this many messages; then every node serves it. 0 turns "
-        "placement off: every node serves every worker.",
+        "Redis broker with the ready list: above 0, each worker is served by one of the live "
+        "nodes (placement, experimental), so a node's processes load only their share of the "
+        "workers, until its queue holds more than this many messages; then every node serves "
+        "it. 0 (the default): every node serves every worker.",
     )
     visibility_timeout_s: int = _setting(
         "WM_VISIBILITY_TIMEOUT_S",
