@@ -104,12 +104,30 @@ class Batcher:
             verdicts = self.pipeline.run_batch([leader, *_deliveries(fresh)])
             for follower, verdict in zip(fresh, verdicts[1:], strict=True):
                 follower.verdict = verdict
-            broker.ack([t for f in fresh if (t := self._end(task, broker, f))])
+            self._end_all(task, broker, fresh)
             for follower in alone:
                 assert follower.delivery is not None
                 follower.verdict = self.pipeline.run(follower.delivery)
-                broker.ack([t for t in [self._end(task, broker, follower)] if t])
+                self._end_all(task, broker, [follower])
         return verdicts[0]
+
+    def _end_all(self, task: Task, broker: BatchBroker, followers: list[_Follower]) -> None:
+        """Carry out each follower's verdict and acknowledge those settled, in one script.
+        One that fails to end stays held (it comes back once the batch's holder lapses) and
+        its error is raised after the others are acknowledged: none of theirs runs again."""
+        tags: list[str] = []
+        error: Exception | None = None
+        for follower in followers:
+            try:
+                tag = self._end(task, broker, follower)
+            except Exception as exc:
+                error = error or exc
+                continue
+            if tag:
+                tags.append(tag)
+        broker.ack(tags)
+        if error is not None:
+            raise error
 
     def _read(self, task: Task, broker: BatchBroker, taken: Taken) -> _Follower:
         try:
@@ -218,6 +236,8 @@ class Batcher:
             pass
         except Requeue as verdict:
             return self._requeue(task, broker, follower, verdict)
+        except Reject as exc:  # a retry Celery could not publish: the message goes back
+            return self._requeue(task, broker, follower, Requeue(str(exc.reason), pause=True))
         finally:
             task.pop_request()
         return follower.taken.tag
