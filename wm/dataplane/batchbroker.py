@@ -219,15 +219,17 @@ def _body(channel: Any, payload: dict[str, Any]) -> Any:
     return channel.Message(payload, channel=channel).decode()
 
 
-_broker: BatchBroker | None = None
-_pid = 0
+#: Each thread's broker: a threads pool's threads run batches at once, and a batch that
+#: fails renames its holder (:meth:`BatchBroker.rotate`), which must not rename another's.
+_local = threading.local()
 
 
 def batch_broker(settings: Settings, app: Any) -> BatchBroker | None:
-    """This process's :class:`BatchBroker`; None where batches cannot be taken."""
-    global _broker, _pid
+    """This thread's :class:`BatchBroker`; None where batches cannot be taken."""
     if not BatchBroker.usable(settings):
         return None
-    if _broker is None or _pid != os.getpid():
-        _broker, _pid = BatchBroker(settings, app), os.getpid()
-    return _broker if _broker.usable_channel() else None
+    broker: BatchBroker | None = getattr(_local, "broker", None)
+    if broker is None or getattr(_local, "pid", 0) != os.getpid():
+        broker = _local.broker = BatchBroker(settings, app)
+        _local.pid = os.getpid()
+    return broker if broker.usable_channel() else None
