@@ -314,7 +314,7 @@ class Bus:
         if waiting:  # after loading the topics Redis lost
             for topic in {events[index].topic for index in waiting}:
                 self.rebuild_routes(topic)
-            self._record_some(events, waiting, found)
+            _routes_loaded(self._record_some(events, waiting, found))
         return [found[index] for index in range(len(events))]
 
     def _record_some(
@@ -406,6 +406,7 @@ class Bus:
                 break
             for topic in {topics[index] for index in waiting}:
                 self.rebuild_routes(topic)
+        _routes_loaded(waiting)
         return [found[index] for index in range(len(topics))]
 
     def _pending(self, routes: list[Route], key: str | None, payload: str) -> Entries:
@@ -525,3 +526,13 @@ class Bus:
             self.app.control.cancel_consumer(queue, reply=False)
         except BROKER_ERRORS as exc:
             logger.warning("could not broadcast cancel_consumer for %s: %s", queue, exc)
+
+
+def _routes_loaded(waiting: list[int]) -> None:
+    """Refuse, as unavailable, a publish whose topics' routes Redis lost again right after
+    they were loaded (evicted or flushed meanwhile), instead of failing on a missing route."""
+    if waiting:
+        raise Unavailable(
+            "the routing table in Redis was lost again while it was loaded (evicted or "
+            "flushed?); publish again: an event published twice is delivered once"
+        )
