@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import select
 import socket
 import ssl
@@ -530,10 +531,30 @@ def _send_until_answered(
             pending = pending[count:]
             sent["all"] += count
             sent["before_answer"] += 0 if answer else count
+        sock.settimeout(30)
         if not answer:
-            sock.settimeout(30)
             answer = sock.recv(4096)
+        answer = _whole_answer(sock, answer)
     return answer, sent
+
+
+def _whole_answer(sock: socket.socket, answer: bytes) -> bytes:
+    """``answer`` read on to the end of its body (its head and body may come apart)."""
+    while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+        try:
+            data = sock.recv(4096)
+        except OSError:  # reset after the answer: what came is all there is
+            break
+        if not data:
+            break
+        answer += data
+    return answer
+
+
+def _length(answer: bytes) -> int:
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    found = re.search(rb"content-length: *(\d+)", head)
+    return int(found.group(1)) if found else 0
 
 
 def test_tokens_are_stored_as_hashes_and_revoked_at_once(api: Api) -> None:
