@@ -74,7 +74,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "up": (
         "wm.cli.admin:up",
-        "Run the whole stack embedded on this machine (Redis, SQLite, a node).",
+        "Run the whole stack embedded on this machine (Redis, SQLite, nodes).",
     ),
     "health": ("wm.cli.admin:health", "A node's health: exit 0 healthy, 1 degraded, 2 unhealthy."),
     "bench": (
