@@ -168,7 +168,7 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
     with pytest.raises(InvalidArgument, match="unknown worker setting"):
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
     known = (
-        "known: breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
+        "known: batch_size, breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
         "health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
         "max_concurrency, max_events, max_memory_mb, max_probe_failures, max_retries, ordering, "
         "ordering_gap_s, output_topics, probe_interval_s, recovery, retry_base_delay_ms, "
