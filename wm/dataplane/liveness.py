@@ -245,84 +245,52 @@ class Acks:
     connection of its own, and its reply read later (before the next one when it has come,
     or when :data:`MAX_UNREAD_ACKS` wait). Redis runs each as it arrives, so none waits
     longer than the write; the node's event loop no longer waits a round trip per message.
-    Acknowledgements whose replies are unread are kept: when the connection fails they are
-    sent again on a new one (the script is idempotent), so none is lost with it; one that
-    cannot be sent at all raises, and its message stays held by this node, as a synchronous
-    one that failed would leave it. A lock makes it safe for a threads pool, whose threads
-    acknowledge on their own."""
+    An error in a reply (a script error, the connection lost) is raised by a later call;
+    an acknowledgement lost with the connection leaves its message held by this node, as a
+    synchronous one that failed would."""
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
         self.connection: Any = None
-        #: What the acknowledgements whose replies are unread were sent with, oldest first.
-        self.unread: list[tuple[list[str], list[Any]]] = []
-        self._lock = threading.RLock()
+        self.unread = 0
 
     def send(self, keys: list[str], args: list[Any]) -> None:
-        with self._lock:
-            self.unread.append((keys, args))
-            try:
-                if self.connection is None:
-                    self.connection = self.channel.pool.get_connection()
-                self.read(block=False)
-                self.connection.send_command("EVAL", _ACK, len(keys), *keys, *args)
-                self.read(block=len(self.unread) >= MAX_UNREAD_ACKS)
-            except self.channel.connection_errors:
-                self._resend()
+        if self.connection is None:
+            self.connection = self.channel.pool.get_connection()
+        try:
+            self.read(block=False)
+            self.connection.send_command("EVAL", _ACK, len(keys), *keys, *args)
+            self.unread += 1
+            self.read(block=self.unread >= MAX_UNREAD_ACKS)
+        except self.channel.connection_errors:
+            self.drop()
+            raise
 
     def read(self, block: bool = True) -> None:
         """Read the replies that came (``block``: every one)."""
-        with self._lock:
-            while self.unread and (block or self.connection.can_read(timeout=0)):
-                try:
-                    self.connection.read_response()
-                except self.channel.connection_errors:
-                    raise  # unread still: sent again on a new connection
-                except Exception:
-                    self.unread.pop(0)  # its reply, an error, is read
-                    raise
-                self.unread.pop(0)
-
-    def _resend(self) -> None:
-        """The connection failed: send every unread acknowledgement again on a new one and
-        wait for the replies; an error there is raised, the rest left held."""
-        self.drop()
-        connection = self.channel.pool.get_connection()
-        try:
-            for keys, args in self.unread:
-                connection.send_command("EVAL", _ACK, len(keys), *keys, *args)
-            for _ in list(self.unread):
-                connection.read_response()
-                self.unread.pop(0)
-        except Exception:
-            with contextlib.suppress(Exception):
-                connection.disconnect()
-            self.unread.clear()
-            raise
-        finally:
-            self.channel.pool.release(connection)
+        while self.unread and (block or self.connection.can_read(timeout=0)):
+            self.unread -= 1
+            self.connection.read_response()
 
     def close(self) -> None:
         """Read every reply, then give the connection back."""
-        with self._lock:
-            if self.connection is None:
-                return
-            try:
-                self.read()
-            except self.channel.connection_errors:
-                self._resend()
-            except Exception as exc:  # closing: the error is the last ack's, logged
-                logger.warning("an acknowledgement failed while the channel closed: %s", exc)
+        if self.connection is None:
+            return
+        try:
+            self.read()
+        except Exception as exc:  # closing: the error is the last ack's, logged
+            logger.warning("an acknowledgement failed while the channel closed: %s", exc)
             self.drop()
+            return
+        self.channel.pool.release(self.connection)
+        self.connection = None
 
     def drop(self) -> None:
-        """Give the connection back, disconnected (its unread replies are not read)."""
-        with self._lock:
-            if self.connection is not None:
-                with contextlib.suppress(Exception):
-                    self.connection.disconnect()
-                    self.channel.pool.release(self.connection)
-            self.connection = None
+        if self.connection is not None:
+            with contextlib.suppress(Exception):
+                self.connection.disconnect()
+                self.channel.pool.release(self.connection)
+        self.connection, self.unread = None, 0
 
 
 def check_settings(settings: Settings) -> None:
