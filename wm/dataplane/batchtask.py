@@ -38,6 +38,7 @@ from wm.dataplane.verdicts import Done, Requeue, Verdict
 from wm.errors import DeadLettered, EventDecodeError, WorkerNotFound
 from wm.events import decode, key_of
 from wm.lifecycle import Status
+from wm.state.directory import WorkerMeta
 
 logger = logging.getLogger(__name__)
 
@@ -160,20 +161,7 @@ class Batcher:
         fresh: list[_Follower] = []
         alone: list[_Follower] = []
         for follower, key, value in zip(ours, keys, values[: len(keys)], strict=True):
-            request = follower.request
-            delivery = BatchedDelivery(
-                rt,
-                meta or leader.meta,
-                follower.message.event,
-                follower.message.payload,
-                str(request["id"]),
-                follower.message.state,
-                follower.message.number,
-                redelivered=bool(request["delivery_info"].get("redelivered")),
-                facts={key: value, **facts},
-                node=leader.node,
-                leader_holder=leader.holder,
-            )
+            delivery = _batched(rt, meta or leader.meta, leader, follower, {key: value, **facts})
             if meta is None or meta.status == Status.DELETED:
                 error = WorkerNotFound(f"worker {leader.meta.id} does not exist (deleted)")
                 self._park(task, broker, follower, delivery, error)
@@ -181,7 +169,7 @@ class Batcher:
                 follower.delivery = delivery
                 reason = f"worker {leader.meta.id} is {meta.status}; message requeued"
                 follower.verdict = Requeue(reason, pause=True)
-                broker.ack([t for t in [self._end(task, broker, follower)] if t])
+                self._end_all(task, broker, [follower])
             else:
                 follower.delivery = delivery
                 (alone if delivery.redelivered else fresh).append(follower)
@@ -254,6 +242,26 @@ class Batcher:
             pass
         broker.restore(follower.taken.tag)
         return None
+
+
+def _batched(
+    rt: Runtime, meta: WorkerMeta, leader: Delivery, follower: _Follower, facts: dict[str, Any]
+) -> BatchedDelivery:
+    """A follower's delivery, run beside ``leader`` with the facts read for the batch."""
+    request, message = follower.request, follower.message
+    return BatchedDelivery(
+        rt,
+        meta,
+        message.event,
+        message.payload,
+        str(request["id"]),
+        message.state,
+        message.number,
+        redelivered=bool(request["delivery_info"].get("redelivered")),
+        facts=facts,
+        node=leader.node,
+        leader_holder=leader.holder,
+    )
 
 
 def _deliveries(followers: list[_Follower]) -> list[Delivery]:
