@@ -51,10 +51,31 @@ PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@12
 #: The Redis server of the tests (``TEST_REDIS_HOST``): a second server lets runs go on at once.
 REDIS_HOST = os.environ.get("TEST_REDIS_HOST", "redis://127.0.0.1:6379").rstrip("/")
 AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-#: First of the four Redis databases a test run uses (``TEST_REDIS_DB_BASE``, default 10):
-#: two test runs at once on one Redis server need different bases (0-12, not 0-1 overlapping
-#: the defaults of WM_BROKER_URL and WM_REDIS_URL).
-REDIS_DB_BASE = int(os.environ.get("TEST_REDIS_DB_BASE", "10"))
+#: pytest-xdist's worker of this process (``gw0``, ``gw1``, …), or none without ``-n``.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+#: Databases a run takes on the Redis server: four, and two runs must not share one.
+DBS_PER_RUN = 4
+
+
+def _redis_db_base() -> int:
+    """First of the four Redis databases this test process uses: ``TEST_REDIS_DB_BASE``
+    (default 10) for the first, and four lower for each further xdist worker. Two runs at once
+    on one Redis server need bases four apart; none may reach 0-1, the defaults of
+    WM_BROKER_URL and WM_REDIS_URL."""
+    raw = os.environ.get("TEST_REDIS_DB_BASE", "10")
+    index = int(XDIST_WORKER.removeprefix("gw") or 0)
+    base = int(raw) - DBS_PER_RUN * index
+    if not 2 <= base <= 16 - DBS_PER_RUN:
+        raise pytest.UsageError(
+            f"TEST_REDIS_DB_BASE={raw} leaves xdist worker {XDIST_WORKER or 'gw0'} Redis "
+            f"databases {base}-{base + DBS_PER_RUN - 1}: a Redis server has 0-15, and 0-1 are "
+            "the defaults of WM_BROKER_URL and WM_REDIS_URL (use fewer workers, -n 2, or "
+            "another TEST_REDIS_DB_BASE)"
+        )
+    return base
+
+
+REDIS_DB_BASE = _redis_db_base()
 #: Redis databases of the CLI tests (base, base + 1) and of the others: broker and state.
 CLI_BROKER_DB, CLI_STATE_DB = REDIS_DB_BASE, REDIS_DB_BASE + 1
 BROKER_DB, STATE_DB = REDIS_DB_BASE + 2, REDIS_DB_BASE + 3
@@ -63,6 +84,19 @@ ROOT = Path(__file__).resolve().parent.parent
 #: refuse unknown WM_* variables, and the suite runs ``Settings.from_env()`` in-process.
 SEED_ENV = "TEST_SEED"
 _SEED = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With xdist (``--dist loadgroup``), every test on RabbitMQ runs in one worker, one after
+    another: the tests' deployments differ on Redis by database number, but on the one vhost
+    some names (plain subscriptions, the bench's queues) would meet."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        on_amqp = spec is not None and any(
+            v == "amqp" for v in spec.params.values() if isinstance(v, str)
+        )
+        if on_amqp or "amqp_settings" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("rabbitmq"))
 
 
 def need(service: str, error: Exception) -> None:
