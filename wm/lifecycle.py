@@ -71,7 +71,9 @@ ALREADY_STOPPED = frozenset(
 #: Lifecycle event published when a worker reaches a state (DESIGN.md §4).
 EVENT_ON_ENTER: dict[Status, str] = {
     Status.CREATED: "created",
+    Status.STARTING: "starting",
     Status.RUNNING: "started",
+    Status.STOPPING: "stopping",
     Status.STOPPED: "stopped",
     Status.FAILED: "failed",
     Status.SUSPENDED: "suspended",
