@@ -86,6 +86,27 @@ SEED_ENV = "TEST_SEED"
 _SEED = pytest.StashKey[int]()
 
 
+#: The terminal's size as the tests' commands see it: xdist's workers start with COLUMNS=80
+#: and LINES=24 set, where a run in one process has what the developer's shell has.
+TERMINAL = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist, in the controller) Hand each worker the controller's terminal variables."""
+    node.workerinput["terminal"] = {name: os.environ.get(name) for name in TERMINAL}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """(in an xdist worker) Take the controller's terminal variables over xdist's own."""
+    given = getattr(config, "workerinput", {}).get("terminal")
+    for name, value in (given or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """With xdist (``--dist loadgroup``), every test on RabbitMQ runs in one worker, one after
     another: the tests' deployments differ on Redis by database number, but on the one vhost
