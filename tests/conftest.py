@@ -9,12 +9,15 @@ command line that replays it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 # Imported before any test runs: pytest's hook for unraisable exceptions (an unclosed socket
@@ -48,34 +51,31 @@ pytest_plugins = (
 )
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/test")
-#: The Redis server of the tests (``TEST_REDIS_HOST``): a second server lets runs go on at once.
-REDIS_HOST = os.environ.get("TEST_REDIS_HOST", "redis://127.0.0.1:6379").rstrip("/")
-AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 #: pytest-xdist's worker of this process (``gw0``, ``gw1``, …), or none without ``-n``.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-#: Databases a run takes on the Redis server: four, and two runs must not share one.
-DBS_PER_RUN = 4
 
 
-def _redis_db_base() -> int:
-    """First of the four Redis databases this test process uses: ``TEST_REDIS_DB_BASE``
-    (default 10) for the first, and four lower for each further xdist worker. Two runs at once
-    on one Redis server need bases four apart; none may reach 0-1, the defaults of
-    WM_BROKER_URL and WM_REDIS_URL."""
-    raw = os.environ.get("TEST_REDIS_DB_BASE", "10")
-    index = int(XDIST_WORKER.removeprefix("gw") or 0)
-    base = int(raw) - DBS_PER_RUN * index
-    if not 2 <= base <= 16 - DBS_PER_RUN:
-        raise pytest.UsageError(
-            f"TEST_REDIS_DB_BASE={raw} leaves xdist worker {XDIST_WORKER or 'gw0'} Redis "
-            f"databases {base}-{base + DBS_PER_RUN - 1}: a Redis server has 0-15, and 0-1 are "
-            "the defaults of WM_BROKER_URL and WM_REDIS_URL (use fewer workers, -n 2, or "
-            "another TEST_REDIS_DB_BASE)"
-        )
-    return base
+def _redis_host() -> str:
+    """The Redis server of the tests: ``TEST_REDIS_HOST`` (default the local server) for the
+    first xdist worker (or a run without ``-n``), and a redis-server of its own, on a free
+    port, for each further worker. Separate database numbers on one server would not do:
+    Redis's pub/sub channels (Celery's broadcasts) are the server's, not a database's."""
+    given = os.environ.get("TEST_REDIS_HOST", "redis://127.0.0.1:6379").rstrip("/")
+    if XDIST_WORKER in ("", "gw0"):
+        return given
+    data_dir = Path(tempfile.mkdtemp(prefix=f"wm-tests-redis-{XDIST_WORKER}-"))
+    server = start_redis(data_dir, persistent=False)
+    atexit.register(shutil.rmtree, data_dir, True)
+    atexit.register(stop_redis, server)
+    return f"redis://127.0.0.1:{server.port}"
 
 
-REDIS_DB_BASE = _redis_db_base()
+REDIS_HOST = _redis_host()
+AMQP_URL = os.environ.get("TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+#: First of the four Redis databases a test run uses (``TEST_REDIS_DB_BASE``, default 10):
+#: two test runs at once on one Redis server need different bases (0-12, not 0-1 overlapping
+#: the defaults of WM_BROKER_URL and WM_REDIS_URL).
+REDIS_DB_BASE = int(os.environ.get("TEST_REDIS_DB_BASE", "10"))
 #: Redis databases of the CLI tests (base, base + 1) and of the others: broker and state.
 CLI_BROKER_DB, CLI_STATE_DB = REDIS_DB_BASE, REDIS_DB_BASE + 1
 BROKER_DB, STATE_DB = REDIS_DB_BASE + 2, REDIS_DB_BASE + 3
