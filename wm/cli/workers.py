@@ -70,12 +70,13 @@ def _code(file: str | None, base64_text: str | None, url: str | None) -> bytes |
 @click.option("--topic", required=True, help="Topic whose events the worker handles.")
 @click.option("--mime-type", required=True, help="Selects the engine, e.g. text/x-python.")
 @_code_options
-@click.option("--group", help="Members of a group never run at the same time.")
+@click.option("--group", help="Its group: members take turns on every event, or share the events.")
 @click.option(
     "--group-mode",
     type=click.Choice(["exclusive", "shared"]),
-    help="exclusive (default): every member of the group runs every event, one at a time; "
-    "shared: each event runs on one member.",
+    metavar="MODE",
+    help="exclusive (default): members run every event, one at a time; shared: each event "
+    "runs on one member.",
 )
 @click.option("--name", help="Unique among live workers; usable instead of the id.")
 @click.option("--no-start", is_flag=True, help="Leave it in status created.")

@@ -1,5 +1,6 @@
 """The routing table's layout in Redis and its values: one :class:`Route` per subscription of
-a topic (DESIGN.md §5.1). :class:`wm.dataplane.bus.Bus` reads and maintains it."""
+a topic (DESIGN.md §5.1), where a shared group's members are one subscription
+(``wm.store.shares``). :class:`wm.dataplane.bus.Bus` reads and maintains it."""
 
 from __future__ import annotations
 

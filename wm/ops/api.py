@@ -171,7 +171,9 @@ class WorkerCreate(_Code):
     topic: str = Field(description="the topic it consumes")
     mime_type: str = Field(description="its engine: text/x-python, text/x-csharp, …")
     name: str | None = Field(None, description="unique among live workers")
-    group: str | None = Field(None, description="workers of one group take turns (fenced)")
+    group: str | None = Field(
+        None, description="workers of one group take turns (fenced), or share the events"
+    )
     group_mode: Literal["exclusive", "shared"] | None = Field(
         None,
         description="exclusive (default): every member runs every event, one at a time; "

@@ -26,7 +26,9 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
 * The written flag only tells operators that a holder is in its publishing phase.
 
 Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter) and
-``<prefix>{<group>}:wake`` (the wake-up token); the hash tag keeps them on one cluster slot,
+``<prefix>{<group>}:wake`` (the wake-up token); a lock of one item of the group (a shared
+group locks each event) has its own record and token, ``<prefix>{<group>}:item:<item>`` and
+``…:wake``, and mints from the group's counter. The hash tag keeps them on one cluster slot,
 as a Lua script touching several requires (the prefix is ``wm:lock:``; an empty group, which
 would tag nothing, is refused). On a Redis Cluster the BLPOP on the wake-up token goes to the
 node of the group's slot.
