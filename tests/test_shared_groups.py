@@ -17,8 +17,9 @@ import redis
 
 from tests.helpers import STUB, drain, eventually, publish_numbered, stub, wm_cli
 from wm import DeadLetters, InvalidArgument, Settings, WorkManager
-from wm.events import derive_id, event_key
+from wm.events import CloudEvent, derive_id, encode, event_key, key_of, make_event
 from wm.state.ledger import Ledger
+from wm.state.outcomes import Outcomes
 from wm.store.shares import share_id
 from wm.views import WorkerInfo
 
@@ -63,6 +64,17 @@ def _settled(settings: Settings, topic: str) -> None:
     assert DeadLetters(settings).list() == []
 
 
+def _recorded_elsewhere(settings: Settings, topic: str, done: str) -> CloudEvent:
+    """An event whose outcome is recorded under the share already, as a member killed before
+    it acknowledged its delivery leaves it: whichever member picks it up republishes."""
+    event = make_event(topic, "/tests", {"n": -1})
+    share, key = share_id(topic, "g"), key_of(event)
+    output = make_event(done, "/elsewhere", {}, id=derive_id(key, share, 0))
+    settlement = Ledger(settings).settlement(share, key, encode(event))
+    Outcomes(settings).record(share, key, [output], settlement)
+    return event
+
+
 def test_each_event_runs_on_one_member_and_both_members_work(
     broker: Settings, start_node: Any
 ) -> None:
@@ -74,13 +86,17 @@ def test_each_event_runs_on_one_member_and_both_members_work(
     members = _members(manager, topic, done, 2, sleep_ms=2)
     share_queue = f"{topic}::{share_id(topic, 'g')}"
     start_node(settings).consuming(share_queue)
-    ids = publish_numbered(manager, topic, 200)
-    outputs = drain(settings, sink, 200, timeout_s=60)
+    recorded = _recorded_elsewhere(settings, topic, done)
+    manager.publish(recorded)
+    ids = [recorded.get_id(), *publish_numbered(manager, topic, 200)]
+    outputs = drain(settings, sink, 201, timeout_s=60)
     outputs += drain(settings, sink, 1, timeout_s=1)  # anything run twice arrives too
     counts = Counter(e["id"] for e in outputs)
     assert set(counts) == _expected(topic, ids)
     assert [i for i, n in counts.items() if n > 1] == []
-    ran = _by_member(outputs)
+    # Its outcome was found recorded under the share: republished, not run by a member.
+    assert [e["source"] for e in outputs if e["data"].get("input") is None] == ["/elsewhere"]
+    ran = _by_member([e for e in outputs if e["source"] != "/elsewhere"])
     print(f"shared group: {dict(ran)}")
     assert set(ran) == {str(m.id) for m in members} and min(ran.values()) >= 20, ran
     _settled(settings, topic)
