@@ -135,7 +135,9 @@ def test_members_leave_and_join_at_run_time_and_nothing_is_lost(
     ran = _by_member(outputs[40:])
     print(f"after the {leaving}: {dict(ran)}")
     assert ran[str(stayer.id)] > 0 and ran[str(joiner.id)] > 0, ran
-    assert ran[str(leaver.id)] <= 4, ran  # only deliveries it was running at the time
+    # Only deliveries it had picked by then: as many as the node runs at once, and any that
+    # read its entry in the moment between the change's commit and the nodes' invalidation.
+    assert ran[str(leaver.id)] <= 8, ran
     _settled(settings, topic)
     for member in (leaver, stayer, joiner):
         manager.delete_worker(member.id)
@@ -206,13 +208,14 @@ def test_kill_9_while_a_shared_group_consumes_loses_and_duplicates_nothing(
     manager = WorkManager(settings)
     sink = manager.subscribe(done, "sink")
     trace = tmp_path / "runs.jsonl"
-    members = _members(manager, topic, done, 2, sleep_ms=2, trace=str(trace))
-    share, events, kills = share_id(topic, "g"), 800, 2
+    # Runs of 10 ms: a kill is likely to cut some short, to be run again.
+    members = _members(manager, topic, done, 2, sleep_ms=10, trace=str(trace))
+    share, events, kills = share_id(topic, "g"), 600, 2
     ids = publish_numbered(manager, topic, events)
     ledger, in_flight = Ledger(settings), 0
     nodes = [start_node(settings, name=f"n{i}") for i in range(2)]
     for round_ in range(kills):
-        target = max(ledger.pending(share) - rng.randint(50, 200), 0)
+        target = max(ledger.pending(share) - rng.randint(50, 150), 0)
         eventually(lambda t=target: ledger.pending(share) <= t, timeout_s=60, interval_s=0.02)
         victim = rng.choice(nodes)
         in_flight += _unacked(settings)
