@@ -301,6 +301,8 @@ def test_invalid_input_is_refused_with_422_naming_the_field(api: Api) -> None:
         ("POST", w, {**ok, "url": "https://x"}, ["body"]),
         ("POST", w, {**ok, "settings": {"max_retries": -1}}, ["body"]),
         ("POST", w, {**ok, "colour": 1}, ["body", "colour"]),
+        ("POST", w, {**ok, "group_mode": "all"}, ["body", "group_mode"]),
+        ("POST", w, {**ok, "group_mode": "shared", "settings": {"group_mode": "x"}}, ["body"]),
         ("POST", f"{w}/x/rollback", {"version": 0}, ["body", "version"]),
         ("POST", "/v1/events?topic=a%3A%3Ab", {"type": "t", "source": "/s"}, ["query", "topic"]),
         ("POST", "/v1/events", {"source": "/s"}, ["body", "event", "type"]),
@@ -319,6 +321,8 @@ def test_invalid_input_is_refused_with_422_naming_the_field(api: Api) -> None:
         refused = http.post("/v1/workers", json={"topic": "t", "mime_type": STUB, "code": "{"})
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "code"]
         assert http.get("/v1/workers").json() == []
+        made = http.post(w, json={**ok, "group": "g", "group_mode": "shared", "start": False})
+        assert made.status_code == 201 and made.json()["settings"] == {"group_mode": "shared"}
 
 
 def test_every_change_is_audited_with_who_what_when_and_result(api: Api) -> None:

@@ -179,7 +179,7 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
     known = (
         "known: batch_size, breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
-        "health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
+        "group_mode, health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
         "max_concurrency, max_events, max_memory_mb, max_probe_failures, max_retries, ordering, "
         "ordering_gap_s, output_topics, probe_interval_s, recovery, retry_base_delay_ms, "
         "stop_grace_s, timeout_s$"

@@ -46,13 +46,14 @@ from wm.errors import (
     LockContention,
     Misconfigured,
 )
-from wm.events import key_of, make_event
+from wm.events import derive_id, key_of, make_event
 from wm.local.embedded import find_redis_server
 from wm.state.connection import redis_for
 from wm.state.directory import Directory
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
+from wm.store.shares import share_id
 
 #: Shards of the test cluster (primaries, no replicas).
 SHARDS = 3
@@ -613,4 +614,36 @@ def test_a_group_delivers_end_to_end_with_the_state_store_on_the_cluster(
     assert all(outcomes.get(w, key_of(e)) is not None for w in wids for e in events)
     assert GroupLocks(settings).holder("g") is None
     assert cluster.shards_holding_keys() > 1
+    assert cluster.cross_slot_errors() == 0
+
+
+@pytest.mark.slow
+def test_a_shared_group_delivers_end_to_end_with_the_state_store_on_the_cluster(
+    cluster_settings: Settings, cluster: Cluster, start_node: Callable[..., Any]
+) -> None:
+    """A shared group's directory entry, outcomes, pending ledger and event locks each keep
+    to one slot: its events run once each, recorded under the share."""
+    settings = cluster_settings
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    for _ in range(2):
+        manager.create_worker(
+            code=stub(output_type="done"),
+            mime_type=STUB,
+            topic="in",
+            group="s",
+            group_mode="shared",
+        )
+    share = share_id("in", "s")
+    start_node(settings).consuming(f"in::{share}")
+    events = [make_event("in", "/tests", {"n": n}) for n in range(10)]
+    for event in events:
+        manager.publish(event)
+    outputs = drain(settings, sink, 10) + drain(settings, sink, 1, timeout_s=1)
+    assert sorted(e["id"] for e in outputs) == sorted(
+        derive_id(key_of(e), share, 0) for e in events
+    )
+    ledger, outcomes = Ledger(settings), Outcomes(settings)
+    eventually(lambda: ledger.pending(share) == 0, timeout_s=10)
+    assert all(outcomes.get(share, key_of(e)) is not None for e in events)
     assert cluster.cross_slot_errors() == 0

@@ -19,6 +19,7 @@ from wm.control.workers import Workers
 from wm.events import CloudEvent
 from wm.lifecycle import check_actor
 from wm.views import ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
+from wm.workersettings import with_group_mode
 
 if TYPE_CHECKING:
     from wm.control.deadletters import DeadLetters
@@ -90,8 +91,14 @@ class WorkManager:
         start: bool = True,
         sha256: str | None = None,
         settings: Mapping[str, Any] | None = None,
+        group_mode: str | None = None,
     ) -> WorkerInfo:
-        """Validate everything, persist the worker (status ``created``), optionally start it."""
+        """Validate everything, persist the worker (status ``created``), optionally start it.
+
+        ``group_mode`` (the worker setting of that name): ``exclusive`` (default), every
+        member of ``group`` runs every event, one at a time; ``shared``, each event runs on
+        one member. Every member of a group gives the same."""
+        settings = with_group_mode(settings, group_mode)
         create = self._lifecycle.create
         return create(code, url, mime_type, topic, group, name, start, sha256, settings)
 

@@ -54,6 +54,8 @@ STRATEGIES = ("retry", "degrade", "stop", "replace")
 #: Strategies under which the failing delivery goes back to the queue (nothing is parked).
 PAUSING = frozenset({"retry", "stop"})
 ORDERINGS = ("none", "key")
+#: How the members of a group share its topic's events (DESIGN.md §6); the first is the default.
+GROUP_MODES = ("exclusive", "shared")
 
 
 def _setting(default: Any, rule: SettingRule | None) -> Any:
@@ -101,6 +103,10 @@ class WorkerSettings:
     #: and one Redis round trip per step (None: WM_BATCH_SIZE; 0 or 1: one at a time). On a
     #: Redis broker only; each event keeps its own outcome, retries and dead letter
     batch_size: int | None = _setting(None, COUNT)
+    #: "exclusive": every member of the worker's group runs every event, one member at a
+    #: time; "shared": each event runs on one member, members in parallel. Every member of
+    #: a group gives the same; it needs a group
+    group_mode: str = _setting(GROUP_MODES[0], SettingRule(text=True, choices=GROUP_MODES))
     #: the only topics the outputs may go to (None: any topic that is not reserved)
     output_topics: tuple[str, ...] | None = _setting(None, None)
     #: the engine's own settings (its ``worker_settings`` rules), read by the engine
@@ -123,7 +129,7 @@ class WorkerSettings:
                 known = ", ".join(sorted([*rules, OUTPUT_TOPICS]))
                 raise InvalidArgument(f"unknown worker setting {key!r}; known: {known}")
             (core if key in CORE_RULES else engine)[key] = rule.check(key, value)
-        return cls(**core, engine=MappingProxyType(engine))
+        return _combined(cls(**core, engine=MappingProxyType(engine)))
 
     @classmethod
     def of(cls, stored: Mapping[str, Any] | None) -> WorkerSettings:
@@ -164,6 +170,27 @@ class WorkerSettings:
         """Events with the same ``partitionkey`` run one at a time, in publish order."""
         return self.ordering == "key"
 
+    @property
+    def shared(self) -> bool:
+        """The worker's group shares its topic's events among its members (one run each)."""
+        return self.group_mode == "shared"
+
+
+def _combined(settings: WorkerSettings) -> WorkerSettings:
+    """Refuse settings that are each valid but not together: a shared group's events come
+    through one queue for all its members, numbered for none of them and picked one by one."""
+    if settings.shared and settings.ordered:
+        raise InvalidArgument(
+            "worker settings 'group_mode' shared and 'ordering' key do not go together: a "
+            "shared group's members take its events in any order"
+        )
+    if settings.shared and (settings.batch_size or 0) > 1:
+        raise InvalidArgument(
+            "worker settings 'group_mode' shared and 'batch_size' > 1 do not go together: a "
+            "shared group's events are picked by a member one at a time"
+        )
+    return settings
+
 
 def _topic_list(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
@@ -179,6 +206,21 @@ CORE_RULES: Mapping[str, SettingRule] = MappingProxyType(
         if f.metadata.get("rule") is not None
     }
 )
+
+
+def with_group_mode(settings: Mapping[str, Any] | None, group_mode: str | None) -> dict[str, Any]:
+    """``settings`` with ``group_mode`` given on its own (``wm worker create --group-mode``,
+    the API's ``group_mode``), which must agree with one among them."""
+    merged = dict(settings or {})
+    if group_mode is None:
+        return merged
+    given = merged.setdefault("group_mode", group_mode)
+    if given != group_mode:
+        raise InvalidArgument(
+            f"group_mode {group_mode!r} and worker setting 'group_mode' {given!r} disagree: "
+            "give one"
+        )
+    return merged
 
 
 def validate_worker_settings(

@@ -70,7 +70,14 @@ def _code(file: str | None, base64_text: str | None, url: str | None) -> bytes |
 @click.option("--topic", required=True, help="Topic whose events the worker handles.")
 @click.option("--mime-type", required=True, help="Selects the engine, e.g. text/x-python.")
 @_code_options
-@click.option("--group", help="Members of a group never run at the same time.")
+@click.option("--group", help="Its group: members take turns on every event, or share the events.")
+@click.option(
+    "--group-mode",
+    type=click.Choice(["exclusive", "shared"]),
+    metavar="MODE",
+    help="exclusive (default): members run every event, one at a time; shared: each event "
+    "runs on one member.",
+)
 @click.option("--name", help="Unique among live workers; usable instead of the id.")
 @click.option("--no-start", is_flag=True, help="Leave it in status created.")
 @click.option(
@@ -90,6 +97,7 @@ def create_worker(
     url: str | None,
     sha256: str | None,
     group: str | None,
+    group_mode: str | None,
     name: str | None,
     no_start: bool,
     settings: tuple[tuple[str, str], ...],
@@ -105,6 +113,7 @@ def create_worker(
         start=not no_start,
         sha256=sha256,
         settings={key: number_or_text(value) for key, value in settings},
+        group_mode=group_mode,
     )
     _print_worker(out, info)
     return 0

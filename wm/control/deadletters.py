@@ -14,9 +14,8 @@ from sqlalchemy.orm import Session
 
 from wm import store
 from wm.dataplane import deadletters as parking
-from wm.dataplane.bus import Route
 from wm.dataplane.message import DeliveryState
-from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.routes import worker_route
 from wm.errors import InvalidArgument, WorkerNotFound, WorkManagerError
 from wm.lifecycle import Status
 from wm.store import deadletters as letters
@@ -100,10 +99,16 @@ class DeadLetters(parking.DeadLetters):
         worker = rows.info(session, row.worker_id) if row.worker_id else None
         if worker is None or worker.status == Status.DELETED:
             raise WorkerNotFound(f"dead letter {letter_id}: its worker is gone; purge it instead")
+        route = worker_route(str(worker.id), worker.topic, worker.group, dict(worker.settings))
         options: dict[str, Any] = {}
         if to_version == "same" and row.version is not None:
+            if route.share is not None:
+                raise InvalidArgument(
+                    f"dead letter {letter_id}: its worker is a member of shared group "
+                    f"{route.share!r}, whose members may run other versions; replay it to "
+                    "the current version"
+                )
             options["kwargs"] = DeliveryState(pin_version=row.version).kwargs()
-        route = Route(worker_queue_name(worker.topic, str(worker.id)), str(worker.id))
         self.bus.send(row.envelope, [route], **options)
         letters.mark_replayed(row, datetime.now(UTC))
 

@@ -13,6 +13,7 @@ import logging
 import math
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -22,23 +23,37 @@ from wm.control.context import Context
 from wm.control.versions import Versions, add_version
 from wm.control.workers import Reference, Workers
 from wm.dataplane import enginecontrol, outbox, pending
-from wm.dataplane.bus import Route, ordered
+from wm.dataplane.bus import Route
 from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.routes import route_of, worker_route
+from wm.dataplane.shares import leaving_queue
 from wm.engine import WorkerSpec, engine_class
-from wm.errors import InvalidArgument, WorkManagerError
+from wm.errors import InvalidArgument, Unavailable, WorkManagerError
 from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status
 from wm.names import check_name
 from wm.state import quota
 from wm.state.breaker import Breaker
+from wm.state.directory import Directory
 from wm.state.ledger import Ledger
 from wm.state.ordering import Ordering
-from wm.store import records
+from wm.store import records, shares
 from wm.store import workers as rows
 from wm.store.models import Worker
 from wm.views import WorkerInfo
 from wm.workersettings import WorkerSettings, validate_worker_settings
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Removed:
+    """A deleted worker's topic and route, whether nodes stop consuming its queue (no other
+    member of its shared group runs) and whether the queue goes (no other is live)."""
+
+    topic: str
+    route: Route
+    cancel: bool
+    last: bool
 
 
 class Lifecycle:
@@ -69,6 +84,7 @@ class Lifecycle:
         worker_settings = validate_worker_settings(
             settings or {}, engine_class(mime_type).worker_settings
         )
+        shares.check_group(group, WorkerSettings.of(worker_settings).group_mode)
         fetched = self.versions.fetch(code, url, sha256)
         spec = WorkerSpec(str(uuid.uuid4()), topic, group, 1, fetched.sha256, name, worker_settings)
         self.versions.check(mime_type, fetched.code, spec)
@@ -78,9 +94,10 @@ class Lifecycle:
             lambda session: self._insert(session, spec, mime_type, fetched, queue),
             name_hint=name,
         )
-        route = Route(queue, spec.worker_id, ordered(worker_settings), name)
+        route = worker_route(spec.worker_id, topic, group, worker_settings, name)
         self.context.bus.add_route(topic, route)
         self.context.changed(wid)
+        self._share_changed(route)
         logger.info("created worker %s on topic %s", wid, topic)
         return self.start(wid) if start else self.workers.get(wid)
 
@@ -93,6 +110,7 @@ class Lifecycle:
         queue: str,
     ) -> uuid.UUID:
         wid = uuid.UUID(spec.worker_id)
+        shares.check_mode(session, spec.group, WorkerSettings.of(spec.settings).group_mode)
         worker = rows.insert_worker(
             session,
             wid,
@@ -128,13 +146,13 @@ class Lifecycle:
         wid = self.workers.resolve(reference)
         if delay_s is not None:
             return self._start_later(wid, delay_s)
-        queue = records.transaction(self.settings, lambda s: self._start(s, wid))
+        route = records.transaction(self.settings, lambda s: self._start(s, wid))
         self.context.changed(wid)
         pending.forget_delayed_start(self.settings, str(wid))
-        if queue:
-            Ledger(self.settings).restart_clocks(str(wid))
+        if route is not None:
+            Ledger(self.settings).restart_clocks(str(route.worker_id))
             self._fresh_start(wid)
-            self.context.bus.broadcast_consume(queue)
+            self.context.bus.broadcast_consume(route.queue)
         return self.workers.get(wid)
 
     def _start_later(self, wid: uuid.UUID, delay_s: float) -> WorkerInfo:
@@ -181,7 +199,8 @@ class Lifecycle:
         if stopping is None:
             return self.workers.get(wid)
         queue, settings = stopping
-        self.context.bus.broadcast_cancel(queue)
+        if queue is not None:  # None: other members of its shared group still consume
+            self.context.bus.broadcast_cancel(queue)
         if grace_s is None:
             grace_s = WorkerSettings.of(settings).stop_grace_s
         target, reason = self._drain(wid, grace_s)
@@ -208,14 +227,32 @@ class Lifecycle:
         wid = self.workers.resolve(reference)
         removed = records.transaction(self.settings, lambda s: self._delete(s, wid))
         self.context.changed(wid)
-        for topic, queue in removed:
-            self.context.bus.broadcast_cancel(queue)
-            self.context.bus.remove_route(topic, queue)
-        if removed:
-            Ledger(self.settings).forget_worker(str(wid))
+        if removed is not None:
+            self._removed(removed)
             Ordering(self.settings).forget_worker(str(wid))
             enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
         return self.workers.get(wid)
+
+    def _removed(self, removed: _Removed) -> None:
+        """After a delete: nodes stop consuming the worker's queue, which goes with its route
+        and pending deliveries; a shared group's only with its last running or live member
+        (what waits in it goes to the others, or waits for one to start)."""
+        route, bus = removed.route, self.context.bus
+        if removed.cancel:
+            bus.broadcast_cancel(route.queue)
+        if removed.last:
+            bus.remove_route(removed.topic, route.queue)
+            Ledger(self.settings).forget_worker(str(route.worker_id))
+        self._share_changed(route)
+
+    def _share_changed(self, route: Route) -> None:
+        """A shared group gained or lost a member: nodes read its members again."""
+        if route.share is None:
+            return
+        try:
+            Directory(self.settings).invalidate(route.worker_id)
+        except Unavailable as exc:
+            logger.warning("nodes see shared group %s change within a minute: %s", route.share, exc)
 
     def record_failure(
         self, reference: Reference, error_type: str, error_message: str, *, fail: bool = False
@@ -229,15 +266,15 @@ class Lifecycle:
 
     # -- the moves, each inside its transaction ---------------------------------------------
 
-    def _start(self, session: Session, wid: uuid.UUID) -> str | None:
-        """Move to ``running`` (through ``starting``); returns the queue to consume, or None
-        if there is nothing to start."""
+    def _start(self, session: Session, wid: uuid.UUID) -> Route | None:
+        """Move to ``running`` (through ``starting``); returns the route whose queue to
+        consume, or None if there is nothing to start."""
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STARTED:
             return None
         if worker.status == Status.SUSPENDED:
             self._move(session, worker, Status.RUNNING, "resumed")
-            return worker_queue_name(worker.topic, str(wid))
+            return route_of(worker)
         self._move(session, worker, Status.STARTING, "start requested")
         try:
             engine_class(worker.mime_type)
@@ -245,36 +282,45 @@ class Lifecycle:
             self._move(session, worker, Status.FAILED, str(exc))
             return None
         self._move(session, worker, Status.RUNNING, "started")
-        return worker_queue_name(worker.topic, str(wid))
+        return route_of(worker)
 
     def _suspend(self, session: Session, wid: uuid.UUID) -> str | None:
         worker = records.lock_worker(session, wid)
         if worker.status == Status.SUSPENDED:
             return None
         self._move(session, worker, Status.SUSPENDED, "suspended")
-        return worker_queue_name(worker.topic, str(wid))
+        return leaving_queue(session, worker)
 
-    def _stop(self, session: Session, wid: uuid.UUID) -> tuple[str, dict[str, Any]] | None:
+    def _stop(self, session: Session, wid: uuid.UUID) -> tuple[str | None, dict[str, Any]] | None:
         """Move to ``stopping`` (a worker left there by a stopper that died stays); returns
-        the queue to stop consuming and the worker's settings, or None if already stopped."""
+        the queue to stop consuming (None while other members of its shared group run) and
+        the worker's settings, or None if already stopped."""
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STOPPED:
             return None
         if worker.status != Status.STOPPING:
             self._move(session, worker, Status.STOPPING, "stop requested")
-        return worker_queue_name(worker.topic, str(wid)), dict(worker.settings or {})
+        return leaving_queue(session, worker), dict(worker.settings or {})
 
     def _stopped(self, session: Session, wid: uuid.UUID, target: Status, reason: str) -> None:
         worker = records.lock_worker(session, wid)
         if worker.status == Status.STOPPING:  # unless deleted (or stopped) meanwhile
             self._move(session, worker, target, reason)
 
-    def _delete(self, session: Session, wid: uuid.UUID) -> list[tuple[str, str]]:
+    def _delete(self, session: Session, wid: uuid.UUID) -> _Removed | None:
         worker = records.lock_worker(session, wid)
         if worker.status == Status.DELETED:
-            return []
+            return None
+        shares.lock_group(session, worker.group)  # no member joins meanwhile
+        removed = _Removed(
+            worker.topic,
+            route_of(worker),
+            cancel=not shares.others(session, worker, running=True),
+            last=not shares.others(session, worker, running=False),
+        )
         self._move(session, worker, Status.DELETED, "deleted")
-        return rows.remove_subscriptions(session, wid)
+        rows.remove_subscriptions(session, wid)
+        return removed
 
     def _move(self, session: Session, worker: Worker, target: Status, reason: str) -> None:
         records.move(session, worker, target, reason, actor=self.context.actor)

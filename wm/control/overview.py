@@ -28,7 +28,8 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.app import broker_errors
 from wm.dataplane.bus import Bus
-from wm.dataplane.queues import subscription_queue, worker_queue_name
+from wm.dataplane.queues import subscription_queue
+from wm.dataplane.routes import worker_route
 from wm.errors import BrokerUnavailable
 from wm.lifecycle import Status
 from wm.state.breaker import failures_key, trips_key
@@ -124,10 +125,12 @@ class LiveWorker:
     status: str
     settings: Mapping[str, Any]
     status_since: datetime | None
+    group: str | None = None
 
     @property
     def queue(self) -> str:
-        return worker_queue_name(self.topic, self.id)
+        """Its queue: its own, or its shared group's (``wm.store.shares``)."""
+        return worker_route(self.id, self.topic, self.group, dict(self.settings)).queue
 
 
 # -- the cluster -------------------------------------------------------------------------------
@@ -184,6 +187,7 @@ def _live_workers(session: Session) -> list[LiveWorker]:
             row.status,
             dict(row.settings or {}),
             aware(row.status_since),
+            row.group,
         )
         for row in rows.live(session)
     ]
@@ -255,12 +259,13 @@ def _nodes_and_depths(
     settings: Settings, app: Celery, workers: list[LiveWorker], ping_timeout_s: float
 ) -> tuple[list[str], list[QueueDepth]]:
     """The nodes that answer a ping, and every worker queue's depth: one connection, each
-    wait bounded."""
+    wait bounded. A shared group's one queue is counted once, under its oldest member."""
+    firsts = list({w.queue: w for w in reversed(workers)}.values())[::-1]
     with broker_errors(settings), connect(app) as conn:
         replies = app.control.ping(timeout=ping_timeout_s, connection=conn) or []
-        depths = queue_depths(conn, [w.queue for w in workers])
+        depths = queue_depths(conn, [w.queue for w in firsts])
     nodes = sorted(name for reply in replies for name in reply)
-    return nodes, [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in workers]
+    return nodes, [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in firsts]
 
 
 def connect(app: Celery) -> Any:

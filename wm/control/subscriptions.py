@@ -15,6 +15,7 @@ from wm.control.context import Context
 from wm.dataplane.app import broker_errors
 from wm.dataplane.bus import Route
 from wm.dataplane.queues import plain_queue_name, subscription_queue
+from wm.dataplane.routes import route_of
 from wm.errors import SubscriptionNotFound
 from wm.names import check_name
 from wm.store import records
@@ -54,7 +55,10 @@ class Subscriptions:
     def list(self, topic: str | None = None) -> list[dict[str, Any]]:
         """Every subscription (worker and plain) with its queue depth."""
         with store.session_scope(self.settings) as session:
-            found = rows.listed(session, topic)
+            found = [  # a shared group's member with its group's queue
+                (sub.topic, sub.queue if w is None else route_of(w).queue, sub.worker_id)
+                for sub, w in rows.listed(session, topic)
+            ]
         return [
             {
                 "topic": t,

@@ -99,6 +99,7 @@ def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDeta
         info.status,
         dict(info.settings),
         aware(info.status_since),
+        info.group,
     )
     with store.session_scope(settings) as session:
         letters, errors = _letters_of(session, info.id)

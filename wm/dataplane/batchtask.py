@@ -84,9 +84,10 @@ class Batcher:
         self.boundary = boundary
 
     def wanted(self, delivery: Delivery) -> bool:
-        """A fresh delivery of a worker with batch_size > 1 (a redelivery runs alone)."""
+        """A fresh delivery of a worker with batch_size > 1 (a redelivery runs alone, and so
+        does a shared group's: its queue's next events may go to other members)."""
         size = delivery.worker_settings.batch_size_on(delivery.rt.settings)
-        return size > 1 and not delivery.redelivered
+        return size > 1 and not delivery.redelivered and delivery.share is None
 
     def run(self, task: Task, leader: Delivery) -> Verdict:
         """The leader's verdict, once every follower is settled."""

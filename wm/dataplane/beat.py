@@ -41,8 +41,8 @@ from sqlalchemy import select
 from wm import store
 from wm.config import Settings
 from wm.dataplane import outbox
-from wm.dataplane.bus import Bus, Route
-from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.bus import Bus
+from wm.dataplane.routes import route_of
 from wm.events import encode, make_event
 from wm.lifecycle import Status
 from wm.schedules import Timing, event_id
@@ -127,14 +127,14 @@ def _window(row: Schedule) -> tuple[Timing, datetime, datetime, datetime | None]
 def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> int:
     with store.session_scope(settings) as session:
         found = session.execute(
-            select(Schedule, Worker.topic)
+            select(Schedule, Worker)
             .join(Worker, Worker.id == Schedule.worker_id)
             .where(Schedule.id == schedule_id)
             .with_for_update(of=Schedule)
         ).one_or_none()
         if found is None:
             return 0
-        row, topic = found
+        row, worker = found
         timing, created, last, until = _window(row)
         due = list(timing.times(last, min(now, until) if until else now, created))
         if not due:
@@ -149,7 +149,7 @@ def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> 
                 row.missed,
                 len(sent),
             )
-        route = Route(worker_queue_name(topic, str(row.worker_id)), str(row.worker_id))
+        route = route_of(worker)  # a shared member's firings go to its group
         for at in sent:
             event = make_event(
                 row.event_type,

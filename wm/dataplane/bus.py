@@ -52,6 +52,7 @@ from wm.dataplane.routes import (
     ROUTES_OR_DROP,
     TOPIC,
     topic_key,
+    worker_route,
 )
 from wm.dataplane.routes import Route as Route  # re-exported: the callers' import
 from wm.dataplane.routes import ordered as ordered
@@ -158,10 +159,13 @@ class Bus:
         return len(missing) + len(extra)
 
     def _subscribed(self, topic: str | None) -> dict[tuple[str, str], str]:
+        """The routes the ``subscriptions`` table makes: a worker's own, a shared group's one
+        for all its members (``wm.store.shares``), a plain subscription's."""
         query = select(
             Subscription.topic,
             Subscription.queue,
             Subscription.worker_id,
+            Worker.group,
             Worker.settings,
             Worker.name,
         ).outerjoin(Worker, Worker.id == Subscription.worker_id)
@@ -169,11 +173,15 @@ class Bus:
             query = query.where(Subscription.topic == topic)
         with store.session_scope(self.settings) as session:
             rows = session.execute(query).all()
+        routes = [
+            worker_route(str(worker), topic_, group, settings, name)
+            if worker
+            else Route(queue, None)
+            for topic_, queue, worker, group, settings, name in rows
+        ]
         return {
-            (topic_, queue): Route(
-                queue, str(worker) if worker else None, ordered(settings), name
-            ).value
-            for topic_, queue, worker, settings, name in rows
+            (topic_, route.queue): route.value
+            for (topic_, *_), route in zip(rows, routes, strict=True)
         }
 
     def _routed(self, topic: str | None) -> dict[tuple[str, str], str]:
@@ -503,8 +511,7 @@ class Bus:
     def _labels(self, route: Route, payload: str, about: tuple[str, str] | None) -> dict[str, str]:
         event_id, event_type = about or ("?", "?")
         shown = payload if self.settings.flower_show_data else None
-        worker = route.name or route.worker_id or route.queue
-        return delivery_labels(route.topic, worker, event_id, event_type, 1, shown)
+        return delivery_labels(route.topic, route.label, event_id, event_type, 1, shown)
 
     # -- consumers on running nodes --------------------------------------------------------
 

@@ -30,7 +30,7 @@ from wm.dataplane.deadletters import DeadLetters, malformed
 from wm.dataplane.queues import is_worker_queue
 from wm.errors import WorkManagerError
 from wm.names import SEPARATOR
-from wm.store import workers
+from wm.store import shares, workers
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +76,12 @@ class Consumer(CeleryConsumer):
 
 def owned(queue: str) -> bool:
     """Whether this deployment's store holds the worker of the worker queue ``queue`` (a
-    deleted worker too: what reaches its queue is parked here, with its own deployment)."""
+    deleted worker too: what reaches its queue is parked here, with its own deployment), or
+    the live members of the shared group whose queue it is (``wm.store.shares``)."""
     try:
         worker_id = uuid.UUID(queue.rpartition(SEPARATOR)[2])
         with store.session_scope(Settings.from_env()) as session:
-            if workers.names(session, [worker_id]):
+            if workers.names(session, [worker_id]) or shares.find(session, str(worker_id)):
                 return True
     except ValueError:
         pass  # no worker's id: no worker of ours

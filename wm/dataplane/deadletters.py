@@ -52,10 +52,13 @@ class Failure:
     sha256: str | None = None
     fence: int | None = None
     first_failure_at: float | None = None
+    #: The shared group whose queue the delivery came through (``wm.store.shares``): its
+    #: pending ledger holds the delivery, not the worker's.
+    share: str | None = None
 
     @property
     def letter_id(self) -> str:
-        basis = f"{self.worker_id}\x00{self.key or self.envelope}"
+        basis = f"{self.share or self.worker_id}\x00{self.key or self.envelope}"
         return hashlib.sha256(basis.encode()).hexdigest()[:32]
 
     def storable(self, *, envelope_chars: int | None = None) -> Failure:
@@ -96,8 +99,9 @@ class DeadLetters:
                 letter_id, failure.storable(envelope_chars=FALLBACK_ENVELOPE_CHARS)
             )
         self.bus.publish(self._event(failure, letter_id), failure.topic + DEAD_SUFFIX)
-        if failure.worker_id and failure.key:
-            Ledger(self.settings).settle(failure.worker_id, failure.key, sent, ran_again=True)
+        owner = failure.share or failure.worker_id
+        if owner and failure.key:
+            Ledger(self.settings).settle(owner, failure.key, sent, ran_again=True)
         logger.warning(
             "dead-lettered %s for worker %s: %s: %s",
             failure.event_id,
@@ -130,7 +134,7 @@ class DeadLetters:
 
     def _event(self, failure: Failure, letter_id: str) -> Any:
         data = asdict(failure)
-        del data["first_failure_at"], data["key"]
+        del data["first_failure_at"], data["key"], data["share"]
         data["dead_letter_id"] = letter_id
         return make_event(
             DEAD_LETTER_TYPE,

@@ -80,6 +80,10 @@ class Delivery:
     began: float = 0.0
     #: The node's name (Celery's hostname), as its health records it.
     node: str = ""
+    #: The shared group's id when the event came through its queue (``wm.store.shares``):
+    #: then the pending ledger, the recorded outcome and the output ids are the share's, and
+    #: only the code, settings and counts are the member's (``meta``).
+    share: str | None = None
     #: Settles this delivery from the watchdog's thread when its call outlived its limit and
     #: cannot be stopped; the process ends after (``wm.dataplane.watchdog``). None: the
     #: process cannot be ended apart from the node, the overrun is only logged.
@@ -97,9 +101,14 @@ class Delivery:
     def version(self) -> int:
         return self.state.pin_version or self.meta.version
 
+    @property
+    def owner(self) -> str:
+        """Whose pending ledger and outcomes this delivery's are: the share's, or the worker's."""
+        return self.share or self.meta.id
+
     @functools.cached_property
     def outcome_key(self) -> str:
-        return self.rt.outcomes.key(self.meta.id, self.key)
+        return self.rt.outcomes.key(self.owner, self.key)
 
     @property
     def timeout_s(self) -> float:
@@ -109,7 +118,7 @@ class Delivery:
     @property
     def message_key(self) -> str:
         """This message among the deliveries of the event (each resend is a new message)."""
-        return f"{self.meta.id}:{self.delivery_id}:{self.attempt}:{self.state.lock_waits}"
+        return f"{self.owner}:{self.delivery_id}:{self.attempt}:{self.state.lock_waits}"
 
     @property
     def max_retries(self) -> int:
@@ -136,7 +145,7 @@ class Delivery:
         """The event's outcome recorded by an earlier run (read in the first round trip)."""
         if self.outcome_key in self.facts:
             return self.rt.outcomes.parse(self.facts[self.outcome_key])
-        return self.rt.outcomes.get(self.meta.id, self.key)
+        return self.rt.outcomes.get(self.owner, self.key)
 
     def republish(self, recorded: list[CloudEvent]) -> None:
         """Publish a recorded outcome again instead of running the code again."""
@@ -178,7 +187,7 @@ class Delivery:
             recording(pipe)
 
         recorded, found = self.rt.outcomes.record(
-            self.meta.id, self.key, outputs, self.settlement(), also, fence
+            self.owner, self.key, outputs, self.settlement(), also, fence
         )
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
@@ -227,7 +236,7 @@ class Delivery:
     def _stamped(self, index: int, output: CloudEvent, traced: Mapping[str, str]) -> CloudEvent:
         self.check_output_topic(output.get_type())
         extra: dict[str, object] = {
-            "id": derive_id(self.key, self.meta.id, index),
+            "id": derive_id(self.key, self.owner, index),
             HOPS_EXTENSION: self.hops + 1,
         }
         for name in PROPAGATED:
@@ -295,12 +304,12 @@ class Delivery:
                     self.rt.locks.mark_write(self.lease)
                 self.rt.outputs.publish(output, routes[index] if routes else None)
         if not settled:
-            self.rt.ledger.settle(self.meta.id, self.key, self.payload, ran_again=self.redelivered)
+            self.rt.ledger.settle(self.owner, self.key, self.payload, ran_again=self.redelivered)
 
     def settlement(self) -> Settlement:
         """The pending ledger's entry of this delivery (and its count of runs, if kept)."""
         return self.rt.ledger.settlement(
-            self.meta.id, self.key, self.payload, ran_again=self.redelivered
+            self.owner, self.key, self.payload, ran_again=self.redelivered
         )
 
     def failure(self, error: Exception) -> Failure:
@@ -318,4 +327,5 @@ class Delivery:
             sha256=self.meta.sha256,
             fence=self.lease.fence if self.lease else None,
             first_failure_at=self.state.first_failure_at,
+            share=self.share,
         )

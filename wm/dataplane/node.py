@@ -37,6 +37,7 @@ from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus
 from wm.dataplane.liveness import Heartbeat
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
+from wm.dataplane.routes import route_of
 from wm.engine import check_engines
 from wm.lifecycle import Status
 from wm.state.connection import redis_for
@@ -74,14 +75,16 @@ _RELEASE_IF_OURS = (
 
 
 def running_queues(settings: Settings) -> dict[str, str]:
-    """Queue → worker id of running workers, from the database (the source of truth)."""
+    """Queue → worker id of running workers, from the database (the source of truth); a
+    shared group's one queue → the share's id, while any member runs (``wm.store.shares``)."""
     with store.session_scope(settings) as session:
-        rows = session.execute(
-            select(Subscription.queue, Subscription.worker_id)
-            .join(Worker, Worker.id == Subscription.worker_id)
+        workers = session.scalars(
+            select(Worker)
+            .join(Subscription, Worker.id == Subscription.worker_id)
             .where(Worker.status == Status.RUNNING.value)
         ).all()
-    return {queue: str(worker_id) for queue, worker_id in rows}
+        routes = [route_of(worker) for worker in workers]
+    return {route.queue: str(route.worker_id) for route in routes}
 
 
 def maintain(
@@ -147,7 +150,12 @@ def recover(settings: Settings, app: Celery) -> bool:
         bus.rebuild_routes()
         Directory(settings).invalidate()
         with store.session_scope(settings) as session:
-            queues = session.scalars(select(Subscription.queue)).all()
+            rows = session.execute(
+                select(Subscription.queue, Worker).outerjoin(
+                    Worker, Worker.id == Subscription.worker_id
+                )
+            ).all()
+            queues = sorted({queue if w is None else route_of(w).queue for queue, w in rows})
         for queue in queues:
             bus.declare_queue(queue)
         outbox.flush(settings, bus)

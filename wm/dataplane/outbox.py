@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus
-from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.shares import leaving_queue
 from wm.errors import BrokerUnavailable, Unavailable
 from wm.events import decode
 from wm.lifecycle import Status
@@ -81,7 +81,7 @@ def record_failure(
         if fail and worker.status in (Status.STARTING, Status.RUNNING):
             reason = f"{error_type}: {error_message}"
             records.move(session, worker, Status.FAILED, reason, actor="node")
-            return worker_queue_name(worker.topic, str(wid))
+            return leaving_queue(session, worker)
         return None
 
     failed_queue = records.transaction(settings, record)
@@ -94,17 +94,18 @@ def leave_running(
     settings: Settings, bus: Bus, wid: uuid.UUID, target: Status, reason: str, *, actor: str
 ) -> bool:
     """``running → target`` if the worker still runs, then every node stops consuming its
-    queue (which keeps what arrives); False when it no longer ran."""
+    queue (which keeps what arrives; a shared group's only once no member runs); False when
+    it no longer ran."""
 
-    def leave(session: Session) -> str | None:
+    def leave(session: Session) -> tuple[str | None] | None:
         worker = records.lock_worker(session, wid)
         if worker.status != Status.RUNNING:
             return None
         records.move(session, worker, target, reason, actor=actor)
-        return worker_queue_name(worker.topic, str(wid))
+        return (leaving_queue(session, worker),)
 
-    queue = records.transaction(settings, leave)
+    left = records.transaction(settings, leave)
     changed(settings, bus, wid)
-    if queue is not None:
-        bus.broadcast_cancel(queue)
-    return queue is not None
+    if left is not None and left[0] is not None:
+        bus.broadcast_cancel(left[0])
+    return left is not None

@@ -23,7 +23,8 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
-from wm.dataplane.queues import DEFAULT_QUEUE, worker_queue_name
+from wm.dataplane.queues import DEFAULT_QUEUE
+from wm.dataplane.routes import Route, route_of
 from wm.lifecycle import Status
 from wm.state.breaker import Breaker
 from wm.state.connection import redis_errors, redis_for
@@ -111,25 +112,25 @@ def leave_pending(
     worker's queue; ``prepare(worker id, failure_threshold)`` runs before they do."""
     wid = uuid.UUID(worker_id)
 
-    def start(session: Session) -> tuple[str, int] | None:
+    def start(session: Session) -> tuple[Route, int] | None:
         worker = records.lock_worker(session, wid)
         if worker.status != Status.PENDING:
             return None
         records.move(session, worker, Status.STARTING, reason, actor=actor)
         records.move(session, worker, Status.RUNNING, "started", actor=actor)
         threshold = WorkerSettings.of(worker.settings).failure_threshold
-        return worker_queue_name(worker.topic, worker_id), threshold
+        return route_of(worker), threshold
 
     started = records.transaction(settings, start)
     if started is None:
         return False
-    queue, limit = started
+    route, limit = started
     forget_delayed_start(settings, worker_id)
-    Ledger(settings).restart_clocks(worker_id)  # time spent pending is no broker's loss
+    Ledger(settings).restart_clocks(str(route.worker_id))  # time pending is no broker's loss
     if prepare is not None:
         prepare(worker_id, limit)
     outbox.changed(settings, bus, wid)
-    bus.broadcast_consume(queue)
+    bus.broadcast_consume(route.queue)
     return True
 
 

@@ -1,5 +1,6 @@
 """The routing table's layout in Redis and its values: one :class:`Route` per subscription of
-a topic (DESIGN.md §5.1). :class:`wm.dataplane.bus.Bus` reads and maintains it."""
+a topic (DESIGN.md §5.1), where a shared group's members are one subscription
+(``wm.store.shares``). :class:`wm.dataplane.bus.Bus` reads and maintains it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from wm.dataplane.queues import worker_queue_name
 from wm.state.connection import text
+from wm.store.models import Worker
+from wm.store.shares import share_of
 from wm.workersettings import WorkerSettings
 
 #: The routing table, one set of keys per topic, each tagged with the topic: on a Redis
@@ -47,26 +51,32 @@ def topic_key(topic: str, kind: str) -> str:
 @dataclass(frozen=True)
 class Route:
     """One subscription of a topic: its queue and, for a worker, the worker id, its name and
-    whether it orders its events by ``partitionkey`` (``wm.state.ordering``)."""
+    whether it orders its events by ``partitionkey`` (``wm.state.ordering``). A shared
+    group's one route (``wm.store.shares``) carries the share's id as its worker id and the
+    group's name as ``share``."""
 
     queue: str
     worker_id: str | None
     ordered: bool = False
     name: str | None = None
+    share: str | None = None
 
     @property
     def value(self) -> str:
         """The route's value in the routing table: '' for a plain subscription, the worker id
-        (the format of earlier releases), or JSON with the worker's name and ordering."""
+        (the format of earlier releases), or JSON with the worker's name and ordering, or the
+        shared group's name."""
         if self.worker_id is None:
             return ""
-        if not (self.name or self.ordered):
+        if not (self.name or self.ordered or self.share):
             return self.worker_id
         found: dict[str, Any] = {"id": self.worker_id}
         if self.name:
             found["name"] = self.name
         if self.ordered:
             found["ordering"] = "key"
+        if self.share:
+            found["share"] = self.share
         return json.dumps(found, separators=(",", ":"))
 
     @classmethod
@@ -75,7 +85,20 @@ class Route:
         if not worker.startswith("{"):
             return cls(text(queue), worker or None)
         found = json.loads(worker)
-        return cls(text(queue), found["id"], found.get("ordering") == "key", found.get("name"))
+        return cls(
+            text(queue),
+            found["id"],
+            found.get("ordering") == "key",
+            found.get("name"),
+            found.get("share"),
+        )
+
+    @property
+    def label(self) -> str:
+        """Who the route delivers to, as Flower shows it."""
+        if self.share:
+            return f"group {self.share}"
+        return self.name or self.worker_id or self.queue
 
     @property
     def topic(self) -> str:
@@ -86,3 +109,23 @@ class Route:
 def ordered(settings: dict[str, Any] | None) -> bool:
     """A worker with these settings orders its events by ``partitionkey``."""
     return WorkerSettings.of(settings).ordered
+
+
+def worker_route(
+    worker_id: str,
+    topic: str,
+    group: str | None,
+    settings: dict[str, Any] | None,
+    name: str | None = None,
+) -> Route:
+    """The route a worker's events come through: its own queue, or its shared group's on the
+    topic, which every member consumes (``wm.store.shares``)."""
+    share = share_of(topic, group, settings)
+    if share is not None:
+        return Route(worker_queue_name(topic, share), share, share=group)
+    return Route(worker_queue_name(topic, worker_id), worker_id, ordered(settings), name)
+
+
+def route_of(worker: Worker) -> Route:
+    """:func:`worker_route` of a worker's row."""
+    return worker_route(str(worker.id), worker.topic, worker.group, worker.settings, worker.name)

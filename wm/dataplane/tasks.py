@@ -23,7 +23,7 @@ from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 
-from wm.dataplane import logcontext, pending
+from wm.dataplane import logcontext, pending, shares
 from wm.dataplane import runtime as runtime_module
 from wm.dataplane.batchtask import Batcher, Boundary
 from wm.dataplane.bus import send_plain
@@ -51,6 +51,7 @@ from wm.lifecycle import Status
 from wm.state import settled
 from wm.state.directory import WorkerMeta
 from wm.state.requeues import Requeues
+from wm.store.shares import Share
 
 __all__ = ["PIPELINE", "breaker_retry", "deliver", "echo", "noop", "reset_runtime", "start_due"]
 
@@ -281,14 +282,20 @@ def _is_uuid(text: str) -> bool:
 
 def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     """The attempt, once its event decodes and its worker runs (else parked or requeued).
-    The worker's facts, the event's recorded outcome and the features' facts: one trip."""
+    The worker's facts, the event's recorded outcome and the features' facts: one trip (two
+    for a shared group's: its members, then the one picked)."""
     worker_id = message.worker_id
     try:
         event = decode(message.payload)
     except EventDecodeError as exc:
         _park(rt, message.failure(exc, rt.directory.get(worker_id)))
     keys = [rt.outcomes.key(worker_id, key_of(event)), *PIPELINE.fact_keys(worker_id)]
-    meta, values = rt.directory.get_with(worker_id, *keys)
+    found, values = rt.directory.find(worker_id, *keys)
+    facts, share = dict(zip(keys, values, strict=True)), None
+    if isinstance(found, Share):
+        share = found.id
+        found, facts = _member(found, rt, {keys[0]: values[0]})
+    meta = found
     _bind_log_fields(event, meta)
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
@@ -305,10 +312,25 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         message.state,
         message.number,
         redelivered=bool((request.delivery_info or {}).get("redelivered")),
-        facts=dict(zip(keys, values, strict=True)),
+        facts=facts,
         node=request.hostname or "",
         on_overrun=_overrun(task, request) if runtime_module.POOL_CHILD else None,
+        share=share,
     )
+
+
+def _member(share: Share, rt: Runtime, facts: dict[str, Any]) -> tuple[WorkerMeta, dict[str, Any]]:
+    """The running member of ``share`` that takes this delivery, with its facts added to
+    ``facts`` (``wm.dataplane.shares``); requeued while none runs."""
+    picked = shares.pick(rt.directory, share, PIPELINE.fact_keys)
+    if picked is None:
+        raise Requeue(
+            f"no member of shared group {share.group!r} on topic {share.topic!r} runs now; "
+            "message requeued",
+            pause=True,
+        )
+    meta, more = picked
+    return meta, {**facts, **more}
 
 
 def _bind_log_fields(event: CloudEvent, meta: WorkerMeta | None) -> None:

@@ -80,7 +80,7 @@ from wm.views import (
     VersionInfo,
     WorkerInfo,
 )
-from wm.workersettings import validate_worker_settings
+from wm.workersettings import validate_worker_settings, with_group_mode
 
 logger = logging.getLogger(__name__)
 VERSION = metadata.version("workmanager")
@@ -171,7 +171,14 @@ class WorkerCreate(_Code):
     topic: str = Field(description="the topic it consumes")
     mime_type: str = Field(description="its engine: text/x-python, text/x-csharp, …")
     name: str | None = Field(None, description="unique among live workers")
-    group: str | None = Field(None, description="workers of one group take turns (fenced)")
+    group: str | None = Field(
+        None, description="workers of one group take turns (fenced), or share the events"
+    )
+    group_mode: Literal["exclusive", "shared"] | None = Field(
+        None,
+        description="exclusive (default): every member runs every event, one at a time; "
+        "shared: each event runs on one member (the worker setting group_mode)",
+    )
     settings: dict[str, Any] = Field(default_factory=dict, description="per-worker settings")
     start: bool = Field(True, description="start consuming at once")
 
@@ -191,6 +198,7 @@ class WorkerCreate(_Code):
     @model_validator(mode="after")
     def _settings(self) -> "WorkerCreate":
         try:
+            self.settings = with_group_mode(self.settings, self.group_mode)
             validate_worker_settings(self.settings, engine_class(self.mime_type).worker_settings)
         except InvalidArgument as exc:
             raise ValueError(str(exc)) from None

@@ -1,7 +1,9 @@
 """What a node needs to know about a worker to deliver to it, cached in Redis.
 
 The manager invalidates an entry after every committed change; a node that misses reads
-PostgreSQL and caches again, so a code update reaches every node on its next message.
+PostgreSQL and caches again, so a code update reaches every node on its next message. A
+shared group's deliveries carry its share's id (``wm.store.shares``): its entry lists the
+share's members, each of whose own entry says whether it runs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from wm import store
 from wm.config import Settings
 from wm.errors import VersionNotFound
 from wm.state.connection import StateRedis, redis_errors, redis_for
+from wm.store import shares
 from wm.store.models import Worker, WorkerVersion
+from wm.store.shares import Share
 from wm.workersettings import WorkerSettings
 
 _KEY = "wm:worker:"
@@ -113,6 +117,43 @@ class Directory:
                 )
             return meta, more
 
+    def find(self, target: str, *keys: str) -> tuple[WorkerMeta | Share | None, list[Any]]:
+        """:meth:`get_with` for the id a delivery carries: a worker's, or a shared group's
+        (its :class:`~wm.store.shares.Share`, read in the same MGET, cached as a worker's
+        entry is; ``keys`` carry ``target``'s hash tag)."""
+        if not target:
+            return None, [None] * len(keys)
+        cache, generation = _keys(target)
+        with redis_errors(self.settings):
+            raw, seen, shared, *more = self.redis.mget(
+                [cache, generation, _share_key(target), *keys]
+            )
+        if raw is not None:
+            return _parsed(raw), more
+        if shared is not None:
+            return Share.from_json(shared), more
+        meta, more = self.get_with(target, *keys)
+        if meta is not None:
+            return meta, more
+        return self.load_share(target, seen), more
+
+    def load_share(self, share_id: str, seen: Any = None) -> Share | None:
+        """The share from the database, cached unless a change was announced meanwhile."""
+        with store.session_scope(self.settings) as session:
+            found = shares.find(session, share_id)
+        if found is not None:
+            with redis_errors(self.settings):
+                self.redis.eval(
+                    _CACHE_IF_UNCHANGED,
+                    2,
+                    _keys(share_id)[1],
+                    _share_key(share_id),
+                    seen or b"",
+                    found.to_json(),
+                    _CACHE_TTL_S,
+                )
+        return found
+
     def load(self, worker_id: str) -> WorkerMeta | None:
         try:
             wid = uuid.UUID(worker_id)
@@ -151,7 +192,7 @@ class Directory:
             return bytes(row.code)
 
     def invalidate(self, worker_id: str | None = None) -> None:
-        """Forget one worker (after a change) or all of them (reconcile)."""
+        """Forget one worker or share (after a change) or all of them (reconcile)."""
         with redis_errors(self.settings):
             if worker_id is None:
                 for key in self.redis.scan_iter(match=_KEY + "*", count=500):
@@ -160,8 +201,13 @@ class Directory:
                 cache, generation = _keys(worker_id)
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.incr(generation)
-                pipe.delete(cache)
+                pipe.delete(cache, _share_key(worker_id))
                 pipe.execute()
+
+
+def _share_key(share_id: str) -> str:
+    """A share's entry ``wm:worker:{<share id>}:share``, beside where a worker's would be."""
+    return f"{_KEY}{{{share_id}}}:share"
 
 
 def _keys(worker_id: str) -> tuple[str, str]:

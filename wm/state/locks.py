@@ -26,7 +26,9 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
 * The written flag only tells operators that a holder is in its publishing phase.
 
 Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter) and
-``<prefix>{<group>}:wake`` (the wake-up token); the hash tag keeps them on one cluster slot,
+``<prefix>{<group>}:wake`` (the wake-up token); a lock of one item of the group (a shared
+group locks each event) has its own record and token, ``<prefix>{<group>}:item:<item>`` and
+``…:wake``, and mints from the group's counter. The hash tag keeps them on one cluster slot,
 as a Lua script touching several requires (the prefix is ``wm:lock:``; an empty group, which
 would tag nothing, is refused). On a Redis Cluster the BLPOP on the wake-up token goes to the
 node of the group's slot.
@@ -147,12 +149,15 @@ return 0
 
 @dataclass(frozen=True)
 class Lease:
-    """Proof of holding a group lock; its fence goes on every output as an attribute."""
+    """Proof of holding a group lock; its fence goes on every output as an attribute.
+    ``item``: the lock is one item's of the group (a shared group locks each event), under
+    the group's one fence counter."""
 
     group: str
     owner: str
     fence: int
     acquired_at_ms: int
+    item: str | None = None
 
 
 class Holder(TypedDict):
@@ -306,19 +311,21 @@ class GroupLocks:
         """
         return self.take_reading(group, owner, None)[0]
 
-    def take_reading(self, group: str, owner: str, key: str | None) -> tuple[Lease, Any]:
+    def take_reading(
+        self, group: str, owner: str, key: str | None, item: str | None = None
+    ) -> tuple[Lease, Any]:
         """:meth:`take`, and the value of ``key`` (None when missing) as it was once the
         lock was taken: what a previous holder wrote is seen. On one server the acquire
         script reads it, in the same round trip; on a cluster, where ``key`` may live in
-        another slot, a GET follows."""
+        another slot, a GET follows. With ``item``, the lock of that item of the group."""
         started = time.monotonic()
         inline = key if self._one_server else None
-        reply = self._attempt(group, owner, inline)
+        reply = self._attempt(group, owner, inline, item)
         if reply.status == _HELD and self.handoff_ms:
-            reply = self._wait_for_release(group, owner, self.handoff_ms, inline)
+            reply = self._wait_for_release(group, owner, self.handoff_ms, inline, item)
         if reply.status == _HELD:
-            raise _contention(group, reply, 1, time.monotonic() - started)
-        lease = _lease(group, reply)
+            raise _contention(_shown(group, item), reply, 1, time.monotonic() - started)
+        lease = _lease(group, reply, item)
         if key is None or inline is not None:
             return lease, reply.value
         with redis_errors(self._settings):
@@ -341,7 +348,7 @@ class GroupLocks:
         (:meth:`mark_write`) and None is returned."""
         if self._one_server:
             args = (lease.owner, str(lease.fence), str(self.lease_ms), "1")
-            return WriteFence(self._record_key(lease.group), args, lease)
+            return WriteFence(self._record_key(lease.group, lease.item), args, lease)
         self.mark_write(lease)
         return None
 
@@ -350,7 +357,10 @@ class GroupLocks:
         with redis_errors(self._settings):
             released = int(
                 self._release_script(
-                    keys=[self._record_key(lease.group), self._wake_key(lease.group)],
+                    keys=[
+                        self._record_key(lease.group, lease.item),
+                        self._wake_key(lease.group, lease.item),
+                    ],
                     args=[lease.owner, lease.fence, self._wake_ttl_ms()],
                 )
             )
@@ -401,10 +411,12 @@ class GroupLocks:
     def _one_server(self) -> bool:
         return not isinstance(self._redis, RedisCluster)
 
-    def _attempt(self, group: str, owner: str, read: str | None = None) -> _AcquireReply:
+    def _attempt(
+        self, group: str, owner: str, read: str | None = None, item: str | None = None
+    ) -> _AcquireReply:
         if not group or not owner:
             raise ValueError("group and owner must be non-empty")
-        keys = [self._record_key(group), self._fence_key(group)] + ([read] if read else [])
+        keys = [self._record_key(group, item), self._fence_key(group)] + ([read] if read else [])
         with redis_errors(self._settings):
             raw = self._acquire_script(keys=keys, args=[owner, self.lease_ms])
         return _AcquireReply.parse(raw)
@@ -413,27 +425,34 @@ class GroupLocks:
         """``None`` when renewed, else the (owner, fence) now in the record ('' when free)."""
         with redis_errors(self._settings):
             raw = self._renew_script(
-                keys=[self._record_key(lease.group)],
+                keys=[self._record_key(lease.group, lease.item)],
                 args=[lease.owner, lease.fence, self.lease_ms, "1" if mark_write else "0"],
             )
         if int(raw[0]) == 1:
             return None
         return text(raw[1]), text(raw[2])
 
-    def _record_key(self, group: str) -> str:
-        return f"{self._prefix}{{{group}}}"
+    def _record_key(self, group: str, item: str | None = None) -> str:
+        if item is None:
+            return f"{self._prefix}{{{group}}}"
+        return f"{self._prefix}{{{group}}}:item:{item}"
 
     def _fence_key(self, group: str) -> str:
         return f"{self._prefix}{{{group}}}:fence"
 
-    def _wake_key(self, group: str) -> str:
-        return f"{self._prefix}{{{group}}}:wake"
+    def _wake_key(self, group: str, item: str | None = None) -> str:
+        return f"{self._record_key(group, item)}:wake"
 
     def _wake_ttl_ms(self) -> int:
         return max(_MIN_WAKE_TTL_MS, self._settings.group_lock_retry_base_delay_ms * 4)
 
     def _wait_for_release(
-        self, group: str, owner: str, delay_ms: int, read: str | None = None
+        self,
+        group: str,
+        owner: str,
+        delay_ms: int,
+        read: str | None = None,
+        item: str | None = None,
     ) -> _AcquireReply:
         """Wait up to ``delay_ms`` for the lock, trying again whenever a release leaves a
         wake-up token (BLPOP): the lock is handed on without idle time."""
@@ -441,13 +460,13 @@ class GroupLocks:
         while True:
             remaining = deadline - time.monotonic()
             if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever
-                return self._attempt(group, owner, read)
+                return self._attempt(group, owner, read, item)
             with redis_errors(self._settings):
-                woken = self._redis.blpop([self._wake_key(group)], timeout=remaining)
+                woken = self._redis.blpop([self._wake_key(group, item)], timeout=remaining)
             if woken is None:
                 _sleep_ms(int(max(0.0, deadline - time.monotonic()) * 1000))
-                return self._attempt(group, owner, read)
-            reply = self._attempt(group, owner, read)
+                return self._attempt(group, owner, read, item)
+            reply = self._attempt(group, owner, read, item)
             if reply.status != _HELD:
                 return reply
 
@@ -592,10 +611,19 @@ def _forget_renewer() -> None:
 os.register_at_fork(after_in_child=_forget_renewer)
 
 
-def _lease(group: str, reply: _AcquireReply) -> Lease:
+def _lease(group: str, reply: _AcquireReply, item: str | None = None) -> Lease:
     return Lease(
-        group=group, owner=reply.owner, fence=reply.fence, acquired_at_ms=reply.acquired_at_ms
+        group=group,
+        owner=reply.owner,
+        fence=reply.fence,
+        acquired_at_ms=reply.acquired_at_ms,
+        item=item,
     )
+
+
+def _shown(group: str, item: str | None) -> str:
+    """How a lock is named in messages: the group, and its item if any."""
+    return group if item is None else f"{group}, item {item}"
 
 
 def _contention(

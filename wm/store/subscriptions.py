@@ -4,12 +4,10 @@ subscription comes and goes with the worker (``wm.store.workers``)."""
 
 from __future__ import annotations
 
-import uuid
-
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from wm.store.models import Subscription
+from wm.store.models import Subscription, Worker
 
 
 def add_plain(session: Session, topic: str, queue: str) -> None:
@@ -27,10 +25,14 @@ def remove_plain(session: Session, queue: str) -> bool:
     return bool(getattr(result, "rowcount", 0))
 
 
-def listed(session: Session, topic: str | None) -> list[tuple[str, str, uuid.UUID | None]]:
-    """Topic, queue and worker id (None for a plain one) of every subscription (of
-    ``topic``), by topic and queue."""
-    query = select(Subscription).order_by(Subscription.topic, Subscription.queue)
+def listed(session: Session, topic: str | None) -> list[tuple[Subscription, Worker | None]]:
+    """Every subscription (of ``topic``) with its worker (None for a plain one), by topic
+    and queue."""
+    query = (
+        select(Subscription, Worker)
+        .outerjoin(Worker, Worker.id == Subscription.worker_id)
+        .order_by(Subscription.topic, Subscription.queue)
+    )
     if topic is not None:
         query = query.where(Subscription.topic == topic)
-    return [(s.topic, s.queue, s.worker_id) for s in session.scalars(query).all()]
+    return [(sub, worker) for sub, worker in session.execute(query).all()]

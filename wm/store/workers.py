@@ -184,12 +184,19 @@ class LiveRow(NamedTuple):
     status: str
     settings: dict[str, Any] | None
     status_since: datetime | None
+    group: str | None
 
 
 def live(session: Session) -> list[LiveRow]:
     """What the status views need of every live worker, oldest first."""
     query = select(
-        Worker.id, Worker.name, Worker.topic, Worker.status, Worker.settings, Worker.status_since
+        Worker.id,
+        Worker.name,
+        Worker.topic,
+        Worker.status,
+        Worker.settings,
+        Worker.status_since,
+        Worker.group,
     )
     rows = session.execute(query.where(LIVE).order_by(Worker.created_at, Worker.id)).all()
     return [LiveRow(*row) for row in rows]

@@ -20,11 +20,11 @@ class CrashCount(Feature):
         if not delivery.redelivered:
             yield
             return
-        ledger, worker_id = delivery.rt.ledger, delivery.meta.id
-        runs = ledger.begin_run(worker_id, delivery.key)
+        ledger, owner = delivery.rt.ledger, delivery.owner  # the share's, if it came through one
+        runs = ledger.begin_run(owner, delivery.key)
         if runs > delivery.max_retries:
             raise WorkerCrashed(
-                f"the process running worker {worker_id} on event {delivery.event.get_id()} "
+                f"the process running worker {delivery.meta.id} on event {delivery.event.get_id()} "
                 f"died {runs} times before finishing it; the event is parked instead of run "
                 "again (code that crashes its process, such as in-process native code, "
                 "is contained by isolation 'subprocess')"
@@ -32,5 +32,5 @@ class CrashCount(Feature):
         try:
             yield
         except BaseException:  # the run ended, if not well: it did not take the process down
-            ledger.end_run(worker_id, delivery.key)
+            ledger.end_run(owner, delivery.key)
             raise

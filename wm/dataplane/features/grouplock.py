@@ -1,6 +1,9 @@
-"""Groups: members of a group never run at the same time anywhere (DESIGN.md §6).
+"""Groups (DESIGN.md §6): in an ``exclusive`` group (the default) members never run at the
+same time anywhere; in a ``shared`` one each event runs on one member (``wm.store.shares``
+routes it), members in parallel, and the lock is the event's own within the group, so two
+copies of one event never run at once.
 
-The call runs under the group's fenced lock, its lease renewed by a heartbeat meanwhile. The
+The call runs under the fenced lock, its lease renewed by a heartbeat meanwhile. The
 lock may come from a holder that died after recording its outcome, or this event may have
 been processed by another copy while this one waited: the outcome is read as the lock is
 taken (one round trip on one Redis server) and a recorded one is republished, never run
@@ -23,6 +26,8 @@ from wm.state.connection import redis_errors
 
 
 class GroupLock(Feature):
+    owns = ("group_mode",)
+
     @contextmanager
     def around_call(self, delivery: Delivery, engine: Engine) -> Iterator[None]:
         group = delivery.meta.group
@@ -30,9 +35,12 @@ class GroupLock(Feature):
             yield
             return
         locks = delivery.rt.locks
+        item = None if delivery.share is None else f"{delivery.share}:{delivery.key}"
         waited = time.monotonic()
         with tracing.step("lock wait"):
-            delivery.lease, raw = locks.take_reading(group, delivery.holder, delivery.outcome_key)
+            delivery.lease, raw = locks.take_reading(
+                group, delivery.holder, delivery.outcome_key, item
+            )
         notify("lock_wait", delivery.meta, time.monotonic() - waited)
         try:
             with locks.keep_alive(delivery.lease, delivery.hold_limit_s):
