@@ -22,7 +22,7 @@ from wm.dataplane.observe import notify
 from wm.dataplane.runtime import Runtime
 from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.engine import Engine, Outputs
-from wm.errors import InvalidArgument, OutputRefused, WorkerExecutionError
+from wm.errors import IdempotencyKeyMissing, InvalidArgument, OutputRefused, WorkerExecutionError
 from wm.events import (
     LIFECYCLE_TOPIC,
     CloudEvent,
@@ -31,6 +31,7 @@ from wm.events import (
     lifecycle_event,
     with_attributes,
 )
+from wm.idempotency import operation_key
 from wm.lifecycle import Status
 from wm.names import check_name, reserved_topic
 from wm.state.connection import StatePipeline
@@ -98,8 +99,27 @@ class Delivery:
         return self.state.pin_version or self.meta.version
 
     @functools.cached_property
+    def operation(self) -> str:
+        """What the outcome is recorded under: the event's key, or the business key the
+        worker declares (``wm.idempotency``; ``IdempotencyKeyMissing`` when it lacks it)."""
+        declared = self.worker_settings.idempotency_key
+        return operation_key(declared, self.event, self.meta.id, self.key)
+
+    @functools.cached_property
     def outcome_key(self) -> str:
-        return self.rt.outcomes.key(self.meta.id, self.key)
+        return self.rt.outcomes.key(self.meta.id, self.operation)
+
+    def outcome_key_or_none(self) -> str | None:
+        """:attr:`outcome_key`, or None when the event lacks its business key."""
+        try:
+            return self.outcome_key
+        except IdempotencyKeyMissing:
+            return None
+
+    def forget_recorded(self) -> None:
+        """Read the outcome afresh when asked, not from the first round trip's facts."""
+        key = self.outcome_key_or_none()
+        self.facts = {k: v for k, v in self.facts.items() if k != key}
 
     @property
     def timeout_s(self) -> float:
@@ -136,7 +156,7 @@ class Delivery:
         """The event's outcome recorded by an earlier run (read in the first round trip)."""
         if self.outcome_key in self.facts:
             return self.rt.outcomes.parse(self.facts[self.outcome_key])
-        return self.rt.outcomes.get(self.meta.id, self.key)
+        return self.rt.outcomes.get(self.meta.id, self.operation)
 
     def republish(self, recorded: list[CloudEvent]) -> None:
         """Publish a recorded outcome again instead of running the code again."""
@@ -178,7 +198,7 @@ class Delivery:
             recording(pipe)
 
         recorded, found = self.rt.outcomes.record(
-            self.meta.id, self.key, outputs, self.settlement(), also, fence
+            self.meta.id, self.operation, outputs, self.settlement(), also, fence
         )
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
