@@ -178,7 +178,7 @@ class BatchPipeline(Pipeline):
 
     def _watched(
         self, live: list[_Run], engine: Engine, started: float
-    ) -> AbstractContextManager[None]:
+    ) -> AbstractContextManager[object]:
         """A call the engine cannot stop is watched (``Delivery.watched``), its limit the
         events' limits together; past it, a pool process ends unsettled: every message of
         the batch comes back (each then runs alone, as a redelivery)."""

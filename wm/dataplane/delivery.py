@@ -20,9 +20,15 @@ from wm.dataplane.deadletters import Failure
 from wm.dataplane.message import DeliveryState
 from wm.dataplane.observe import notify
 from wm.dataplane.runtime import Runtime
-from wm.dataplane.watchdog import OVERRUN_GRACE_S
+from wm.dataplane.watchdog import OVERRUN_GRACE_S, Watch
 from wm.engine import Engine, Outputs
-from wm.errors import IdempotencyKeyMissing, InvalidArgument, OutputRefused, WorkerExecutionError
+from wm.errors import (
+    IdempotencyKeyMissing,
+    InvalidArgument,
+    OutputRefused,
+    WorkerExecutionError,
+    WorkerTimeout,
+)
 from wm.events import (
     LIFECYCLE_TOPIC,
     CloudEvent,
@@ -85,6 +91,8 @@ class Delivery:
     #: cannot be stopped; the process ends after (``wm.dataplane.watchdog``). None: the
     #: process cannot be ended apart from the node, the overrun is only logged.
     on_overrun: Callable[[Delivery], None] | None = None
+    #: The watchdog's watch of the engine call (None: not watched, the engine stops calls).
+    watch: Watch | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -228,15 +236,38 @@ class Delivery:
         finally:
             notify("engine", self.meta, time.monotonic() - started)
 
-    def watched(self, engine: Engine, started: float) -> AbstractContextManager[None]:
-        """A call the engine cannot stop is watched: past its limit and a grace, the watchdog
-        takes it over (``on_overrun``) and ends the process."""
+    def watched(self, engine: Engine, started: float) -> AbstractContextManager[object]:
+        """A call the engine cannot stop is watched: at its limit the watchdog reports it
+        (:meth:`tell_limit`) while it runs on; past a grace it takes the call over
+        (``on_overrun``) and ends the process."""
         if engine.stops_calls():
             return contextlib.nullcontext()
-        deadline = started + self.timeout_s + OVERRUN_GRACE_S
+        limit = started + self.timeout_s
         what = f"the call of worker {self.meta.id} on event {self.event.get_id()}"
         overrun = None if self.on_overrun is None else functools.partial(self.on_overrun, self)
-        return self.rt.watchdog.watch(deadline, what, overrun)
+        self.watch = self.rt.watchdog.watch(
+            limit + OVERRUN_GRACE_S, what, overrun, limit=limit, on_limit=self.tell_limit
+        )
+        return self.watch
+
+    @property
+    def limit_told(self) -> bool:
+        """The watchdog reported this attempt's call past its limit (``worker.error``)."""
+        return self.watch is not None and self.watch.told
+
+    def tell_limit(self) -> None:
+        """``worker.error`` for a call still running past its limit, from the watchdog's
+        thread, while it runs on (seed 001's unmanaged timeout)."""
+        ends = (
+            f"its process is replaced if it still runs {OVERRUN_GRACE_S:g} s later"
+            if self.on_overrun is not None
+            else "it runs on until it returns, its answer then dropped"
+        )
+        self.emit_error(
+            WorkerTimeout.__name__,
+            f"worker {self.meta.id} did not return within {self.timeout_s:g} s and its call "
+            f"cannot be stopped in this process: {ends}",
+        )
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the
