@@ -220,7 +220,7 @@ class Delivery:
         if outputs and sent is not None:  # publish → output, on the publisher's clock
             notify("latency", self.meta, max(0.0, time.time() - sent.timestamp()))
         if isinstance(produced, Outputs) and produced.worker_error is not None:
-            self.emit_error("WorkerAnswer", produced.worker_error)
+            self.emit_error(produced.error_type, produced.worker_error)
         if isinstance(produced, Outputs) and produced.done is not None:
             reason = f"finished: its code said it is done ({produced.done})"
             wid = uuid.UUID(self.meta.id)
