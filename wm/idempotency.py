@@ -85,11 +85,6 @@ def key_source(text: str) -> KeySource:
     return KeySource(text, path=tuple(path))
 
 
-def check_key_source(text: str) -> None:
-    """The setting's rule: ``text`` parses (see :func:`key_source`)."""
-    key_source(text)
-
-
 def operation_key(declared: str | None, event: CloudEvent, worker_id: str, event_key: str) -> str:
     """What the worker's outcome of ``event`` is keyed on: ``event_key`` (the event's
     identity) without a declared key, else seed 002's digest with the business key."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from wm.config import Settings
 from wm.errors import InvalidArgument
-from wm.idempotency import check_key_source
+from wm.idempotency import key_source
 from wm.names import check_name
 
 
@@ -33,7 +33,7 @@ class SettingRule:
     types: tuple[type, ...] = (int,)
     text: bool = False
     choices: tuple[str, ...] | None = None
-    valid: Callable[[str], None] | None = None
+    valid: Callable[[str], object] | None = None
 
     def check(self, key: str, value: Any) -> Any:
         if self.text:
@@ -109,7 +109,7 @@ class WorkerSettings:
     #: where the business key of its events is, an attribute name or a path into the data
     #: (``wm.idempotency``): the outcome is recorded under it, so one business operation
     #: sent again under a new event id runs once (None: the event's identity)
-    idempotency_key: str | None = _setting(None, SettingRule(text=True, valid=check_key_source))
+    idempotency_key: str | None = _setting(None, SettingRule(text=True, valid=key_source))
     #: the only topics the outputs may go to (None: any topic that is not reserved)
     output_topics: tuple[str, ...] | None = _setting(None, None)
     #: the engine's own settings (its ``worker_settings`` rules), read by the engine
