@@ -261,7 +261,13 @@ class Node:
     """A real ``celery worker`` process."""
 
     def __init__(
-        self, settings: Settings, name: str, log: Path, concurrency: int = 2, **env: str
+        self,
+        settings: Settings,
+        name: str,
+        log: Path,
+        concurrency: int = 2,
+        pool: str = "prefork",
+        **env: str,
     ) -> None:
         self.settings, self.name, self.log = settings, name, log
         cmd = [
@@ -275,6 +281,8 @@ class Node:
             f"{name}@%h",
             "-c",
             str(concurrency),
+            "-P",
+            pool,
             "--loglevel=INFO",
             "--without-gossip",
             "--without-mingle",

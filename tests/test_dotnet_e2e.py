@@ -186,10 +186,12 @@ def test_the_command_worker_as_source_and_as_nupkg_answers_every_command(
         ("corr-fail", "Internal error: asked to fail"): 2,
     }
     reported = [e["data"] for e in worker_errors(fast, lifecycle, 8)]
-    assert {e["error_type"] for e in reported} == {"WorkerAnswer"}
     failed = [e for e in reported if e["event_id"] == fail.get_id()]
     assert {e["worker_id"] for e in failed} == workers and len(failed) == 2
     assert {e["error_message"] for e in failed} == {"Internal error: asked to fail"}
+    # the handler's exception by its .NET type (issue 27); the base's refusals as answers
+    assert {e["error_type"] for e in failed} == {"System.InvalidOperationException"}
+    assert {e["error_type"] for e in reported if e not in failed} == {"WorkerAnswer"}
     assert queue_empty(fast, done) and queue_empty(fast, errors)
     assert DeadLetters(fast).list() == []
 

@@ -25,7 +25,7 @@ from tests.conftest import ROOT
 from tests.dotnet.harness import EXAMPLES, worker
 from tests.helpers import http_server
 from wm import Settings
-from wm.engine import Outputs, WorkerSpec
+from wm.engine import WORKER_ANSWER, Outputs, WorkerSpec
 from wm.errors import (
     EngineUnavailable,
     EventDecodeError,
@@ -106,6 +106,9 @@ def test_command_worker_dispatches_and_answers_the_seed_messages(engine_for: Any
         [error] = answer
         assert error.get_type() == "orders.done.error"
         assert error.get_data() == {"error": message}
+        # a throwing handler is reported as its exception (issue 27), a refusal as an answer
+        thrown = "System.InvalidOperationException" if "asked to fail" in message else None
+        assert answer.error_type == (thrown or WORKER_ANSWER)
 
 
 def test_data_kinds_and_attributes_reach_the_worker_and_come_back(engine_for: Any) -> None:
@@ -406,6 +409,8 @@ def test_isolated_workers_relay_exceptions_and_command_answers(engine_for: Any) 
     engine = engine_for(COMMAND_SOURCE, worker("w-iso-cmd", isolation="subprocess"))
     assert engine.process(command("upper", text="a"), 10)[0].get_data() == {"text": "A"}
     assert engine.process(command("nope"), 10).worker_error == "Unknown command: nope"
+    failed = engine.process(command("fail"), 10)
+    assert isinstance(failed, Outputs) and failed.error_type == "System.InvalidOperationException"
     thrower = engine_for(THROWS, worker("w-iso-boom", isolation="subprocess"))
     with pytest.raises(WorkerExecutionError) as caught:
         thrower.process(make_event("t", "/t", {}, subject="x"), 10)

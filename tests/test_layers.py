@@ -20,6 +20,7 @@ FLOORS = {
     "wm.lifecycle": 1,
     "wm.views": 1,
     "wm.workersettings": 1,
+    "wm.idempotency": 1,
     "wm.names": 1,
     "wm.schedules": 1,
     "wm.engine": 2,

@@ -68,8 +68,8 @@ def test_each_feature_owns_fields_that_exist_and_no_field_has_two_owners() -> No
     assert sorted(set(owned) - set(FIELDS)) == []
     assert len(owned) == len(set(owned))
     # the rest belong to the control plane or the core: the engine's own, the allow-list,
-    # the batch size (the task's boundary, wm.dataplane.batchtask)
-    assert set(FIELDS) - set(owned) == {"engine", "output_topics", "batch_size"}
+    # the batch size (the task's boundary, wm.dataplane.batchtask), the business key (the core)
+    assert set(FIELDS) - set(owned) == {"engine", "output_topics", "batch_size", "idempotency_key"}
     assert set(CORE_RULES) == set(FIELDS) - {"engine", "output_topics"}
 
 

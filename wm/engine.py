@@ -35,11 +35,17 @@ class WorkerSpec:
     settings: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: The ``error_type`` of an error a worker answered with (its error response) rather than raised.
+WORKER_ANSWER = "WorkerAnswer"
+
+
 class Outputs(list[CloudEvent]):
     """What ``process`` may return instead of a plain list: the events to publish, and in
     ``worker_error`` the error the worker answered with (its error response is among the
     events). Such an answer is no failed delivery: it is recorded and published like any
-    outcome, never retried, and the delivery reports it as a ``worker.error`` lifecycle event.
+    outcome, never retried, and the delivery reports it as a ``worker.error`` lifecycle event
+    of ``error_type``: :data:`WORKER_ANSWER`, or the type of the exception the worker's base
+    class answered for its code (a .NET ``CommandWorker`` handler's).
     ``done``: the worker's code declared it has done its work (for this reason); once the
     outputs are published the worker is ``finished``.
     """
@@ -49,10 +55,12 @@ class Outputs(list[CloudEvent]):
         events: Iterable[CloudEvent] = (),
         worker_error: str | None = None,
         done: str | None = None,
+        error_type: str = WORKER_ANSWER,
     ):
         super().__init__(events)
         self.worker_error = worker_error
         self.done = done
+        self.error_type = error_type
 
 
 class Engine:

@@ -292,6 +292,13 @@ class HopLimitExceeded(DeliveryFailed):
     retryable = False
 
 
+class IdempotencyKeyMissing(DeliveryFailed):
+    """Raised when an event lacks the business key its worker declares (``idempotency_key``):
+    it is parked at once, never run, since running it could repeat a business operation."""
+
+    retryable = False
+
+
 class MalformedMessage(DeliveryFailed):
     """Raised for a message on a WorkManager queue that is no delivery at all (raw bytes, a
     content type the nodes refuse, an unknown task): it is parked with its bytes."""

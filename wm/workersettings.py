@@ -13,24 +13,27 @@ are None here and resolved against :class:`wm.config.Settings` by the ``*_on`` m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from wm.config import Settings
 from wm.errors import InvalidArgument
+from wm.idempotency import key_source
 from wm.names import check_name
 
 
 @dataclass(frozen=True)
 class SettingRule:
     """What one per-worker setting may hold: a non-negative number of ``types``, or with
-    ``text``, a non-empty string (one of ``choices`` when given)."""
+    ``text``, a non-empty string (one of ``choices`` when given, and one ``valid`` accepts:
+    it raises :class:`InvalidArgument` naming what is wrong)."""
 
     types: tuple[type, ...] = (int,)
     text: bool = False
     choices: tuple[str, ...] | None = None
+    valid: Callable[[str], object] | None = None
 
     def check(self, key: str, value: Any) -> Any:
         if self.text:
@@ -39,6 +42,8 @@ class SettingRule:
             if self.choices is not None and value not in self.choices:
                 choices = ", ".join(self.choices)
                 raise InvalidArgument(f"worker setting {key!r} must be one of {choices}")
+            if self.valid is not None:
+                self.valid(value)
             return value
         if isinstance(value, bool) or not isinstance(value, self.types) or value < 0:  # type: ignore[operator]
             raise InvalidArgument(f"worker setting {key!r} must be a non-negative number")
@@ -107,6 +112,10 @@ class WorkerSettings:
     #: time; "shared": each event runs on one member, members in parallel. Every member of
     #: a group gives the same; it needs a group
     group_mode: str = _setting(GROUP_MODES[0], SettingRule(text=True, choices=GROUP_MODES))
+    #: where the business key of its events is, an attribute name or a path into the data
+    #: (``wm.idempotency``): the outcome is recorded under it, so one business operation
+    #: sent again under a new event id runs once (None: the event's identity)
+    idempotency_key: str | None = _setting(None, SettingRule(text=True, valid=key_source))
     #: the only topics the outputs may go to (None: any topic that is not reserved)
     output_topics: tuple[str, ...] | None = _setting(None, None)
     #: the engine's own settings (its ``worker_settings`` rules), read by the engine

@@ -33,7 +33,7 @@ from engines.dotnet.wire import (
 from engines.isolation.host import Callbacks, HelperProcess
 from wm.config import Settings
 from wm.devkit.gateway import GatewayCaller
-from wm.engine import Engine, Outputs, WorkerSpec
+from wm.engine import WORKER_ANSWER, Engine, Outputs, WorkerSpec
 from wm.errors import (
     EngineUnavailable,
     GatewayError,
@@ -396,7 +396,8 @@ class DotNetEngine(Engine):
         if decoded.event is None:
             return []
         if decoded.answered_error is not None:
-            return Outputs([decoded.event], decoded.answered_error)
+            error_type = decoded.answered_error_type or WORKER_ANSWER
+            return Outputs([decoded.event], decoded.answered_error, error_type=error_type)
         return [decoded.event]
 
     def probe(self, timeout_s: float) -> bool | None:

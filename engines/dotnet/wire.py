@@ -8,8 +8,10 @@ string. Data kinds: ``j`` JSON text, ``t`` text, ``b`` base64 bytes, ``n`` none.
 
 Answer: ``none`` (no output), ``error\\0<.NET exception type>\\0<message>``,
 ``pending\\0<call>`` (an unfinished task), or ``ok`` then ``id, source, type, subject,
-datacontenttype, time, data kind, answered-error flag, answered-error message, extension
-count``, the extension names and values, and the data last (it may hold NUL).
+datacontenttype, time, data kind, answered-error flag (empty: none; ``1``: an error the
+worker answered with; else the .NET type of the exception a ``CommandWorker`` answered),
+answered-error message, extension count``, the extension names and values, and the data last
+(it may hold NUL).
 
 A health probe (``Host.Probe``) answers ``noprobe`` (the worker has none), ``healthy``,
 ``unhealthy``, ``error…`` or ``pending…`` as above.
@@ -97,6 +99,8 @@ class Answer:
 
     event: CloudEvent | None
     answered_error: str | None = None
+    #: The .NET type of the exception answered with ``answered_error`` (None: the worker's own).
+    answered_error_type: str | None = None
 
 
 class WorkerFailed(Exception):
@@ -178,7 +182,7 @@ def decode_answer(answer: str) -> Answer:
     else:
         attributes.update(extensions)
         event = _CheckedCloudEvent(attributes, data)
-    return Answer(event, error if flag else None)
+    return Answer(event, error if flag else None, flag if flag not in ("", "1") else None)
 
 
 #: Extension names already seen to be plain: lower-case letters and digits, no attribute

@@ -17,8 +17,9 @@ Operator notes:
   the library (segfault, illegal instruction, stack overflow) ends the Celery process that
   runs it (the broker delivers the message again; such redeliveries are counted and an
   event that keeps crashing is parked as WorkerCrashed), and a call past its time limit
-  cannot be stopped (its answer is dropped as a timeout when it returns; until then it
-  keeps its process). ``isolation: subprocess``
+  cannot be stopped (the node's watchdog publishes its ``worker.error`` at the limit; its
+  answer is dropped as a timeout when it returns; until then it keeps its process).
+  ``isolation: subprocess``
   (worker setting, or the manifest) runs the library in a helper process: a crash or a hang
   costs a failed delivery (retried, then dead-lettered), the helper is killed at the time
   limit and started again.

@@ -59,17 +59,22 @@ class BatchPipeline(Pipeline):
     def run_batch(self, deliveries: Sequence[Delivery]) -> list[Verdict]:
         """Each delivery's verdict, in order (dead letters stored, features told)."""
         verdicts: dict[int, Verdict] = {}
-        for wave in self.waves(deliveries):
+        for rank, wave in enumerate(self.waves(deliveries)):
+            for delivery in wave if rank else ():  # an earlier call may have recorded it
+                delivery.forget_recorded()
             for run in self._wave(wave):
                 verdicts[id(run.delivery)] = run.verdict
         return [verdicts[id(d)] for d in deliveries]
 
     def waves(self, deliveries: Sequence[Delivery]) -> list[list[Delivery]]:
-        """The calls, in order: the n-th delivery of a key goes to the n-th call."""
+        """The calls, in order: the n-th delivery of a key goes to the n-th call. Each
+        delivery's outcome key is one of its keys: a repeated operation (one event twice, or
+        one business key) runs after the first recorded its outcome, and republishes it."""
         waves: list[list[Delivery]] = []
         seen: dict[str, int] = {}
         for delivery in deliveries:
             keys = [k for f in self._keyed if (k := f.batch_key(delivery)) is not None]
+            keys += [k for k in (delivery.outcome_key_or_none(),) if k is not None]
             rank = max((seen.get(k, 0) for k in keys), default=0)
             seen.update((k, rank + 1) for k in keys)
             if rank == len(waves):
@@ -173,7 +178,7 @@ class BatchPipeline(Pipeline):
 
     def _watched(
         self, live: list[_Run], engine: Engine, started: float
-    ) -> AbstractContextManager[None]:
+    ) -> AbstractContextManager[object]:
         """A call the engine cannot stop is watched (``Delivery.watched``), its limit the
         events' limits together; past it, a pool process ends unsettled: every message of
         the batch comes back (each then runs alone, as a redelivery)."""
@@ -227,7 +232,9 @@ class BatchPipeline(Pipeline):
             return None
         at = len(pipe)
         meta = delivery.meta
-        rt.outcomes.queue_record(pipe, meta.id, delivery.key, body, delivery.settlement(), fence)
+        rt.outcomes.queue_record(
+            pipe, meta.id, delivery.operation, body, delivery.settlement(), fence
+        )
         rt.outputs.lookups(outputs)(pipe)
         self._recorders(delivery)(pipe)
         return run, outputs, fence, at

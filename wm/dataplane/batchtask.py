@@ -20,6 +20,7 @@ message is still one fetch from the broker and needs a prefetch as large as the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,8 +36,9 @@ from wm.dataplane.pipeline import Feature
 from wm.dataplane.queues import DELIVER_TASK
 from wm.dataplane.runtime import Runtime, runtime
 from wm.dataplane.verdicts import Done, Requeue, Verdict
-from wm.errors import DeadLettered, EventDecodeError, WorkerNotFound
+from wm.errors import DeadLettered, EventDecodeError, IdempotencyKeyMissing, WorkerNotFound
 from wm.events import decode, key_of
+from wm.idempotency import operation_key
 from wm.lifecycle import Status
 from wm.state.directory import WorkerMeta
 
@@ -155,7 +157,7 @@ class Batcher:
         """The followers to run with the leader, and those to run alone after; the others
         are settled now (parked, requeued, or left to the node's consumer)."""
         ours = [f for f in followers if self._readable(task, rt, broker, f)]
-        keys = [rt.outcomes.key(leader.meta.id, _key(f)) for f in ours]
+        keys = [_outcome_key(rt, leader.meta, f) for f in ours]
         fact_keys = self.pipeline.fact_keys(leader.meta.id)
         meta, values = rt.directory.get_with(leader.meta.id, *keys, *fact_keys)
         facts = dict(zip(fact_keys, values[len(keys) :], strict=True))
@@ -273,8 +275,14 @@ def _rt_of(task: Task) -> Runtime:
     return runtime(task)
 
 
-def _key(follower: _Follower) -> str:
-    return key_of(follower.message.event)
+def _outcome_key(rt: Runtime, meta: WorkerMeta, follower: _Follower) -> str:
+    """The outcome key a follower's delivery reads, under the worker's settings as the
+    leader read them; the event key when it lacks its business key (its run parks it)."""
+    event = follower.message.event
+    key = key_of(event)
+    with contextlib.suppress(IdempotencyKeyMissing):
+        key = operation_key(meta.worker_settings.idempotency_key, event, meta.id, key)
+    return rt.outcomes.key(meta.id, key)
 
 
 def _worker_of(request: Any) -> str | None:

@@ -20,9 +20,15 @@ from wm.dataplane.deadletters import Failure
 from wm.dataplane.message import DeliveryState
 from wm.dataplane.observe import notify
 from wm.dataplane.runtime import Runtime
-from wm.dataplane.watchdog import OVERRUN_GRACE_S
+from wm.dataplane.watchdog import OVERRUN_GRACE_S, Watch
 from wm.engine import Engine, Outputs
-from wm.errors import InvalidArgument, OutputRefused, WorkerExecutionError
+from wm.errors import (
+    IdempotencyKeyMissing,
+    InvalidArgument,
+    OutputRefused,
+    WorkerExecutionError,
+    WorkerTimeout,
+)
 from wm.events import (
     LIFECYCLE_TOPIC,
     CloudEvent,
@@ -31,6 +37,7 @@ from wm.events import (
     lifecycle_event,
     with_attributes,
 )
+from wm.idempotency import operation_key
 from wm.lifecycle import Status
 from wm.names import check_name, reserved_topic
 from wm.state.connection import StatePipeline
@@ -88,6 +95,8 @@ class Delivery:
     #: cannot be stopped; the process ends after (``wm.dataplane.watchdog``). None: the
     #: process cannot be ended apart from the node, the overrun is only logged.
     on_overrun: Callable[[Delivery], None] | None = None
+    #: The watchdog's watch of the engine call (None: not watched, the engine stops calls).
+    watch: Watch | None = None
 
     @functools.cached_property
     def key(self) -> str:
@@ -107,8 +116,27 @@ class Delivery:
         return self.share or self.meta.id
 
     @functools.cached_property
+    def operation(self) -> str:
+        """What the outcome is recorded under: the event's key, or the business key the
+        worker declares (``wm.idempotency``; ``IdempotencyKeyMissing`` when it lacks it)."""
+        declared = self.worker_settings.idempotency_key
+        return operation_key(declared, self.event, self.owner, self.key)
+
+    @functools.cached_property
     def outcome_key(self) -> str:
-        return self.rt.outcomes.key(self.owner, self.key)
+        return self.rt.outcomes.key(self.owner, self.operation)
+
+    def outcome_key_or_none(self) -> str | None:
+        """:attr:`outcome_key`, or None when the event lacks its business key."""
+        try:
+            return self.outcome_key
+        except IdempotencyKeyMissing:
+            return None
+
+    def forget_recorded(self) -> None:
+        """Read the outcome afresh when asked, not from the first round trip's facts."""
+        key = self.outcome_key_or_none()
+        self.facts = {k: v for k, v in self.facts.items() if k != key}
 
     @property
     def timeout_s(self) -> float:
@@ -145,7 +173,7 @@ class Delivery:
         """The event's outcome recorded by an earlier run (read in the first round trip)."""
         if self.outcome_key in self.facts:
             return self.rt.outcomes.parse(self.facts[self.outcome_key])
-        return self.rt.outcomes.get(self.owner, self.key)
+        return self.rt.outcomes.get(self.owner, self.operation)
 
     def republish(self, recorded: list[CloudEvent]) -> None:
         """Publish a recorded outcome again instead of running the code again."""
@@ -187,7 +215,7 @@ class Delivery:
             recording(pipe)
 
         recorded, found = self.rt.outcomes.record(
-            self.owner, self.key, outputs, self.settlement(), also, fence
+            self.owner, self.operation, outputs, self.settlement(), also, fence
         )
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
@@ -201,7 +229,7 @@ class Delivery:
         if outputs and sent is not None:  # publish → output, on the publisher's clock
             notify("latency", self.meta, max(0.0, time.time() - sent.timestamp()))
         if isinstance(produced, Outputs) and produced.worker_error is not None:
-            self.emit_error("WorkerAnswer", produced.worker_error)
+            self.emit_error(produced.error_type, produced.worker_error)
         if isinstance(produced, Outputs) and produced.done is not None:
             reason = f"finished: its code said it is done ({produced.done})"
             wid = uuid.UUID(self.meta.id)
@@ -217,15 +245,38 @@ class Delivery:
         finally:
             notify("engine", self.meta, time.monotonic() - started)
 
-    def watched(self, engine: Engine, started: float) -> AbstractContextManager[None]:
-        """A call the engine cannot stop is watched: past its limit and a grace, the watchdog
-        takes it over (``on_overrun``) and ends the process."""
+    def watched(self, engine: Engine, started: float) -> AbstractContextManager[object]:
+        """A call the engine cannot stop is watched: at its limit the watchdog reports it
+        (:meth:`tell_limit`) while it runs on; past a grace it takes the call over
+        (``on_overrun``) and ends the process."""
         if engine.stops_calls():
             return contextlib.nullcontext()
-        deadline = started + self.timeout_s + OVERRUN_GRACE_S
+        limit = started + self.timeout_s
         what = f"the call of worker {self.meta.id} on event {self.event.get_id()}"
         overrun = None if self.on_overrun is None else functools.partial(self.on_overrun, self)
-        return self.rt.watchdog.watch(deadline, what, overrun)
+        self.watch = self.rt.watchdog.watch(
+            limit + OVERRUN_GRACE_S, what, overrun, limit=limit, on_limit=self.tell_limit
+        )
+        return self.watch
+
+    @property
+    def limit_told(self) -> bool:
+        """The watchdog reported this attempt's call past its limit (``worker.error``)."""
+        return self.watch is not None and self.watch.told
+
+    def tell_limit(self) -> None:
+        """``worker.error`` for a call still running past its limit, from the watchdog's
+        thread, while it runs on (seed 001's unmanaged timeout)."""
+        ends = (
+            f"its process is replaced if it still runs {OVERRUN_GRACE_S:g} s later"
+            if self.on_overrun is not None
+            else "it runs on until it returns, its answer then dropped"
+        )
+        self.emit_error(
+            WorkerTimeout.__name__,
+            f"worker {self.meta.id} did not return within {self.timeout_s:g} s and its call "
+            f"cannot be stopped in this process: {ends}",
+        )
 
     def stamp(self, outputs: list[CloudEvent]) -> list[CloudEvent]:
         """Deterministic ids, propagated trace/correlation attributes, the hop count and the

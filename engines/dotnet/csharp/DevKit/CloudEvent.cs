@@ -58,6 +58,11 @@ namespace Virtufin.Worker.DevKit
         /// <summary>The error message when this event is an error response made by
         /// <see cref="WorkerBase.Error"/>; the host reports it as a worker error.</summary>
         internal string AnsweredError { get; set; }
+
+        /// <summary>The type the host reports <see cref="AnsweredError"/> as: the .NET type of
+        /// the exception it answers (a <see cref="CommandWorker{T}"/> handler's), or null for an
+        /// error the worker answered with itself.</summary>
+        internal string AnsweredErrorType { get; set; }
     }
 
     public static class CloudEventExtensions

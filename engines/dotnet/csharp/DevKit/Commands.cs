@@ -53,7 +53,9 @@ namespace Virtufin.Worker.DevKit
             catch (Exception e)
             {
                 Log("error", "command " + command + " failed: " + e.GetType().FullName + ": " + e.Message);
-                return Error(input, "Internal error: " + e.Message);
+                CloudEvent answer = Error(input, "Internal error: " + e.Message);
+                answer.AnsweredErrorType = e.GetType().FullName;
+                return answer;
             }
         }
 

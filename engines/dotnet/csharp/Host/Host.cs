@@ -476,7 +476,8 @@ namespace WorkManager.DotNet
             return input;
         }
 
-        // "ok\0" + id, source, type, subject, datacontenttype, time, data kind, error flag,
+        // "ok\0" + id, source, type, subject, datacontenttype, time, data kind, error flag ("1",
+        // or the .NET type of the exception answered),
         // error message, extension count, names and values, then the data (last: it may
         // hold \0).
         static string Encode(CloudEvent output)
@@ -490,7 +491,7 @@ namespace WorkManager.DotNet
             var text = new StringBuilder("ok");
             foreach (string field in new[] { output.Id, output.Source, output.Type, output.Subject,
                                              output.DataContentType, output.Time, kind,
-                                             output.AnsweredError == null ? "" : "1",
+                                             output.AnsweredError == null ? "" : output.AnsweredErrorType ?? "1",
                                              output.AnsweredError ?? "",
                                              output.Extensions.Count.ToString() })
                 text.Append(Sep).Append(field ?? "");
