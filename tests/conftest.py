@@ -58,8 +58,8 @@ XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 def _redis_host() -> str:
     """The Redis server of the tests: ``TEST_REDIS_HOST`` (default the local server) for the
     first xdist worker (or a run without ``-n``), and a redis-server of its own, on a free
-    port, for each further worker. Separate database numbers on one server would not do:
-    Redis's pub/sub channels (Celery's broadcasts) are the server's, not a database's."""
+    port, for each further worker: nothing of a server (pub/sub channels, clients, memory)
+    is shared between two workers' tests."""
     given = os.environ.get("TEST_REDIS_HOST", "redis://127.0.0.1:6379").rstrip("/")
     if XDIST_WORKER in ("", "gw0"):
         return given
