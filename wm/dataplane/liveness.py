@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -378,6 +379,15 @@ class Acks:
                 self.connection.disconnect()
                 self.channel.pool.release(self.connection)
         self.connection = None
+
+
+def _forget_acks() -> None:
+    """A forked process flushes no parent's channel, and its lock may have been taken."""
+    global _registry, _registry_lock
+    _registry, _registry_lock = weakref.WeakSet(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_acks)
 
 
 def flush_acks() -> None:
