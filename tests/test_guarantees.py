@@ -8,6 +8,7 @@ import itertools
 import os
 import random
 import signal
+import threading
 import time
 import uuid
 from collections import Counter
@@ -20,7 +21,7 @@ import redis
 
 from tests.helpers import STUB, drain, eventually, free_port, publish_numbered, stub, wm_cli
 from wm import BrokerUnavailable, DeadLetters, Settings, WorkManager, make_event
-from wm.dataplane.bus import Route
+from wm.dataplane.bus import Bus, Route
 from wm.dataplane.delivery import FENCE_EXTENSION
 from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.events import derive_id, encode, event_key
@@ -523,6 +524,8 @@ def test_code_running_past_its_time_limit_loses_the_lock_and_cannot_write(
 
 #: Events of the group chaos test, alternating between the group's two workers.
 GROUP_CHAOS_EVENTS = 1500
+#: Most seconds the group chaos test watches for its queues to drain.
+DRAIN_WATCH_S = 180
 
 
 def _victim(locks: GroupLocks, nodes: list[Any], rng: random.Random) -> Any:
@@ -533,6 +536,19 @@ def _victim(locks: GroupLocks, nodes: list[Any], rng: random.Random) -> Any:
         with contextlib.suppress(ProcessLookupError, ValueError):
             return _node_of(holder["owner"], nodes)
     return rng.choice(nodes)
+
+
+def _watch_drained(settings: Settings, queues: list[str], drained: list[float]) -> None:
+    """Append when ``queues`` are first empty (polled from a thread of its own): from then on
+    what is left was held by a killed node, and comes back when its liveness lapses, which
+    no lock hand-over can shorten."""
+    bus = Bus(settings)
+    deadline = time.monotonic() + DRAIN_WATCH_S
+    while time.monotonic() < deadline:
+        if sum(bus.queue_depth(q) for q in queues) == 0:
+            drained.append(time.time())
+            return
+        time.sleep(0.05)
 
 
 def _longest_gap_s(runs: list[dict[str, Any]], until: float) -> float:
@@ -591,6 +607,9 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         return lambda: pending() <= target
 
     started = time.monotonic()
+    drained: list[float] = []
+    watcher = threading.Thread(target=_watch_drained, args=(settings, queues, drained))
+    watcher.start()
     nodes = [start_node(settings, name=f"n{i}") for i in range(2)]
     in_flight = 0
     for round_ in range(3):
@@ -603,11 +622,9 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         victim.kill(signal.SIGKILL)
         nodes.remove(victim)
         nodes.append(start_node(settings, name=f"r{round_}"))
-    drained_at = eventually(
-        lambda: sum(manager.bus.queue_depth(q) for q in queues) == 0 and time.time(),
-        timeout_s=120,
-        interval_s=0.05,
-    )
+    watcher.join()
+    assert drained, f"the queues held messages after {DRAIN_WATCH_S}s"
+    drained_at = drained[0]
     expected = {
         derive_id(event_key("/tests", i), str(w.id), 0)
         for w, group_ids in zip(workers, (ids[:half], ids[half:]), strict=True)

@@ -33,11 +33,14 @@ the message alone.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import os
 import threading
 import time
 import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -137,6 +140,16 @@ return 1
 
 #: Acknowledgements sent whose replies are not read yet, most (:class:`Acks`).
 MAX_UNREAD_ACKS = 64
+#: Seconds a closing channel waits for each acknowledgement's reply.
+ACK_CLOSE_WAIT_S = 5.0
+#: Connections a closing channel tries to have its acknowledgements confirmed on.
+ACK_CLOSE_TRIES = 3
+#: No PING before an acknowledgement: its reply would be read as another's.
+_UNCHECKED = {"check_health": False}
+
+#: Every channel's acknowledgements in this process, for the heartbeat (:func:`flush_acks`).
+_registry: weakref.WeakSet[Acks] = weakref.WeakSet()
+_registry_lock = threading.Lock()
 
 #: This process's name as a holder of messages, once it is a node (:func:`hold_as`).
 _holder = ""
@@ -179,6 +192,10 @@ def holds(channel: Any) -> bool:
 class QoS(kombu_redis.QoS):
     """kombu's acknowledgement emulation, with the holder of each message recorded."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.acks = Acks(self.channel)
+
     def append(self, message: Any, delivery_tag: str) -> None:
         channel = self.channel
         if channel.recorded == delivery_tag:  # the take's script recorded it
@@ -203,10 +220,6 @@ class QoS(kombu_redis.QoS):
         keys = [self.unacked_key, self.unacked_index_key, HOLDERS_KEY, held_key(_holder)]
         self.acks.send(keys, [delivery_tag, _holder])
         virtual.QoS.ack(self, delivery_tag)
-
-    @functools.cached_property
-    def acks(self) -> Acks:
-        return Acks(self.channel)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue or not holds(self.channel):
@@ -245,52 +258,144 @@ class Acks:
     connection of its own, and its reply read later (before the next one when it has come,
     or when :data:`MAX_UNREAD_ACKS` wait). Redis runs each as it arrives, so none waits
     longer than the write; the node's event loop no longer waits a round trip per message.
-    An error in a reply (a script error, the connection lost) is raised by a later call;
-    an acknowledgement lost with the connection leaves its message held by this node, as a
-    synchronous one that failed would."""
+
+    What each acknowledgement was sent with is kept until its reply is read: when the
+    connection fails (the write, a read, or Redis closed it) those are written again on a
+    new one, so none is lost with a connection. :data:`_ACK` is idempotent: run again for a
+    message it acknowledged, it finds nothing to remove. Nothing here raises into Celery: an
+    acknowledgement Redis cannot take now waits for the next one, the node's heartbeat
+    (:meth:`flush`) or the channel's close; one whose script failed is logged. A lock lets a
+    threads pool's threads acknowledge at once; in a prefork node only its event loop takes
+    it (the heartbeat only tries, and skips a turn), so it costs under a microsecond and
+    adds no wait: as before, the loop waits for replies only when :data:`MAX_UNREAD_ACKS`
+    are unread, and connects only when it has no connection."""
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
         self.connection: Any = None
-        self.unread = 0
+        #: What each acknowledgement whose reply is unread was sent with, oldest first.
+        self.unread: deque[tuple[list[str], list[Any]]] = deque()
+        self.lock = threading.Lock()
+        self.failing = False  # Redis could not be reached; said once
+        with _registry_lock:
+            _registry.add(self)
 
     def send(self, keys: list[str], args: list[Any]) -> None:
-        if self.connection is None:
-            self.connection = self.channel.pool.get_connection()
-        try:
-            self.read(block=False)
-            self.connection.send_command("EVAL", _ACK, len(keys), *keys, *args)
-            self.unread += 1
-            self.read(block=self.unread >= MAX_UNREAD_ACKS)
-        except self.channel.connection_errors:
-            self.drop()
-            raise
+        with self.lock:
+            self.unread.append((keys, args))
+            if self.connection is not None:
+                self._try(self._write, keys, args)
+            if self.connection is None:
+                self._send_unread()
 
-    def read(self, block: bool = True) -> None:
-        """Read the replies that came (``block``: every one)."""
-        while self.unread and (block or self.connection.can_read(timeout=0)):
-            self.unread -= 1
-            self.connection.read_response()
+    def flush(self) -> None:
+        """Read the replies that came, and write again what a lost connection took: the
+        heartbeat calls it, so on an idle node too a lost acknowledgement waits a heartbeat
+        at most. It skips a turn rather than keep a sending thread waiting."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if self.unread and self.connection is not None:
+                self._try(self._read, False)
+            if self.unread and self.connection is None:
+                self._send_unread()
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
-        """Read every reply, then give the connection back."""
-        if self.connection is None:
-            return
-        try:
-            self.read()
-        except Exception as exc:  # closing: the error is the last ack's, logged
-            logger.warning("an acknowledgement failed while the channel closed: %s", exc)
-            self.drop()
-            return
-        self.channel.pool.release(self.connection)
-        self.connection = None
+        """Read every reply (up to :data:`ACK_CLOSE_WAIT_S` each), writing again what a lost
+        connection took, then give the connection back."""
+        with _registry_lock:
+            _registry.discard(self)
+        with self.lock:
+            for _ in range(ACK_CLOSE_TRIES):
+                if self.unread and self.connection is None:
+                    self._send_unread()
+                if self.unread and self.connection is not None:
+                    self._try(self._read, True, ACK_CLOSE_WAIT_S)
+            if self.unread:
+                logger.warning(
+                    "%d acknowledgement(s) unconfirmed as the channel closed: their messages "
+                    "stay held by this node and go back when it stops",
+                    len(self.unread),
+                )
+            if self.connection is not None:
+                self.channel.pool.release(self.connection)
+                self.connection = None
 
-    def drop(self) -> None:
+    def _write(self, keys: list[str], args: list[Any]) -> None:
+        self._read(block=False)
+        self.connection.send_command("EVAL", _ACK, len(keys), *keys, *args, **_UNCHECKED)
+        self._read(block=len(self.unread) >= MAX_UNREAD_ACKS)
+
+    def _read(self, block: bool, wait_s: float | None = None) -> None:
+        """Read the replies that came (``block``: every one, waiting up to ``wait_s`` for
+        each when given, for ever when not)."""
+        connection = self.connection
+        while self.unread and (block or connection.can_read(timeout=0)):
+            if wait_s is not None and not connection.can_read(timeout=wait_s):
+                raise TimeoutError(f"no reply to an acknowledgement in {wait_s:g}s")
+            try:
+                connection.read_response()
+            except self.channel.ResponseError as exc:  # the script failed; the rest go on
+                logger.warning("acknowledgement of %s failed: %s", self.unread[0][1][0], exc)
+            self.unread.popleft()
+
+    def _try(self, step: Callable[..., None], *args: Any) -> None:
+        """Run ``step``; on any error drop the connection, whose state is then unknown (what
+        it did not answer is written again on a new one)."""
+        try:
+            step(*args)
+        except BaseException as exc:
+            self._drop()
+            if not isinstance(exc, Exception):
+                raise  # a shutdown: what is unread waits for the close
+            logger.info("acknowledgement connection lost (%s): writing the unread again", exc)
+
+    def _send_unread(self) -> None:
+        """Write every unread acknowledgement on a new connection, in one write."""
+        try:
+            self.connection = self.channel.pool.get_connection()
+            commands = [("EVAL", _ACK, len(keys), *keys, *args) for keys, args in self.unread]
+            self.connection.send_packed_command(
+                self.connection.pack_commands(commands), **_UNCHECKED
+            )
+        except Exception as exc:
+            self._drop()
+            if not self.failing:
+                logger.warning(
+                    "%d acknowledgement(s) wait for Redis (%s): sent with the next one, at "
+                    "the next heartbeat or when the channel closes",
+                    len(self.unread),
+                    exc,
+                )
+            self.failing = True
+            return
+        self.failing = False
+
+    def _drop(self) -> None:
         if self.connection is not None:
             with contextlib.suppress(Exception):
                 self.connection.disconnect()
                 self.channel.pool.release(self.connection)
-        self.connection, self.unread = None, 0
+        self.connection = None
+
+
+def _forget_acks() -> None:
+    """A forked process flushes no parent's channel, and its lock may have been taken."""
+    global _registry, _registry_lock
+    _registry, _registry_lock = weakref.WeakSet(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_acks)
+
+
+def flush_acks() -> None:
+    """:meth:`Acks.flush` every channel's acknowledgements in this process."""
+    with _registry_lock:
+        every = list(_registry)
+    for acks in every:
+        acks.flush()
 
 
 def check_settings(settings: Settings) -> None:
@@ -406,6 +511,7 @@ class Heartbeat:
             beat_s = self.settings.node_heartbeat_s
             time.sleep(beat_s if life <= 0 else min(beat_s, max(life / 2, 0.1)))
             self._beat()
+            flush_acks()
 
     def _beat(self) -> None:
         try:

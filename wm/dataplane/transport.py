@@ -259,7 +259,7 @@ class Channel(kombu_redis.Channel):
 
     def close(self) -> None:
         qos = self._qos
-        if qos is not None and "acks" in qos.__dict__:  # acknowledgements sent: read them
+        if isinstance(qos, QoS):  # acknowledgements sent: have them confirmed
             qos.acks.close()
         super().close()
 
