@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 import zipfile
+from datetime import date
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -473,18 +474,53 @@ def test_discovery_names_every_place_it_searched(
     assert "no .NET runtime was found" in message and "host/fxr/<version>/" in message
     assert f"DOTNET_ROOT: {old} has no Microsoft.NETCore.App 8.0 or newer (has: 6.0.25)" in message
     assert f"system install: {tmp_path / 'none'} does not exist" in message
-    assert "extra: not set" in message and "workmanager[dotnet-runtime]" in message
+    assert "extra: not set" in message and "[dotnet-runtime] extra" in message
+    assert "install a supported Microsoft runtime (.NET 10 LTS" in message
+    assert "is for tests only" in message
 
 
-def test_roll_forward_picks_the_target_major_else_the_next_one(tmp_path: Path) -> None:
-    assert runtime.RUNTIME_CONFIG["runtimeOptions"]["rollForward"] == "Major"
-    both = _fake_root(tmp_path / "both", "8.0.4", "8.0.11", "9.0.1", "10.0.0")
-    assert runtime.qualify(both)[0] == runtime.Root(both, (8, 0, 11))
-    newer = _fake_root(tmp_path / "newer", "10.0.2", "9.0.1", "9.0.7")
-    assert runtime.qualify(newer)[0] == runtime.Root(newer, (9, 0, 7))
+#: Support windows for the tests, whatever today's date: 8 and 9 ended, 10 goes on.
+ENDED, GOES_ON = date(2000, 1, 1), date(9999, 1, 1)
+WINDOWS = {8: ENDED, 9: ENDED, 10: GOES_ON}
+
+
+def test_a_root_runs_its_newest_supported_major_else_its_lowest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "SUPPORT_ENDS", WINDOWS)
+    both = _fake_root(tmp_path / "both", "8.0.4", "8.0.11", "9.0.1", "10.0.0", "10.0.2")
+    assert runtime.qualify(both)[0] == runtime.Root(both, (10, 0, 2))
+    old = _fake_root(tmp_path / "old", "9.0.1", "9.0.7", "8.0.4")
+    assert runtime.qualify(old)[0] == runtime.Root(old, (8, 0, 4))
+    # a major newer than the table counts as supported
+    assert runtime.Root(both, (11, 0, 0)).supported()
     no_host = tmp_path / "nohost"
     (no_host / "shared" / "Microsoft.NETCore.App" / "8.0.0").mkdir(parents=True)
     assert runtime.qualify(no_host) == (None, "no host/fxr/<version>/libhostfxr.so")
+
+
+def test_the_runtime_config_starts_the_chosen_major(tmp_path: Path) -> None:
+    options = runtime.Root(tmp_path, (10, 0, 2)).runtime_config()["runtimeOptions"]
+    assert options["rollForward"] == "Major" and options["tfm"] == "net10.0"
+    assert options["framework"] == {"name": "Microsoft.NETCore.App", "version": "10.0.0"}
+
+
+def test_discovery_prefers_a_supported_runtime_and_warns_of_one_out_of_support(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "SUPPORT_ENDS", WINDOWS)
+    stale = _fake_root(tmp_path / "stale", "8.0.4")
+    current = _fake_root(tmp_path / "current", "10.0.1")
+    places: list[tuple[str, Path | None]] = [("DOTNET_ROOT", stale), ("system install", current)]
+    monkeypatch.setattr(runtime, "candidates", lambda: places)
+    chosen = runtime.discover()
+    assert chosen == runtime.Root(current, (10, 0, 1)) and chosen.support_warning() is None
+    places.pop()  # only the stale one left: used, with the warning
+    chosen = runtime.discover()
+    assert chosen == runtime.Root(stale, (8, 0, 4))
+    warning = chosen.support_warning()
+    assert warning is not None and "out of support since 2000-01-01" in warning
+    assert ".NET 10 LTS" in warning and "DOTNET_ROOT" in warning
 
 
 def test_discovery_prefers_dotnet_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

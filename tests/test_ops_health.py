@@ -169,3 +169,29 @@ def test_wm_health_without_a_node_says_what_to_pass(pg_settings: Settings) -> No
         cli.returncode == 1
         and f"no health answer from http://127.0.0.1:{port}/health" in cli.stderr
     )
+
+
+def test_a_runtime_out_of_support_degrades_the_node_while_workers_use_it(
+    settings: Settings,
+) -> None:
+    """An engine whose facts say its runtime is out of support (the .NET engines') is a
+    reason for ``degraded`` while live workers of that engine exist, not merely installed."""
+    from engines.dotnet import runtime
+    from engines.dotnet.engine import CSharpEngine
+    from wm.ops.health import unsupported_runtimes
+
+    stale = {"runtime": "Microsoft.NETCore.App 8.0.4 in /x", "support_ends": "2026-11-10"}
+    facts = {STUB: {**stale, "supported": False}}
+    assert unsupported_runtimes(settings, facts) == []  # installed, no worker uses it
+    manager = WorkManager(settings)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="rt.in")
+    [reason] = unsupported_runtimes(settings, facts)
+    assert reason.startswith(f"{STUB} workers run on Microsoft.NETCore.App 8.0.4 in /x")
+    assert "out of Microsoft's support since 2026-11-10" in reason
+    assert unsupported_runtimes(settings, {STUB: {**stale, "supported": True}}) == []
+    manager.delete_worker(worker.id)
+    assert unsupported_runtimes(settings, facts) == []
+    # the .NET engines' facts: the runtime a node's processes would start
+    shown = CSharpEngine.host_facts(settings)
+    root = runtime.discover()
+    assert shown["runtime"] == root.label and shown["supported"] == root.supported()

@@ -339,6 +339,22 @@ class DotNetEngine(Engine):
             logger.warning("%s workers cannot run on this node: %s", cls.mime_type, exc)
             return
         logger.info("%s workers will run on %s", cls.mime_type, root.label)
+        if warning := root.support_warning():
+            logger.warning("%s workers: %s", cls.mime_type, warning)
+
+    @classmethod
+    def host_facts(cls, settings: Settings) -> dict[str, Any]:
+        """The runtime this node's processes will start, and whether Microsoft supports it."""
+        try:
+            root = dotnet.discover()
+        except EngineUnavailable as exc:
+            return {"runtime": None, "error": str(exc)}
+        ends = root.support_ends
+        return {
+            "runtime": root.label,
+            "support_ends": None if ends is None else ends.isoformat(),
+            "supported": root.supported(),
+        }
 
     def image(self, code: bytes) -> Image:
         raise NotImplementedError

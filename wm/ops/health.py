@@ -49,6 +49,7 @@ from wm.errors import ConfigurationError, InvalidArgument, NodeUnavailable
 from wm.ops import metrics
 from wm.state.connection import pooled_client
 from wm.state.nodehealth import EngineFailures
+from wm.store import workers
 
 #: Seconds each dependency has to answer a check.
 CHECK_TIMEOUT_S = 2.0
@@ -109,6 +110,9 @@ def report(settings: Settings, node: str) -> dict[str, Any]:
         reasons.append("not consuming workers' queues yet")
     failures = EngineFailures(settings).of(node) if checks["redis"]["ok"] else {}
     reasons += [f"worker {worker} cannot load here: {error}" for worker, error in failures.items()]
+    engines = engine_facts(settings)
+    if checks["database"]["ok"]:
+        reasons += unsupported_runtimes(settings, engines)
     status = UNHEALTHY if unhealthy else DEGRADED if reasons else HEALTHY
     return {
         "status": status,
@@ -118,8 +122,24 @@ def report(settings: Settings, node: str) -> dict[str, Any]:
         "recovery": {"state": STATE.recovery, "error": STATE.error},
         "consuming": STATE.consuming,
         "engine_failures": failures,
-        "engines": engine_facts(settings),
+        "engines": engines,
     }
+
+
+def unsupported_runtimes(settings: Settings, engines: dict[str, dict[str, Any]]) -> list[str]:
+    """A reason for each engine whose runtime is out of support (its facts say
+    ``supported: false``) and that live workers use: the runtime is in use, not only
+    installed."""
+    stale = {mime for mime, facts in engines.items() if facts.get("supported") is False}
+    if not stale:
+        return []
+    with store.session_scope(settings) as session:
+        used = workers.live_mime_types(session)
+    return [
+        f"{mime} workers run on {engines[mime]['runtime']}, out of Microsoft's support since "
+        f"{engines[mime]['support_ends']}: no security fixes"
+        for mime in sorted(stale & used)
+    ]
 
 
 def application(settings: Settings, node: str) -> Callable[..., Iterable[bytes]]:

@@ -25,6 +25,11 @@ LIVE = Worker.status != Status.DELETED.value
 # -- finding workers -----------------------------------------------------------------------
 
 
+def live_mime_types(session: Session) -> set[str]:
+    """The MIME types of the workers that are not deleted."""
+    return set(session.scalars(select(Worker.mime_type).where(LIVE).distinct()))
+
+
 def info(session: Session, wid: uuid.UUID) -> WorkerInfo | None:
     """The worker with its current version's facts, or None if there is none."""
     worker = session.get(Worker, wid)
