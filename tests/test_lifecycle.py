@@ -180,7 +180,8 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
     known = (
         "known: batch_size, breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
         "group_mode, health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
-        "max_concurrency, max_events, max_memory_mb, max_probe_failures, max_retries, ordering, "
+        "idempotency_key, max_concurrency, max_events, max_memory_mb, max_probe_failures, "
+        "max_retries, ordering, "
         "ordering_gap_s, output_topics, probe_interval_s, recovery, retry_base_delay_ms, "
         "stop_grace_s, timeout_s$"
     )
