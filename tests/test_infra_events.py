@@ -117,10 +117,13 @@ def test_a_killed_holder_lock_is_told_stolen_by_the_next_holder(
     pg_settings: Settings, start_node: Any
 ) -> None:
     """kill -9 of the node whose process holds the group lock mid-delivery: the member that
-    takes the lock after the lease ran out tells ``lock_stolen``, naming the killed holder."""
+    takes the lock after the lease ran out tells ``lock_stolen``, naming the killed holder,
+    and the other node's heartbeat tells it found the killed node dead and put back its
+    message."""
     settings = _fast(pg_settings, infra_events=True, group_lock_lease_s=1.0)
     manager = WorkManager(settings)
     sink, locks = manager.subscribe("done", "sink"), manager.subscribe(GROUPLOCK_TOPIC, "locks")
+    beats = manager.subscribe(HEARTBEAT_TOPIC, "beats")
     slow, quick = _grouped(manager, "a", sleep_ms=20_000), _grouped(manager, "b")
     nodes = [start_node(settings, name=f"n{i}") for i in range(2)]
     for node in nodes:
@@ -144,3 +147,12 @@ def test_a_killed_holder_lock_is_told_stolen_by_the_next_holder(
     assert data["previous_fence"] == holder["fence"] < data["fence"]
     assert "count" not in data and data["group"] == "g"
     assert data["holder"].split(":")[1] != str(pid)
+
+    def found_dead() -> list[dict[str, Any]]:  # the survivor's heartbeat tells of the victim
+        told = drain(settings, beats, 100, timeout_s=0.5)
+        return [b for b in told if b["data"]["dead_nodes"]]
+
+    [beat] = eventually(found_dead, timeout_s=15, interval_s=0)
+    [dead] = beat["data"]["dead_nodes"]
+    assert dead.startswith(f"{victim.name}@") and beat["data"]["restored"] >= 1
+    assert not beat["subject"].startswith(f"{victim.name}@")
