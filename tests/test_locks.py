@@ -238,6 +238,34 @@ def test_fences_increase_across_release_expiry_and_takeover(
     assert 0 < holder["lease_left_ms"] <= 100
 
 
+def test_a_lock_taken_after_its_holder_lease_expired_names_that_holder(
+    client: redis.Redis, prefix: str
+) -> None:
+    """The acquire script sees a holder that never released (its ``…:last`` key); a lock
+    released, retaken by its own holder, or never taken is no steal. Fences are untouched."""
+    locks = GroupLocks(client=client, settings=_settings(group_lock_lease_s=0.1), prefix=prefix)
+    first = locks.acquire(GROUP, "a")
+    assert first.stolen_from is None
+    assert locks.acquire(GROUP, "a").stolen_from is None  # the same owner again
+    assert locks.release(first)
+    second = locks.acquire(GROUP, "b")
+    assert second.stolen_from is None  # a released lock is no steal
+    _wait_until_expired(client, locks)
+    stolen = locks.try_acquire(GROUP, "c")
+    assert stolen is not None and stolen.stolen_from == ("b", second.fence)
+    assert stolen.fence == second.fence + 1
+    assert not locks.release(second)  # too late: the new holder stays recorded
+    assert locks.release(stolen)
+    assert locks.acquire(GROUP, "d").stolen_from is None
+    item = locks.take_reading(GROUP, "e", None, item="x")[0]
+    while client.exists(f"{prefix}{{{GROUP}}}:item:x"):  # its lease runs out
+        time.sleep(0.005)
+    taken = locks.take_reading(GROUP, "f", None, item="x")[0]
+    assert taken.stolen_from == ("e", item.fence)
+    assert locks.release(taken)
+    assert not client.exists(f"{prefix}{{{GROUP}}}:item:x:last")
+
+
 @pytest.mark.parametrize("holder_wrote", [True, False], ids=["wrote", "did-not-write"])
 def test_a_paused_holder_loses_its_lock_after_one_lease_and_its_late_write_is_refused(
     client: redis.Redis, redis_url: str, prefix: str, holder_wrote: bool

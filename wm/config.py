@@ -368,6 +368,14 @@ class Settings:
         "(sent). Off by default: each costs a broker publish. Flower switches a node's on "
         "while it watches (its enable_events).",
     )
+    infra_events: bool = _setting(
+        "WM_INFRA_EVENTS",
+        False,
+        _parse_bool,
+        "Publish node heartbeats (workmanager.infra.heartbeat) and group-lock changes "
+        "(workmanager.infra.grouplock). Off by default: a heartbeat per node and interval and "
+        "up to two lock events per group, process and second, each a publish.",
+    )
     engine_cache_mb: int = _setting(
         "WM_ENGINE_CACHE_MB",
         0,

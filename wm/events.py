@@ -20,6 +20,9 @@ from cloudevents.core.v1.event import CloudEvent
 from wm.errors import EventDecodeError
 
 __all__ = [
+    "GROUPLOCK_TOPIC",
+    "HEARTBEAT_TOPIC",
+    "INFRA_TYPE_PREFIX",
     "LIFECYCLE_SOURCE",
     "LIFECYCLE_TOPIC",
     "LIFECYCLE_TYPE_PREFIX",
@@ -29,6 +32,7 @@ __all__ = [
     "encode",
     "event_key",
     "event_to_dict",
+    "infra_event",
     "key_of",
     "lifecycle_event",
     "make_event",
@@ -40,6 +44,12 @@ LIFECYCLE_TOPIC = "workmanager.lifecycle"
 #: Prefix of lifecycle event types; the suffix names the event (created, started, …).
 LIFECYCLE_TYPE_PREFIX = "com.virtufin.workmanager.lifecycle."
 LIFECYCLE_SOURCE = "/workmanager"
+#: Topics of the finer-grained infrastructure events (``WM_INFRA_EVENTS``): node heartbeats
+#: and group-lock changes.
+HEARTBEAT_TOPIC = "workmanager.infra.heartbeat"
+GROUPLOCK_TOPIC = "workmanager.infra.grouplock"
+#: Prefix of infrastructure event types: ``…heartbeat``, ``…grouplock.lock_acquired``, ….
+INFRA_TYPE_PREFIX = "com.virtufin.workmanager.infra."
 #: Namespace of deterministic output ids (input id + worker id + index).
 _OUTPUT_ID_NAMESPACE = uuid.UUID("0f4c2a3e-5d1b-4b7e-9a61-3c8e2f7d9b10")
 _FORMAT = JSONFormat()
@@ -195,3 +205,8 @@ def lifecycle_event(
         id=event_id,
         subject=worker_id,
     )
+
+
+def infra_event(kind: str, subject: str, data: Mapping[str, Any]) -> CloudEvent:
+    """A ``com.virtufin.workmanager.infra.<kind>`` event about a node or a group."""
+    return make_event(INFRA_TYPE_PREFIX + kind, LIFECYCLE_SOURCE, dict(data), subject=subject)

@@ -447,7 +447,13 @@ class Heartbeat:
     turn, a pool without an event loop) and while a warm shutdown drains the deliveries in
     flight (:meth:`drain`), the record lasts WM_NODE_DEAD_AFTER_S after each beat."""
 
-    def __init__(self, settings: Settings, app: Any, node: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        app: Any,
+        node: str,
+        on_beat: Callable[[str, list[str], int], None] | None = None,
+    ) -> None:
         check_settings(settings)
         if settings.visibility_timeout_s <= MIN_BEATS_MISSED * settings.node_heartbeat_s:
             logger.warning(
@@ -458,6 +464,9 @@ class Heartbeat:
                 settings.node_heartbeat_s,
             )
         self.settings, self.app, self.node = settings, app, node
+        #: Told of each beat that renewed the record: the node, the dead nodes it found and
+        #: how many of their messages it put back (``wm.dataplane.infra``'s heartbeat event).
+        self.on_beat = on_beat
         self.connection: Any = None
         #: When the node's event loop last turned (monotonic); None: no loop is watched.
         self.turned: float | None = None
@@ -549,7 +558,18 @@ class Heartbeat:
                     self.settings.node_dead_after_s,
                 )
             return 0
-        return restore_dead(channel, node, [d for d in dead if d != node])
+        others = [d for d in dead if d != node]
+        restored = restore_dead(channel, node, others)
+        self._tell(node, others, restored)
+        return restored
+
+    def _tell(self, node: str, dead: list[str], restored: int) -> None:
+        if self.on_beat is None:
+            return
+        try:
+            self.on_beat(node, dead, restored)
+        except Exception:  # telemetry never stops a heartbeat
+            logger.exception("node %s: telling of its heartbeat failed", node)
 
     def _lapse(self) -> None:
         """Renew nothing: the loop that would run what the node holds stands still."""

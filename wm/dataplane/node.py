@@ -24,6 +24,7 @@ from sqlalchemy import select
 from wm import store
 from wm.config import Settings
 from wm.dataplane import (
+    infra,
     liveness,
     outbox,
     pending,
@@ -202,6 +203,7 @@ class Reconciler(bootsteps.StartStopStep):
         self.heartbeat: Heartbeat | None = None
         self.watcher: placement.Watcher | None = None
         self.watching: Any = None
+        self.beats: Any = None
         self.recovered = False
 
     def start(self, parent: Any) -> None:
@@ -216,6 +218,8 @@ class Reconciler(bootsteps.StartStopStep):
             if self.watcher is not None:
                 self.watcher.rename(self.heartbeat.node)
         self.turns = watch_loop(self.heartbeat, parent)
+        if self.heartbeat is None and self.beats is None:
+            self.beats = tell_heartbeats(self.settings, parent)
         if parent.hub is not None:
             # The first reconcile starts consuming: from the event loop, once the task
             # consumer has its callback. Run here, a RabbitMQ backlog would be delivered
@@ -229,10 +233,10 @@ class Reconciler(bootsteps.StartStopStep):
         )
 
     def stop(self, parent: Any) -> None:
-        for entry in (self.first, self.tref, self.turns, self.watching):
+        for entry in (self.first, self.tref, self.turns, self.watching, self.beats):
             if entry is not None:
                 entry.cancel()
-        self.first = self.tref = self.turns = self.watching = None
+        self.first = self.tref = self.turns = self.watching = self.beats = None
         if self.watcher is not None:
             leave_placement(self.watcher, parent.app)
 
@@ -261,9 +265,22 @@ def start_heartbeat(settings: Settings, app: Celery, hostname: str) -> Heartbeat
     another one (a name of its own), whose predecessor's messages go back at once."""
     if not redis_broker(settings.broker_url):
         return None  # RabbitMQ gives a closed connection's messages back itself
-    heartbeat = Heartbeat(settings, app, f"{hostname}.{uuid.uuid4().hex[:12]}")
+    told = infra.HeartbeatEvents(settings, Bus(settings, app)) if settings.infra_events else None
+    on_beat = None if told is None else told.beat
+    heartbeat = Heartbeat(settings, app, f"{hostname}.{uuid.uuid4().hex[:12]}", on_beat)
     heartbeat.start()
     return heartbeat
+
+
+def tell_heartbeats(settings: Settings, parent: Any) -> Any:
+    """Where the node keeps no liveness record (RabbitMQ), its heartbeat events
+    (WM_INFRA_EVENTS) come from a timer entry of its event loop; returns the entry."""
+    if not settings.infra_events:
+        return None
+    told = infra.HeartbeatEvents(settings, Bus(settings, parent.app))
+    return parent.timer.call_repeatedly(
+        settings.node_heartbeat_s, told.beat, (parent.hostname, [], 0), priority=10
+    )
 
 
 def start_placement(settings: Settings, heartbeat: Heartbeat | None) -> placement.Watcher | None:

@@ -24,11 +24,16 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
   short hand-off window (or in the blocking :meth:`GroupLocks.acquire`) retries at once;
   only a lock someone found held (its record's *waiting* flag) leaves one.
 * The written flag only tells operators that a holder is in its publishing phase.
+* Acquire also records the new holder (``…:last``), and release deletes that record with the
+  lock's, in their scripts: an acquire that finds a holder recorded took the lock after that
+  holder's lease expired without a release, and says so (:attr:`Lease.stolen_from`). It
+  takes nothing more than before: fences and leases are what decide.
 
-Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter) and
-``<prefix>{<group>}:wake`` (the wake-up token); a lock of one item of the group (a shared
-group locks each event) has its own record and token, ``<prefix>{<group>}:item:<item>`` and
-``…:wake``, and mints from the group's counter. The hash tag keeps them on one cluster slot,
+Keys are ``<prefix>{<group>}`` (the record), ``<prefix>{<group>}:fence`` (the counter),
+``<prefix>{<group>}:wake`` (the wake-up token) and ``<prefix>{<group>}:last`` (the holder
+until it releases); a lock of one item of the group (a shared group locks each event) has its
+own record, token and last holder, ``<prefix>{<group>}:item:<item>``, ``…:wake`` and
+``…:last``, and mints from the group's counter. The hash tag keeps them on one cluster slot,
 as a Lua script touching several requires (the prefix is ``wm:lock:``; an empty group, which
 would tag nothing, is refused). On a Redis Cluster the BLPOP on the wake-up token goes to the
 node of the group's slot.
@@ -44,7 +49,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypedDict
 
@@ -58,6 +63,7 @@ from wm.state.connection import StateRedis, redis_errors, redis_for, text
 __all__ = [
     "ACQUIRE_RETRIES",
     "FENCE_CHECK_LUA",
+    "LAST_HOLDER_MS",
     "MIN_LEASE_MS",
     "RENEWALS_PER_LEASE",
     "GroupLocks",
@@ -86,12 +92,16 @@ _MIN_BLOCK_S = 0.001
 #: Shortest life of a wake-up token (ms): long enough for a waiter's next BLPOP to see it.
 _MIN_WAKE_TTL_MS = 1000
 _HELD = "held"
+#: How long a lock's last holder is remembered (ms): a lock whose holder died and that no one
+#: takes for this long is not reported as stolen when it is taken at last.
+LAST_HOLDER_MS = 24 * 3600 * 1000
 
-# KEYS: record, fence counter[, a key to read once acquired]. ARGV: owner, lease ms.
-# Reply: status, owner, fence, acquired_at_ms, written, server_ms, lease left ms[, the value
-# read when acquired].
+# KEYS: record, fence counter, last holder[, a key to read once acquired]. ARGV: owner,
+# lease ms, last holder's memory ms. Reply: status, owner, fence, acquired_at_ms, written,
+# server_ms, lease left ms[, the value read when acquired, the holder whose lease expired
+# without a release: "<fence> <owner>"].
 _ACQUIRE_LUA = """
-local function read() return KEYS[3] and redis.call('GET', KEYS[3]) end
+local function read() return KEYS[4] and redis.call('GET', KEYS[4]) or false end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'acquired_at_ms', 'written')
@@ -101,14 +111,16 @@ if cur[1] then
     return {'held', cur[1], cur[2], cur[3], cur[4], now, redis.call('PTTL', KEYS[1])}
   end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {'acquired', cur[1], cur[2], cur[3], cur[4], now, ARGV[2], read()}
+  return {'acquired', cur[1], cur[2], cur[3], cur[4], now, ARGV[2], read(), false}
 end
 local fence = redis.call('INCR', KEYS[2])
 local at = string.format('%d', now)
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fence', fence, 'acquired_at_ms', at,
            'written', '0')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'acquired', ARGV[1], fence, at, '0', now, ARGV[2], read()}
+local last = redis.call('GET', KEYS[3])
+redis.call('SET', KEYS[3], string.format('%d', fence) .. ' ' .. ARGV[1], 'PX', ARGV[3])
+return {'acquired', ARGV[1], fence, at, '0', now, ARGV[2], read(), last}
 """
 
 #: The fence check: with the lock's record as ``FENCE_KEY`` and ``FENCE_ARGS`` (owner,
@@ -129,13 +141,13 @@ redis.call('PEXPIRE', FENCE_KEY, FENCE_ARGS[3])
 # Reply: {1} when renewed, else {0, current owner, current fence}.
 _RENEW_LUA = "local FENCE_KEY, FENCE_ARGS = KEYS[1], ARGV" + FENCE_CHECK_LUA + "return {1}\n"
 
-# KEYS: record, wake list. ARGV: owner, fence, wake ttl ms. Reply: 1 when deleted, else 0.
-# A release of a lock someone found held leaves one wake-up token, so one contender waiting
-# for it retries at once; an uncontended release is one DEL.
+# KEYS: record, wake list, last holder. ARGV: owner, fence, wake ttl ms. Reply: 1 when
+# deleted, else 0. A release of a lock someone found held leaves one wake-up token, so one
+# contender waiting for it retries at once; an uncontended release deletes two keys.
 _RELEASE_LUA = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'fence', 'waiting')
 if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[3])
   if cur[3] then
     redis.call('RPUSH', KEYS[2], 1)
     redis.call('LTRIM', KEYS[2], -1, -1)
@@ -158,6 +170,9 @@ class Lease:
     fence: int
     acquired_at_ms: int
     item: str | None = None
+    #: Taken after this holder's lease expired without a release (a holder killed, hung or
+    #: cut off): its owner and fence; None for a lock released or never taken before.
+    stolen_from: tuple[str, int] | None = field(default=None, compare=False)
 
 
 class Holder(TypedDict):
@@ -194,6 +209,7 @@ class _AcquireReply:
     server_ms: int
     lease_left_ms: int
     value: Any = None
+    stolen_from: tuple[str, int] | None = None
 
     @classmethod
     def parse(cls, raw: list[Any]) -> _AcquireReply:
@@ -207,7 +223,13 @@ class _AcquireReply:
             server_ms=int(server_ms),
             lease_left_ms=int(lease_left_ms),
             value=raw[7] if len(raw) > 7 else None,
+            stolen_from=_last_holder(raw[8]) if len(raw) > 8 and raw[8] else None,
         )
+
+
+def _last_holder(raw: Any) -> tuple[str, int]:
+    fence, _, owner = text(raw).partition(" ")
+    return owner, int(fence)
 
 
 def make_owner(task_id: str) -> str:
@@ -360,6 +382,7 @@ class GroupLocks:
                     keys=[
                         self._record_key(lease.group, lease.item),
                         self._wake_key(lease.group, lease.item),
+                        f"{self._record_key(lease.group, lease.item)}:last",
                     ],
                     args=[lease.owner, lease.fence, self._wake_ttl_ms()],
                 )
@@ -416,9 +439,10 @@ class GroupLocks:
     ) -> _AcquireReply:
         if not group or not owner:
             raise ValueError("group and owner must be non-empty")
-        keys = [self._record_key(group, item), self._fence_key(group)] + ([read] if read else [])
+        record = self._record_key(group, item)
+        keys = [record, self._fence_key(group), f"{record}:last"] + ([read] if read else [])
         with redis_errors(self._settings):
-            raw = self._acquire_script(keys=keys, args=[owner, self.lease_ms])
+            raw = self._acquire_script(keys=keys, args=[owner, self.lease_ms, LAST_HOLDER_MS])
         return _AcquireReply.parse(raw)
 
     def _renew(self, lease: Lease, *, mark_write: bool) -> tuple[str, str] | None:
@@ -618,6 +642,7 @@ def _lease(group: str, reply: _AcquireReply, item: str | None = None) -> Lease:
         fence=reply.fence,
         acquired_at_ms=reply.acquired_at_ms,
         item=item,
+        stolen_from=reply.stolen_from,
     )
 
 

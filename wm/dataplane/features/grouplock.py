@@ -9,7 +9,10 @@ been processed by another copy while this one waited: the outcome is read as the
 taken (one round trip on one Redis server) and a recorded one is republished, never run
 again. A lock held through the hand-off window raises
 :class:`~wm.errors.LockContention` (see ``contention``). A batch (``wm.dataplane.batching``)
-takes one lease for its call, then reads every event's outcome under it in one MGET."""
+takes one lease for its call, then reads every event's outcome under it in one MGET.
+
+With WM_INFRA_EVENTS on, taking and releasing the lock are told on
+``workmanager.infra.grouplock`` (``wm.dataplane.infra``), a steal always."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from wm.dataplane import tracing
+from wm.dataplane import infra, tracing
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.observe import notify
 from wm.dataplane.pipeline import Feature
@@ -42,12 +45,15 @@ class GroupLock(Feature):
                 group, delivery.holder, delivery.outcome_key, item
             )
         notify("lock_wait", delivery.meta, time.monotonic() - waited)
+        lease, bus = delivery.lease, delivery.rt.bus
+        infra.lock_taken(bus, lease, delivery.meta.id)
         try:
-            with locks.keep_alive(delivery.lease, delivery.hold_limit_s):
+            with locks.keep_alive(lease, delivery.hold_limit_s):
                 delivery.recorded = delivery.rt.outcomes.parse(raw)
                 yield
         finally:
-            locks.release(delivery.lease)
+            if locks.release(lease):
+                infra.lock_released(bus, lease, delivery.meta.id)
 
     @contextmanager
     def around_batch(self, deliveries: Sequence[Delivery], engine: Engine) -> Iterator[None]:
@@ -61,6 +67,7 @@ class GroupLock(Feature):
         with tracing.step("lock wait"):
             lease = rt.locks.take(group, first.holder)
         notify("lock_wait", first.meta, time.monotonic() - waited)
+        infra.lock_taken(rt.bus, lease, first.meta.id)
         try:
             with rt.locks.keep_alive(lease, first.hold_limit_s * len(deliveries)):
                 with redis_errors(rt.settings):  # what a previous holder recorded
@@ -69,4 +76,5 @@ class GroupLock(Feature):
                     delivery.lease, delivery.recorded = lease, rt.outcomes.parse(raw)
                 yield
         finally:
-            rt.locks.release(lease)
+            if rt.locks.release(lease):
+                infra.lock_released(rt.bus, lease, first.meta.id)
