@@ -460,8 +460,8 @@ def runtime(settings: Settings) -> Runtime:
         logger.info(
             ".NET runtime started in %.0f ms: %s", (time.monotonic() - started) * 1000, root.label
         )
-        if warning := root.support_warning():
-            logger.warning("%s", warning)
+        # out of support: said once by the node's start (the engine's check_host) and by its
+        # /health, not by every process (a `wm` command validating C# code included)
         return _runtime
 
 
