@@ -10,7 +10,7 @@ import redis
 from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Route
-from wm.dataplane.node import LEADER_KEY
+from wm.dataplane.recovery import LEADER_KEY
 from wm.dataplane.outputs import OutputPublisher
 from wm.events import (
     LIFECYCLE_TOPIC,
