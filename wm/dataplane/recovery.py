@@ -184,7 +184,12 @@ def _check_code(settings: Settings, running: list[_Owner]) -> list[RecoveryFailu
                     WorkerVersion.version,
                     WorkerVersion.size,
                     func.length(WorkerVersion.code),
-                ).where(WorkerVersion.worker_id.in_([o.worker_id for o in running]))
+                )
+                .join(Worker, Worker.id == WorkerVersion.worker_id)
+                .where(
+                    WorkerVersion.version == Worker.current_version,
+                    Worker.status == Status.RUNNING.value,
+                )
             )
         }
     engines: dict[str, str | None] = {}
