@@ -1,10 +1,11 @@
 """Recovery: rebuild what Redis and the broker derive from the database (DESIGN §9).
 
 One recovery at a time in a cluster, under the lease ``workmanager/recovery/leader`` (TTL
-WORKER_RECOVERY_LEASE_TTL_SECONDS, value ``<holder>/<token>``): it repairs the routing table,
+WORKER_RECOVERY_LEASE_TTL_SECONDS, value ``<holder>/<epoch>/<nonce>``, the epoch counted up
+in ``workmanager/recovery/epoch`` by each recovery that starts): it repairs the routing table,
 forgets the worker cache, declares every subscription's queue, checks that each running
 worker's pinned code is in the store, whole, with an engine installed here, and publishes the
-lifecycle events left in the outbox. A recovery that completes writes its token to
+lifecycle events left in the outbox. A recovery that completes writes its lease's value to
 ``workmanager/recovery/done``, then releases the lease.
 
 A worker that cannot be brought back (its queue refused, its code missing or damaged, no
@@ -12,9 +13,9 @@ engine for its MIME type) is logged by name and id with the reason and listed in
 recovery goes on with the others. An outage of the broker, Redis or the database fails the
 whole recovery, which its caller retries.
 
-Nodes that did not lead keep a :class:`Takeover` watch: a lease that ends without its token in
-``done`` (its holder was killed, or failed) is taken over by one of them, so a recovery is
-finished even when no node starts after the leader died."""
+Nodes that did not lead keep a :class:`Takeover` watch: a lease that ends while ``done`` holds
+an earlier epoch (its holder was killed, or failed) is taken over by one of them, so a
+recovery is finished even when no node starts after the leader died."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ from wm.views import RecoveryFailure, RecoveryReport
 
 logger = logging.getLogger(__name__)
 LEADER_KEY = "workmanager/recovery/leader"
-#: The token of the last recovery that completed.
+#: The lease value of the last recovery that completed, and the count of those started.
 DONE_KEY = "workmanager/recovery/done"
+EPOCH_KEY = "workmanager/recovery/epoch"
 #: Release the lease only if this holder still has it (it may have expired and moved on).
 _RELEASE_IF_OURS = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -72,9 +74,11 @@ def recover(settings: Settings, app: Celery, holder: str) -> RecoveryReport:
     """Run recovery under the lease, as ``holder`` (a node's name, or who asked); raises
     :class:`RecoveryRunning` when another holds the lease."""
     redis = redis_for(settings)
-    token = f"{holder}/{uuid.uuid4().hex}"
     ttl_s = settings.worker_recovery_lease_ttl_seconds
     with redis_errors(settings):
+        if redis.exists(LEADER_KEY):
+            raise _running(settings)
+        token = f"{holder}/{int(redis.incr(EPOCH_KEY))}/{uuid.uuid4().hex[:12]}"
         if not redis.set(LEADER_KEY, token, nx=True, ex=ttl_s):
             raise _running(settings)
     logger.info("recovery: %s leads (lease %d s)", holder, ttl_s)
@@ -105,9 +109,19 @@ def _running(settings: Settings) -> RecoveryRunning:
     redis = redis_for(settings)
     with redis_errors(settings):
         value, left_ms = redis.get(LEADER_KEY), int(redis.pttl(LEADER_KEY))
-    holder = text(value).rpartition("/")[0] if value else "another node"
+    holder = _holder(text(value)) if value else "another node"
     left = f", lease {left_ms / 1000:.0f} s left" if left_ms > 0 else ""
     return RecoveryRunning(f"a recovery is running ({holder}{left}); ask again once it is done")
+
+
+def _holder(token: str) -> str:
+    return token.rsplit("/", 2)[0]
+
+
+def _epoch(token: str) -> int:
+    """A lease value's epoch (0 for none, or a value of another form)."""
+    parts = token.rsplit("/", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 
 def _rebuild(settings: Settings, app: Celery, holder: str) -> RecoveryReport:
@@ -240,10 +254,10 @@ def _failed(owner: _Owner, reason: str) -> RecoveryFailure:
 
 
 class Takeover:
-    """A node's watch on the lease, from a daemon thread: the holder's token is noted while
-    the lease lives; a lease gone without that token in ``done`` was a recovery left
-    unfinished, which this node then runs. ``report(state, error)`` hears of each takeover:
-    ``running``, then ``done`` or ``retrying``."""
+    """A node's watch on the lease, from a daemon thread: the lease's value is noted while
+    it lives; a lease gone while ``done`` holds an earlier epoch than that value's was a
+    recovery left unfinished, which this node then runs. ``report(state, error)`` hears of
+    each takeover: ``running``, then ``done`` or ``retrying``."""
 
     def __init__(
         self,
@@ -282,12 +296,13 @@ class Takeover:
             if lease is not None:
                 self.seen = text(lease)
                 return
-            if self.seen is None or text(redis.get(DONE_KEY) or b"") == self.seen:
+            done = text(redis.get(DONE_KEY) or b"")
+            if self.seen is None or _epoch(done) >= _epoch(self.seen):
                 self.seen = None
                 return
         logger.warning(
             "recovery: the lease of %s ended before its recovery was done; %s takes over",
-            self.seen.rpartition("/")[0],
+            _holder(self.seen),
             self.holder,
         )
         self._take_over()
