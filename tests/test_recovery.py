@@ -16,7 +16,8 @@ from sqlalchemy import update
 from tests.cli_env import one_error_line, wm, wm_json
 from tests.helpers import STUB, stub
 from wm import Settings, WorkManager, store
-from wm.dataplane.recovery import DONE_KEY, LEADER_KEY
+from wm.dataplane.app import make_app
+from wm.dataplane.recovery import DONE_KEY, EPOCH_KEY, LEADER_KEY, Takeover
 from wm.errors import RecoveryRunning
 from wm.store.models import WorkerVersion
 
@@ -66,6 +67,25 @@ def test_wm_recover_prints_what_it_did(env: dict[str, str]) -> None:
     redis.Redis.from_url(env["WM_REDIS_URL"]).set(LEADER_KEY, "celery@n/t", ex=60)
     refused = wm(env, "recover", expect=1)
     assert "a recovery is running (celery@n" in one_error_line(refused)
+
+
+def test_a_watching_node_takes_over_only_a_recovery_left_unfinished(pg_settings: Settings) -> None:
+    state = redis.Redis.from_url(pg_settings.redis_url)
+    heard: list[str] = []
+    watch = Takeover(pg_settings, make_app(pg_settings), "w@t", lambda s, _: heard.append(s))
+    state.set(EPOCH_KEY, 7)
+    state.set(LEADER_KEY, "celery@a/5/x")
+    watch.turn()
+    state.delete(LEADER_KEY)
+    state.set(DONE_KEY, "celery@b/6/y")  # a later recovery completed
+    watch.turn()
+    assert heard == []
+    state.set(LEADER_KEY, "celery@c/7/z")
+    watch.turn()
+    state.delete(LEADER_KEY)  # its holder died: done is still at 6
+    watch.turn()
+    assert heard == ["running", "done"]
+    assert (state.get(DONE_KEY) or b"").startswith(b"w@t/8/")
 
 
 @pytest.mark.slow
