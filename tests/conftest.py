@@ -267,8 +267,10 @@ class Node:
         log: Path,
         concurrency: int = 2,
         pool: str = "prefork",
+        ready: bool = True,
         **env: str,
     ) -> None:
+        """``ready=False``: return once the process runs, without waiting for its start."""
         self.settings, self.name, self.log = settings, name, log
         cmd = [
             sys.executable,
@@ -296,7 +298,8 @@ class Node:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.wait_for("ready.")
+        if ready:
+            self.wait_for("ready.")
 
     def wait_for(self, text: str, timeout_s: float = 60, after: int = 0) -> None:
         deadline = time.monotonic() + timeout_s

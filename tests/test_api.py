@@ -24,6 +24,7 @@ import httpx
 import hypothesis
 import psutil
 import pytest
+import redis
 import schemathesis
 import sqlalchemy as sa
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from tests.conftest import env_of
 from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
 from wm import Settings, WorkManager, store
 from wm.control.access import Tokens
+from wm.dataplane.recovery import LEADER_KEY
 from wm.ops import api as admin_api
 from wm.views import Role
 
@@ -57,6 +59,7 @@ NEEDS = {
     ("POST", "/v1/workers/{ref}/rollback"): Role.OPERATOR,
     ("POST", "/v1/events"): Role.OPERATOR,
     ("POST", "/v1/deadletters/replay"): Role.OPERATOR,
+    ("POST", "/v1/recover"): Role.OPERATOR,
     ("DELETE", "/v1/workers/{ref}"): Role.ADMIN,
     ("POST", "/v1/deadletters/purge"): Role.ADMIN,
     ("GET", "/v1/audit"): Role.ADMIN,
@@ -233,6 +236,18 @@ def test_a_list_of_events_is_published_in_order_and_a_bad_one_is_named(api: Api)
         assert surrogate.status_code == 422, surrogate.text
         assert http.post("/v1/events", json=[]).json() == {"reached": []}
     assert drain(api.settings, queue, 1, timeout_s=1) == []
+
+
+def test_recover_over_http_says_what_it_did_and_is_refused_while_one_runs(api: Api) -> None:
+    WorkManager(api.settings).create_worker(code=stub(), mime_type=STUB, topic="in", name="w")
+    with api.client(Role.OPERATOR) as http:
+        done = http.post("/v1/recover")
+        assert done.status_code == 200, done.text
+        assert done.json()["queues_declared"] == 1 and done.json()["failures"] == []
+        assert done.json()["holder"].startswith("api@")
+        redis.Redis.from_url(api.settings.redis_url).set(LEADER_KEY, "celery@n/t", ex=60)
+        busy = http.post("/v1/recover")
+    assert busy.status_code == 409 and "celery@n" in busy.json()["detail"], busy.text
 
 
 def test_dead_letters_are_listed_inspected_replayed_and_purged_over_http(

@@ -10,8 +10,8 @@ import redis
 from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Route
-from wm.dataplane.node import LEADER_KEY
 from wm.dataplane.outputs import OutputPublisher
+from wm.dataplane.recovery import LEADER_KEY
 from wm.events import (
     LIFECYCLE_TOPIC,
     LIFECYCLE_TYPE_PREFIX,

@@ -226,13 +226,17 @@ class Settings:
         "WORKER_RECOVERY_LEASE_TTL_SECONDS",
         300,
         _parse_int,
-        "TTL of the recovery leader lease.",
+        "TTL of the recovery leader lease, never renewed: a leader killed mid-recovery is "
+        "taken over by a running node this long after it took the lease. Shorter resumes "
+        "sooner, but a recovery that outlasts it is joined by a second node (harmless, "
+        "repeated work).",
     )
     worker_recovery_acquire_timeout_seconds: int = _setting(
         "WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS",
         30,
         _parse_int,
-        "How long a starting node keeps trying recovery before it gives up.",
+        "How long a starting node retries a recovery that fails (broker, Redis or database "
+        "away) before it gives up and stops; longer rides out a longer outage at start.",
     )
     python_allowed_packages: tuple[str, ...] = _setting(
         "PYTHON_ALLOWED_PACKAGES",

@@ -117,6 +117,11 @@ class IllegalTransition(Conflict):
     """Raised when a lifecycle operation is not allowed from the worker's current state."""
 
 
+class RecoveryRunning(Conflict):
+    """Raised when recovery is asked for while another holds the recovery lease
+    (``workmanager/recovery/leader``): one recovery at a time; ask again once it is done."""
+
+
 class ConcurrencyConflict(Conflict):
     """Raised when a worker changed under a concurrent update and the change was not applied."""
 

@@ -18,7 +18,7 @@ from wm.control.versions import Versions
 from wm.control.workers import Workers
 from wm.events import CloudEvent
 from wm.lifecycle import check_actor
-from wm.views import ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
+from wm.views import RecoveryReport, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
 from wm.workersettings import with_group_mode
 
 if TYPE_CHECKING:
@@ -200,6 +200,15 @@ class WorkManager:
         from wm.control import overview
 
         return overview.overview(self.settings, self.bus, ping_timeout_s)
+
+    def recover(self) -> RecoveryReport:
+        """Run recovery now, as a starting node does: repair the routing table, declare every
+        subscription's queue, check running workers' code, publish the outbox. Each worker it
+        could not bring back is in ``failures``. Raises :class:`wm.errors.RecoveryRunning`
+        while another recovery holds the lease."""
+        from wm.control import recovery
+
+        return recovery.recover(self._context)
 
     def add_schedule(
         self,

@@ -1,5 +1,6 @@
-"""Immutable views of workers, versions, transitions, dead letters, admin API tokens and
-audit entries returned by the API (never ORM rows; ``wm.store`` builds them from rows)."""
+"""Immutable views of workers, versions, transitions, dead letters, recoveries, admin API
+tokens and audit entries returned by the API (never ORM rows; ``wm.store`` builds them from
+rows)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,38 @@ class ScheduleInfo:
     last_fired_at: datetime | None
     #: When it fires next (None once ``until`` has passed).
     next_fire_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+@dataclass(frozen=True)
+class RecoveryFailure:
+    """A worker (or a plain subscription) that recovery could not bring back; recovery goes
+    on with the others, and delivery to this one fails until the cause is fixed."""
+
+    worker_id: uuid.UUID | None
+    name: str | None
+    queue: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What one recovery did (``wm recover``, ``POST /v1/recover``, a node's log)."""
+
+    #: Who led it: a node's name, or who asked (``cli@host``, ``api@host``).
+    holder: str
+    #: Routing-table entries added or removed to match the database.
+    routes_repaired: int
+    #: Queues (re-)declared on the broker, one per subscription queue.
+    queues_declared: int
+    #: Running workers whose code and engine were checked.
+    workers_checked: int
+    #: Lifecycle events left in the outbox, published now.
+    events_published: int
+    failures: list[RecoveryFailure]
+    seconds: float
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))

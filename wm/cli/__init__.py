@@ -76,6 +76,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "wm.cli.admin:up",
         "Run the whole stack embedded on this machine (Redis, SQLite, nodes).",
     ),
+    "recover": (
+        "wm.cli.admin:recover",
+        "Run recovery now: routes, queues, workers' code, the outbox.",
+    ),
     "health": ("wm.cli.admin:health", "A node's health: exit 0 healthy, 1 degraded, 2 unhealthy."),
     "bench": (
         "wm.cli.admin:bench",

@@ -1,5 +1,5 @@
-"""``wm db …``, ``wm config``, ``wm health``, ``wm completion``, and the commands other modules
-implement: ``wm up``, ``wm bench``."""
+"""``wm db …``, ``wm config``, ``wm recover``, ``wm health``, ``wm completion``, and the
+commands other modules implement: ``wm up``, ``wm bench``."""
 
 from __future__ import annotations
 
@@ -175,6 +175,41 @@ def up(out: Output, demo: bool, events: int, concurrency: int, pool: str, nodes:
             nodes=nodes,
         )
     )
+
+
+# -- wm recover ----------------------------------------------------------------------------------
+
+
+@click.command(cls=Command)
+@pass_output
+def recover(out: Output) -> int:
+    """Run recovery now: routes, queues, workers' code, the outbox.
+
+    What a starting node does, under the same lease (refused while a recovery runs
+    elsewhere): repair the routing table, declare every subscription's queue, check each
+    running worker's code and engine, publish lifecycle events left in the outbox. Prints
+    what it did and each worker it could not bring back; exits 1 if there is any.
+    """
+    from wm.cli.output import labelled
+
+    report = out.manager.recover()
+    if out.as_json:
+        out.json(report.to_json())
+        return 1 if report.failures else 0
+    out.fields(
+        [
+            ("routes repaired", report.routes_repaired),
+            ("queues declared", report.queues_declared),
+            ("workers checked", report.workers_checked),
+            ("events published", report.events_published),
+            ("failures", len(report.failures)),
+            ("took", f"{report.seconds:.1f} s"),
+        ]
+    )
+    rows = [(labelled(f.worker_id, f.name), f.queue, f.reason) for f in report.failures]
+    if rows:
+        out.table(["WORKER", "QUEUE", "REASON"], rows, empty="", wrap=("REASON",))
+    return 1 if report.failures else 0
 
 
 # -- wm health -----------------------------------------------------------------------------------

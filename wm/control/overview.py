@@ -205,7 +205,7 @@ def _ordered(counts: Counter[str], order: list[str]) -> dict[str, int]:
 
 
 def _recovery(settings: Settings, workers: list[LiveWorker], paused: set[str]) -> Recovery:
-    from wm.dataplane.node import LEADER_KEY
+    from wm.dataplane.recovery import LEADER_KEY
 
     with redis_errors(settings):
         lease_ms = int(redis_for(settings).pttl(LEADER_KEY))

@@ -1,9 +1,10 @@
 """What a Celery node does besides running tasks: recovery at start (one leader per cluster,
-lease ``workmanager/recovery/leader``), and a reconcile loop that makes the node consume
-exactly the queues of running workers — also after a broker reconnect, when consumers added
-at runtime are known to vanish. On a Redis broker, messages queued under priority levels the
-node does not read (WM_PRIORITY_STEPS) are moved to levels it reads: at start for the
-queues it consumes, then every reconcile period by the one node that maintains."""
+``wm.dataplane.recovery``) and the watch that takes over a recovery left unfinished, and a
+reconcile loop that makes the node consume exactly the queues of running workers — also
+after a broker reconnect, when consumers added at runtime are known to vanish. On a Redis
+broker, messages queued under priority levels the node does not read (WM_PRIORITY_STEPS) are
+moved to levels it reads: at start for the queues it consumes, then every reconcile period by
+the one node that maintains."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from wm.dataplane import (
     pending,
     placement,
     probes,
+    recovery,
     runtime,
     sweep,
     workerhealth,
@@ -40,14 +42,12 @@ from wm.dataplane.liveness import Heartbeat
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
 from wm.dataplane.routes import route_of
 from wm.engine import check_engines
+from wm.errors import RecoveryRunning
 from wm.lifecycle import Status
-from wm.state.connection import redis_for
-from wm.state.directory import Directory
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription, Worker
 
 logger = logging.getLogger(__name__)
-LEADER_KEY = "workmanager/recovery/leader"
 
 
 @dataclass
@@ -57,6 +57,8 @@ class NodeState:
     ``recovery``: ``pending`` (not started), ``running``, ``retrying`` (an attempt failed,
     ``error`` says why), ``done`` (this node led it), ``elsewhere`` (another node leads),
     ``disabled`` (WORKER_RECOVERY_ON_START=false) or ``failed`` (gave up: the node stops).
+    A node that did not lead moves to ``running`` again when it takes over a recovery whose
+    leader died (``wm.dataplane.recovery.Takeover``), then to ``done`` or ``retrying``.
     ``consuming``: the first reconcile ran, so the node consumes every running worker's queue.
     """
 
@@ -69,10 +71,6 @@ class NodeState:
 
 #: This process's state (a node's main process; pool processes never change it).
 STATE = NodeState()
-#: Release the lease only if this node still holds it (it may have expired and moved on).
-_RELEASE_IF_OURS = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-)
 
 
 def running_queues(settings: Settings) -> dict[str, str]:
@@ -137,38 +135,6 @@ def repair_ready(settings: Settings, app: Celery, queues: Iterable[str]) -> int:
     return fixed
 
 
-def recover(settings: Settings, app: Celery) -> bool:
-    """Rebuild derived state from the database if this node wins the leader lease."""
-    if not settings.worker_recovery_on_start:
-        return False
-    redis = redis_for(settings)
-    token = str(uuid.uuid4())
-    if not redis.set(LEADER_KEY, token, nx=True, ex=settings.worker_recovery_lease_ttl_seconds):
-        logger.info("another node leads recovery")
-        return False
-    try:
-        bus = Bus(settings, app)
-        bus.rebuild_routes()
-        Directory(settings).invalidate()
-        with store.session_scope(settings) as session:
-            rows = session.execute(
-                select(Subscription.queue, Worker).outerjoin(
-                    Worker, Worker.id == Subscription.worker_id
-                )
-            ).all()
-            queues = sorted({queue if w is None else route_of(w).queue for queue, w in rows})
-        for queue in queues:
-            bus.declare_queue(queue)
-        outbox.flush(settings, bus)
-        logger.info("recovery done: %d queue(s) declared", len(queues))
-        return True
-    except Exception:
-        logger.exception("recovery failed")
-        raise
-    finally:
-        redis.eval(_RELEASE_IF_OURS, 1, LEADER_KEY, token)
-
-
 def reconcile(consumer: Any, wanted: Iterable[str]) -> tuple[set[str], set[str]]:
     """Consume every running worker's queue and nothing else; returns (added, cancelled).
     ``wanted`` comes from the node's own store: the consumer adds them without asking it
@@ -209,7 +175,7 @@ class Reconciler(bootsteps.StartStopStep):
     def start(self, parent: Any) -> None:
         if not self.recovered:  # once per node; the step restarts after broker reconnects
             check_engines(self.settings)  # a host that cannot run an engine safely stops here
-            recover_with_retries(self.settings, parent.app)
+            recover_with_retries(self.settings, parent.app, parent.hostname)
             self.heartbeat = start_heartbeat(self.settings, parent.app, parent.hostname)
             self.watcher = start_placement(self.settings, self.heartbeat)
             self.recovered = True
@@ -328,13 +294,21 @@ def watch_loop(heartbeat: Heartbeat | None, parent: Any) -> Any:
     )
 
 
-def recover_with_retries(settings: Settings, app: Celery) -> None:
-    """Recovery at node start, retried until WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS."""
+def recover_with_retries(settings: Settings, app: Celery, hostname: str) -> None:
+    """Recovery at node start, retried until WORKER_RECOVERY_ACQUIRE_TIMEOUT_SECONDS; then
+    the watch that takes over a recovery whose leader dies before it is done."""
+    if not settings.worker_recovery_on_start:
+        STATE.recovery = "disabled"
+        return
     deadline = time.monotonic() + settings.worker_recovery_acquire_timeout_seconds
     STATE.recovery = "running"
     while True:
         try:
-            led = recover(settings, app)
+            recovery.recover(settings, app, hostname)
+            STATE.recovery = "done"
+        except RecoveryRunning:
+            logger.info("another node leads recovery")
+            STATE.recovery = "elsewhere"
         except Exception as exc:
             STATE.error = f"{type(exc).__name__}: {exc}"
             if time.monotonic() > deadline:
@@ -343,12 +317,13 @@ def recover_with_retries(settings: Settings, app: Celery) -> None:
             STATE.recovery = "retrying"
             time.sleep(1.0)
             continue
-        if led:
-            STATE.recovery = "done"
-        else:
-            STATE.recovery = "elsewhere" if settings.worker_recovery_on_start else "disabled"
         STATE.error = None
+        recovery.Takeover(settings, app, hostname, _took_over).start()
         return
+
+
+def _took_over(state: str, error: str | None) -> None:
+    STATE.recovery, STATE.error = state, error
 
 
 def on_shutting_down(how: str) -> None:

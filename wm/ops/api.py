@@ -73,6 +73,7 @@ from wm.text import storable, storable_data
 from wm.views import (
     AuditInfo,
     DeadLetterInfo,
+    RecoveryReport,
     Role,
     ScheduleInfo,
     TokenInfo,
@@ -769,6 +770,17 @@ def cluster_status(svc: Svc) -> Overview:
     and health, the deepest queues, dead letters per topic, breakers and recovery. A part
     whose service (broker, Redis) does not answer is null and named in ``unavailable``."""
     return svc.manager.status()
+
+
+@OPERATIONS.post(
+    "/v1/recover", tags=["health"], dependencies=[OPERATOR], responses=_errors(409, 503)
+)
+def recover(svc: Svc) -> RecoveryReport:
+    """Run recovery now (``wm recover``), as a starting node does: repair the routing table,
+    declare every subscription's queue, check each running worker's code, publish the
+    outbox. ``failures`` names each worker it could not bring back, and why; 409 while a
+    recovery runs elsewhere."""
+    return svc.manager.recover()
 
 
 @OPERATIONS.get("/v1/whoami", tags=["tokens"])

@@ -1,0 +1,114 @@
+"""Recovery (seed 000): one worker's failure is logged and skipped, ``wm recover`` runs it on
+request, and a running node takes over a recovery whose leader was killed mid-way."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy import update
+
+from tests.cli_env import one_error_line, wm, wm_json
+from tests.helpers import STUB, stub
+from wm import Settings, WorkManager, store
+from wm.dataplane.app import make_app
+from wm.dataplane.recovery import DONE_KEY, EPOCH_KEY, LEADER_KEY, Takeover
+from wm.errors import RecoveryRunning
+from wm.store.models import WorkerVersion
+
+#: Lease of the takeover test, and what a takeover may take beyond it (a look at the lease
+#: every second, the recovery itself, a loaded machine).
+LEASE_S = 3
+TAKEOVER_MARGIN_S = 7.0
+
+
+def test_a_worker_recovery_cannot_bring_back_is_logged_and_the_others_recover(
+    pg_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = WorkManager(pg_settings)
+    manager.create_worker(code=stub(), mime_type=STUB, topic="in", name="good")
+    bad = manager.create_worker(code=stub(), mime_type=STUB, topic="in", name="bad")
+    with store.session_scope(pg_settings) as session:  # a damaged code row
+        session.execute(
+            update(WorkerVersion).where(WorkerVersion.worker_id == bad.id).values(code=b"x")
+        )
+    state = redis.Redis.from_url(pg_settings.redis_url)
+    state.flushdb()  # Redis lost the routing table
+    with caplog.at_level(logging.ERROR, logger="wm.dataplane.recovery"):
+        report = manager.recover()
+    assert (report.routes_repaired, report.queues_declared, report.workers_checked) == (2, 2, 2)
+    [failure] = report.failures
+    assert (failure.worker_id, failure.name) == (bad.id, "bad")
+    assert f"version 1 holds 1 byte(s) in the store, {bad.size} recorded" in failure.reason
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"recovery: worker 'bad' ({bad.id}): its code cannot be loaded")
+    assert state.hlen("wm:topic:{in}:routes") == 2
+    assert state.get(DONE_KEY) and not state.exists(LEADER_KEY)
+
+
+def test_recover_is_refused_while_another_holds_the_lease(pg_settings: Settings) -> None:
+    redis.Redis.from_url(pg_settings.redis_url).set(LEADER_KEY, "celery@elsewhere/t0", ex=60)
+    with pytest.raises(RecoveryRunning, match=r"celery@elsewhere, lease \d+ s left"):
+        WorkManager(pg_settings).recover()
+
+
+def test_wm_recover_prints_what_it_did(env: dict[str, str]) -> None:
+    manager = WorkManager(Settings.from_env(env))
+    manager.create_worker(code=stub(), mime_type=STUB, topic="in", name="w")
+    store.dispose_engines()
+    found = wm_json(env, "recover")
+    assert (found["queues_declared"], found["workers_checked"], found["failures"]) == (1, 1, [])
+    assert re.search(r"queues declared:\s+1\n", wm(env, "recover").out)
+    redis.Redis.from_url(env["WM_REDIS_URL"]).set(LEADER_KEY, "celery@n/t", ex=60)
+    refused = wm(env, "recover", expect=1)
+    assert "a recovery is running (celery@n" in one_error_line(refused)
+
+
+def test_a_watching_node_takes_over_only_a_recovery_left_unfinished(pg_settings: Settings) -> None:
+    state = redis.Redis.from_url(pg_settings.redis_url)
+    heard: list[str] = []
+    watch = Takeover(pg_settings, make_app(pg_settings), "w@t", lambda s, _: heard.append(s))
+    state.set(EPOCH_KEY, 7)
+    state.set(LEADER_KEY, "celery@a/5/x")
+    watch.turn()
+    state.delete(LEADER_KEY)
+    state.set(DONE_KEY, "celery@b/6/y")  # a later recovery completed
+    watch.turn()
+    assert heard == []
+    state.set(LEADER_KEY, "celery@c/7/z")
+    watch.turn()
+    state.delete(LEADER_KEY)  # its holder died: done is still at 6
+    watch.turn()
+    assert heard == ["running", "done"]
+    assert (state.get(DONE_KEY) or b"").startswith(b"w@t/8/")
+
+
+@pytest.mark.slow
+def test_a_running_node_takes_over_when_the_leader_dies_mid_recovery(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """The leader is held mid-recovery by a lock on the subscriptions table, then killed
+    (-9): the node already running finishes its recovery once the lease lapses."""
+    settings = pg_settings.replace(worker_recovery_lease_ttl_seconds=LEASE_S)
+    WorkManager(settings).create_worker(code=stub(), mime_type=STUB, topic="in")
+    other = start_node(settings, "other")  # leads its own start, then watches
+    engine = sa.create_engine(settings.database_url)
+    with engine.connect() as conn:
+        conn.execute(sa.text("LOCK TABLE subscriptions IN ACCESS EXCLUSIVE MODE"))
+        leader = start_node(settings, "leader", ready=False)
+        leader.wait_for("recovery: leader@")
+        leader.kill()
+        killed = time.monotonic()
+        conn.rollback()
+    engine.dispose()
+    other.wait_for("takes over", timeout_s=LEASE_S + TAKEOVER_MARGIN_S)
+    other.wait_for("recovery done", after=other.log.read_text().index("takes over"))
+    took_s = time.monotonic() - killed
+    assert took_s < LEASE_S + TAKEOVER_MARGIN_S, took_s
+    done = redis.Redis.from_url(settings.redis_url).get(DONE_KEY)
+    assert done is not None and done.decode().startswith("other@")
