@@ -268,6 +268,17 @@ def _nodes_and_depths(
     return nodes, [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in firsts]
 
 
+def worker_queue_depths(settings: Settings, app: Celery) -> list[QueueDepth]:
+    """Every live worker queue's depth, as ``wm status`` counts it (a shared group's one
+    queue once, under its oldest member): one database read, one broker connection."""
+    with store.session_scope(settings) as session:
+        workers = _live_workers(session)
+    firsts = list({w.queue: w for w in reversed(workers)}.values())[::-1]
+    with broker_errors(settings), connect(app) as conn:
+        depths = queue_depths(conn, [w.queue for w in firsts])
+    return [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in firsts]
+
+
 def connect(app: Celery) -> Any:
     """A broker connection made now, or the broker's error after one quick attempt (kombu
     would otherwise retry for as long as Celery's settings allow)."""
