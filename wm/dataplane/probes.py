@@ -117,8 +117,8 @@ def run_probe(rt: Runtime, worker_id: str) -> ProbeFacts | None:
             return None
         error = None if answer else "the probe answered that the worker is not healthy"
     facts = probes.record(meta.id, meta.version, error, probe_interval_s(meta.settings))
+    notify("probe", meta, time.monotonic() - started)  # first: a scrape never sees fewer
     notify("probe_passed" if error is None else "probe_failed", meta)
-    notify("probe", meta, time.monotonic() - started)
     if error is not None:
         logger.warning(
             "probe of worker %s v%d failed (%d in a row): %s",
