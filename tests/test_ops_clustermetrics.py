@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import fresh_schema, make_settings
 from wm import Settings, store
+from wm.ops import clustermetrics
 from wm.ops.clustermetrics import TransitionsCollector
 from wm.store.models import Worker, WorkerTransition
 
@@ -32,7 +34,9 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
     store.dispose_engines()
 
 
-def _record(settings: Settings, moves: list[tuple[str | None, str, int | None]]) -> None:
+def _record(
+    settings: Settings, moves: list[tuple[str | None, str, int | None]], ago_s: float = 10
+) -> None:
     with store.session_scope(settings) as session:
         worker = Worker(
             id=uuid.uuid4(), topic="t", mime_type="m", status="running", current_version=1
@@ -47,6 +51,7 @@ def _record(settings: Settings, moves: list[tuple[str | None, str, int | None]])
                     to_status=target,
                     reason="test",
                     duration_ms=ms,
+                    at=datetime.now(UTC) - timedelta(seconds=ago_s),
                 )
             )
 
@@ -62,7 +67,9 @@ def _samples(collector: TransitionsCollector) -> dict[tuple[str, tuple[Any, ...]
     }
 
 
-def test_transitions_count_every_move_once_and_time_the_state_left(db: Settings) -> None:
+def test_transitions_count_every_move_once_and_time_the_state_left(
+    db: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _record(
         db,
         [
@@ -85,6 +92,7 @@ def test_transitions_count_every_move_once_and_time_the_state_left(db: Settings)
     assert ("wm_worker_state_seconds_count", (("state", "running"),)) not in first
 
     _record(db, [("created", "starting", 90_000), ("running", "stopped", 10**9)])
+    _record(db, [("stopped", "deleted", 1)], ago_s=0)  # its transaction may not have committed
     again = _samples(collector)  # the new rows only, added to what it had
     starting = (("from_state", "created"), ("to_state", "starting"))
     assert again[("wm_worker_transitions_total", starting)] == 2
@@ -97,3 +105,7 @@ def test_transitions_count_every_move_once_and_time_the_state_left(db: Settings)
     assert again[("wm_worker_state_seconds_bucket", running)] == 1
     assert again[("wm_worker_state_seconds_bucket", (("le", "604800"), ("state", "running")))] == 0
     assert _samples(collector) == again  # nothing new: nothing counted twice
+    deleted = (("from_state", "stopped"), ("to_state", "deleted"))
+    assert ("wm_worker_transitions_total", deleted) not in again
+    monkeypatch.setattr(clustermetrics, "SETTLE_S", 0.0)  # its time to commit has passed
+    assert _samples(collector)[("wm_worker_transitions_total", deleted)] == 1

@@ -22,7 +22,7 @@ import yaml
 from tests.conftest import ROOT, env_of
 from tests.helpers import STUB, drain, eventually, free_port, scrape, stub
 from wm import Settings, WorkManager, make_event
-from wm.ops import metrics
+from wm.ops import clustermetrics, metrics
 
 GOOD_EVENTS, BAD_EVENTS = 7, 3
 
@@ -239,6 +239,7 @@ def test_queue_depth_transitions_and_replacements_after_real_actions(
     node = start_node(settings, name="depth")
     node.consuming(f"replaced.in::{replaced.id}")
     url = f"http://127.0.0.1:{port}/metrics"
+    time.sleep(clustermetrics.SETTLE_S)
     first = scrape(url)  # the whole trail so far, in one read
     assert _scraped_transitions(first) == _transitions(manager, [queued, replaced])
 
@@ -253,10 +254,12 @@ def test_queue_depth_transitions_and_replacements_after_real_actions(
     eventually(lambda: _of(scrape(url), "wm_queue_depth", queued) == 0, timeout_s=20)
     manager.stop_worker(replaced.id)
     manager.start_worker(replaced.id)
-    samples = scrape(url)  # only the rows added since, added to the first read
+    # only the rows added since, added to the first read, once they had time to commit
     moves, counts, sums = _transitions(manager, [queued, replaced])
-    scraped = _scraped_transitions(samples)
-    assert scraped[:2] == (moves, counts)
+    scraped = eventually(
+        lambda: (got := _scraped_transitions(scrape(url)))[:2] == (moves, counts) and got,
+        timeout_s=20,
+    )
     assert scraped[2].keys() == sums.keys()
     assert all(abs(scraped[2][k] - sums[k]) < 1e-6 for k in sums)
     assert scraped[2][(("state", "created"),)] >= 0.3

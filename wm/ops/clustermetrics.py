@@ -9,6 +9,7 @@
   ``wm_worker_state_seconds{state}`` (time a worker spent in the state it left), from the
   audit trail (``worker_transitions``): the first scrape adds up the whole trail in one
   aggregate query, later ones only the rows recorded since; one series per lifecycle edge.
+  A transition shows :data:`SETTLE_S` after it was recorded.
 
 The same on every node: aggregate with ``max``. The database or broker down: these are left
 out of the scrape and the node's own metrics stay.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from wm import store
@@ -30,6 +32,9 @@ from wm.store import workers as rows
 
 #: Seconds a scrape reuses the queue depths it read.
 TTL_S = 5.0
+#: Seconds a transition is left out after it was recorded: the time its transaction has to
+#: commit (ids are taken in order, commits need not be), so that none is skipped for good.
+SETTLE_S = 2.0
 #: The ``wm_worker_state_seconds`` buckets: a second to a week.
 STATE_BUCKETS_S = (1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 21600.0, 86400.0, 604800.0)
 
@@ -81,8 +86,9 @@ class TransitionsCollector:
 
     def update(self) -> None:
         bounds_ms = [bound * 1000 for bound in STATE_BUCKETS_S]
+        before = datetime.now(UTC) - timedelta(seconds=SETTLE_S)
         with store.session_scope(self.settings) as session:
-            last, found = rows.tally_transitions(session, self.last_id, bounds_ms)
+            last, found = rows.tally_transitions(session, self.last_id, bounds_ms, before)
         for tally in found:
             source = tally.source or ""
             self.counts[(source, tally.target)] += tally.moves

@@ -107,11 +107,16 @@ class TransitionTally(NamedTuple):
 
 
 def tally_transitions(
-    session: Session, after_id: int, bounds_ms: Sequence[float]
+    session: Session, after_id: int, bounds_ms: Sequence[float], before: datetime
 ) -> tuple[int, list[TransitionTally]]:
-    """The transitions recorded after ``after_id``, counted by ``from``, ``to`` and duration
-    bucket in the database (one aggregate on the primary key's range), and the last id."""
-    last = session.scalar(select(func.max(WorkerTransition.id))) or 0
+    """The transitions recorded after ``after_id`` and before ``before``, counted by
+    ``from``, ``to`` and duration bucket in the database (one aggregate on the primary key's
+    range), and the last id counted. ``before`` leaves out the newest rows, so that one of a
+    transaction still open (its id taken, not yet committed) is not skipped for good."""
+    newest = select(func.max(WorkerTransition.id)).where(
+        WorkerTransition.id > after_id, WorkerTransition.at < before
+    )
+    last = session.scalar(newest) or 0
     if last <= after_id:
         return after_id, []
     ms = WorkerTransition.duration_ms
