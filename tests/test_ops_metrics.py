@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, env_of
 from tests.helpers import STUB, drain, eventually, free_port, scrape, stub
 from wm import Settings, WorkManager, make_event
-from wm.ops import metrics
+from wm.ops import clustermetrics, metrics
 
 GOOD_EVENTS, BAD_EVENTS = 7, 3
 
@@ -163,6 +164,116 @@ def test_the_grafana_dashboard_uses_only_metrics_a_node_exposes() -> None:
     exposed |= {f"wm_{name}_bucket" for name, _ in metrics.HISTOGRAMS.values()}
     exposed |= {f"wm_{name}" for name, _ in metrics.GAUGES.values()}
     exposed |= {"wm_node_consumers", "wm_node_recovery", "wm_workers", "wm_workers_health"}
+    exposed |= {"wm_queue_depth", "wm_worker_transitions_total", "wm_worker_state_seconds_bucket"}
     assert used and used <= exposed, used - exposed
     counters = {f"wm_{metrics.NAMES.get(kind, kind)}_total" for kind in metrics.COUNTERS}
     assert counters <= used  # every counter has a panel
+    assert {"wm_queue_depth", "wm_probe_seconds_bucket", "wm_worker_state_seconds_bucket"} <= used
+
+
+def test_the_keda_example_is_a_scaled_object_on_the_queue_depth() -> None:
+    text = (ROOT / "ops" / "keda" / "scaledobject.yaml").read_text()
+    assert f"```yaml\n{text}```" in (ROOT / "README.md").read_text()  # the README shows it
+    scaled = yaml.safe_load(text)
+    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["name"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert "wm_queue_depth" in trigger["metadata"]["query"]
+    assert float(trigger["metadata"]["threshold"]) > 0  # KEDA wants a string of a number
+
+
+QUEUED, BAD = 5, 4
+
+
+def _transitions(manager: WorkManager, workers: list[Any]) -> tuple[dict[Any, float], ...]:
+    """What ``/metrics`` must show of the audit trail: moves by edge; per state left, how
+    many timed moves and their seconds."""
+    moves: dict[Any, float] = {}
+    counts: dict[Any, float] = {}
+    sums: dict[Any, float] = {}
+    for worker in workers:
+        for t in manager.get_worker_transitions(worker.id):
+            edge = (("from_state", t.from_status or ""), ("to_state", t.to_status))
+            moves[edge] = moves.get(edge, 0) + 1
+            if t.from_status and t.duration_ms is not None:
+                state = (("state", t.from_status),)
+                counts[state] = counts.get(state, 0) + 1
+                sums[state] = sums.get(state, 0) + t.duration_ms / 1000
+    return moves, counts, sums
+
+
+def _scraped_transitions(samples: dict[Any, float]) -> tuple[dict[Any, float], ...]:
+    def named(name: str) -> dict[Any, float]:
+        return {labels: v for (n, labels), v in samples.items() if n == name}
+
+    return (
+        named("wm_worker_transitions_total"),
+        named("wm_worker_state_seconds_count"),
+        named("wm_worker_state_seconds_sum"),
+    )
+
+
+@pytest.mark.slow
+def test_queue_depth_transitions_and_replacements_after_real_actions(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    port = free_port()
+    settings = pg_settings.replace(health_port=port)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("depth.out", "sink")
+    queued = manager.create_worker(
+        code=stub(output_type="depth.out"),
+        mime_type=STUB,
+        topic="depth.in",
+        name="queued",
+        start=False,
+    )
+    replaced = manager.create_worker(
+        code=stub(fail="bad input", fail_if_data_has="bad"),
+        mime_type=STUB,
+        topic="replaced.in",
+        name="replaced",
+        settings={"failure_threshold": 2, "max_retries": 0, "recovery": "replace"},
+    )
+    node = start_node(settings, name="depth")
+    node.consuming(f"replaced.in::{replaced.id}")
+    url = f"http://127.0.0.1:{port}/metrics"
+    time.sleep(clustermetrics.SETTLE_S)
+    first = scrape(url)  # the whole trail so far, in one read
+    assert _scraped_transitions(first) == _transitions(manager, [queued, replaced])
+
+    for n in range(QUEUED):  # nobody consumes a stopped worker's queue: they wait
+        manager.publish(make_event("depth.in", "/tests", {"n": n}))
+    eventually(lambda: _of(scrape(url), "wm_queue_depth", queued) == QUEUED, timeout_s=20)
+    assert _of(scrape(url), "wm_queue_depth", replaced) == 0
+
+    time.sleep(0.3)  # time in "created" to measure
+    manager.start_worker(queued.id)
+    assert len(drain(settings, sink, QUEUED)) == QUEUED
+    eventually(lambda: _of(scrape(url), "wm_queue_depth", queued) == 0, timeout_s=20)
+    manager.stop_worker(replaced.id)
+    manager.start_worker(replaced.id)
+    # only the rows added since, added to the first read, once they had time to commit
+    moves, counts, sums = _transitions(manager, [queued, replaced])
+    scraped = eventually(
+        lambda: (got := _scraped_transitions(scrape(url)))[:2] == (moves, counts) and got,
+        timeout_s=20,
+    )
+    assert scraped[2].keys() == sums.keys()
+    assert all(abs(scraped[2][k] - sums[k]) < 1e-6 for k in sums)
+    assert scraped[2][(("state", "created"),)] >= 0.3
+    start = (("from_state", "stopped"), ("to_state", "starting"))
+    assert moves[start] == 1  # the replaced worker's restart
+
+    node.consuming(f"replaced.in::{replaced.id}")
+    for n in range(BAD):  # one run of failures: one replacement, however long it goes on
+        manager.publish(make_event("replaced.in", "/tests", {"n": n, "bad": True}))
+    eventually(lambda: _of(scrape(url), "wm_replacements_total", replaced) >= 1, timeout_s=30)
+    node.wait_for(f"unloaded worker {replaced.id}")
+    eventually(lambda: _of(scrape(url), "wm_failed_total", replaced) == BAD, timeout_s=30)
+    time.sleep(1.0)  # a second replacement would show now
+    samples = scrape(url)
+    assert _of(samples, "wm_replacements_total", replaced) == 1
+    assert _of(samples, "wm_failed_total", replaced) == BAD
+    assert _of(samples, "wm_replacements_total", queued) == 0

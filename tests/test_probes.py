@@ -286,6 +286,10 @@ def test_a_failing_probe_makes_a_worker_unhealthy_until_its_code_passes_it(
     labels = (("worker", "probed"), ("worker_id", str(probed.id)))
     assert samples[("wm_probe_failed_total", labels)] >= 3
     assert samples.get(("wm_probe_passed_total", labels), 0) == 0
+    # each probe's run is timed (the time observed before the result is counted)
+    probed_n = samples[("wm_probe_failed_total", labels)]
+    assert probed_n <= samples[("wm_probe_seconds_count", labels)] <= probed_n + 1
+    assert samples[("wm_probe_seconds_sum", labels)] > 0
     assert samples[("wm_workers_health", (("health", UNHEALTHY),))] >= 1
 
     # the worker without a probe was asked once, three periods ago or more, never again

@@ -260,12 +260,28 @@ def _nodes_and_depths(
 ) -> tuple[list[str], list[QueueDepth]]:
     """The nodes that answer a ping, and every worker queue's depth: one connection, each
     wait bounded. A shared group's one queue is counted once, under its oldest member."""
-    firsts = list({w.queue: w for w in reversed(workers)}.values())[::-1]
+    firsts = _queue_owners(workers)
     with broker_errors(settings), connect(app) as conn:
         replies = app.control.ping(timeout=ping_timeout_s, connection=conn) or []
         depths = queue_depths(conn, [w.queue for w in firsts])
     nodes = sorted(name for reply in replies for name in reply)
     return nodes, [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in firsts]
+
+
+def worker_queue_depths(settings: Settings, app: Celery) -> list[QueueDepth]:
+    """Every live worker queue's depth, as ``wm status`` counts it (a shared group's one
+    queue once, under its oldest member): one database read, one broker connection."""
+    with store.session_scope(settings) as session:
+        workers = _live_workers(session)
+    firsts = _queue_owners(workers)
+    with broker_errors(settings), connect(app) as conn:
+        depths = queue_depths(conn, [w.queue for w in firsts])
+    return [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in firsts]
+
+
+def _queue_owners(workers: list[LiveWorker]) -> list[LiveWorker]:
+    """One worker per queue: a shared group's oldest member."""
+    return list({w.queue: w for w in reversed(workers)}.values())[::-1]
 
 
 def connect(app: Celery) -> Any:

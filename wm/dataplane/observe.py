@@ -8,8 +8,10 @@ Kinds, each with the worker's facts and a value: ``delivered`` (an attempt reach
 worker), ``succeeded``, ``failed`` (an attempt failed), ``retried``, ``dead_lettered``,
 ``fence_refused`` (a write refused under a lost lease), ``duplicate`` (a recorded outcome
 republished instead of running again), ``breaker_opened`` (the circuit breaker paused
-it); with seconds as the value: ``lock_wait``, ``engine`` (the code's run), ``latency``
-(from the input's ``time`` to its outputs' publish); with a count as the value, after a
+it), ``replaced`` (recovery ``replace`` unloaded its engine), ``probe_passed``,
+``probe_failed``; with seconds as the value: ``lock_wait``, ``engine`` (the code's run),
+``latency`` (from the input's ``time`` to its outputs' publish), ``probe`` (a health
+probe's run); with a count as the value, after a
 worker's engine was loaded: ``engines`` (the process's loaded engines), ``sandboxes`` (the
 processes they keep).
 """

@@ -17,6 +17,7 @@ discarded unrun. A version whose code has no probe is remembered and not asked a
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import Task, shared_task
@@ -102,6 +103,7 @@ def run_probe(rt: Runtime, worker_id: str) -> ProbeFacts | None:
     if meta is None or meta.status != Status.RUNNING:
         probes.release(worker_id)
         return None
+    started = time.monotonic()
     try:
         answer = _ask(rt, meta)
     except Unavailable:
@@ -115,6 +117,7 @@ def run_probe(rt: Runtime, worker_id: str) -> ProbeFacts | None:
             return None
         error = None if answer else "the probe answered that the worker is not healthy"
     facts = probes.record(meta.id, meta.version, error, probe_interval_s(meta.settings))
+    notify("probe", meta, time.monotonic() - started)  # first: a scrape never sees fewer
     notify("probe_passed" if error is None else "probe_failed", meta)
     if error is not None:
         logger.warning(

@@ -16,16 +16,20 @@ Per WorkManager worker, labelled ``worker_id`` and ``worker`` (its name, or empt
 ``wm_retried_total``, ``wm_dead_lettered_total``, ``wm_fence_refusals_total``,
 ``wm_duplicates_skipped_total`` (a recorded outcome republished instead of a second run),
 ``wm_breaker_opened_total`` (times its circuit breaker paused it), ``wm_probe_passed_total``
-and ``wm_probe_failed_total`` (its health probes run on this node), and
-the histograms ``wm_lock_wait_seconds``, ``wm_engine_seconds`` and
-``wm_publish_to_output_seconds``. Per node: ``wm_node_consumers`` (worker queues consumed),
+and ``wm_probe_failed_total`` (its health probes run on this node),
+``wm_replacements_total`` (times recovery ``replace`` unloaded its engine), and the
+histograms ``wm_lock_wait_seconds``, ``wm_engine_seconds``,
+``wm_publish_to_output_seconds`` and ``wm_probe_seconds``. Per node: ``wm_node_consumers``
+(worker queues consumed),
 ``wm_node_recovery`` (1 for the current state), ``wm_node_engines`` (engines loaded in its
-pool processes) and ``wm_node_sandbox_processes``. Cardinality: 10 counters and 3 histograms
-of 13 series each per worker the node served since it started, so about 49 series per worker.
+pool processes) and ``wm_node_sandbox_processes``. Cardinality: 11 counters and 4 histograms
+of 13 series each per worker the node served since it started, so about 63 series per worker.
 
 Of the whole cluster, the same on every node (read from the database and Redis at most every
 :data:`WORKERS_TTL_S`; aggregate with ``max``): ``wm_workers{status}``, the live workers in
-each status, and ``wm_workers_health{health}``, in each health.
+each status, and ``wm_workers_health{health}``, in each health; and those of
+``wm.ops.clustermetrics``: ``wm_queue_depth`` per worker queue, the lifecycle transitions
+and the time spent in each state.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from wm.dataplane import observe
 from wm.dataplane.node import STATE
 from wm.errors import WorkManagerError
 from wm.lifecycle import Status
+from wm.ops import clustermetrics
 from wm.state.directory import WorkerMeta
 from wm.state.health import HEALTHS, WorkerHealth
 from wm.store.models import Worker
@@ -62,12 +67,18 @@ COUNTERS = {
     "breaker_opened": "Times the circuit breaker paused the worker (running to pending).",
     "probe_passed": "Health probes of the worker's code that passed.",
     "probe_failed": "Health probes of the worker's code that failed (false, raised, timed out).",
+    "replaced": "Times recovery 'replace' unloaded the worker's engine to load it afresh.",
 }
-NAMES = {"fence_refused": "fence_refusals", "duplicate": "duplicates_skipped"}
+NAMES = {
+    "fence_refused": "fence_refusals",
+    "duplicate": "duplicates_skipped",
+    "replaced": "replacements",
+}
 HISTOGRAMS = {
     "lock_wait": ("lock_wait_seconds", "Time taking the group lock."),
     "engine": ("engine_seconds", "Time the worker's code ran."),
     "latency": ("publish_to_output_seconds", "From the input's publish to its outputs'."),
+    "probe": ("probe_seconds", "Time a health probe of the worker's code took."),
 }
 GAUGES = {
     "engines": ("node_engines", "Engines loaded in the node's pool processes."),
@@ -78,8 +89,8 @@ RECOVERY_STATES = ("pending", "running", "retrying", "done", "elsewhere", "disab
 _metrics: dict[str, Any] = {}
 #: The samples' directory when this process made it (removed when the node stops).
 _made: list[str] = []
-#: The cluster's worker counts (made by :func:`prepare`).
-_workers: list[_WorkersCollector] = []
+#: The cluster's collectors, read at each scrape (made by :func:`prepare`).
+_workers: list[Any] = []
 
 
 def prepare(settings: Settings) -> None:
@@ -95,7 +106,13 @@ def prepare(settings: Settings) -> None:
         os.environ[ENV] = tempfile.mkdtemp(prefix="wm-metrics-")
         _made.append(os.environ[ENV])
     _define()
-    _workers.append(_WorkersCollector(settings))
+    _workers.extend(
+        (
+            _WorkersCollector(settings),
+            clustermetrics.QueueDepthCollector(settings),
+            clustermetrics.TransitionsCollector(settings),
+        )
+    )
     observe.register(_observe)
 
 
@@ -240,6 +257,6 @@ def exposition() -> tuple[bytes, str] | None:
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path)
     registry.register(_NodeCollector())
-    if _workers:
-        registry.register(_workers[0])
+    for collector in _workers:
+        registry.register(collector)
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -6,11 +6,11 @@ caller's decision, and ``records`` writes the transition and its outbox row."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from wm.lifecycle import Status
@@ -93,6 +93,49 @@ def transitions(session: Session, wid: uuid.UUID) -> list[TransitionInfo]:
     query = select(WorkerTransition).where(WorkerTransition.worker_id == wid)
     rows = session.scalars(query.order_by(WorkerTransition.id)).all()
     return [records.transition_info(t) for t in rows]
+
+
+class TransitionTally(NamedTuple):
+    """Transitions of one ``from → to`` with their time in ``from`` in one bucket: the
+    bucket's index in the bounds (``len(bounds)`` past the last; -1 for no duration)."""
+
+    source: str | None
+    target: str
+    bucket: int
+    moves: int
+    total_ms: float
+
+
+def tally_transitions(
+    session: Session, after_id: int, bounds_ms: Sequence[float], before: datetime
+) -> tuple[int, list[TransitionTally]]:
+    """The transitions recorded after ``after_id`` and before ``before``, counted by
+    ``from``, ``to`` and duration bucket in the database (one aggregate on the primary key's
+    range), and the last id counted. ``before`` leaves out the newest rows, so that one of a
+    transaction still open (its id taken, not yet committed) is not skipped for good."""
+    newest = select(func.max(WorkerTransition.id)).where(
+        WorkerTransition.id > after_id, WorkerTransition.at < before
+    )
+    last = session.scalar(newest) or 0
+    if last <= after_id:
+        return after_id, []
+    ms = WorkerTransition.duration_ms
+    whens = [(ms <= bound, index) for index, bound in enumerate(bounds_ms)]
+    rows = (
+        select(
+            WorkerTransition.from_status.label("source"),
+            WorkerTransition.to_status.label("target"),
+            case((ms.is_(None), -1), *whens, else_=len(bounds_ms)).label("bucket"),
+            ms.label("ms"),
+        )
+        .where(WorkerTransition.id > after_id, WorkerTransition.id <= last)
+        .subquery()
+    )
+    keys = (rows.c.source, rows.c.target, rows.c.bucket)
+    found = session.execute(
+        select(*keys, func.count(), func.coalesce(func.sum(rows.c.ms), 0)).group_by(*keys)
+    ).all()
+    return last, [TransitionTally(f, t, int(b), int(n), float(s)) for f, t, b, n, s in found]
 
 
 def code(session: Session, wid: uuid.UUID, version: int) -> bytes | None:

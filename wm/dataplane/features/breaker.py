@@ -94,6 +94,7 @@ def trip(settings: Settings, bus: Bus, meta: WorkerMeta, trips: int, last_error:
         return
     if how == "replace":
         enginecontrol.send(settings, enginecontrol.UNLOAD, meta.id)
+        notify("replaced", meta)
         action = "its engine is loaded afresh from the pinned version on every node"
     else:
         action = "it goes on consuming, degraded"
