@@ -65,9 +65,20 @@ def _redis_host() -> str:
         return given
     data_dir = Path(tempfile.mkdtemp(prefix=f"wm-tests-redis-{XDIST_WORKER}-"))
     server = start_redis(data_dir, persistent=False)
-    atexit.register(shutil.rmtree, data_dir, True)
-    atexit.register(stop_redis, server)
+    # stopped by pytest_unconfigure: an xdist worker may leave without running atexit
+    _OWN_REDIS.append((server, data_dir))
+    atexit.register(_stop_own_redis)
     return f"redis://127.0.0.1:{server.port}"
+
+
+_OWN_REDIS: list[tuple[Any, Path]] = []
+
+
+def _stop_own_redis() -> None:
+    while _OWN_REDIS:
+        server, data_dir = _OWN_REDIS.pop()
+        stop_redis(server)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 REDIS_HOST = _redis_host()
@@ -95,6 +106,10 @@ TERMINAL = ("COLUMNS", "LINES")
 def pytest_configure_node(node: Any) -> None:
     """(xdist, in the controller) Hand each worker the controller's terminal variables."""
     node.workerinput["terminal"] = {name: os.environ.get(name) for name in TERMINAL}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _stop_own_redis()
 
 
 def pytest_configure(config: pytest.Config) -> None:
