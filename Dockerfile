@@ -18,8 +18,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# bubblewrap and libseccomp: the Python sandbox's kernel layers (README "The sandbox"); the
-# compose file gives the container what bubblewrap needs and requires every layer.
+# bubblewrap and libseccomp: the Python sandbox's kernel layers (docs/guides/python-workers.md
+# "The sandbox"); the compose file gives the container what bubblewrap needs and requires
+# every layer.
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 \
     && rm -rf /var/lib/apt/lists/*
 
@@ -38,7 +39,7 @@ WORKDIR /home/workmanager
 CMD ["celery", "-A", "wm.celeryapp", "worker", "--loglevel=INFO"]
 
 # A supported .NET 8 SDK from Microsoft's image: its runtime runs the workers and its Roslyn
-# compiles C# (README ".NET workers"); found in /usr/share/dotnet.
+# compiles C# (docs/guides/dotnet-workers.md); found in /usr/share/dotnet.
 FROM base AS with-dotnet
 USER root
 COPY --from=mcr.microsoft.com/dotnet/sdk:8.0 /usr/share/dotnet /usr/share/dotnet

@@ -1,3 +1,3 @@
-# The README's session: the shout worker's second version, which publishes nothing.
+# The session of docs/guides/cli.md: the shout worker's second version, which publishes nothing.
 def process(event):
     return None

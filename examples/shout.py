@@ -1,4 +1,5 @@
-"""The README's session: a worker on topic greetings that shouts the text it is given.
+"""A worker on topic greetings that shouts the text it is given (the README's tour, and the
+session of docs/guides/cli.md).
 
 {"text": "hello"} on greetings becomes {"text": "HELLO"} on greetings.shouted, with the
 input's correlationid (WorkerBase.response copies it).

@@ -14,8 +14,8 @@
  *            refuses the buffer). *out_buf may stay NULL only on a non-zero return.
  *
  * Process may be called from several threads at once: it must be reentrant. Identity is in
- * the environment (VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC), set
- * before the library is loaded; read it once at initialization. See GUIDE.md.
+ * the environment (VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC,
+ * VIRTUFIN_TENANT_ID), set before the library is loaded; read it once at initialization. See GUIDE.md.
  */
 #ifndef VIRTUFIN_WORKER_API_H
 #define VIRTUFIN_WORKER_API_H

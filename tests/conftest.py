@@ -59,16 +59,25 @@ def _redis_host() -> str:
     """The Redis server of the tests: ``TEST_REDIS_HOST`` (default the local server) for the
     first xdist worker (or a run without ``-n``), and a redis-server of its own, on a free
     port, for each further worker: nothing of a server (pub/sub channels, clients, memory)
-    is shared between two workers' tests."""
+    is shared between two workers' tests. The processes a test starts that import this module
+    use their worker's server (``_OWN_REDIS_ENV``), not one more of their own, which nobody
+    would stop."""
     given = os.environ.get("TEST_REDIS_HOST", "redis://127.0.0.1:6379").rstrip("/")
     if XDIST_WORKER in ("", "gw0"):
         return given
+    if os.environ.get(_OWN_REDIS_ENV):
+        return os.environ[_OWN_REDIS_ENV]
     data_dir = Path(tempfile.mkdtemp(prefix=f"wm-tests-redis-{XDIST_WORKER}-"))
     server = start_redis(data_dir, persistent=False)
     # stopped by pytest_unconfigure: an xdist worker may leave without running atexit
     _OWN_REDIS.append((server, data_dir))
     atexit.register(_stop_own_redis)
-    return f"redis://127.0.0.1:{server.port}"
+    os.environ[_OWN_REDIS_ENV] = f"redis://127.0.0.1:{server.port}"
+    return os.environ[_OWN_REDIS_ENV]
+
+
+#: The Redis server an xdist worker started for itself, for the processes its tests start.
+_OWN_REDIS_ENV = "TEST_OWN_REDIS_HOST"
 
 
 _OWN_REDIS: list[tuple[Any, Path]] = []
@@ -177,6 +186,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if seed is not None and report.failed:
         report.sections.append(("random seed", f"seed={seed} (rerun with {SEED_ENV}={seed})"))
     return report
+
+
+#: ``record_property(FIGURE, text)``: a measured figure a test states (a failover's pause,
+#: what was lost); the run's summary lists them, from pytest-xdist's workers too.
+FIGURE = "figure"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    figures = [
+        f"{report.nodeid}: {value}"
+        for report in terminalreporter.stats.get("passed", [])
+        for key, value in getattr(report, "user_properties", ())
+        if key == FIGURE
+    ]
+    if figures:
+        terminalreporter.section("figures measured by the tests")
+        for line in figures:
+            terminalreporter.write_line(line)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

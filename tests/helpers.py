@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import ssl
 import subprocess
@@ -14,14 +15,44 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
 from wm import Settings, WorkManager, make_event
+from wm.dataplane.queues import subscription_queue
 
 STUB = "application/x-wm-stub"
+#: The root of the clone: the README (the front page) and docs/ (the manual) are under it.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc(path: str) -> str:
+    """One page of the documentation, by its path from the root: ``README.md``,
+    ``docs/guides/tenants.md``…"""
+    return ROOT.joinpath(path).read_text(encoding="utf-8")
+
+
+def doc_pages() -> list[Path]:
+    """The README and every page of docs/, in a stable order."""
+    return [ROOT / "README.md", *sorted(ROOT.joinpath("docs").rglob("*.md"))]
+
+
+def all_docs() -> str:
+    """The whole documentation as one text: the README, then every page of docs/."""
+    return "\n".join(page.read_text(encoding="utf-8") for page in doc_pages())
+
+
+def artefacts(kind: str) -> Path:
+    """Where a test keeps what a person may want to look at afterwards (screenshots):
+    ``$TEST_ARTEFACTS_DIR/<kind>``, default ``tests/artefacts/<kind>`` (git-ignored). Not a
+    ``WM_`` name: WorkManager refuses unknown ``WM_*`` variables in the processes tests start."""
+    root = os.environ.get("TEST_ARTEFACTS_DIR") or Path(__file__).resolve().parent / "artefacts"
+    where = Path(root) / kind
+    where.mkdir(parents=True, exist_ok=True)
+    return where
 
 
 def free_port() -> int:
@@ -52,7 +83,7 @@ def drain(
     events: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
     with Connection(settings.broker_url) as conn:
-        simple = conn.SimpleQueue(queue)
+        simple = conn.SimpleQueue(subscription_queue(queue, settings))
         try:
             while len(events) < count and time.monotonic() < deadline:
                 try:

@@ -66,9 +66,16 @@ NEEDS = {
     ("GET", "/v1/schedules"): Role.VIEWER,
     ("POST", "/v1/schedules"): Role.OPERATOR,
     ("DELETE", "/v1/schedules/{schedule_id}"): Role.OPERATOR,
+    ("GET", "/v1/subscriptions"): Role.VIEWER,
+    ("PUT", "/v1/subscriptions/{topic}/{name}"): Role.OPERATOR,
+    ("DELETE", "/v1/subscriptions/{topic}/{name}"): Role.OPERATOR,
+    ("GET", "/v1/tokens"): Role.ADMIN,
+    ("POST", "/v1/tokens"): Role.ADMIN,
+    ("DELETE", "/v1/tokens/{token}"): Role.ADMIN,
 }
 #: Parked at the first failure, with the circuit breaker off (these tests want letters).
-FAST = {"max_retries": 0, "timeout_s": 10, "failure_threshold": 0}
+#: Neither the breaker nor health pauses these workers: their failures are what is looked at.
+FAST = {"max_retries": 0, "timeout_s": 10, "failure_threshold": 0, "pause_when_unhealthy": False}
 #: Inputs generated per operation when fuzzing, and what each answer is checked for.
 FUZZ_EXAMPLES = 60
 FUZZ_CHECKS = [
@@ -93,6 +100,11 @@ class Api:
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
 
+#: The output of each ``wm api`` a test started, read as it comes (by a thread per server):
+#: a pipe nobody reads fills up (64 KiB, some 600 access-log lines) and blocks the server.
+_OUTPUT: dict[int, tuple[threading.Thread, list[str]]] = {}
+
+
 def start_api(
     settings: Settings, *args: str, scheme: str = "http", verify: Any = True
 ) -> tuple[str, subprocess.Popen[str]]:
@@ -104,11 +116,16 @@ def start_api(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines: list[str] = []
+    assert process.stdout is not None
+    reader = threading.Thread(target=lines.extend, args=(process.stdout,), daemon=True)
+    reader.start()
+    _OUTPUT[process.pid] = (reader, lines)
     url = f"{scheme}://127.0.0.1:{port}"
 
     def up() -> bool:
         if process.poll() is not None:
-            raise AssertionError(f"wm api ended: {process.communicate()[0]}")
+            raise AssertionError(f"wm api ended: {_output(process)}")
         try:
             return httpx.get(f"{url}/health/live", verify=verify).status_code == 200
         except httpx.TransportError:
@@ -119,15 +136,22 @@ def start_api(
     except BaseException:
         if process.poll() is None:
             process.kill()
-            process.communicate()
+            _output(process)
         raise
     return url, process
 
 
+def _output(process: subprocess.Popen[str]) -> str:
+    """Everything the (ended) server printed."""
+    process.wait(timeout=30)
+    reader, lines = _OUTPUT.pop(process.pid)
+    reader.join(timeout=30)
+    return "".join(lines)
+
+
 def stop(process: subprocess.Popen[str]) -> str:
     process.terminate()
-    out, _ = process.communicate(timeout=30)
-    return out
+    return _output(process)
 
 
 @pytest.fixture
@@ -155,7 +179,9 @@ def test_every_call_needs_a_token_in_force_and_a_role_high_enough(api: Api) -> N
     time.sleep(1.1)
     forged = api.tokens[Role.ADMIN][:-4] + "AAAA"
     for (method, path), needed in sorted(NEEDS.items()):
-        target = path.format(ref="nobody", letter_id="nothing", schedule_id="nothing")
+        target = path.format(
+            ref="nobody", letter_id="nothing", schedule_id="nothing", topic="t", name="n", token="x"
+        )
         for secret in (None, "not-a-token", forged, revoked, expiring):
             with api.client(token=secret) as client:
                 reply = client.request(method, target, json={})
@@ -202,6 +228,9 @@ def test_a_worker_lives_its_whole_life_over_http_with_a_real_node(
         rolled = http.post("/v1/workers/echo/rollback", json={"version": 1})
         assert rolled.json()["current_version"] == 1
         assert http.post("/v1/workers/echo/stop").json()["status"] == "stopped"
+        too_late = http.post("/v1/workers/echo/start", params={"delay_s": "6.8e307"})
+        assert too_late.status_code == 422 and "at most 31536000" in too_late.text
+        assert http.get("/v1/workers/echo").json()["status"] == "stopped"  # nothing written
         assert http.post("/v1/workers/echo/start").json()["status"] == "running"
         versions = http.get(f"/v1/workers/{worker['id']}/versions").json()
         assert [(v["version"], v["note"]) for v in versions] == [(1, "created"), (2, "v2")]
@@ -212,6 +241,46 @@ def test_a_worker_lives_its_whole_life_over_http_with_a_real_node(
         assert http.delete("/v1/workers/echo").json()["status"] == "deleted"
         assert http.get("/v1/workers/echo").status_code == 404
         assert http.get("/v1/health").json()["status"] == "healthy"
+
+
+def test_a_call_works_in_the_tenant_its_header_names(api: Api) -> None:
+    """``WM-Tenant``: a worker created in one tenant is listed, found and published to in it
+    alone; from another tenant its id answers exactly like a missing one; a tenant that does
+    not exist is a 404 saying so, a malformed name a 422."""
+    WorkManager(api.settings).create_tenant("acme")
+    acme = WorkManager(api.settings, tenant="acme")
+    queue = acme.subscribe("api.in", "tap")  # no node runs: the worker's queue fills
+    body = {
+        "topic": "api.in",
+        "mime_type": STUB,
+        "name": "echo",
+        "code": '{"output_type": "api.done"}',
+    }
+    in_acme = {"WM-Tenant": "acme"}
+    # Only a deployment-wide token names the tenant of its calls (issue 28, scoped tokens).
+    _, every_tenant = Tokens(api.settings).create("every-tenant", Role.ADMIN, all_tenants=True)
+    with api.client(token=every_tenant) as http:
+        made = http.post("/v1/workers", json=body, headers=in_acme)
+        assert made.status_code == 201, made.text
+        worker = made.json()
+        assert (worker["tenant"], worker["topic"]) == ("acme", "api.in")
+        assert [w["id"] for w in http.get("/v1/workers", headers=in_acme).json()] == [worker["id"]]
+        assert http.get("/v1/workers").json() == []
+        missing = "00000000-0000-4000-8000-000000000000"
+        for ref in (worker["id"], "echo"):
+            foreign = http.get(f"/v1/workers/{ref}")
+            assert foreign.status_code == 404
+            gone = http.get(f"/v1/workers/{missing if ref == worker['id'] else 'nobody'}")
+            expected = gone.json()["detail"].replace(missing, ref).replace("nobody", ref)
+            assert foreign.json()["detail"] == expected
+        event = {"type": "api.in", "source": "/t", "data": {"n": 1}}
+        assert http.post("/v1/events", json=event).json() == {"reached": 0}
+        assert http.post("/v1/events", json=event, headers=in_acme).json() == {"reached": 2}
+        [out] = drain(api.settings, queue, 1)
+        assert out["wmtenant"] == "acme"
+        unknown = http.get("/v1/workers", headers={"WM-Tenant": "beta"})
+        assert unknown.status_code == 404 and unknown.json()["type"] == "TenantNotFound"
+        assert http.get("/v1/workers", headers={"WM-Tenant": "Bad!"}).status_code == 422
 
 
 def test_a_list_of_events_is_published_in_order_and_a_bad_one_is_named(api: Api) -> None:
@@ -705,5 +774,105 @@ def test_a_lone_surrogate_in_a_request_gets_a_clear_answer_and_a_finished_audit_
     data = f'{{"type": "in", "source": "/t", "data": {{"x": {lone}}}}}'
     published = admin.post("/v1/events", content=data, headers={"Content-Type": "application/json"})
     assert published.status_code == 202, published.text
-    audit = admin.get("/v1/audit").json()
-    assert audit and all(entry["status_code"] is not None for entry in audit)
+
+    # a call's audit row is finished as its response goes out, so the last may lag a moment
+    def finished() -> bool:
+        audit = admin.get("/v1/audit").json()
+        return bool(audit) and all(entry["status_code"] is not None for entry in audit)
+
+    eventually(finished, timeout_s=5)
+
+
+def test_subscriptions_and_tokens_are_managed_over_http(api: Api) -> None:
+    """A plain subscription made, fed, listed and removed; a token made by a tenant's admin
+    works at once, is listed, and stops working when revoked."""
+    with api.client(Role.OPERATOR) as http:
+        made = http.put("/v1/subscriptions/api.subs/inbox")
+        assert made.status_code == 200, made.text
+        queue = made.json()["queue"]
+        assert made.json() == {"topic": "api.subs", "name": "inbox", "queue": queue}
+        assert http.put("/v1/subscriptions/api.subs/inbox").json() == made.json()  # idempotent
+        http.post("/v1/events", json={"type": "api.subs", "source": "/t"}).raise_for_status()
+        listed = http.get("/v1/subscriptions", params={"topic": "api.subs"}).json()
+        assert listed == [{"topic": "api.subs", "queue": queue, "worker_id": None, "depth": 1}]
+        assert http.delete("/v1/subscriptions/api.subs/inbox").json() == {"purged": 1}
+        gone = http.delete("/v1/subscriptions/api.subs/inbox")
+        assert gone.status_code == 404, gone.text
+        assert "has no subscription named 'inbox'" in gone.json()["detail"]
+        assert http.get("/v1/subscriptions", params={"topic": "api.subs"}).json() == []
+    with api.client(Role.ADMIN) as http:
+        created = http.post("/v1/tokens", json={"name": "made-over-http", "role": "viewer"})
+        assert created.status_code == 201, created.text
+        token, secret = created.json()["token"], created.json()["secret"]
+        assert (token["role"], token["tenant"]) == ("viewer", "default")
+        again = http.post("/v1/tokens", json={"name": "made-over-http", "role": "viewer"})
+        assert again.status_code == 422 and "is in force" in again.text
+        assert "made-over-http" in [t["name"] for t in http.get("/v1/tokens").json()]
+        with api.client(token=secret) as viewer:
+            assert viewer.get("/v1/whoami").json()["id"] == token["id"]
+            assert http.delete(f"/v1/tokens/{token['id']}").json()["revoked_at"] is not None
+            assert viewer.get("/v1/whoami").status_code == 401
+        assert "made-over-http" not in [t["name"] for t in http.get("/v1/tokens").json()]
+        assert http.delete("/v1/tokens/made-over-http").status_code == 404
+
+
+# -- the server as its operator sees it (issue 29, point 9) ------------------------------------
+
+
+def _requests(url: str, process: subprocess.Popen[str], secret: str) -> str:
+    """Two calls, the token's and a forged one's; the server's output once it stopped."""
+    try:
+        for shown, code in ((secret, 200), ("wm_forged", 401)):
+            reply = httpx.get(f"{url}/v1/workers", headers={"Authorization": f"Bearer {shown}"})
+            assert reply.status_code == code
+    finally:
+        out = stop(process)
+    return out
+
+
+def test_api_says_where_it_listens_and_logs_each_request(pg_settings: Settings) -> None:
+    token, secret = Tokens(pg_settings).create("logged", Role.VIEWER)
+    url, process = start_api(pg_settings)
+    out = _requests(url, process, secret)
+    lines = out.splitlines()
+    assert lines[0] == f"wm api listening on {url} (docs: {url}/docs, console: {url}/console/)", out
+    assert re.search(rf"GET /v1/workers 200 [\d.]+ ms token={token.id}$", out, re.M), out
+    assert re.search(r"GET /v1/workers 401 [\d.]+ ms$", out, re.M), out
+    assert secret not in out and "wm_forged" not in out
+
+
+def test_api_logs_json_lines_with_log_format_json(pg_settings: Settings) -> None:
+    token, secret = Tokens(pg_settings).create("logged", Role.VIEWER)
+    url, process = start_api(pg_settings.replace(log_format="json"))
+    out = _requests(url, process, secret)
+    records = [json.loads(line) for line in out.splitlines()]  # every line is JSON
+    assert (
+        records[0]["message"]
+        == f"wm api listening on {url} (docs: {url}/docs, console: {url}/console/)"
+    )
+    calls = [r for r in records if r.get("path") == "/v1/workers"]
+    assert [(r["method"], r["status"], r["token_id"]) for r in calls] == [
+        ("GET", 200, token.id),
+        ("GET", 401, None),
+    ]
+    assert all(r["duration_ms"] >= 0 for r in calls)
+    assert secret not in out
+
+
+def test_api_on_a_taken_port_is_one_error_line(pg_settings: Settings) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "wm.cli", "api", "--port", str(port)],
+            env=env_of(pg_settings),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"wm: error: port {port} on 127.0.0.1 is taken ("), line
+    assert line.endswith("); pass --port or set WM_API_PORT"), line

@@ -66,8 +66,12 @@ def test_json_is_one_object_of_every_phase_run() -> None:
         "group",
         "python worker",
     ]
+    # the latencies are wall-clock stamps of two processes (Celery's task-sent, stamped by
+    # the publisher after its publish, and task-succeeded, by the node): a run of 20 events
+    # in CI once had a negative median, most likely from a step of the machine's clock, so
+    # only their order is checked here, not their sign
     for row in phase["scenarios"]:
-        assert row["events_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["events_per_s"] > 0 and row["p50_ms"] <= row["p99_ms"]
     assert phase["scenarios"][1]["target"] == 0.7
     assert isinstance(phase["scenarios"][1]["met"], bool)
     trips = found["engine_round_trips"]
@@ -108,17 +112,20 @@ def test_a_pipe_gets_the_tables_and_a_summary_without_a_bar() -> None:
 def test_drain_and_multi_node_phases_report_both_sides_in_one_object() -> None:
     done = _bench(
         "--events", "0", "--engine-messages", "0", "--drain-repeats", "1",
-        "--drain-events", "20", "--scale-nodes", "2,1", "--scale-repeats", "1", "--json",
+        # enough events that a drain's CPU time (10 ms ticks) and its window are measurable
+        "--drain-events", "200", "--scale-nodes", "2,1", "--scale-repeats", "1", "--json",
         timeout_s=1200,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
     assert found["phases"] == ["drain", "multi-node"]
     phase = found["drain"]
-    assert (phase["events"], phase["repeats"], phase["concurrency"]) == (20, 1, 2)
+    assert (phase["events"], phase["repeats"], phase["concurrency"]) == (200, 1, 2)
     names = [row["scenario"] for row in phase["scenarios"]]
     assert names[:3] == ["plain celery", "no output", "one output"]
-    assert names[-3:] == ["group", "python worker", "wm.noop, wm node"]
+    # the Dramatiq reference runs last, on Redis with the [bench] extra ([dev] has it)
+    assert names[-4:] == ["group", "python worker", "wm.noop, wm node", "plain dramatiq"]
+    assert set(phase["batched_vs_dramatiq"]) == {"full", "window"}
     assert ("batched" in names) != any("batched: not available" in n for n in phase["notes"])
     plain = phase["scenarios"][0]
     assert plain["full_ratio"] == 1.0 and plain["target"] is None

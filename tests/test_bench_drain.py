@@ -9,10 +9,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from amqp.exceptions import NotFound
 from kombu.connection import Connection
 from kombu.transport.redis import PRIORITY_STEPS
@@ -21,6 +23,7 @@ from tests.conftest import AMQP_URL, need
 from wm import Settings
 from wm.bench import drain, roundtrip
 from wm.bench.drainclock import RedisProbe, time_drain
+from wm.bench.dramatiqnodes import DRAMATIQ, DramatiqNode
 from wm.bench.plainnodes import PLAIN_DIR, PlainNodes
 from wm.bench.rig import PYTHON_ANSWER, EngineWorker, Rig, mismatches, task_options
 from wm.dataplane.app import make_app
@@ -111,9 +114,14 @@ def test_the_drain_phase_times_every_scenario_against_the_plain_reference(
     rows = {match["name"].strip(): match for match in ROW.finditer(out)}
     batched = ["batched"] if rig.redis_broker else []
     workers = ["no output", "one output", *batched, "group", "python worker", "native worker"]
-    assert list(rows) == [drain.PLAIN, *workers, drain.WM_NOOP], out
+    dramatiq = [DRAMATIQ] if rig.redis_broker else []
+    assert list(rows) == [drain.PLAIN, *workers, drain.WM_NOOP, *dramatiq], out
     if not batched:
         assert "batched: on a Redis broker only" in out
+        assert f"{DRAMATIQ}: on a Redis broker only" in out
+    else:
+        assert "plain dramatiq: 2 processes × 8 threads, prefetch 32 per process" in out
+        assert re.search(rf"batched / {DRAMATIQ}, window: [\d.]+× \(target: ahead", out), out
     assert all(int(row["full"]) > 0 and float(row["cpu"]) > 0 for row in rows.values())
     assert rows[drain.PLAIN]["full_ratio"] == "1.00"
     assert [name for name, row in rows.items() if row["verdict"]] == [
@@ -130,6 +138,44 @@ def test_the_drain_phase_times_every_scenario_against_the_plain_reference(
         assert plain_commands < 1, out
     figures = drain.figures(results, notes, 30, 2, 2)
     assert [row["scenario"] for row in figures["scenarios"]] == list(rows)
+    assert set(figures["batched_vs_dramatiq"]) == ({"full", "window"} if batched else set())
+
+
+def test_the_dramatiq_reference_holds_what_is_filled_while_paused_and_drains_it(
+    own_redis: tuple[int, object], tmp_path: Path
+) -> None:
+    url = f"redis://127.0.0.1:{own_redis[0]}/0"
+    with DramatiqNode(url, "wmtest-dq", tmp_path, 2) as node:
+        node.pause()
+        node.fill(40)
+        time.sleep(1.5)  # an idle node polls at least once a second: it would have taken them
+        assert node.left(node.queue) == 40
+        side = drain.dramatiq_side(_CountingRig(url), node)
+        timing = time_drain(side, 200)
+        assert node.left(node.queue) == 0
+        assert timing.full_rate > 0 and timing.cpu_ms > 0
+        assert node.client.llen(node.aside) == 0
+    assert not list(node.client.scan_iter(match="wmtest-dq-dramatiq:*"))
+    # its module, imported as the node imports it, loads nothing of WorkManager
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(PLAIN_DIR)!r}); "
+         "import plaindramatiq; print(sorted(m for m in sys.modules if m.split('.')[0] == 'wm'))"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert loaded.stdout.strip() == "[]"
+
+
+class _CountingRig:
+    """What :func:`drain.dramatiq_side` asks of a rig: the Redis command count."""
+
+    info_calls = 1
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+
+    def redis_commands(self) -> int:
+        stats = self.client.info("commandstats")
+        return sum(int(v["calls"]) for v in stats.values())
 
 
 @pytest.mark.slow
@@ -191,8 +237,9 @@ def test_the_reference_is_a_process_tree_of_its_own_that_loads_nothing_of_wm(
             if item
         )
         assert environ[b"PYTHONPATH"] == str(PLAIN_DIR).encode()
-        # nothing else to import on its path
-        assert {path.name for path in PLAIN_DIR.glob("*.py")} == {"__init__.py", "plaincelery.py"}
+        # nothing else to import on its path but the other reference (Dramatiq's)
+        names = {path.name for path in PLAIN_DIR.glob("*.py")}
+        assert names == {"__init__.py", "plaincelery.py", "plaindramatiq.py"}
     # the probe can fail: WorkManager's own package, imported the same way, is seen
     seen = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(PLAIN_DIR)!r}); "

@@ -1,6 +1,6 @@
 """``wm bench``'s scale phase, small, on Redis: real nodes serve every worker, each figure of the
 report is printed and parses, and nothing of the phase is left (no timing is asserted: the
-figures are the README's)."""
+figures are docs/benchmarks.md's)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from tests.cli_env import GUARD_S, ROOT, one_error_line, wm, wm_json
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, store
-from wm.cli import EXIT_CODES
+from wm.cli import EXIT_CODES, HOST_PROBES, main
 from wm.config import settings_table
 from wm.dataplane.deadletters import DeadLetters, Failure
 from wm.errors import Misconfigured
@@ -235,6 +236,39 @@ def test_start_after_delete_fails_with_one_error_line(env: dict[str, str], tmp_p
     assert wm_json(env, "worker", "list") == []
 
 
+@pytest.mark.slow
+def test_a_deleted_worker_s_history_by_its_name_and_short_id(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """What the worker did stays readable after its deletion, by the names people use."""
+    made = create(env, tmp_path, "--name", "retired")
+    wm_json(env, "worker", "delete", "retired")
+    for reference in ("retired", made["id"][:8], made["id"]):
+        steps = wm_json(env, "worker", "transitions", reference)
+        assert steps[-1]["to_status"] == "deleted", reference
+        [version] = wm_json(env, "worker", "history", reference)
+        assert (version["worker_id"], version["version"]) == (made["id"], 1)
+    missing = "no worker with id, short id or name 'nobody'"
+    for command in ("transitions", "history"):
+        assert missing in one_error_line(wm(env, "worker", command, "nobody", expect=1))
+
+
+def test_the_engine_is_told_by_the_code_file_s_name(env: dict[str, str], tmp_path: Path) -> None:
+    code = tmp_path / "echo.py"
+    code.write_text("def process(event):\n    return None\n")
+    made = wm_json(env, "worker", "create", "--topic", "t", "--file", str(code), "--no-start")
+    assert made["mime_type"] == "text/x-python"
+    wm_json(env, "worker", "delete", made["id"])
+    plain = tmp_path / "echo.txt"
+    plain.write_bytes(code.read_bytes())
+    for given in (["--file", str(plain)], ["--base64", "ZGVm"]):
+        result = wm(env, "worker", "create", "--topic", "t", *given, expect=2)
+        error = result.err.strip().splitlines()[-1]
+        assert error.startswith("Error: --mime-type is needed: the engine cannot be told from")
+        assert ".py (text/x-python), .cs (text/x-csharp)" in error
+    assert wm_json(env, "worker", "list") == []
+
+
 def test_unknown_mime_type_lists_the_registered_ones(env: dict[str, str]) -> None:
     result = wm(
         env,
@@ -344,19 +378,19 @@ def test_a_postgresql_url_without_the_extra_says_what_to_install(
     result = wm({**env, "PYTHONPATH": path, "WM_DATABASE_URL": url}, "worker", "list", expect=1)
     line = one_error_line(result)
     assert line.startswith(f"wm: error: WM_DATABASE_URL={url} needs the driver module 'psycopg'")
-    assert "pip install 'workmanager[postgres]'" in line, line
+    assert "pip install -e '.[postgres]'" in line, line  # from this checkout
 
 
 @pytest.mark.parametrize(
     ("node", "says"),
     [
-        ("127.0.0.1:8001", "is not an http:// URL"),
+        ("ftp://127.0.0.1:8001/health", "is not an http:// URL"),
         ("http://127.0.0.1:80O1/health", "could not be cast to integer"),
         ("http://[::1/health", "Invalid IPv6 URL"),
     ],
 )
 def test_a_malformed_health_url_is_one_line(env: dict[str, str], node: str, says: str) -> None:
-    line = one_error_line(wm(env, "health", "--node", node, expect=1))
+    line = one_error_line(wm(env, "health", "--node", node, expect=3))  # unknown: not asked
     assert line.startswith(f"wm: error: --node {node}") and says in line, line
     assert "expected http://HOST:PORT/health" in line
 
@@ -628,3 +662,15 @@ def test_dead_letters_list_show_replay_purge(env: dict[str, str], tmp_path: Path
     assert "--yes" in one_error_line(wm(env, "dlq", "purge", "--topic", "orders", expect=1))
     assert wm_json(env, "dlq", "purge", "--topic", "orders", "--yes")["purged"] == 2
     assert "no dead letter with id" in one_error_line(wm(env, "dlq", "show", crash, expect=1))
+
+
+@pytest.mark.parametrize(("level", "shown"), [("WARNING", logging.ERROR), ("INFO", logging.INFO)])
+def test_what_the_host_s_sandbox_lacks_is_left_to_the_nodes_logs(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, level: str, shown: int
+) -> None:
+    """A command that checks code in the sandbox probes this host; as a user without cgroups
+    that printed two warnings on every ``wm worker create`` (the node's log has them)."""
+    for name, value in {**env, "WM_LOG_LEVEL": level}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["worker", "list"]) == 0
+    assert {logging.getLogger(n).getEffectiveLevel() for n in HOST_PROBES} == {shown}

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.cli_env import one_error_line, wm, wm_json
-from tests.helpers import Exchange, http_server, plain, run_in_terminal
+from tests.helpers import Exchange, free_port, http_server, plain, run_in_terminal
 from tests.test_cli import create
 from wm import Settings, store
 from wm.config import deployment_name, settings_table
@@ -130,8 +131,22 @@ def test_health_exit_code_and_fields(env: dict[str, str], status: str, code: int
 
 
 def test_health_without_a_node_says_what_to_pass(env: dict[str, str]) -> None:
-    result = wm({**env, "WM_HEALTH_PORT": "0"}, "health", expect=1)
+    """Not asked is neither healthy nor unhealthy: exit 3, a monitor's UNKNOWN."""
+    result = wm({**env, "WM_HEALTH_PORT": "0"}, "health", expect=3)
     assert "pass --node URL, or set WM_HEALTH_PORT" in one_error_line(result)
+    gone = f"127.0.0.1:{free_port()}"
+    line = one_error_line(wm(env, "health", "--node", gone, expect=3))
+    assert line.startswith(f"wm: error: no health answer from http://{gone}/health: "), line
+
+
+@pytest.mark.parametrize("form", ["{host}:{port}", "http://{host}:{port}"])
+def test_health_takes_host_and_port_alone(env: dict[str, str], form: str) -> None:
+    with health_endpoint(_report("degraded")) as url:
+        parts = urllib.parse.urlsplit(url)
+        node = form.format(host=parts.hostname, port=parts.port)
+        assert json.loads(wm(env, "health", "--node", node, "--json", expect=1).out) == (
+            _report("degraded")
+        )
 
 
 # -- wm bench, wm up, wm completion --------------------------------------------------------------
@@ -332,3 +347,59 @@ def test_schedule_constants_agree_with_their_sources() -> None:
 def test_api_refuses_json_rather_than_ignoring_it(env: dict[str, str]) -> None:
     assert "No such option '--json'" in wm(env, "api", "--json", expect=2).err
     assert "WM_LOG_FORMAT=json" in wm(env, "--json", "api", expect=2).err
+
+
+# -- newcomer's traps (issue 29, point 11) ----------------------------------------------------
+
+MISSPELT = (
+    "wm: warning: PYTHON_ALLOWED_PACKAGE is no WorkManager setting and is ignored: did you "
+    "mean PYTHON_ALLOWED_PACKAGES?"
+)
+
+
+def test_config_warns_of_a_misspelt_unprefixed_setting(env: dict[str, str]) -> None:
+    result = wm({**env, "PYTHON_ALLOWED_PACKAGE": "numpy"}, "config")
+    assert result.err.splitlines() == [MISSPELT]
+    assert wm({**env, "PYTHONPATH": ""}, "config").err == ""  # a near name is no misspelling
+
+
+def test_a_node_warns_of_a_misspelt_unprefixed_setting(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    node = start_node(pg_settings, MESSAGE_HANDLING_TIMEOUT_SECOND="5")
+    node.wait_for(
+        "MESSAGE_HANDLING_TIMEOUT_SECOND is no WorkManager setting and is ignored: did you "
+        "mean MESSAGE_HANDLING_TIMEOUT_SECONDS?"
+    )
+
+
+def test_install_hints_name_the_checkout_when_run_from_one(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """``pip install 'workmanager[api]'`` would fetch PyPI's copy, not install the clone's
+    extra. A package that raises ModuleNotFoundError stands in for an absent fastapi."""
+    absent = tmp_path / "absent" / "fastapi"
+    absent.mkdir(parents=True)
+    (absent / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'fastapi'\", name='fastapi')\n"
+    )
+    result = wm({**env, "PYTHONPATH": str(absent.parent)}, "api", expect=1)
+    assert one_error_line(result).endswith(
+        "needs the [api] extra (module 'fastapi' is missing): pip install -e '.[api]'"
+    )
+    root = Path(__file__).resolve().parent.parent
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", "from wm.extras import install_hint; print(install_hint('x'))"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
+    assert elsewhere.stdout == f"pip install -e '{root}[x]'\n"
+
+
+def test_every_install_hint_comes_from_one_place() -> None:
+    root = Path(__file__).resolve().parent.parent
+    sources = [*root.glob("wm/**/*.py"), *root.glob("engines/**/*.py")]
+    found = [p for p in sources if "pip install 'workmanager[" in p.read_text()]
+    assert found == [root / "wm" / "extras.py"]

@@ -206,6 +206,17 @@ def test_the_table_fits_the_terminal_names_workers_and_wraps_errors(
     assert words[-1] not in first  # on several lines
 
 
+def test_a_pipe_gets_whole_rows_whatever_columns_says(settings: Settings) -> None:
+    """Issue 29, point 11: a shell or CI that exports COLUMNS=120 had the error text of a
+    piped table folded over lines (``grep`` found half of it) and narrow columns cut."""
+    letters = make_letters(settings)
+    out = wm(env_of(settings, COLUMNS="120"), "dlq", "list").out
+    [row] = [line for line in out.splitlines() if line.startswith(letters.crash)]
+    assert row.endswith(LONG_ERROR)  # the whole error on its row, every column whole
+    assert all(h in out.splitlines()[0] for h in ("TOPIC", "ERROR TYPE", "REPLAYS"))
+    assert "…" not in out
+
+
 # -- replay -------------------------------------------------------------------------------------
 
 

@@ -159,6 +159,55 @@ def test_publish_one_event_keeps_its_output(env: dict[str, str]) -> None:
     assert dropped == {"id": "evt-2", "topic": "x", "reached": 0}
 
 
+# -- consume ----------------------------------------------------------------------------------
+
+
+def test_consume_takes_messages_and_peek_leaves_them_in_order(env: dict[str, str]) -> None:
+    """Issue 29, point 8: an inbox (a plain subscription) is read with ``wm consume``."""
+    wm(env, "subscribe", "orders", "inbox")
+    for n in range(3):
+        wm(env, "publish", "--type", "orders", "--source", "/s", "--id", f"evt-{n}")
+
+    def ids(*args: str) -> list[str]:
+        lines = wm(env, "--json", "consume", "orders", "--name", "inbox", *args).out
+        return [json.loads(line)["id"] for line in lines.splitlines()]
+
+    assert ids("--count", "2") == ["evt-0", "evt-1"]
+    assert ids("--peek") == ["evt-2"]
+    assert ids("--peek") == ["evt-2"]  # still there
+    assert depths(env)["orders::sub::inbox"] == 1
+    shown = wm(env, "consume", "orders", "--name", "inbox")
+    assert re.match(r"\S+\s+orders\s+evt-2\s", shown.out), shown.out
+    assert len(shown.out.splitlines()) == 1
+    empty = wm(env, "consume", "orders", "--name", "inbox", "--timeout-s", "0.2")
+    assert empty.out == ""
+    assert "no messages in subscription inbox of topic orders" in empty.err
+
+
+def test_consume_peek_keeps_the_order_of_a_longer_queue(env: dict[str, str]) -> None:
+    wm(env, "subscribe", "orders", "inbox")
+    for n in range(5):
+        wm(env, "publish", "--type", "orders", "--source", "/s", "--id", f"evt-{n}")
+    peeked = wm(env, "--json", "consume", "orders", "--name", "inbox", "--peek", "--count", "3")
+    assert [json.loads(line)["id"] for line in peeked.out.splitlines()] == [
+        "evt-0",
+        "evt-1",
+        "evt-2",
+    ]
+    taken = wm(env, "--json", "consume", "orders", "--name", "inbox")
+    assert [json.loads(line)["id"] for line in taken.out.splitlines()] == [
+        f"evt-{n}" for n in range(5)
+    ]
+
+
+def test_consume_of_a_missing_subscription_names_it_and_the_fix(env: dict[str, str]) -> None:
+    result = wm(env, "consume", "orders", "--name", "nobody", expect=1)
+    assert one_error_line(result) == (
+        "wm: error: topic 'orders' has no subscription named 'nobody'; create it with: "
+        "wm subscribe orders nobody"
+    )
+
+
 # -- tail -------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 import pytest
+import yaml
 
 from tests.cli_env import wm, wm_json
 from tests.helpers import plain, run_in_terminal, stub
@@ -69,6 +70,15 @@ def test_worker_list_loads_no_data_plane(env: dict[str, str]) -> None:
     )
 
 
+@pytest.mark.parametrize("command", [["dlq", "list"], ["dlq", "show", "no-such-letter"]])
+def test_reading_dead_letters_loads_no_celery(env: dict[str, str], command: list[str]) -> None:
+    # Listing and reading letters needs the store alone; the bus (Celery, kombu's transport)
+    # loads on a replay's first send.
+    imported = _imported(env, *command)
+    assert "sqlalchemy" in imported
+    assert not {"celery", "kombu.messaging", "wm.dataplane.bus"} & imported
+
+
 @pytest.mark.slow
 def test_table_fits_a_narrow_terminal_and_colours_only_there(
     env: dict[str, str], tmp_path: Path
@@ -114,3 +124,27 @@ def test_the_listed_help_is_each_command_s_own() -> None:
     for name, (_, listed) in COMMANDS.items():
         command = cli.get_command(context, name)
         assert command is not None and command.get_short_help_str(limit=1000) == listed, name
+
+
+@pytest.mark.parametrize(
+    "listing",
+    [
+        ["worker", "list"],
+        ["subscriptions"],
+        ["dlq", "list"],
+        ["schedule", "list"],
+        ["tenant", "list"],
+    ],
+)
+def test_every_listing_prints_yaml_and_json_alike(
+    env: dict[str, str], tmp_path: Path, listing: list[str]
+) -> None:
+    """``-o yaml`` holds what ``--json`` holds; ``-o json`` is ``--json``, before or after
+    the command's name; ``-o table`` is what people get by default."""
+    create(env, tmp_path, "--name", "formats")
+    as_json = wm_json(env, *listing)
+    assert yaml.safe_load(wm(env, *listing, "-o", "yaml").out) == as_json
+    assert wm_json(env, "-o", "json", *listing) == as_json
+    assert wm(env, *listing, "-o", "table").out == wm(env, *listing).out
+    error = wm(env, *listing, "-o", "xml", expect=2).err
+    assert "'xml' is not one of 'table', 'json', 'yaml'" in error

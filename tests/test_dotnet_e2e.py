@@ -341,7 +341,10 @@ def test_a_hanging_isolated_worker_times_out_and_the_node_keeps_serving(
     fast = pg_settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     done = manager.subscribe("sleepy.done", "sink")
-    settings = ("isolation=subprocess", "timeout_s=1", "max_retries=1", "retry_base_delay_ms=20")
+    settings = (
+        *("isolation=subprocess", "timeout_s=1", "max_retries=1", "retry_base_delay_ms=20"),
+        "pause_when_unhealthy=false",  # its timeouts in a row would pause it while unhealthy
+    )
     worker = wm_cli(
         fast,
         *("worker", "create", "--topic", "sleepy", "--mime-type", SOURCE, "--file", "-"),

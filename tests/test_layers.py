@@ -1,5 +1,5 @@
-"""The folders are the architecture (README "Layers", DESIGN.md §2): every import of ``wm``
-and ``engines`` goes to the same floor or a lower one, no modules import each other in a
+"""The folders are the architecture (docs/architecture.md, DESIGN.md §2): every import of
+``wm`` and ``engines`` goes to the same floor or a lower one, no modules import each other in a
 loop (lazy imports inside functions included), and the core never imports an engine."""
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOORS = {
     "wm.errors": 0,
     "wm.text": 0,
+    "wm.extras": 0,
     "wm.config": 1,
     "wm.events": 1,
     "wm.lifecycle": 1,
     "wm.views": 1,
     "wm.workersettings": 1,
+    "wm.tenantlimits": 1,
     "wm.idempotency": 1,
     "wm.names": 1,
     "wm.schedules": 1,
+    "wm.sentinelurl": 1,
     "wm.engine": 2,
     "wm.urlguard": 2,
     "wm.codesource": 2,

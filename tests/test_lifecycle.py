@@ -20,6 +20,8 @@ from wm import (
     WorkManager,
 )
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
+from wm.lifecycle import Status
+from wm.store import records
 
 
 def test_full_lifecycle_is_recorded_and_published(manager: WorkManager) -> None:
@@ -158,6 +160,25 @@ def test_suspend_and_resume_are_transitions_with_who_and_how_long(manager: WorkM
     ]
 
 
+def test_a_start_finishes_a_stop_in_progress_then_starts(manager: WorkManager) -> None:
+    """A start racing a stop (or after a stopper that died) finishes the stop, then starts."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    records.transaction(  # a stopper that died after moving the worker to ``stopping``
+        manager.settings,
+        lambda s: records.move(
+            s, records.lock_worker(s, worker.id), Status.STOPPING, "stop requested"
+        ),
+    )
+    assert manager.start_worker(worker.id).status == "running"
+    moves = [(t.from_status, t.to_status) for t in manager.get_worker_transitions(worker.id)]
+    assert moves[-4:] == [
+        ("running", "stopping"),
+        ("stopping", "stopped"),
+        ("stopped", "starting"),
+        ("starting", "running"),
+    ]
+
+
 def test_illegal_transitions_are_refused(manager: WorkManager) -> None:
     worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
     manager.delete_worker(worker.id)
@@ -179,11 +200,13 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
     known = (
         "known: batch_size, breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
-        "group_mode, health_degraded_rate, health_max_consecutive_failures, health_unhealthy_rate, "
+        "group_mode, health_degraded_rate, health_max_consecutive_failures, health_pause_s, "
+        "health_unhealthy_rate, "
         "idempotency_key, max_concurrency, max_events, max_memory_mb, max_probe_failures, "
         "max_retries, ordering, "
-        "ordering_gap_s, output_topics, probe_interval_s, recovery, retry_base_delay_ms, "
-        "stop_grace_s, timeout_s$"
+        "ordering_gap_s, output_topics, pause_when_unhealthy, probe_interval_s, recovery, "
+        "recovery_on_crash, recovery_on_error, recovery_on_health, recovery_on_timeout, "
+        "retry_base_delay_ms, session_idle_s, session_key, stop_grace_s, timeout_s$"
     )
     with pytest.raises(InvalidArgument, match=known):  # the stub engine reads none of its own
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"memory_mb": 1})

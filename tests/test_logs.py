@@ -20,6 +20,8 @@ from wm.dataplane import logcontext
 from wm.ops import logs
 
 CORRELATION = "corr-logs"
+#: The trace of the test's event (its ``traceparent``; tracing itself is off on the node).
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 def _deliver_once_after_a_failure(
@@ -40,7 +42,12 @@ def _deliver_once_after_a_failure(
     )
     node = start_node(settings, concurrency=1, WM_LOG_FORMAT=log_format)
     node.consuming(f"logs.in::{worker.id}")
-    event = make_event("logs.in", "/tests", {"n": 1}, extensions={"correlationid": CORRELATION})
+    event = make_event(
+        "logs.in",
+        "/tests",
+        {"n": 1},
+        extensions={"correlationid": CORRELATION, "traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"},
+    )
     manager.publish(event)
     assert len(drain(settings, sink, 1)) == 1
     eventually(lambda: any(_succeeded(line) for line in node.log.read_text().splitlines()))
@@ -78,6 +85,7 @@ def test_node_logs_json_lines_with_the_delivery_fields(
         "worker": "shout",
         "worker_id": worker_id,
         "correlation_id": CORRELATION,
+        "trace_id": TRACE,
         "topic": "logs.in",
     }
     for record in about:
@@ -101,7 +109,7 @@ def test_node_text_lines_are_celerys_with_the_delivery_fields(
 ) -> None:
     settings = pg_settings.replace(reconcile_interval_s=1.0)
     _, event_id, output = _deliver_once_after_a_failure(settings, start_node, tmp_path, "text")
-    fields = f"[worker=shout event={event_id} correlation={CORRELATION} attempt=1]"
+    fields = f"[worker=shout event={event_id} correlation={CORRELATION} trace={TRACE} attempt=1]"
     [retrying] = [line for line in output.splitlines() if "retrying event" in line]
     assert retrying.startswith("[") and "WARNING/ForkPoolWorker-" in retrying
     assert retrying.endswith(f"boom {fields}")
@@ -132,6 +140,13 @@ def test_wm_logs_json_to_stderr(pg_settings: Settings) -> None:
     assert len(created) == 1
     assert created[0]["level"] == "INFO" and created[0]["logger"] == "wm.control.lifecycle"
     assert created[0]["time"].endswith("+00:00")
+    # every transition is a line of its own, once its transaction committed (seed 004)
+    moved = [r for r in records if r["logger"] == "wm.store.records"]
+    assert [r["message"].split(": ", 1)[1].split(" by ")[0] for r in moved] == [
+        "new → created",
+        "created → starting",
+        "starting → running",
+    ], moved
 
 
 def test_a_bad_log_format_is_one_error_line() -> None:
@@ -181,8 +196,10 @@ def test_fields_reach_every_record_only_inside_a_delivery() -> None:
         "worker_id": "w-1",
         "event_id": "e-1",
         "correlation_id": None,
+        "trace_id": None,
         "topic": None,
         "attempt": 2,
+        "tenant": None,
     }
     assert explicit["event_id"] == "mine"
     assert not set(logcontext.FIELDS) & set(outside)

@@ -188,6 +188,7 @@ def test_identity_is_set_at_load_and_restored_at_close(
     assert os.environ["VIRTUFIN_WORKER_ID"] == "w-native-1"
     assert os.environ["VIRTUFIN_WORKER_GROUP"] == "g1"
     assert os.environ["VIRTUFIN_WORKER_TOPIC"] == "orders"
+    assert os.environ["VIRTUFIN_TENANT_ID"] == "default"
     path = engine._runner.library.path  # type: ignore[union-attr]
     assert not os.path.exists(path), "the library's file is deleted once it is loaded"
     assert path in Path("/proc/self/maps").read_text()
@@ -195,6 +196,7 @@ def test_identity_is_set_at_load_and_restored_at_close(
     assert os.environ["VIRTUFIN_WORKER_ID"] == "prior"
     assert os.environ["VIRTUFIN_WORKER_GROUP"] == "prior-group"
     assert "VIRTUFIN_WORKER_TOPIC" not in os.environ
+    assert "VIRTUFIN_TENANT_ID" not in os.environ
     assert path not in Path("/proc/self/maps").read_text(), "close unloads the library"
 
 

@@ -215,7 +215,8 @@ def test_a_node_records_a_failing_native_probe_and_skips_a_library_without_one(
         mime_type=NATIVE,
         topic="np.sick",
         name="sick",
-        settings=probe_settings,
+        # degrade: it stays running, paused while unhealthy (remove would take it out)
+        settings={**probe_settings, "recovery_on_health": "degrade"},
     )
     quiet = manager.create_worker(
         code=native_zips["c-example"].read_bytes(),

@@ -161,12 +161,12 @@ def test_a_taken_port_stops_the_node_with_a_line_naming_the_setting(
 
 def test_wm_health_without_a_node_says_what_to_pass(pg_settings: Settings) -> None:
     cli = _wm_health(pg_settings.replace(health_port=0))
-    assert cli.returncode == 1
+    assert cli.returncode == 3  # not asked: a monitor's UNKNOWN
     assert "pass --node URL, or set WM_HEALTH_PORT" in cli.stderr
     port = free_port()  # nothing listens there
     cli = _wm_health(pg_settings, "--node", f"http://127.0.0.1:{port}/health")
     assert (
-        cli.returncode == 1
+        cli.returncode == 3
         and f"no health answer from http://127.0.0.1:{port}/health" in cli.stderr
     )
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, env_of
-from tests.helpers import STUB, drain, eventually, free_port, scrape, stub
+from tests.helpers import STUB, doc, drain, eventually, free_port, scrape, stub
 from wm import Settings, WorkManager, make_event
 from wm.ops import clustermetrics, metrics
 
@@ -28,7 +28,7 @@ GOOD_EVENTS, BAD_EVENTS = 7, 3
 
 
 def _of(samples: dict[Any, float], name: str, worker: Any) -> float:
-    key = (name, (("worker", worker.name), ("worker_id", str(worker.id))))
+    key = (name, (("tenant", "default"), ("worker", worker.name), ("worker_id", str(worker.id))))
     return samples.get(key, 0.0)
 
 
@@ -172,8 +172,8 @@ def test_the_grafana_dashboard_uses_only_metrics_a_node_exposes() -> None:
 
 
 def test_the_keda_example_is_a_scaled_object_on_the_queue_depth() -> None:
-    text = (ROOT / "ops" / "keda" / "scaledobject.yaml").read_text()
-    assert f"```yaml\n{text}```" in (ROOT / "README.md").read_text()  # the README shows it
+    text = (ROOT / "deploy" / "kubernetes" / "node-scaledobject.yaml").read_text()
+    assert f"```yaml\n{text}```" in doc("docs/guides/health.md")  # the docs show it
     scaled = yaml.safe_load(text)
     assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"]

@@ -74,7 +74,8 @@ def _node(
         code=code,
         mime_type=mime_type,
         topic="in",
-        settings={"max_retries": 0, "failure_threshold": 0},
+        # every event fails at once: neither the breaker nor health may pause the worker
+        settings={"max_retries": 0, "failure_threshold": 0, "pause_when_unhealthy": False},
     )
     queue = f"in::{worker.id}"
     node.consuming(queue)

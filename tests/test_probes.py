@@ -266,7 +266,8 @@ def test_a_failing_probe_makes_a_worker_unhealthy_until_its_code_passes_it(
         mime_type=PYTHON,
         topic="pr.in",
         name="probed",
-        settings={"probe_interval_s": 1, "max_probe_failures": 3},
+        # degrade: it stays running, paused while unhealthy (remove would take it out)
+        settings={"probe_interval_s": 1, "max_probe_failures": 3, "recovery_on_health": "degrade"},
     )
     quiet = manager.create_worker(
         code=NO_PROBE, mime_type=PYTHON, topic="pr.quiet", settings={"probe_interval_s": 1}
@@ -283,7 +284,7 @@ def test_a_failing_probe_makes_a_worker_unhealthy_until_its_code_passes_it(
     shown = wm_cli(settings, "worker", "show", str(probed.id))
     assert shown["health"] == UNHEALTHY
     samples = scrape(f"http://127.0.0.1:{settings.health_port}/metrics")
-    labels = (("worker", "probed"), ("worker_id", str(probed.id)))
+    labels = (("tenant", "default"), ("worker", "probed"), ("worker_id", str(probed.id)))
     assert samples[("wm_probe_failed_total", labels)] >= 3
     assert samples.get(("wm_probe_passed_total", labels), 0) == 0
     # each probe's run is timed (the time observed before the result is counted)
@@ -328,7 +329,10 @@ def test_a_worker_that_does_not_run_is_not_probed(pg_settings: Settings, start_n
     )
     manager.stop_worker(worker.id)
     witness = manager.create_worker(
-        code=FAILING, mime_type=PYTHON, topic="pr.on", settings={"probe_interval_s": 1}
+        code=FAILING,
+        mime_type=PYTHON,
+        topic="pr.on",
+        settings={"probe_interval_s": 1, "recovery_on_health": "degrade"},
     )
     start_node(settings)
     probes = Probes(settings)

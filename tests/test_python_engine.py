@@ -89,6 +89,40 @@ def test_a_host_without_bubblewrap_runs_workers_under_the_kernel_prefix(
         isolation.kernel_isolation.cache_clear()
 
 
+def test_the_event_reads_its_attributes_by_name_too(engine: PythonEngine) -> None:
+    """A newcomer's ``event["type"]`` works, as with the CloudEvents SDK's HTTP events."""
+    source = b"""
+from wm.devkit import make_event
+
+def process(event):
+    try:
+        event["colour"]
+    except KeyError as exc:
+        missing = str(exc)
+    seen = {
+        "type": event["type"], "id": event["id"], "data": event["data"], "also": event.data,
+        "subject": event.get("subject", "none"), "ext": event.get("region"),
+        "has_type": "type" in event, "has_nope": "nope" in event, "missing": missing,
+    }
+    return make_event("seen", "/tests", seen)
+"""
+    engine.load(source, spec())
+    incoming = event({"n": 1}, region="eu")
+    [output] = engine.process(incoming, timeout_s=5)
+    seen = output.get_data()
+    assert seen.pop("missing").startswith("\"the event has no attribute 'colour'; it has ")
+    assert seen == {
+        "type": "orders.placed",
+        "id": incoming.get_id(),
+        "data": {"n": 1},
+        "also": {"n": 1},
+        "subject": "none",
+        "ext": "eu",
+        "has_type": True,
+        "has_nope": False,
+    }
+
+
 def test_child_is_reused_across_messages(engine: PythonEngine) -> None:
     engine.load(code("echo"), spec())
     pid = engine.pid

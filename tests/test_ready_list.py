@@ -25,6 +25,7 @@ from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, make_event
 from wm.dataplane.app import celery_settings, make_app
 from wm.dataplane.queues import EXCHANGE, READY_LIST, is_worker_queue, subscription_queue
+from wm.dataplane.transport import PUT_MESSAGES
 
 
 @pytest.fixture
@@ -102,6 +103,35 @@ def test_a_publish_lists_its_queue_once(broker_settings: Settings, broker: redis
     publish(broker_settings, queue, 3)
     assert broker.llen(queue) == 3
     assert broker.lrange(READY_LIST, 0, -1) == [queue.encode()]
+
+
+def test_a_publish_batch_pushes_each_queue_in_order_and_lists_it_once(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A batch holds a queue's messages and pushes them with one script per queue (several
+    past ``PUT_MESSAGES``); a queue that already held messages is not listed again."""
+    first, second, busy = worker_queue("a"), worker_queue("b"), worker_queue("c")
+    publish(broker_settings, busy, 1)
+    count = PUT_MESSAGES * 2 + 5
+    with make_app(broker_settings).connection_for_write() as conn:
+        producer = Producer(conn.default_channel)
+        with producer.batch(max_size=count * 3 + 1):  # flushed when the block ends
+            for n in range(count):
+                for queue in (first, second, busy):
+                    producer.publish(
+                        {"queue": queue, "n": n},
+                        exchange=EXCHANGE,
+                        routing_key=queue,
+                        declare=[subscription_queue(queue)],
+                    )
+            assert broker.llen(first) == 0, "held until the batch ends"
+    for queue, numbers in ((first, range(count)), (second, range(count)), (busy, [0])):
+        assert broker.llen(queue) == len(numbers) + (count if queue == busy else 0)
+        oldest = [body_of(item)["n"] for item in reversed(broker.lrange(queue, 0, -1))]
+        assert oldest[: len(numbers)] == list(numbers)
+    assert sorted(broker.lrange(READY_LIST, 0, -1)) == sorted(
+        q.encode() for q in (first, second, busy)
+    )
 
 
 def test_busy_queues_are_served_in_turn_and_the_list_empties(

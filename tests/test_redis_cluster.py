@@ -50,6 +50,7 @@ from wm.events import derive_id, key_of, make_event
 from wm.local.embedded import find_redis_server
 from wm.state.connection import redis_for
 from wm.state.directory import Directory
+from wm.state.health import HEALTHY, UNHEALTHY, UNKNOWN, Probes, WorkerHealth
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.state.outcomes import Outcomes
@@ -123,8 +124,11 @@ def _free_ports(after: int) -> int:
     return port
 
 
-def _start_server(binary: str, directory: Path, after: int) -> tuple[int, subprocess.Popen[bytes]]:
-    """A cluster-enabled redis-server on the first free port above ``after``."""
+def _start_server(
+    binary: str, directory: Path, after: int, *options: str
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """A cluster-enabled redis-server on the first free port above ``after``, with more
+    command-line ``options`` (``--name value`` pairs)."""
     port = after
     for _ in range(PORT_TRIES):
         port = _free_ports(port)
@@ -135,6 +139,7 @@ def _start_server(binary: str, directory: Path, after: int) -> tuple[int, subpro
                 *("--port", str(port), "--bind", "127.0.0.1"),
                 *("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"),
                 *("--dir", str(directory), "--save", "", "--appendonly", "no"),
+                *options,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -143,7 +148,9 @@ def _start_server(binary: str, directory: Path, after: int) -> tuple[int, subpro
         deadline = time.monotonic() + START_TIMEOUT_S
         while process.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(redis.ConnectionError):
-                if redis.Redis(port=port, socket_connect_timeout=1).ping():
+                # ours, not a server another test process started on the same free port
+                answer = redis.Redis(port=port, socket_connect_timeout=1).info("server")
+                if answer["process_id"] == process.pid:
                     return port, process
             time.sleep(0.05)
         _stop(process)  # its port was taken meanwhile, or it never answered: try another
@@ -168,6 +175,12 @@ def _form_cluster(ports: list[int]) -> None:
         node.execute_command("CLUSTER", "ADDSLOTS", *range(low, high))
     for node in nodes[1:]:
         node.execute_command("CLUSTER", "MEET", "127.0.0.1", ports[0])
+
+    await_cluster(nodes)
+
+
+def await_cluster(nodes: list[redis.Redis]) -> None:
+    """Wait until every node of a cluster forming says it is whole; then close them."""
 
     def ready() -> bool:
         infos = [node.execute_command("CLUSTER", "INFO") for node in nodes]
@@ -454,6 +467,27 @@ def test_the_directory_reads_caches_and_forgets(cluster_settings: Settings) -> N
     directory.invalidate()  # all of them, on every shard
     assert client.get(f"wm:worker:{{{wid}}}") is None
     assert directory.get("") is None and directory.get("not-a-uuid") is None
+
+
+def test_worker_health_is_judged_and_kept_on_the_cluster(cluster_settings: Settings) -> None:
+    """A node judges its workers' health each reconcile: the reads of many workers' keys
+    go in one pipeline (a cluster pipeline refuses MGET, which failed every reconcile)."""
+    probes, health = Probes(cluster_settings), WorkerHealth(cluster_settings)
+    workers = [f"00000000-0000-0000-0000-00000000010{n}" for n in range(3)]
+    for _ in range(2):
+        probes.record(workers[0], 1, "db down", interval_s=30)
+    probes.record(workers[1], 1, None, interval_s=30)
+    verdicts = health.judge_all(
+        {workers[0]: {"max_probe_failures": 2}, workers[1]: {}, workers[2]: {}}
+    )
+    assert {w: (v.health, old) for w, (v, old) in verdicts.items()} == {
+        workers[0]: (UNHEALTHY, UNKNOWN),
+        workers[1]: (HEALTHY, UNKNOWN),
+        workers[2]: (UNKNOWN, UNKNOWN),
+    }
+    assert health.known(workers[:2]) == {workers[0]: UNHEALTHY, workers[1]: HEALTHY}
+    again = health.judge_all({workers[0]: {"max_probe_failures": 2}})
+    assert again[workers[0]][1] == UNHEALTHY  # the kept verdict was read back
 
 
 def test_routes_are_loaded_repaired_and_count_drops(cluster_settings: Settings) -> None:

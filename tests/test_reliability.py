@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from kombu import Connection
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, InvalidArgument, Settings, WorkManager, make_event
 from wm.dataplane.deadletters import MAX_ERROR_MESSAGE_CHARS, Failure
+from wm.dataplane.deadletters import DeadLetters as ParkedLetters
 from wm.dataplane.queues import EXCHANGE, subscription_queue
 from wm.dataplane.transport import Transport
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, encode, key_of
@@ -65,6 +67,43 @@ def test_a_letter_the_database_refuses_is_stored_bounded(pg_settings: Settings) 
     assert len(letter.error_message) <= MAX_ERROR_MESSAGE_CHARS
     assert letter.error_message.endswith("characters]") and "\x00" not in letter.envelope
     assert letter.event_id is not None and len(letter.event_id) <= 255
+
+
+def test_a_letter_that_fails_again_while_its_replay_commits_is_listed(
+    pg_settings: Settings,
+) -> None:
+    """A node may fail a replayed letter before the replay has committed; the new failure
+    must come after the replay's mark and clear it, not be hidden as "replayed"."""
+    manager = WorkManager(pg_settings)
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
+    event = make_event("in", "/tests", {"n": 1})
+    failure = Failure(
+        topic="in",
+        worker_id=str(worker.id),
+        envelope=encode(event),
+        key=key_of(event),
+        event_id=event.get_id(),
+        error_type="WorkerExecutionError",
+        error_message="boom",
+        attempts=1,
+    )
+    parking = ParkedLetters(pg_settings)
+    letter_id = parking.park(failure)
+    letters = DeadLetters(pg_settings)
+    again = threading.Thread(target=parking.park, args=(failure,))
+    real_send = letters.bus.send
+
+    def send_then_fail_at_once(*args: Any, **kwargs: Any) -> Any:
+        sent = real_send(*args, **kwargs)
+        again.start()  # the node's second failure, as fast as it can come
+        again.join(0.5)
+        return sent
+
+    letters.bus.send = send_then_fail_at_once  # type: ignore[method-assign]
+    assert letters.replay([letter_id]) == 1
+    again.join(10)
+    [listed] = letters.list()
+    assert (listed.id, listed.replay_count) == (letter_id, 1)
 
 
 @pytest.mark.slow

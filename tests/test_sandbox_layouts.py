@@ -177,7 +177,7 @@ def run(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> str:
 
 #: What a copy of the work tree leaves out: environments, caches, state, build output.
 NOT_COPIED = shutil.ignore_patterns(
-    ".git", ".venv", ".wm", "*.egg-info", "__pycache__", ".*_cache", "build", "dist"
+    ".git", ".venv", ".wm", "*.egg-info", "__pycache__", ".*_cache", "build", "dist", "site"
 )
 
 

@@ -1,4 +1,4 @@
-"""Shared groups (``group_mode=shared``, README "Groups"): each event of the topic runs on
+"""Shared groups (``group_mode=shared``, docs/guides/groups.md): each event of the topic runs on
 one member of the group, members join and leave at run time, nothing is lost or output
 twice, also when a node is killed with kill -9. The default, ``exclusive``, is the group
 tests' of ``test_guarantees.py``."""
@@ -200,7 +200,7 @@ def test_kill_9_while_a_shared_group_consumes_loses_and_duplicates_nothing(
 ) -> None:
     """Two members on two nodes; twice, at a point the seed picks, a node is killed with
     kill -9 and replaced. Every event's output comes once (on RabbitMQ a kill may repeat one
-    output to the plain subscription, README), nothing stays pending, and what ran twice is
+    output to the plain subscription, docs), nothing stays pending, and what ran twice is
     at most what the kills cut short."""
     settings = broker.replace(visibility_timeout_s=5, redeliver_after_s=10.0)
     run = uuid.uuid4().hex[:8]

@@ -166,13 +166,14 @@ def test_status_and_worker_show_tell_an_operator_what_runs_waits_and_fails(
 
 
 def test_with_no_node_status_says_so_within_the_ping_timeout(settings: Settings) -> None:
+    """On Redis no node keeps a liveness record: the ping is not waited for at all."""
     ping_s = 1.5
     started = time.monotonic()
     found = wm_json(settings, "status", "--ping-timeout", str(ping_s))
     took = time.monotonic() - started
     assert found["nodes"] == [] and found["unavailable"] == {}
     assert found["workers"] == 0 and found["by_status"] == {} and found["queued"] == 0
-    assert ping_s <= took < ping_s + STARTUP_S
+    assert took < ping_s + STARTUP_S
     screen = terminal(settings, "status")
     shown = one_line(screen)
     assert "nodes: none answered the ping within 1 s" in shown

@@ -91,7 +91,12 @@ def test_json_prints_the_environment_once_up_and_people_s_lines_on_stderr(
         assert env_file.stat().st_mode & 0o777 == 0o600  # URLs may hold passwords
         written = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
         assert answer["env"] == written
-        assert sorted(written) == ["WM_BROKER_URL", "WM_DATABASE_URL", "WM_REDIS_URL"]
+        assert sorted(written) == [
+            "WM_BROKER_URL",
+            "WM_DATABASE_URL",
+            "WM_HEALTH_PORT",
+            "WM_REDIS_URL",
+        ]
         assert written["WM_DATABASE_URL"] == database
         assert written["WM_BROKER_URL"].startswith("redis://127.0.0.1:")
         assert answer["node"]["name"].startswith("wm-up@")
@@ -103,6 +108,62 @@ def test_json_prints_the_environment_once_up_and_people_s_lines_on_stderr(
     assert rest == ""  # one JSON object, nothing else on standard output
     assert "wm up  node       celery pid" in err and err.rstrip().endswith("stopped")
     _assert_nothing_left(err)
+
+
+@pytest.mark.slow
+def test_the_env_file_names_the_database_from_any_directory(tmp_path: Path) -> None:
+    """The default database is a relative path; ``.wm/env`` names it absolutely, so a
+    shell that sourced it finds the same store from another directory."""
+    home, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    proc = _run_up(home, "--json", stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        json.loads(proc.stdout.readline())
+        written = dict(
+            line.split("=", 1) for line in (home / ".wm" / "env").read_text().splitlines()
+        )
+        database = home / ".wm" / "workmanager.db"
+        assert written["WM_DATABASE_URL"] == f"sqlite:///{database}"
+        listed = subprocess.run(
+            [sys.executable, "-m", "wm.cli", "worker", "list", "--json"],
+            cwd=elsewhere,
+            env={**_env(), **written},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stderr
+        assert not (elsewhere / ".wm").exists()  # no second, empty store
+        asked = subprocess.run(  # the first node's health endpoint, from the same file
+            [sys.executable, "-m", "wm.cli", "health", "--json"],
+            cwd=elsewhere,
+            env={**_env(), **written},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert asked.returncode in (0, 1), asked.stderr  # healthy, or degraded (no sandbox)
+        assert json.loads(asked.stdout)["node"].startswith("wm-up@")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+def test_an_empty_sqlite_store_names_the_file_a_relative_path_led_to(tmp_path: Path) -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "wm.cli", "worker", "list"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 1
+    line = listed.stderr.strip()
+    assert line.startswith("wm: error: database sqlite:///.wm/workmanager.db has no "), line
+    assert f"from here it is the file {tmp_path / '.wm' / 'workmanager.db'};" in line, line
+    assert "`wm up` writes it to .wm/env" in line and listed.stderr.count("\n") == 1
 
 
 @pytest.mark.slow

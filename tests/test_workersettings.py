@@ -20,7 +20,11 @@ FIELDS = [f.name for f in dataclasses.fields(WorkerSettings)]
 
 def test_the_defaults_are_the_documented_ones() -> None:
     settings = WorkerSettings()
-    assert (settings.failure_threshold, settings.recovery, settings.max_events) == (5, "retry", 0)
+    assert (settings.failure_threshold, settings.recovery, settings.max_events) == (5, None, 0)
+    # seed 004's decision tree, by kind of failure; the pause while unhealthy is on
+    kinds = ("crash", "timeout", "error", "health")
+    assert [settings.strategy_for(k) for k in kinds] == ["replace", "retry", "retry", "remove"]
+    assert settings.pause_when_unhealthy is True
     assert (settings.breaker_base_delay_s, settings.breaker_max_delay_s) == (2.0, 120.0)
     assert (settings.stop_grace_s, settings.ordering_gap_s, settings.probe_interval_s) == (
         30.0,
@@ -31,6 +35,23 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert settings.timeout_s_on(env) == env.message_handling_timeout_seconds
     assert settings.max_retries_on(env) == env.max_retries
     assert WorkerSettings(max_retries=0).max_retries_on(env) == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "crash", "timeout", "error"),
+    [
+        ({}, "replace", "retry", "retry"),
+        ({"recovery": "stop"}, "stop", "stop", "stop"),  # as before: one strategy for all
+        ({"recovery": "stop", "recovery_on_crash": "remove"}, "remove", "stop", "stop"),
+        ({"recovery_on_timeout": "degrade"}, "replace", "degrade", "retry"),
+    ],
+)
+def test_recovery_sets_every_delivery_kind_not_given_its_own(
+    given: dict[str, str], crash: str, timeout: str, error: str
+) -> None:
+    typed = WorkerSettings.parse(given)
+    assert [typed.strategy_for(k) for k in ("crash", "timeout", "error")] == [crash, timeout, error]
+    assert typed.strategy_for("health") == "remove"  # the health kind has its own only
 
 
 def test_what_was_stored_reads_back_typed() -> None:
@@ -47,7 +68,20 @@ def test_what_was_stored_reads_back_typed() -> None:
         ({"max_retries": "3"}, "'max_retries' must be a non-negative number"),
         ({"max_retries": True}, "'max_retries' must be a non-negative number"),
         ({"timeout_s": -1}, "'timeout_s' must be a non-negative number"),
-        ({"recovery": "reboot"}, "'recovery' must be one of retry, degrade, stop, replace"),
+        ({"recovery": "reboot"}, "'recovery' must be one of retry, degrade, stop, replace, remove"),
+        (
+            {"recovery_on_crash": "restart"},
+            "'recovery_on_crash' must be one of retry, degrade, stop, replace, remove",
+        ),
+        ({"recovery_on_timeout": ""}, "'recovery_on_timeout' must be a non-empty string"),
+        ({"recovery_on_error": 3}, "'recovery_on_error' must be a non-empty string"),
+        # a probe is its own retry
+        (
+            {"recovery_on_health": "retry"},
+            "'recovery_on_health' must be one of remove, degrade, stop, replace",
+        ),
+        ({"pause_when_unhealthy": "no"}, "'pause_when_unhealthy' must be true or false"),
+        ({"pause_when_unhealthy": 0}, "'pause_when_unhealthy' must be true or false"),
         ({OUTPUT_TOPICS: "a"}, "'output_topics' must be a list of topics"),
         ({"isolation": "subprocess"}, "unknown worker setting 'isolation'"),
     ],

@@ -8,7 +8,6 @@ import parts of ``wm`` without pulling in SQLAlchemy or Celery).
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from wm.config import Settings
 from wm.errors import (
     AmbiguousReference,
     BrokerUnavailable,
@@ -37,6 +36,9 @@ from wm.errors import (
     ScheduleNotFound,
     StoreUnavailable,
     SubscriptionNotFound,
+    TenantInUse,
+    TenantLimitReached,
+    TenantNotFound,
     TokenNotFound,
     Unavailable,
     VersionNotFound,
@@ -45,15 +47,24 @@ from wm.errors import (
     WorkerTimeout,
     WorkManagerError,
 )
-from wm.events import CloudEvent, decode, encode, make_event
-from wm.lifecycle import Status
 
 if TYPE_CHECKING:
+    from wm.config import Settings
     from wm.control.deadletters import DeadLetters
+    from wm.events import CloudEvent, decode, encode, make_event
+    from wm.lifecycle import Status
     from wm.manager import WorkManager
     from wm.views import DeadLetterInfo, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
 
+# Imported on first use too: ``wm --help`` (whose ``wm.cli`` imports ``wm.errors``, and so
+# this package) loads no settings, events or CloudEvents library.
 _LAZY = {
+    "CloudEvent": "wm.events",
+    "Settings": "wm.config",
+    "Status": "wm.lifecycle",
+    "decode": "wm.events",
+    "encode": "wm.events",
+    "make_event": "wm.events",
     "DeadLetterInfo": "wm.views",
     "DeadLetters": "wm.control.deadletters",
     "ScheduleInfo": "wm.views",
@@ -107,6 +118,9 @@ __all__ = [
     "Status",
     "StoreUnavailable",
     "SubscriptionNotFound",
+    "TenantInUse",
+    "TenantLimitReached",
+    "TenantNotFound",
     "TokenNotFound",
     "TransitionInfo",
     "Unavailable",

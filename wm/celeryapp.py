@@ -10,12 +10,15 @@ from typing import Any
 from celery import signals
 from celery.utils.log import get_multiprocessing_logger
 
-from wm.config import Settings
+from wm.config import Settings, misspelt
 from wm.dataplane import logcontext
 from wm.dataplane.app import make_app
+from wm.dataplane.fairshare import FairPrefetch, FairShare
 from wm.dataplane.node import on_process_init, on_process_shutdown, on_shutting_down
 from wm.ops import logs, metrics, tracing
 from wm.ops.health import HealthServer
+
+logger = logging.getLogger(__name__)
 
 # Connected here, in the module ``celery -A`` imports first: the worker imports the
 # ``include`` modules only later, after the pool has forked.
@@ -45,6 +48,13 @@ def _on_node_init(**_: Any) -> None:
     metrics.prepare(Settings.from_env())
 
 
+@signals.celeryd_after_setup.connect
+def _on_node_ready(**_: Any) -> None:
+    # After Celery's logging is set up: the node's log shows a misspelt setting's name.
+    for warning in misspelt():
+        logger.warning(warning)
+
+
 @signals.after_setup_logger.connect
 def _on_setup_logger(logger: logging.Logger, **_: Any) -> None:
     # Celery's handlers, kept: WM_LOG_FORMAT=json swaps their formatter (every process of
@@ -70,4 +80,6 @@ def _on_task_postrun(task_id: str, **_: Any) -> None:
 
 app = make_app()
 app.steps["worker"].add(HealthServer)
+app.steps["worker"].add(FairShare)  # the tenants' turns at the pool processes
+app.steps["consumer"].add(FairPrefetch)  # a shallow prefetch while tenants compete
 tracing.configure()  # OTEL_TRACES_EXPORTER: spans of publishes and deliveries

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from wm.errors import ConfigurationError
+from wm import sentinelurl
+from wm.errors import ConfigurationError, InvalidArgument
+from wm.names import DEFAULT_TENANT, check_tenant
 
 #: Pure-stdlib modules a sandboxed Python worker may import when nothing else is configured.
 DEFAULT_PYTHON_ALLOWED_PACKAGES = (
@@ -46,6 +48,13 @@ def _parse_float(raw: str) -> float:
     value = float(raw.strip())
     if value < 0:
         raise ValueError("expected a non-negative number")
+    return value
+
+
+def _parse_positive_int(raw: str) -> int:
+    value = int(raw.strip())
+    if value < 1:
+        raise ValueError("expected a positive integer")
     return value
 
 
@@ -93,6 +102,24 @@ def _parse_log_format(raw: str) -> str:
     return value
 
 
+#: Values of WM_AMQP_QUEUE_TYPE: RabbitMQ's queue types WorkManager declares.
+QUEUE_TYPES = ("classic", "quorum")
+
+
+def _parse_queue_type(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in QUEUE_TYPES:
+        raise ValueError(f"expected {' or '.join(QUEUE_TYPES)}")
+    return value
+
+
+def _parse_delivery_limit(raw: str) -> int:
+    value = _parse_int(raw)
+    if value < 1:
+        raise ValueError("expected a whole number of deliveries, at least 1")
+    return value
+
+
 def _url(raw: str, schemes: tuple[str, ...] | None, expects: str) -> str:
     """``raw`` if it is a URL (of one of ``schemes``, unless None) whose port, if any, is a
     number; else a ValueError saying what is wrong with it."""
@@ -124,15 +151,36 @@ BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp", "memory")
 
 
 def _parse_broker_url(raw: str) -> str:
-    return _url(raw, BROKER_SCHEMES, "redis://HOST:PORT/DB or amqp://USER:PASSWORD@HOST:PORT/VHOST")
+    if sentinelurl.is_sentinel(raw):
+        sentinelurl.parse(raw)  # a ValueError says what is wrong
+        return raw.strip()
+    return _url(
+        raw,
+        BROKER_SCHEMES,
+        "redis://HOST:PORT/DB, amqp://USER:PASSWORD@HOST:PORT/VHOST or " + sentinelurl.EXPECTED,
+    )
 
 
 def _parse_redis_url(raw: str) -> str:
-    return _url(raw, ("redis", "rediss", "unix"), "redis://HOST:PORT/DB (or rediss://, unix://)")
+    if sentinelurl.is_sentinel(raw):
+        sentinelurl.parse(raw)  # a ValueError says what is wrong
+        return raw.strip()
+    return _url(
+        raw,
+        ("redis", "rediss", "unix"),
+        f"redis://HOST:PORT/DB (or rediss://, unix://, {sentinelurl.EXPECTED})",
+    )
 
 
 #: What WM_DEPLOYMENT may be: it names AMQP exchanges and Redis channels.
 DEPLOYMENT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _parse_tenant(raw: str) -> str:
+    try:
+        return check_tenant(raw.strip())
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _parse_deployment(raw: str) -> str:
@@ -145,10 +193,12 @@ def _parse_deployment(raw: str) -> str:
 _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_bool: "true or false",
     _parse_int: "a non-negative integer",
+    _parse_positive_int: "a positive integer",
     _parse_float: "a non-negative number",
     _parse_port: "a TCP port (0 to 65535; 0 is off)",
     _parse_csv: "a comma-separated list",
     _parse_str: "a string",
+    _parse_tenant: "a tenant name (1-63 of a-z, 0-9 and -, starting with a letter or digit)",
     _parse_priority_steps: f"ascending levels from 0 to {MAX_PRIORITY}, starting with 0 "
     "(0, or 0,3,6,9)",
     _parse_log_format: " or ".join(LOG_FORMATS),
@@ -175,13 +225,46 @@ class Settings:
         "WM_BROKER_URL",
         "redis://127.0.0.1:6379/0",
         _parse_broker_url,
-        "Celery/kombu broker URL: redis://… or amqp://…",
+        "Celery/kombu broker URL: redis://…, amqp://… or, through Redis Sentinel, "
+        "`sentinel://HOST:26379;sentinel://HOST:26379/DB?master_name=NAME`.",
+    )
+    amqp_queue_type: str = _setting(
+        "WM_AMQP_QUEUE_TYPE",
+        "classic",
+        _parse_queue_type,
+        "RabbitMQ: `classic` queues live on one server; `quorum` queues are replicated over "
+        "a cluster and survive losing a server (needs every node, beat and client on the same "
+        "value; a deployment switching type needs new queues). Redis ignores it.",
+    )
+    amqp_delivery_limit: int = _setting(
+        "WM_AMQP_DELIVERY_LIMIT",
+        1000,
+        _parse_delivery_limit,
+        "Quorum queues: a message RabbitMQ has delivered this often without an "
+        "acknowledgement goes to `wm.default`, where a node dead-letters it (never dropped); "
+        "WorkManager's own limits (attempts, WM_REQUEUE_LIMIT_S) normally park it long before.",
     )
     redis_url: str = _setting(
         "WM_REDIS_URL",
         "redis://127.0.0.1:6379/1",
         _parse_redis_url,
-        "Redis for derived state: routing table, locks, fences, outcomes, leases.",
+        "Redis for derived state: routing table, locks, fences, outcomes, leases; "
+        "`sentinel://HOST:26379;sentinel://HOST:26379/DB?master_name=NAME` follows the "
+        "primary a Redis Sentinel names.",
+    )
+    redis_wait_replicas: int = _setting(
+        "WM_REDIS_WAIT_REPLICAS",
+        0,
+        _parse_int,
+        "Replicas of the state store that must acknowledge a group-lock acquire (its fence) "
+        "and a recorded outcome (Redis WAIT) before WorkManager goes on; 0 does not wait.",
+    )
+    redis_wait_timeout_ms: int = _setting(
+        "WM_REDIS_WAIT_TIMEOUT_MS",
+        500,
+        _parse_positive_int,
+        "How long WM_REDIS_WAIT_REPLICAS waits for the replicas; fewer acknowledgements is "
+        "an outage: the delivery goes back to its queue.",
     )
     deployment: str = _setting(
         "WM_DEPLOYMENT",
@@ -190,6 +273,13 @@ class Settings:
         "Name of the deployment on servers it shares with others: its Redis channel and its "
         "Celery control and event exchanges carry it. Empty means `db<N>`, N being "
         "WM_REDIS_URL's database number. Set it alike on every node and client.",
+    )
+    tenant: str = _setting(
+        "WM_TENANT",
+        DEFAULT_TENANT,
+        _parse_tenant,
+        "The tenant `wm` commands and `WorkManager()` work in when none is given (`--tenant`, "
+        "`tenant=`); it must exist (`wm tenant create`). Nodes serve every tenant.",
     )
     group_lock_retry_base_delay_ms: int = _setting(
         "GROUP_LOCK_RETRY_BASE_DELAY_MS",
@@ -587,6 +677,8 @@ def deployment_name(settings: Settings) -> str:
     host name each reaches the server by, and that two deployments on one server differ in."""
     if settings.deployment:
         return settings.deployment
+    if sentinelurl.is_sentinel(settings.redis_url):
+        return f"db{sentinelurl.parse(settings.redis_url).db}"
     url = urlsplit(settings.redis_url)
     db = parse_qs(url.query).get("db", [url.path.strip("/") or "0"])[0]
     if not db.isdigit():
@@ -603,9 +695,12 @@ def given(name: str, env: Mapping[str, str] | None = None) -> bool:
 
 
 def masked(url: str) -> str:
-    """``url`` with its password replaced by ``**``: how a URL is shown or logged."""
+    """``url`` with its password replaced by ``**``: how a URL is shown or logged. A broker's
+    failover list (``amqp://…;amqp://…``, kombu's form) has every URL masked."""
     from kombu.utils.url import maybe_sanitize_url
 
+    if ";" in url:
+        return ";".join(masked(part) for part in url.split(";"))
     try:
         return str(maybe_sanitize_url(url))
     except ValueError:  # kombu cannot parse it (a malformed port): mask it without parsing
@@ -644,8 +739,34 @@ def _refuse_unknown(env: Mapping[str, str], known: Mapping[str, Any]) -> None:
             raise ConfigurationError(f"unknown setting {name}.{suggestion}")
 
 
+#: How alike (difflib's ratio) a variable's name must be to an unprefixed setting's to count
+#: as a misspelling of it: ``PYTHON_ALLOWED_PACKAGE`` is, ``PYTHONPATH`` is not.
+MISSPELT_RATIO = 0.85
+
+
+def misspelt(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each variable of ``env`` (default ``os.environ``) whose name looks like
+    an unprefixed setting's (``PYTHON_ALLOWED_PACKAGES``…) but is not: it is ignored.
+
+    Warned, not refused as an unknown ``WM_*`` variable is: names without the prefix are
+    shared with every other program in the environment, where a near name may be right."""
+    env = os.environ if env is None else env
+    unprefixed = [f.metadata["env"] for f in fields(Settings)]
+    unprefixed = [name for name in unprefixed if not name.startswith("WM_")]
+    found = []
+    for name in sorted(env):
+        if name in unprefixed or name.startswith("WM_"):
+            continue
+        hint = difflib.get_close_matches(name.upper(), unprefixed, n=1, cutoff=MISSPELT_RATIO)
+        if hint:
+            found.append(
+                f"{name} is no WorkManager setting and is ignored: did you mean {hint[0]}?"
+            )
+    return found
+
+
 def settings_table() -> list[tuple[str, str, str]]:
-    """(variable, default, meaning) rows, used by ``wm config`` and the README."""
+    """(variable, default, meaning) rows, used by ``wm config`` and the docs."""
     return [(f.metadata["env"], _shown(f.default), f.metadata["doc"]) for f in fields(Settings)]
 
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from wm.config import Settings
 from wm.errors import EngineNotFound, EngineUnavailable
 from wm.events import CloudEvent
+from wm.names import DEFAULT_TENANT
 from wm.workersettings import SettingRule
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class WorkerSpec:
     sha256: str = ""
     name: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    #: The tenant it runs under; ``topic`` is the topic as its tenant names it.
+    tenant: str = DEFAULT_TENANT
 
 
 #: The ``error_type`` of an error a worker answered with (its error response) rather than raised.
@@ -217,7 +220,7 @@ def engine_class(mime_type: str) -> type[Engine]:
     except ImportError as exc:
         raise EngineUnavailable(
             f"the engine for {mime_type!r} cannot be imported ({exc}); install the extra "
-            "that provides it (see the README's engine table)"
+            "that provides it (see the engine table in docs/guides/python-api.md)"
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise EngineUnavailable(f"entry point {found.value!r} for {mime_type!r} is not an Engine")

@@ -110,6 +110,10 @@ class ScheduleNotFound(NotFound):
     """Raised when no schedule has the given id."""
 
 
+class TenantNotFound(NotFound):
+    """Raised when a call names a tenant that was never created (``wm tenant create``)."""
+
+
 # -- conflict ------------------------------------------------------------------------------
 
 
@@ -120,6 +124,16 @@ class IllegalTransition(Conflict):
 class RecoveryRunning(Conflict):
     """Raised when recovery is asked for while another holds the recovery lease
     (``workmanager/recovery/leader``): one recovery at a time; ask again once it is done."""
+
+
+class TenantInUse(Conflict):
+    """Raised when a tenant to delete still has live workers, subscriptions or tokens in
+    force (each is named), or is the default tenant, which always exists."""
+
+
+class TenantLimitReached(Conflict):
+    """Raised when a worker would take its tenant past its ``max_workers`` limit
+    (``wm tenant set NAME --max-workers N`` raises it; deleting a worker frees one)."""
 
 
 class ConcurrencyConflict(Conflict):
@@ -245,11 +259,16 @@ class WorkerExecutionError(EngineError, DeliveryFailed):
 
     ``error_type`` is what the ``worker.error`` lifecycle event reports: this class's name,
     or, for an exception the worker's own code threw in another language, that exception's
-    type (a .NET worker's ``System.InvalidOperationException``)."""
+    type (a .NET worker's ``System.InvalidOperationException``). ``process_exited``: the
+    process running the code (a sandbox, a helper) ended during the call: seed 004's
+    "process exit" kind of failure (``recovery_on_crash``)."""
 
-    def __init__(self, *args: object, error_type: str | None = None) -> None:
+    def __init__(
+        self, *args: object, error_type: str | None = None, process_exited: bool = False
+    ) -> None:
         super().__init__(*args)
         self.error_type = error_type or type(self).__name__
+        self.process_exited = process_exited
 
 
 class WorkerTimeout(WorkerExecutionError):
@@ -311,10 +330,26 @@ class MalformedMessage(DeliveryFailed):
     retryable = False
 
 
+class DeliveryLimitExceeded(DeliveryFailed):
+    """Raised when RabbitMQ gave a message up after WM_AMQP_DELIVERY_LIMIT deliveries of a
+    quorum queue without an acknowledgement: it is parked, not dropped."""
+
+    retryable = False
+
+
 class RequeueLimitExceeded(DeliveryFailed):
     """Raised when a message went back to its queue unsettled (the platform unavailable, a
     failure no one could judge) for longer than WM_REQUEUE_LIMIT_S: it is parked, naming the
     last cause, instead of looping for ever."""
+
+    retryable = False
+
+
+class TenantMismatch(DeliveryFailed):
+    """Raised by the tenant guard when a delivery's event was published in another tenant
+    than the worker whose queue it reached (a message forged or misrouted into another
+    tenant's queue): it is refused before any store is touched, and dropped
+    (docs/guides/tenants.md "What is isolated and what is shared")."""
 
     retryable = False
 
@@ -329,6 +364,16 @@ class DeadLettered(DeliveryFailed):
 
 class LockContention(DeliveryFailed):
     """Raised when a group lock could not be acquired within the configured retries."""
+
+
+class TenantThrottled(DeliveryFailed):
+    """Raised when a delivery finds its tenant at its ``max_concurrency`` or over its
+    ``rate_limit``: it waits in the broker for ``delay_s`` seconds (never a failure, no
+    retry used)."""
+
+    def __init__(self, message: str, delay_s: float) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
 
 
 class FenceRejected(DeliveryFailed):

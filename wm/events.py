@@ -18,6 +18,7 @@ from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
 from wm.errors import EventDecodeError
+from wm.names import DEFAULT_TENANT
 
 __all__ = [
     "GROUPLOCK_TOPIC",
@@ -97,6 +98,33 @@ def with_attributes(event: CloudEvent, **attributes: Any) -> CloudEvent:
         return CloudEvent(merged, event.get_data())
     except BaseCloudEventException as exc:
         raise EventDecodeError(f"invalid CloudEvent attribute: {exc}") from exc
+
+
+#: The CloudEvents extension naming the tenant an event was published in, set by WorkManager
+#: whatever the publisher set (``wm`` like ``wmhops``: a publisher's own ``tenant`` extension
+#: is its own business); absent in the default tenant, whose events are as in earlier
+#: releases.
+TENANT_EXTENSION = "wmtenant"
+
+
+def in_tenant(event: CloudEvent, tenant: str) -> CloudEvent:
+    """``event`` as published in ``tenant``: its ``tenant`` extension says so (and is removed
+    in the default tenant), whatever the publisher set."""
+    wanted = None if tenant == DEFAULT_TENANT else tenant
+    if event.get_extension(TENANT_EXTENSION) == wanted:
+        return event
+    return with_attributes(event, **{TENANT_EXTENSION: wanted})
+
+
+def tenant_of(event: CloudEvent) -> str:
+    """The tenant ``event`` was published in (by its ``tenant`` extension)."""
+    return str(event.get_extension(TENANT_EXTENSION) or DEFAULT_TENANT)
+
+
+def tenant_fields(tenant: str) -> dict[str, str]:
+    """What the data of a lifecycle or infra event about something of ``tenant`` adds:
+    ``{"tenant": tenant}``, nothing in the default tenant (its events are as before)."""
+    return {} if tenant == DEFAULT_TENANT else {"tenant": tenant}
 
 
 def encode(event: CloudEvent) -> str:

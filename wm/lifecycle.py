@@ -85,7 +85,7 @@ EVENT_ON_ENTER: dict[Status, str] = {
 
 #: Who asks for a transition (recorded with it): the Python or HTTP API, the ``wm``
 #: command, the circuit breaker, a schedule, or a node (a worker that cannot run there).
-ACTORS = ("api", "cli", "breaker", "schedule", "node")
+ACTORS = ("api", "cli", "breaker", "health", "schedule", "node")
 
 
 def check_transition(worker_id: str, current: Status | str, target: Status | str) -> Status:

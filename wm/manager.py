@@ -5,12 +5,13 @@ built on first use, so a command that only reads, as ``wm worker list``, loads n
 from __future__ import annotations
 
 import uuid
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from wm.config import Settings
+from wm.control import tenants
 from wm.control.access import Audit, Tokens
 from wm.control.context import Context
 from wm.control.schedules import DEFAULT_MAX_CATCH_UP, Schedules
@@ -18,7 +19,15 @@ from wm.control.versions import Versions
 from wm.control.workers import Workers
 from wm.events import CloudEvent
 from wm.lifecycle import check_actor
-from wm.views import RecoveryReport, ScheduleInfo, TransitionInfo, VersionInfo, WorkerInfo
+from wm.views import (
+    RecoveryReport,
+    ScheduleInfo,
+    SessionInfo,
+    TenantInfo,
+    TransitionInfo,
+    VersionInfo,
+    WorkerInfo,
+)
 from wm.workersettings import with_group_mode
 
 if TYPE_CHECKING:
@@ -38,20 +47,35 @@ class WorkManager:
     lifecycle event to an outbox; the event is published after commit, so no event is ever
     published for a change that did not happen, and none is lost if the broker is down.
     A worker is named by its id, a unique short id (6+ characters) or a live worker's name.
+
+    Every call works in one tenant, ``tenant`` (WM_TENANT unless given, by default the
+    default tenant; any other must exist, see :meth:`create_tenant`): it sees, names and
+    publishes to that tenant's workers, topics, subscriptions, schedules and dead letters
+    only, and another tenant's are not found, exactly as missing ones. API tokens (created
+    in this tenant unless told otherwise) and the audit log are deployment-wide;
+    :meth:`status` and :meth:`recover` are too unless told ``own_tenant``.
     """
 
     def __init__(
-        self, settings: Settings | None = None, *, bus: Bus | None = None, actor: str = "api"
+        self,
+        settings: Settings | None = None,
+        *,
+        bus: Bus | None = None,
+        actor: str = "api",
+        tenant: str | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         #: Who the transitions this object makes are recorded as asked by (``cli`` for ``wm``).
         self.actor = check_actor(actor)
-        self._context = Context(self.settings, self.actor, bus)
+        #: The tenant every call works in (:class:`TenantNotFound` if it was never created).
+        given = self.settings.tenant if tenant is None else tenant
+        self.tenant = tenants.checked(self.settings, given)
+        self._context = Context(self.settings, self.actor, bus, self.tenant)
         self._workers = Workers(self._context)
         self._versions = Versions(self._context, self._workers)
         self._schedules = Schedules(self._workers)
         #: API tokens (``wm token``) and the audit log of the HTTP API's changes (``wm audit``).
-        self.tokens = Tokens(self.settings)
+        self.tokens = Tokens(self.settings, self.tenant)
         self.audit = Audit(self.settings)
 
     @property
@@ -63,7 +87,7 @@ class WorkManager:
         """Dead letters: ``list``, ``count``, ``get``, ``replay``, ``purge``."""
         from wm.control.deadletters import DeadLetters
 
-        return DeadLetters(self.settings, self.bus)
+        return DeadLetters(self.settings, tenant=self.tenant, make_bus=lambda: self.bus)
 
     @cached_property
     def _lifecycle(self) -> Lifecycle:
@@ -160,8 +184,10 @@ class WorkManager:
 
     # -- queries (wm.control.workers, the status read models) and schedules --------------
 
-    def get_worker(self, worker_id: uuid.UUID | str) -> WorkerInfo:
-        return self._workers.get(worker_id)
+    def get_worker(self, worker_id: uuid.UUID | str, *, health: bool = True) -> WorkerInfo:
+        """The worker; with ``health=False`` as the database has it, Redis not asked (its
+        ``health`` left unknown)."""
+        return self._workers.get(worker_id) if health else self._workers.stored(worker_id)
 
     def list_workers(
         self, *, topic: str | None = None, group: str | None = None, status: str | None = None
@@ -169,9 +195,13 @@ class WorkManager:
         """Workers matching every given filter, oldest first; deleted ones only if asked."""
         return self._workers.list(topic=topic, group=group, status=status)
 
-    def worker_names(self, worker_ids: Iterable[uuid.UUID | str | None]) -> dict[str, str | None]:
-        """Each worker's name by its id as text, deleted workers too, in one query."""
-        return self._workers.names(worker_ids)
+    def worker_names(
+        self, worker_ids: Iterable[uuid.UUID | str | None], *, all_tenants: bool = False
+    ) -> dict[str, str | None]:
+        """Each worker's name by its id as text, deleted workers too, in one query; another
+        tenant's worker is left out, as a missing one, unless ``all_tenants`` (a deployment
+        view, such as the command line's audit log)."""
+        return self._workers.names(worker_ids, all_tenants=all_tenants)
 
     def worker_id_of(self, reference: str, *, deleted_names: bool = False) -> str:
         """A worker's id from its id or short id (a deleted one's too) or a live worker's
@@ -186,6 +216,15 @@ class WorkManager:
         """The audit trail of state changes and code changes, oldest first."""
         return self._workers.transitions(worker_id)
 
+    def session(self, worker_id: uuid.UUID | str, session: str) -> SessionInfo:
+        """The engine instance a session of the worker is bound to (``session_key``), and
+        for how long; ``instance`` None when it is unbound."""
+        return self._workers.session(worker_id, session)
+
+    def unbind_session(self, worker_id: uuid.UUID | str, session: str) -> bool:
+        """End a session's binding: its next event binds anew. False when it had none."""
+        return self._workers.unbind_session(worker_id, session)
+
     def get_code(self, worker_id: uuid.UUID | str, version: int | None = None) -> bytes:
         return self._versions.code(worker_id, version)
 
@@ -195,20 +234,24 @@ class WorkManager:
 
         return workerdetails.worker_details(self.settings, self.bus, self.get_worker(worker_id))
 
-    def status(self, *, ping_timeout_s: float | None = None) -> Overview:
-        """The cluster at a glance; a part whose service does not answer is None."""
+    def status(self, *, ping_timeout_s: float | None = None, own_tenant: bool = False) -> Overview:
+        """The cluster at a glance (with ``own_tenant``, this tenant's part: its workers,
+        queues, dead letters and breakers); a part whose service does not answer is None."""
         from wm.control import overview
 
-        return overview.overview(self.settings, self.bus, ping_timeout_s)
+        tenant = self.tenant if own_tenant else None
+        return overview.overview(self.settings, self.bus, ping_timeout_s, tenant)
 
-    def recover(self) -> RecoveryReport:
+    def recover(self, *, own_tenant: bool = False) -> RecoveryReport:
         """Run recovery now, as a starting node does: repair the routing table, declare every
         subscription's queue, check running workers' code, publish the outbox. Each worker it
         could not bring back is in ``failures``. Raises :class:`wm.errors.RecoveryRunning`
-        while another recovery holds the lease."""
+        while another recovery holds the lease. With ``own_tenant`` the whole recovery runs
+        (the routing table and the broker are shared) but the report counts and names this
+        tenant's routes, queues, workers and events only."""
         from wm.control import recovery
 
-        return recovery.recover(self._context)
+        return recovery.recover(self._context, own_tenant=own_tenant)
 
     def add_schedule(
         self,
@@ -240,8 +283,9 @@ class WorkManager:
     # -- events and subscriptions (wm.control.subscriptions) ------------------------------
 
     def publish(self, event: CloudEvent, topic: str | None = None) -> int:
-        """Publish ``event`` to ``topic`` (default: its type); returns subscriptions reached."""
-        return self.bus.publish(event, topic)
+        """Publish ``event`` to ``topic`` (default: its type) of this tenant; returns
+        subscriptions reached."""
+        return self.bus.publish(event, self._context.route(topic or event.get_type()))
 
     def publish_many(self, events: Iterable[CloudEvent], topic: str | None = None) -> list[int]:
         """Publish ``events`` in order to ``topic`` (default: each event's type), in batches
@@ -254,7 +298,36 @@ class WorkManager:
         were published."""
         from wm.control.publishing import checked
 
-        return self.bus.publish_many(checked(events, topic))
+        return self.bus.publish_many(checked(events, topic, self.tenant))
+
+    # -- tenants (wm.control.tenants) ---------------------------------------------------------
+
+    def create_tenant(
+        self,
+        name: str,
+        *,
+        max_concurrency: int | None = None,
+        rate_limit: float | None = None,
+        max_workers: int | None = None,
+    ) -> TenantInfo:
+        """Create a tenant (a name of 1-63 characters: a-z, 0-9 and ``-``) with its limits
+        (None: unlimited; docs/guides/tenants.md); one that exists is refused."""
+        limits = {
+            "max_concurrency": max_concurrency,
+            "rate_limit": rate_limit,
+            "max_workers": max_workers,
+        }
+        return tenants.create(self.settings, name, limits)
+
+    def set_tenant_limits(self, name: str, **limits: int | float | None) -> TenantInfo:
+        """Change the limits named (``max_concurrency``, ``rate_limit``, ``max_workers``;
+        None: unlimited) of tenant ``name``, keeping the others; nodes apply them at their
+        next delivery."""
+        return tenants.set_limits(self.settings, name, limits)
+
+    def list_tenants(self) -> list[TenantInfo]:
+        """Every tenant, by name, with its count of live workers and its limits."""
+        return tenants.listing(self.settings)
 
     def flush_outbox(self) -> int:
         """Publish lifecycle events written by committed changes; returns how many were sent."""
@@ -271,6 +344,19 @@ class WorkManager:
     def list_subscriptions(self, topic: str | None = None) -> list[dict[str, Any]]:
         """Every subscription (worker and plain) with its queue depth."""
         return self._subscriptions.list(topic)
+
+    def consume(
+        self,
+        topic: str,
+        name: str,
+        *,
+        count: int | None = None,
+        idle_s: float | None = None,
+        peek: bool = False,
+    ) -> Iterator[str | bytes]:
+        """The plain subscription ``name``'s messages, oldest first: taken and acknowledged
+        (until ``count``, or none came for ``idle_s``), or with ``peek`` shown and left."""
+        return self._subscriptions.consume(topic, name, count=count, idle_s=idle_s, peek=peek)
 
     def receive(
         self, queue: str, *, count: int | None = None, idle_s: float | None = None

@@ -7,6 +7,7 @@ broker: no ``::`` inside a name, no control characters, at most :data:`MAX_NAME_
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 from wm.errors import InvalidArgument
@@ -48,6 +49,71 @@ def check_name(kind: str, value: object) -> str:
             f"{kind} {value!r} contains {SEPARATOR!r}, which separates the parts of a queue name"
         )
     return value
+
+
+#: The tenant of every row, queue and key that names none: a single-tenant deployment never
+#: names a tenant, and its topics, queues and Redis keys are those of earlier releases.
+DEFAULT_TENANT = "default"
+#: Longest tenant name: a DNS label, so it fits queue names, Redis keys, metric labels and
+#: environment variable values unquoted.
+MAX_TENANT_CHARS = 63
+#: A tenant name, as a regular expression (the API's header declares it).
+TENANT_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+_TENANT = re.compile(TENANT_PATTERN)
+
+
+def check_tenant(value: object) -> str:
+    """``value`` if it is a valid tenant name: 1 to 63 characters of lowercase ASCII letters,
+    digits and ``-``, starting with a letter or digit; otherwise :class:`InvalidArgument`
+    naming the rule it breaks."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"tenant must be a non-empty string, not {value!r}")
+    if len(value) > MAX_TENANT_CHARS:
+        raise InvalidArgument(
+            f"tenant {value[:40]!r}... is {len(value)} characters long; the limit is "
+            f"{MAX_TENANT_CHARS}"
+        )
+    if not _TENANT.fullmatch(value):
+        raise InvalidArgument(
+            f"tenant {value!r} is not a valid tenant name: use lowercase letters a-z, digits "
+            "and '-', starting with a letter or digit"
+        )
+    return value
+
+
+def route_topic(tenant: str, topic: str) -> str:
+    """The topic as routing knows it (the routing table, queue names, the ``topic`` columns):
+    the topic itself in the default tenant, ``<tenant>::<topic>`` in any other, so two
+    tenants' topics of the same name never meet."""
+    return topic if tenant == DEFAULT_TENANT else f"{tenant}{SEPARATOR}{topic}"
+
+
+def split_route_topic(route: str) -> tuple[str, str]:
+    """The tenant and the topic a user sees of a :func:`route_topic`."""
+    tenant, sep, topic = route.partition(SEPARATOR)
+    return (tenant, topic) if sep else (DEFAULT_TENANT, route)
+
+
+def route_group(tenant: str, group: str | None) -> str | None:
+    """A group as the store and the data plane know it, qualified as :func:`route_topic`
+    qualifies a topic: group locks and shared groups of two tenants never meet."""
+    return None if group is None else route_topic(tenant, group)
+
+
+def bare_group(group: str | None) -> str | None:
+    """The group a user sees of a :func:`route_group`."""
+    return None if group is None else split_route_topic(group)[1]
+
+
+def check_route_topic(route: object) -> str:
+    """``route`` if it is a valid :func:`route_topic`: a valid topic, in the default tenant or
+    qualified by a valid tenant name."""
+    if isinstance(route, str) and SEPARATOR in route:
+        tenant, topic = split_route_topic(route)
+        check_tenant(tenant)
+        check_name("topic", topic)
+        return route
+    return check_name("topic", route)
 
 
 def reserved_topic(topic: str) -> bool:

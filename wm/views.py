@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, overload
+
+from wm.names import DEFAULT_TENANT
+from wm.tenantlimits import TenantLimits
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,39 @@ class WorkerInfo:
     status_since: datetime | None = None
     #: healthy, degraded, unhealthy or unknown (``wm.state.health``), beside the status.
     health: str = "unknown"
+    #: The tenant it belongs to; ``topic`` is the topic as its tenant names it.
+    tenant: str = DEFAULT_TENANT
+    #: Why no node consumes its queue though it runs: ``unhealthy`` while its health pauses
+    #: it (``pause_when_unhealthy``); None when it is not paused.
+    paused: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session's binding to an engine instance (``wm session show``;
+    docs/guides/session-affinity.md): the instance (``host:pid``) and the seconds it has left,
+    None when unbound."""
+
+    worker_id: uuid.UUID
+    session: str
+    instance: str | None
+    expires_in_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    """A tenant (``wm tenant list``), how many live workers it has and its limits."""
+
+    name: str
+    created_at: datetime
+    workers: int = 0
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -184,6 +220,9 @@ class TokenInfo:
     expires_at: datetime | None
     last_used_at: datetime | None
     revoked_at: datetime | None
+    #: The one tenant it works in, or None: a deployment-wide admin token, which may name
+    #: any tenant (``WM-Tenant``; ``wm.control.access``).
+    tenant: str | None = DEFAULT_TENANT
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -203,6 +242,8 @@ class AuditInfo:
     status_code: int | None
     result: str | None
     duration_ms: float | None
+    #: The tenant the call worked in.
+    tenant: str = DEFAULT_TENANT
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))

@@ -28,14 +28,20 @@ from wm.names import check_name
 class SettingRule:
     """What one per-worker setting may hold: a non-negative number of ``types``, or with
     ``text``, a non-empty string (one of ``choices`` when given, and one ``valid`` accepts:
-    it raises :class:`InvalidArgument` naming what is wrong)."""
+    it raises :class:`InvalidArgument` naming what is wrong), or with ``flag``, true or
+    false."""
 
     types: tuple[type, ...] = (int,)
     text: bool = False
     choices: tuple[str, ...] | None = None
     valid: Callable[[str], object] | None = None
+    flag: bool = False
 
     def check(self, key: str, value: Any) -> Any:
+        if self.flag:
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"worker setting {key!r} must be true or false")
+            return value
         if self.text:
             if not isinstance(value, str) or not value:
                 raise InvalidArgument(f"worker setting {key!r} must be a non-empty string")
@@ -54,10 +60,19 @@ NUMBER = SettingRule((int, float))
 COUNT = SettingRule()
 #: Per-worker allow-list: the only topics the worker's outputs may go to.
 OUTPUT_TOPICS = "output_topics"
-#: Recovery strategies (seed 004); the first is the default.
-STRATEGIES = ("retry", "degrade", "stop", "replace")
+#: Recovery strategies (seed 004); the first is the default of ``recovery``.
+STRATEGIES = ("retry", "degrade", "stop", "replace", "remove")
 #: Strategies under which the failing delivery goes back to the queue (nothing is parked).
-PAUSING = frozenset({"retry", "stop"})
+PAUSING = frozenset({"retry", "stop", "remove"})
+#: Kinds of failure, each with its strategy (seed 004's ``determine_strategy``): a delivery
+#: that ended with its process (``crash``), outlived its time limit (``timeout``) or failed
+#: otherwise (``error``) when the circuit breaker trips, and ``health``: max_probe_failures
+#: failed probes in a row. Its default strategy when neither it nor ``recovery`` is set.
+KIND_DEFAULTS: Mapping[str, str] = MappingProxyType(
+    {"crash": "replace", "timeout": "retry", "error": "retry", "health": "remove"}
+)
+#: A probe is its own retry: the health kind has every strategy but ``retry``.
+HEALTH_STRATEGIES = ("remove", "degrade", "stop", "replace")
 ORDERINGS = ("none", "key")
 #: How the members of a group share its topic's events (DESIGN.md §6); the first is the default.
 GROUP_MODES = ("exclusive", "shared")
@@ -81,8 +96,21 @@ class WorkerSettings:
     failure_threshold: int = _setting(5, COUNT)
     breaker_base_delay_s: float = _setting(2.0, NUMBER)
     breaker_max_delay_s: float = _setting(120.0, NUMBER)
-    #: what reaching failure_threshold does (:data:`STRATEGIES`)
-    recovery: str = _setting(STRATEGIES[0], SettingRule(text=True, choices=STRATEGIES))
+    #: what reaching failure_threshold does (:data:`STRATEGIES`), for every kind of failed
+    #: delivery whose own setting below is not given
+    recovery: str | None = _setting(None, SettingRule(text=True, choices=STRATEGIES))
+    #: the strategy by kind of failure (:data:`KIND_DEFAULTS`; None: ``recovery`` if given,
+    #: else the kind's default)
+    recovery_on_crash: str | None = _setting(None, SettingRule(text=True, choices=STRATEGIES))
+    recovery_on_timeout: str | None = _setting(None, SettingRule(text=True, choices=STRATEGIES))
+    recovery_on_error: str | None = _setting(None, SettingRule(text=True, choices=STRATEGIES))
+    recovery_on_health: str = _setting(
+        KIND_DEFAULTS["health"], SettingRule(text=True, choices=HEALTH_STRATEGIES)
+    )
+    #: an unhealthy worker's queue is not consumed until it is healthy again
+    pause_when_unhealthy: bool = _setting(True, SettingRule(flag=True))
+    #: seconds a paused worker with no probe to say it is well waits for a trial
+    health_pause_s: float = _setting(30.0, NUMBER)
     #: successful deliveries after which the worker is finished (0: no limit)
     max_events: int = _setting(0, COUNT)
     #: deliveries of the worker running at once across the cluster (0: any)
@@ -116,6 +144,12 @@ class WorkerSettings:
     #: (``wm.idempotency``): the outcome is recorded under it, so one business operation
     #: sent again under a new event id runs once (None: the event's identity)
     idempotency_key: str | None = _setting(None, SettingRule(text=True, valid=key_source))
+    #: where the session of its events is, an attribute name or a path into the data, as
+    #: for idempotency_key: a session's events run on one engine instance while the binding
+    #: lives (``wm.dataplane.features.affinity``; None: no affinity)
+    session_key: str | None = _setting(None, SettingRule(text=True, valid=key_source))
+    #: a session's binding ends after this long without an event of it
+    session_idle_s: float = _setting(300.0, NUMBER)
     #: the only topics the outputs may go to (None: any topic that is not reserved)
     output_topics: tuple[str, ...] | None = _setting(None, None)
     #: the engine's own settings (its ``worker_settings`` rules), read by the engine
@@ -174,6 +208,15 @@ class WorkerSettings:
         pause = self.breaker_base_delay_s * 2 ** max(0, trips - 1)
         return float(min(self.breaker_max_delay_s, pause))
 
+    def strategy_for(self, kind: str) -> str:
+        """The recovery strategy for a failure of ``kind`` (:data:`KIND_DEFAULTS`)."""
+        if kind == "health":
+            return self.recovery_on_health
+        own = getattr(self, f"recovery_on_{kind}")
+        if own is not None:
+            return str(own)
+        return self.recovery if self.recovery is not None else KIND_DEFAULTS[kind]
+
     @property
     def ordered(self) -> bool:
         """Events with the same ``partitionkey`` run one at a time, in publish order."""
@@ -197,6 +240,11 @@ def _combined(settings: WorkerSettings) -> WorkerSettings:
         raise InvalidArgument(
             "worker settings 'group_mode' shared and 'batch_size' > 1 do not go together: a "
             "shared group's events are picked by a member one at a time"
+        )
+    if settings.session_key is not None and (settings.batch_size or 0) > 1:
+        raise InvalidArgument(
+            "worker settings 'session_key' and 'batch_size' > 1 do not go together: a "
+            "session's events run one call at a time on the instance it is bound to"
         )
     return settings
 

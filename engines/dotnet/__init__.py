@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from wm.extras import install_hint
+
 if TYPE_CHECKING:
     from engines.dotnet.engine import CSharpEngine, DotNetDllEngine
 
@@ -30,7 +32,7 @@ def __getattr__(name: str) -> Any:
             if exc.name not in ("defusedxml", "pythonnet", "clr_loader"):
                 raise
             raise ImportError(
-                f"the .NET engines need {exc.name}: pip install 'workmanager[dotnet]'"
+                f"the .NET engines need {exc.name}: {install_hint('dotnet')}"
             ) from exc
         return getattr(engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

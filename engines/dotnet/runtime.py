@@ -39,6 +39,7 @@ from engines.dotnet.wire import SEP
 from engines.isolation.host import Callbacks
 from wm.config import Settings
 from wm.errors import EngineUnavailable, InvalidCode
+from wm.extras import install_hint
 
 logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("engines.dotnet.worker")
@@ -477,7 +478,7 @@ def _start(root: Root) -> None:
         import pythonnet
     except ModuleNotFoundError as exc:
         raise EngineUnavailable(
-            f"the .NET engines need pythonnet ({exc}): pip install 'workmanager[dotnet]'"
+            f"the .NET engines need pythonnet ({exc}): {install_hint('dotnet')}"
         ) from exc
     folder = Path(tempfile.mkdtemp(prefix="wm-dotnet-"))
     try:

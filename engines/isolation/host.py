@@ -234,7 +234,8 @@ class HelperProcess:
         self._discard()
         return WorkerExecutionError(
             f"the {self.description} worker's helper process (pid {exited.pid}) died while "
-            f"{doing}: {_cause(exited.returncode)}"
+            f"{doing}: {_cause(exited.returncode)}",
+            process_exited=True,
         )
 
 

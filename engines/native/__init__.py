@@ -27,10 +27,10 @@ Operator notes:
   is: in a helper it is killed at the time limit; in-process a late answer is dropped.
 * Worker settings read by this engine: ``isolation``, and ``api_host`` / ``api_port`` (where
   ``host->gateway_call`` goes; the host must be in WM_GATEWAY_ALLOWED_HOSTS).
-* VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC are set before the library
-  loads (in the helper's environment when isolated) and restored when the engine closes.
-  They are process-wide, so a library reads them once when it initializes: each load is a
-  fresh copy of the library, which sees its own worker's values.
+* VIRTUFIN_WORKER_ID, VIRTUFIN_WORKER_GROUP, VIRTUFIN_WORKER_TOPIC, VIRTUFIN_TENANT_ID are set
+  before the library loads (in the helper's environment when isolated) and restored when the
+  engine closes. They are process-wide, so a library reads them once when it initializes:
+  each load is a fresh copy of the library, which sees its own worker's values.
 
 cffi is imported only by this package; without it the engine is reported unavailable with
 the extra to install.
@@ -39,6 +39,8 @@ the extra to install.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from wm.extras import install_hint
 
 if TYPE_CHECKING:
     from engines.native.engine import NativeEngine
@@ -53,8 +55,6 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as exc:
             if exc.name != "cffi":
                 raise
-            raise ImportError(
-                "the native engine needs cffi: pip install 'workmanager[native]'"
-            ) from exc
+            raise ImportError(f"the native engine needs cffi: {install_hint('native')}") from exc
         return NativeEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,7 +44,12 @@ logger = logging.getLogger(__name__)
 worker_logger = logging.getLogger("engines.native.worker")
 
 #: Environment variables that tell a native worker who it is (set before its library loads).
-IDENTITY = ("VIRTUFIN_WORKER_ID", "VIRTUFIN_WORKER_GROUP", "VIRTUFIN_WORKER_TOPIC")
+IDENTITY = (
+    "VIRTUFIN_WORKER_ID",
+    "VIRTUFIN_WORKER_GROUP",
+    "VIRTUFIN_WORKER_TOPIC",
+    "VIRTUFIN_TENANT_ID",
+)
 #: Worker settings read by this engine.
 ISOLATION, API_HOST, API_PORT = "isolation", "api_host", "api_port"
 
@@ -60,7 +65,8 @@ class Runner(Protocol):
 
 
 def identity(worker: WorkerSpec) -> dict[str, str | None]:
-    return dict(zip(IDENTITY, (worker.worker_id, worker.group, worker.topic), strict=True))
+    facts = (worker.worker_id, worker.group, worker.topic, worker.tenant)
+    return dict(zip(IDENTITY, facts, strict=True))
 
 
 class Sinks:

@@ -211,10 +211,8 @@ class SandboxProcess:
             raise WorkerExecutionError(f"protocol failure with the Python sandbox: {exc}") from exc
 
     def _died(self, returncode: int | None) -> WorkerExecutionError:
-        summary = self.output_summary()
-        return WorkerExecutionError(
-            f"the Python sandbox process {describe_exit(returncode)}{self._startup_hint()}{summary}"
-        )
+        why = f"{describe_exit(returncode)}{self._startup_hint()}{self.output_summary()}"
+        return WorkerExecutionError(f"the Python sandbox process {why}", process_exited=True)
 
     def _startup_hint(self) -> str:
         """Why a child died importing its own code: the worker-side ModuleNotFoundError alone

@@ -49,6 +49,35 @@ def result_body(events: Iterable[CloudEvent], cpu_s: float, done: str | None = N
     return b'{"cpu_s":%.3f,"events":[%s]%s}' % (cpu_s, encoded, tail)
 
 
+class WorkerEvent(CloudEvent):
+    """The event a Python worker's code gets: a CloudEvent (``get_type()``, ``get_data()``,
+    ``get_extension(name)``, …) that also reads its attributes by name, as the CloudEvents
+    SDK's HTTP events did: ``event["type"]``, ``event.get("subject")``, ``event.data``."""
+
+    def __getitem__(self, name: str) -> Any:
+        attributes = self.get_attributes()
+        if name in attributes:
+            return attributes[name]
+        if name == "data":
+            return self.get_data()
+        raise KeyError(
+            f"the event has no attribute {name!r}; it has {', '.join(sorted(attributes))} and data"
+        )
+
+    def __contains__(self, name: object) -> bool:
+        return name == "data" or name in self.get_attributes()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The attribute (or extension) ``name``, or ``default`` when the event has none."""
+        if name == "data":
+            return self.get_data()
+        return self.get_attributes().get(name, default)
+
+    @property
+    def data(self) -> Any:
+        return self.get_data()
+
+
 def event_from_json(obj: Any) -> CloudEvent:
     """A CloudEvent from its structured-mode JSON object (as ``JSONFormat.read`` does)."""
     if not isinstance(obj, dict):
@@ -63,7 +92,7 @@ def event_from_json(obj: Any) -> CloudEvent:
             attributes["time"] = datetime.fromisoformat(attributes["time"])
         except ValueError as exc:
             raise FrameError(f"event time is not ISO 8601: {exc}") from exc
-    return CloudEvent(attributes, data)
+    return WorkerEvent(attributes, data)
 
 
 def answer_event(obj: Any) -> CloudEvent:

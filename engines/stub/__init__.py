@@ -8,11 +8,14 @@ The code is a JSON object::
      "fail_if_data_has": "poison",   # ...only for events whose data contains this key
      "fail_runs": 2,                 # ...only an event's first 2 runs (counted in "trace")
      "outputs": 1,                   # how many output events per input
-     "trace": "/tmp/runs.jsonl"}     # append one line per execution begun to this file
+     "trace": "/tmp/runs.jsonl",     # append one line per execution begun to this file
+     "sick_while": "/tmp/sick"}      # while this file exists, deliveries fail and the
+                                     # health probe fails (the code has a probe only then)
 
 Each output's data records the input data, the worker version and the process id and
-start/end times, so tests can check who ran what, when and on which code. The trace also
-counts executions whose outputs were never published (a process killed, a write refused).
+start/end times (outside the default tenant also the worker's tenant and the event's), so
+tests can check who ran what, when and on which code. The trace also counts executions whose
+outputs were never published (a process killed, a write refused).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 
 from wm.engine import Engine, WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError
-from wm.events import CloudEvent, make_event
+from wm.events import TENANT_EXTENSION, CloudEvent, make_event
+from wm.names import DEFAULT_TENANT
 
 _KEYS = {
     "output_type": str,
@@ -35,6 +39,7 @@ _KEYS = {
     "fail_runs": int,
     "outputs": int,
     "trace": str,
+    "sick_while": str,
 }
 
 
@@ -75,6 +80,15 @@ class StubEngine(Engine):
         assert self._worker is not None, "load() first"
         return self._run(event)
 
+    def probe(self, timeout_s: float) -> bool | None:
+        """With ``sick_while``: fails while its file exists, else passes. Without: no probe."""
+        sick = self._spec.get("sick_while")
+        if sick is None:
+            return None
+        if os.path.exists(sick):
+            raise WorkerExecutionError(f"{sick} exists: the stub is sick")
+        return True
+
     def process_batch(
         self, events: Sequence[CloudEvent], timeout_s: float
     ) -> list[list[CloudEvent] | Exception]:
@@ -97,6 +111,9 @@ class StubEngine(Engine):
         sleep_s = self._spec.get("sleep_ms", 0) / 1000
         if sleep_s:
             time.sleep(sleep_s)
+        sick = self._spec.get("sick_while")
+        if sick is not None and os.path.exists(sick):
+            raise WorkerExecutionError(f"{sick} exists: the stub is sick")
         data = event.get_data()
         poison = self._spec.get("fail_if_data_has")
         if "fail" in self._spec and (poison is None or (isinstance(data, dict) and poison in data)):
@@ -113,6 +130,9 @@ class StubEngine(Engine):
             "started_at": started,
             "finished_at": time.time(),
         }
+        if self._worker.tenant != DEFAULT_TENANT:  # the default tenant's output is as before
+            body["tenant"] = self._worker.tenant
+            body["event_tenant"] = event.get_extension(TENANT_EXTENSION)
         return [
             make_event(output_type, f"/workers/{self._worker.worker_id}", dict(body, index=i))
             for i in range(self._spec.get("outputs", 1))

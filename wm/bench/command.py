@@ -3,7 +3,8 @@ terminal and a summary line (or one JSON object) at the end. Each phase is a mod
 own: the task-event phase (``wm.bench.taskevents``, on the embedded Redis), then, on the
 broker ``--broker`` names, the drain (``wm.bench.drain``), round-trip
 (``wm.bench.roundtrip``), scale (``wm.bench.scale``) and pool (``wm.bench.pools``) phases,
-the start-up phase (``wm.bench.startup``) and the engines' in-process round trips
+the start-up phase (``wm.bench.startup``), the read-command phase (``wm.bench.commands``)
+and the engines' in-process round trips
 (``wm.bench.enginetrips``). Every phase has names, a node and exchanges of its own
 (``wm.bench.rig``) and deletes them when it ends.
 """
@@ -24,6 +25,7 @@ from kombu.connection import Connection
 
 from wm import store
 from wm.bench import (
+    commands,
     drain,
     enginetrips,
     multinode,
@@ -71,6 +73,11 @@ process tree (acks_late, prefetch multiplier 4, JSON, prefork, log level
 WARNING on both sides). Each phase makes names, a node and exchanges of its own and deletes them
 when it ends.
 
+The read-command phase (--commands-repeats) builds a store of realistic size
+(on the PostgreSQL server --commands-database-url names, else SQLite) and times
+every wm command that only reads, as new processes, against 0.5 s (wm --help
+against 0.1 s).
+
 A progress bar shows on standard error at a terminal, and a summary line ends
 the run. With --json the tables go to standard error and standard output gets
 one JSON object of the results.
@@ -110,6 +117,11 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("the drain and multi-node phases need --drain-events above 0")
     if args.scale_workers and not 1 <= args.scale_topics <= args.scale_workers:
         parser.error("--scale-topics must be between 1 and --scale-workers")
+    if args.commands_repeats and args.commands_workers < 1:
+        parser.error("--commands-workers must be 1 or more")
+    url = args.commands_database_url
+    if url is not None and not url.startswith(("postgresql://", "postgresql+psycopg://")):
+        parser.error(f"--commands-database-url {url!r} is no postgresql:// URL")
     if args.pools and args.pool_repeats < 1:
         parser.error("--pool-repeats must be 1 or more")
     if args.scale_workers and min(args.scale_deliveries, args.scale_repeats) < 1:
@@ -144,6 +156,12 @@ def _bench(args: argparse.Namespace, begin: Begin) -> dict[str, Any]:
             if args.startup_repeats:
                 begin("start-up phase")
                 found["startup"] = startup.report(args.startup_repeats, settings.redis_url)
+            if args.commands_repeats:
+                begin("read-command phase")
+                found["commands"] = commands.report(
+                    settings, tmp, args.commands_database_url, args.commands_workers,
+                    args.commands_repeats,
+                )  # fmt: skip
     if args.engine_messages:
         found["engine_round_trips"] = enginetrips.run(
             args.engine_messages, args.native_zip, _dotnet_workers(args), begin
@@ -164,6 +182,7 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, int]]:
         ("pools", 1 if args.pools else 0),
         ("publish", 1 if args.publish_events else 0),
         ("start-up", 1 if args.startup_repeats else 0),
+        ("read commands", 1 if args.commands_repeats else 0),
         (
             "engine round trips",
             len(enginetrips.ENGINE_WORKERS) + engines - 1 if args.engine_messages else 0,
@@ -221,6 +240,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_broker_phases(parser)
     _add_scale_phase(parser)
     _add_pools_and_startup(parser)
+    _add_commands_phase(parser)
     return parser
 
 
@@ -272,8 +292,9 @@ def _add_engines(parser: argparse.ArgumentParser) -> None:
         "--dotnet-package",
         metavar="NUPKG",
         type=Path,
-        help="A nupkg of engines/dotnet/examples/CommandWorker.cs (see the README): adds a .NET "
-        "DLL worker scenario and the .NET engine's round trip.",
+        help="A nupkg of engines/dotnet/examples/CommandWorker.cs (see "
+        "docs/guides/dotnet-workers.md): adds a .NET DLL worker scenario and the .NET engine's "
+        "round trip.",
     )
     parser.add_argument(
         "--csharp-file",
@@ -320,6 +341,33 @@ def _add_pools_and_startup(parser: argparse.ArgumentParser) -> None:
         help="Start-up phase: time `wm --help` and `wm worker list` R times each, as new "
         "processes, against an empty interpreter and the import of the libraries `wm worker "
         "list` needs (0: skip).",
+    )
+
+
+def _add_commands_phase(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--commands-repeats",
+        metavar="R",
+        type=int,
+        default=0,
+        help="Read-command phase: build a store and time every read command of wm (status, "
+        "worker list/show/history/transitions/code, dlq list/show, schedule list, "
+        "subscriptions, tokens, audit...) R times each, as new processes (0: skip).",
+    )
+    parser.add_argument(
+        "--commands-workers",
+        metavar="N",
+        type=int,
+        default=150,
+        help="Workers of the read-command phase's store (each with versions, transitions, "
+        "dead letters; a third with a schedule).",
+    )
+    parser.add_argument(
+        "--commands-database-url",
+        metavar="URL",
+        help="A PostgreSQL server (postgresql+psycopg://user@host:5432/db) on which the "
+        "read-command phase makes a database of its own, dropped at the end; without it, "
+        "SQLite.",
     )
 
 

@@ -16,15 +16,18 @@ spread printed.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from kombu.transport.redis import PRIORITY_STEPS
 
 from wm.bench.drainclock import AmqpProbe, Probe, RedisProbe, Runs, Side, time_drain
+from wm.bench.dramatiqnodes import DRAMATIQ, DramatiqNode, DramatiqProbe
 from wm.bench.plainnodes import PlainNodes
 from wm.bench.rig import STUB, EngineWorker, Rig
 from wm.config import Settings
@@ -72,9 +75,16 @@ def measure(
     with (
         rig.node(home, concurrency, [noop]) as node,
         PlainNodes(rig.settings.broker_url, rig.prefix, home, 1, concurrency) as plain,
+        ExitStack() as stack,
     ):
         sides, notes = _sides(rig, plain, [node.pid], noop, engines)
         header = f"{plain.describe()}\n{rig.describe_node()}"
+        dramatiq, why_not = dramatiq_node(rig, home, concurrency)
+        if dramatiq is None:
+            notes.append(f"{DRAMATIQ}: {why_not}")
+        else:
+            sides.append(dramatiq_side(rig, stack.enter_context(dramatiq)))
+            header += f"\n{dramatiq.describe()}"
         plain.resume(sides[0].queue)
         for side in sides:  # warm: consumers up, engines loaded
             side.fill(5)
@@ -110,6 +120,30 @@ def _sides(
         )
     sides.append(noop_side(rig, pids, noop))
     return sides, notes
+
+
+def dramatiq_node(rig: Rig, home: Path, concurrency: int) -> tuple[DramatiqNode | None, str]:
+    """The Dramatiq reference, where it can run: Dramatiq installed, a Redis broker."""
+    if not rig.redis_broker:
+        return None, "on a Redis broker only (the bench fills its Redis keys)"
+    if importlib.util.find_spec("dramatiq") is None:
+        return None, "not installed (pip install 'dramatiq[redis]', in the [dev] extra)"
+    return DramatiqNode(rig.settings.broker_url, rig.prefix, home, concurrency), ""
+
+
+def dramatiq_side(rig: Rig, node: DramatiqNode) -> Side:
+    """The second reference: the Dramatiq node draining its queue."""
+    return Side(
+        DRAMATIQ,
+        node.queue,
+        node.fill,
+        node.pause,
+        node.resume,
+        DramatiqProbe(node),
+        lambda: node.pids,
+        rig.redis_commands,
+        rig.info_calls,
+    )
 
 
 def wm_probe(rig: Rig) -> Probe:
@@ -221,7 +255,23 @@ def report(
         print(_row(result, plain))
     for note in notes:
         print(note)
+    for measure, ratio in against_dramatiq(results).items():
+        verdict = "met" if ratio > 1.0 else "MISSED"
+        print(f"batched / {DRAMATIQ}, {measure}: {ratio:.2f}× (target: ahead, > 1×): {verdict}")
     print(f"({WM_NOOP}: the bare task on WorkManager's own node, for comparison only)")
+
+
+def against_dramatiq(results: list[Runs]) -> dict[str, float]:
+    """The batched scenario's rate over Dramatiq's, full drain and window (medians of the
+    repetitions' ratios); empty unless both ran."""
+    found = {result.name: result for result in results}
+    if "batched" not in found or DRAMATIQ not in found:
+        return {}
+    batched, dramatiq = found["batched"], found[DRAMATIQ]
+    return {
+        measure: statistics.median(ratios(batched, dramatiq, measure))
+        for measure in ("full", "window")
+    }
 
 
 def _row(result: Runs, plain: Runs) -> str:
@@ -262,5 +312,6 @@ def figures(
         "repeats": repeats,
         "concurrency": concurrency,
         "scenarios": rows,
+        "batched_vs_dramatiq": {k: round(v, 3) for k, v in against_dramatiq(results).items()},
         "notes": notes,
     }

@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kombu.connection import Connection
 from kombu.transport.redis import Channel
@@ -89,7 +90,15 @@ class AmqpProbe:
         return not left and self.succeeded() - self.base >= events
 
 
-Probe = RedisProbe | AmqpProbe
+class Probe(Protocol):
+    """What is left of a drain, and whether it is over (a broker's or a reference's own)."""
+
+    #: Redis commands one :meth:`left` costs.
+    poll_commands: int
+
+    def mark(self) -> None: ...
+    def left(self, queue: str) -> int: ...
+    def done(self, queue: str, events: int, left: int) -> bool: ...
 
 
 @dataclass
@@ -133,7 +142,10 @@ class Runs:
 
     @property
     def window(self) -> list[float]:
-        return [t.window_rate or 0.0 for t in self.timings]
+        """The window's rates; a drain too short to time its window (crossed within one
+        poll) counts its full drain's rate rather than none: a rate of 0 would make every
+        ratio and scaling efficiency built on it 0 by chance."""
+        return [t.window_rate or t.full_rate for t in self.timings]
 
     def median(self, what: str) -> float:
         return statistics.median(getattr(t, what) or 0.0 for t in self.timings)

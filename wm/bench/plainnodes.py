@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -75,21 +76,11 @@ class PlainNodes:
         return [process.pid for process in self.processes]
 
     def _launch(self, name: str) -> subprocess.Popen[bytes]:
-        home = self.home / f"plain-{name.rpartition('.')[2]}"
-        home.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("WM_", "PYTHON"))}
-        env.update(
-            PYTHONPATH=str(PLAIN_DIR),
-            **{plaincelery.BROKER_ENV: self.broker_url, plaincelery.PREFIX_ENV: self.prefix},
-        )
         command = [sys.executable, "-m", "celery", "-A", "plaincelery", "worker"]
         command += ["-n", name, "-P", "prefork", "-c", str(self.concurrency)]
         command += ["--loglevel=WARNING", "-Q", self.idle]
-        with (home / "node.log").open("ab") as log:
-            return subprocess.Popen(
-                command, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        variables = {plaincelery.BROKER_ENV: self.broker_url, plaincelery.PREFIX_ENV: self.prefix}
+        return spawn(command, self.home / f"plain-{name.rpartition('.')[2]}", variables)
 
     def _wait_up(self) -> None:
         answered: set[str] = set()
@@ -188,6 +179,20 @@ class PlainNodes:
                 channel.queue_delete(queue)
             for exchange in exchanges:
                 channel.exchange_delete(exchange)
+
+
+def spawn(command: list[str], home: Path, variables: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """A reference node: ``command`` run in ``home`` (made if missing), in a session of its
+    own, with this environment less WorkManager's and Python's variables, only
+    :data:`PLAIN_DIR` on its import path, and ``variables``; its output to ``node.log``."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WM_", "PYTHON"))}
+    env.update(PYTHONPATH=str(PLAIN_DIR), **variables)
+    with (home / "node.log").open("ab") as log:
+        return subprocess.Popen(
+            command, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
 
 
 def control_app(broker_url: str, prefix: str, nodes: int) -> Celery:

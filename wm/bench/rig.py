@@ -30,9 +30,9 @@ from celery import Celery
 from kombu import pools
 
 from wm.config import Settings
-from wm.dataplane.app import make_app, redis_broker
+from wm.dataplane.app import BROKER_ERRORS, make_app, redis_broker
 from wm.dataplane.bus import Bus
-from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, worker_queue_name
+from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, subscription_queue, worker_queue_name
 from wm.local.up import celery_node
 from wm.manager import WorkManager
 from wm.state.connection import pooled_client
@@ -44,6 +44,11 @@ BROKERS = ("redis", "amqp")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 #: Seconds a control command (ping, inspect, consumer changes) waits for the node's reply.
 CONTROL_TIMEOUT_S = 5.0
+#: Tries of a control command whose connection went silent, and the seconds a read or write
+#: of the bench's own app on RabbitMQ may wait (py-amqp waits for ever by default: a
+#: broadcast once hung in its ``basic_cancel``).
+CONTROL_ATTEMPTS = 3
+AMQP_SOCKET_TIMEOUT_S = 30
 #: Broker connections (and producers) of the bench's app beyond two per node it starts.
 POOL_SPARE = 4
 #: The inspect command of ``wm.bench.benchnode``: tasks its node finished with success.
@@ -117,7 +122,16 @@ class Rig:
         self.app.conf.update(node_conf(self.prefix, self.app.conf))
         self.manager = WorkManager(settings, bus=Bus(settings, self.app))
         self.redis_broker = redis_broker(settings.broker_url)
+        if not self.redis_broker:
+            options = dict(self.app.conf.broker_transport_options or {})
+            timeouts = {
+                "read_timeout": AMQP_SOCKET_TIMEOUT_S,
+                "write_timeout": AMQP_SOCKET_TIMEOUT_S,
+            }
+            self.app.conf.broker_transport_options = {**options, **timeouts}
         self.queues: list[str] = []
+        #: The bare reference's queues (classic ones), among :attr:`queues`.
+        self.bare: list[str] = []
         self._workers: list[str] = []
         self._subscriptions: list[tuple[str, str]] = []
 
@@ -136,10 +150,14 @@ class Rig:
         return f"{self.prefix}.{suffix}"
 
     def queue(self, suffix: str) -> str:
-        """Declare a queue of the bare reference, which no worker owns."""
+        """Declare a queue of the bare reference, which no worker owns: a classic queue
+        whatever ``WM_AMQP_QUEUE_TYPE`` says, as the node's ``-Q`` declares it (with no
+        arguments; RabbitMQ refuses a second declaration that differs)."""
         name = self.name(suffix)
-        self.manager.bus.declare_queue(name)
+        with self.app.connection_for_write() as connection:
+            subscription_queue(name).bind(connection.default_channel).declare()
         self.queues.append(name)
+        self.bare.append(name)
         return name
 
     def worker(
@@ -201,13 +219,20 @@ class Rig:
 
     def control(self, command: str, **arguments: Any) -> Any:
         """The node's reply to a control command; raises if it gives none in time."""
-        replies = self.app.control.broadcast(
-            command,
-            arguments=arguments,
-            destination=[self.node_name],
-            reply=True,
-            timeout=CONTROL_TIMEOUT_S,
-        )
+        for attempt in range(1, CONTROL_ATTEMPTS + 1):
+            try:
+                replies = self.app.control.broadcast(
+                    command,
+                    arguments=arguments,
+                    destination=[self.node_name],
+                    reply=True,
+                    timeout=CONTROL_TIMEOUT_S,
+                )
+                break
+            except BROKER_ERRORS:  # its connection went silent or broke: on a new one
+                self.app.pool.force_close_all()
+                if attempt == CONTROL_ATTEMPTS:
+                    raise
         for reply in replies or []:
             if self.node_name in reply:
                 return reply[self.node_name]
@@ -295,11 +320,18 @@ class Rig:
             if ready:  # names left of queues deleted: nobody would take them off
                 steps.callback(self._delete_key, ready)
             for queue in (q for q in self.queues if "::" not in q):
-                steps.callback(self.manager.bus.delete_queue, queue)
+                bare = queue in self.bare
+                steps.callback(self._delete_bare if bare else self.manager.bus.delete_queue, queue)
             for topic, name in subscriptions:
                 steps.callback(self.manager.unsubscribe, topic, name)
             for worker_id in workers:
                 steps.callback(self.manager.delete_worker, worker_id)
+
+    def _delete_bare(self, name: str) -> None:
+        with self.app.connection_for_write() as connection:
+            bound = subscription_queue(name).bind(connection.default_channel)
+            bound.declare()  # kombu's virtual transports delete only bindings a channel knows
+            bound.delete()
 
     def _delete_key(self, key: str) -> None:
         with (

@@ -22,7 +22,10 @@ from wm.cli.output import Output, labelled
 from wm.views import Role
 
 if TYPE_CHECKING:
-    from wm.views import AuditInfo
+    from wm.views import AuditInfo, TokenInfo
+
+#: How ``wm token list`` shows a deployment-wide token's tenant.
+ALL_TENANTS = "*"
 
 #: Audit entries ``wm audit`` shows unless told otherwise.
 DEFAULT_AUDIT_LIMIT = 50
@@ -70,7 +73,7 @@ def api(
 ) -> int:
     """Serve the admin HTTP API until Ctrl-C (needs the [api] extra).
 
-    README, Admin HTTP API. It prints no JSON: for JSON log lines, set WM_LOG_FORMAT=json.
+    See docs/guides/admin-api.md. It prints no JSON: for JSON log lines, set WM_LOG_FORMAT=json.
     """
     if out.as_json:
         raise UsageError("wm api prints no JSON; for JSON log lines set WM_LOG_FORMAT=json")
@@ -100,11 +103,22 @@ def token() -> None:
     metavar="N",
     help="Expire after N days. [default: never]",
 )
+@click.option(
+    "--all-tenants",
+    is_flag=True,
+    help="Deployment-wide (admins only): names any tenant with WM-Tenant, manages tenants. "
+    "[default: the tenant of --tenant]",
+)
 @pass_output
-def create_token(out: Output, name: str, role: str, expires_days: int | None) -> int:
-    """Create a token; its secret is printed once."""
+def create_token(
+    out: Output, name: str, role: str, expires_days: int | None, all_tenants: bool
+) -> int:
+    """Create a token of the tenant (--tenant), or of all tenants; its secret is printed
+    once."""
     lifetime = timedelta(days=expires_days) if expires_days else None
-    info, secret = out.manager.tokens.create(name, role, expires_in=lifetime)
+    info, secret = out.manager.tokens.create(
+        name, role, expires_in=lifetime, tenant=out.tenant, all_tenants=all_tenants
+    )
     if out.as_json:
         out.json({**info.to_json(), "token": secret})
         return 0
@@ -113,6 +127,7 @@ def create_token(out: Output, name: str, role: str, expires_days: int | None) ->
             ("id", info.id),
             ("name", info.name),
             ("role", info.role.value),
+            ("tenant", _tenant(info)),
             ("expires", info.expires_at or "never"),
             ("token", secret),
         ]
@@ -125,20 +140,34 @@ def create_token(out: Output, name: str, role: str, expires_days: int | None) ->
 @click.option("--all", "include_revoked", is_flag=True, help="Include revoked tokens.")
 @pass_output
 def list_tokens(out: Output, include_revoked: bool) -> int:
-    """List tokens, oldest first (never their secrets)."""
+    """List every tenant's tokens, oldest first (never their secrets); a deployment-wide
+    one's tenant is *."""
     found = out.manager.tokens.list(include_revoked=include_revoked)
     if out.as_json:
         out.json([t.to_json() for t in found])
         return 0
     out.table(
-        ["ID", "NAME", "ROLE", "CREATED", "EXPIRES", "LAST USED", "REVOKED"],
+        ["ID", "NAME", "ROLE", "TENANT", "CREATED", "EXPIRES", "LAST USED", "REVOKED"],
         (
-            [t.id, t.name, t.role.value, t.created_at, t.expires_at, t.last_used_at, t.revoked_at]
+            [
+                t.id,
+                t.name,
+                t.role.value,
+                _tenant(t),
+                t.created_at,
+                t.expires_at,
+                t.last_used_at,
+                t.revoked_at,
+            ]
             for t in found
         ),
         empty="no tokens",
     )
     return 0
+
+
+def _tenant(token: TokenInfo) -> str:
+    return ALL_TENANTS if token.tenant is None else token.tenant
 
 
 @token.command("revoke")
@@ -176,8 +205,8 @@ def audit(out: Output, reference: str | None, since: datetime | None, limit: int
     if out.as_json:
         out.json([e.to_json() for e in entries])
         return 0
-    names = out.manager.worker_names(
-        {m for e in entries for m in WORKER_REF.findall(e.action or "")}
+    names = out.manager.worker_names(  # the command line's audit log is every tenant's
+        {m for e in entries for m in WORKER_REF.findall(e.action or "")}, all_tenants=True
     )
     out.table(
         ["AT", "TOKEN", "ROLE", "FROM", "CALL", "STATUS", "RESULT"],

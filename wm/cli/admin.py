@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any
 
 import click
 
 from wm.cli.arguments import POSITIVE_INT, Command, Group, pass_output
 from wm.cli.output import Output
-from wm.config import current_values, deployment_name, masked, settings_table
-from wm.errors import InvalidArgument, MissingDependency
+from wm.config import current_values, deployment_name, masked, misspelt, settings_table
+from wm.errors import InvalidArgument, MissingDependency, WorkManagerError
+from wm.extras import install_hint
 
 #: Narrowest a DEFAULT, CURRENT or MEANING cell of ``wm config`` gets before the VARIABLE
 #: column folds too, and the space between two columns of a table.
@@ -21,6 +23,9 @@ COLUMN_GAP_CHARS = 3
 #: ``wm health``'s exit code by status; anything else counts as unhealthy.
 HEALTH_EXIT = {"healthy": 0, "degraded": 1, "unhealthy": 2}
 UNHEALTHY_EXIT = HEALTH_EXIT["unhealthy"]
+#: ``wm health`` could not ask a node (none named, none answered): the monitoring plugins'
+#: UNKNOWN, apart from a node that answered "unhealthy".
+UNKNOWN_EXIT = 3
 #: Shells ``wm completion`` writes a script for (click's own completion classes).
 SHELLS = ("bash", "zsh", "fish")
 #: The program name and the variable the completion scripts call ``wm`` with: click's
@@ -84,6 +89,8 @@ def config(out: Output) -> int:
     Passwords in URLs are masked.
     """
     current = _current_values(out)
+    for warning in misspelt():
+        print(f"wm: warning: {warning}", file=sys.stderr)
     rows = [(env, default, current[env], meaning) for env, default, meaning in settings_table()]
     if out.as_json:
         out.json(
@@ -148,7 +155,7 @@ def _current_values(out: Output) -> dict[str, str]:
     type=click.Choice(("prefork", "threads")),
     default="prefork",
     help="The node's Celery pool; threads suit I/O-bound stub, native and .NET workers "
-    "(README, Benchmarks, pool phase).",
+    "(docs/benchmarks.md, pool phase).",
 )
 @click.option(
     "--nodes",
@@ -156,7 +163,7 @@ def _current_values(out: Output) -> dict[str, str]:
     default=0,
     metavar="N",
     help="Celery nodes; 0: one prefork node per --concurrency cores (a node's main process "
-    "caps it at about 1,000 events/s, README, Nodes and cores).",
+    "caps it at about 1,000 events/s, docs/guides/nodes.md, Nodes and cores).",
 )
 @pass_output
 def up(out: Output, demo: bool, events: int, concurrency: int, pool: str, nodes: int) -> int:
@@ -219,13 +226,17 @@ def recover(out: Output) -> int:
 @click.option(
     "--node",
     metavar="URL",
-    help="The node's health endpoint. [default: http://127.0.0.1:$WM_HEALTH_PORT/health]",
+    help="The node's health endpoint, or HOST:PORT. [default: http://127.0.0.1:$WM_HEALTH_PORT/health]",
 )
 @pass_output
 def health(out: Output, node: str | None) -> int:
-    """A node's health: exit 0 healthy, 1 degraded, 2 unhealthy."""
-    url = node or _local_health_url(out)
-    _, found = component("wm.ops.health").fetch(url)
+    """A node's health: exit 0 healthy, 1 degraded, 2 unhealthy, 3 unknown (no answer)."""
+    try:
+        url = _node_url(node) if node else _local_health_url(out)
+        _, found = component("wm.ops.health").fetch(url)
+    except WorkManagerError as exc:  # not asked: neither healthy nor not (a monitor's UNKNOWN)
+        exc.exit_code = UNKNOWN_EXIT  # type: ignore[attr-defined]
+        raise
     status = str(found.get("status", "unhealthy"))
     if out.as_json:
         out.json(found)
@@ -234,6 +245,13 @@ def health(out: Output, node: str | None) -> int:
         for reason in found.get("reasons", []):
             out.line(f"- {reason}")
     return HEALTH_EXIT.get(status, UNHEALTHY_EXIT)
+
+
+def _node_url(node: str) -> str:
+    """``--node`` as a URL: ``HOST:PORT`` and a URL without a path ask ``/health``."""
+    url = node if "://" in node else f"http://{node}"
+    scheme, rest = url.split("://", 1)
+    return url if "/" in rest else f"{scheme}://{rest}/health"
 
 
 def _local_health_url(out: Output) -> str:
@@ -340,5 +358,5 @@ def component(name: str, *, extra: str | None = None) -> Any:
             raise
         raise MissingDependency(
             f"{name} needs the [{extra}] extra (module {exc.name!r} is missing): "
-            f"pip install 'workmanager[{extra}]'"
+            f"{install_hint(extra)}"
         ) from exc

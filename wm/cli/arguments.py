@@ -64,22 +64,62 @@ def json_option() -> click.Option:
     )
 
 
+def _set_format(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        output = output_of(ctx)
+        output.as_json = value != "table"
+        output.as_yaml = value == "yaml"
+
+
+def format_option() -> click.Option:
+    """``-o json|yaml|table``, which every command takes, before or after its name
+    (``--json`` is ``-o json``; YAML holds the same fields as JSON)."""
+    return click.Option(
+        ["-o", "--output"],
+        type=click.Choice(["table", "json", "yaml"]),
+        metavar="FORMAT",
+        expose_value=False,
+        is_eager=True,
+        callback=_set_format,
+        help="table (for people), json or yaml (for scripts: the Python API's fields). "
+        "[default: table]",
+    )
+
+
+def _set_tenant(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        output_of(ctx).tenant = value
+
+
+def tenant_option() -> click.Option:
+    """``--tenant NAME``, which every command takes, before or after its name."""
+    return click.Option(
+        ["--tenant"],
+        metavar="NAME",
+        expose_value=False,
+        is_eager=True,
+        callback=_set_tenant,
+        help="Work in this tenant. [default: $WM_TENANT, default]",
+    )
+
+
 class Command(click.Command):
-    """A leaf command; it accepts ``--json``."""
+    """A leaf command; it accepts ``--json``, ``-o`` and ``--tenant``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.params.append(json_option())
+        self.params += [json_option(), format_option(), tenant_option()]
 
 
 class Group(click.Group):
-    """A group whose commands and sub-groups accept ``--json``, listed in the order declared."""
+    """A group whose commands and sub-groups accept ``--json``, ``-o`` and ``--tenant``, listed in
+    the order declared."""
 
     command_class = Command
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.params.append(json_option())
+        self.params += [json_option(), format_option(), tenant_option()]
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(self.commands)
@@ -121,12 +161,13 @@ NON_NEGATIVE_FLOAT = click.FloatRange(min=0)
 
 
 def number_or_text(value: str) -> Any:
-    """A JSON number when ``value`` is one (``3``, ``2.5``), otherwise the text itself."""
+    """A JSON number or boolean when ``value`` is one (``3``, ``2.5``, ``true``), otherwise
+    the text itself."""
     try:
         parsed = json.loads(value)
     except ValueError:
         return value
-    return parsed if isinstance(parsed, int | float) and not isinstance(parsed, bool) else value
+    return parsed if isinstance(parsed, int | float) else value
 
 
 def read_bytes(path: str) -> bytes:

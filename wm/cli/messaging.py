@@ -12,6 +12,8 @@ import click
 
 from wm.cli.arguments import (
     KEY_VALUE,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
     Command,
     UsageError,
     parse_json,
@@ -290,6 +292,44 @@ def unsubscribe(out: Output, topic: str, name: str, keep_queue: bool) -> int:
         out.json({"topic": topic, "name": name, "queue_deleted": not keep_queue})
     else:
         out.line(f"unsubscribed {name} from topic {topic}")
+    return 0
+
+
+#: How long ``wm consume`` waits for a message when the queue is empty, in seconds.
+CONSUME_WAIT_S = 1.0
+
+
+@click.command(cls=Command)
+@click.argument("topic")
+@click.option("--name", required=True, help="The subscription's name (wm subscribe TOPIC NAME).")
+@click.option("--count", type=POSITIVE_INT, help="At most this many messages. Default: all.")
+@click.option(
+    "--timeout-s",
+    type=POSITIVE_FLOAT,
+    default=CONSUME_WAIT_S,
+    show_default=True,
+    help="Stop when no message arrived for this long (seconds).",
+)
+@click.option("--peek", is_flag=True, help="Show the waiting messages and leave them queued.")
+@pass_output
+def consume(
+    out: Output, topic: str, name: str, count: int | None, timeout_s: float, peek: bool
+) -> int:
+    """Read a plain subscription's messages, oldest first (--peek: leave them queued).
+
+    Each message is taken and acknowledged: it leaves the queue. --peek shows the messages
+    waiting now without taking any, in the order they would be taken. Lines as wm tail
+    prints them; --json: one CloudEvent per line. An empty queue prints nothing on standard
+    output and exits 0.
+    """
+    from wm.cli.tail import print_event
+
+    read = 0
+    for body in out.manager.consume(topic, name, count=count, idle_s=timeout_s, peek=peek):
+        print_event(out, body, False)
+        read += 1
+    if not read:
+        out.note(f"no messages in subscription {name} of topic {topic}")
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 import uuid
@@ -20,16 +19,15 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from wm import views
-
 if TYPE_CHECKING:
     from rich.console import Console
 
     from wm.config import Settings
     from wm.manager import WorkManager
 
-#: Width a table is laid out to when standard output is not a terminal and ``COLUMNS`` is
-#: unset: wide enough that every row stays on one line for ``grep`` and ``awk``.
+#: Width a table is laid out to when standard output is not a terminal, whatever ``COLUMNS``
+#: says (a shell or CI may export it): wide enough that every row, its error text whole,
+#: stays on one line for ``grep`` and ``awk``.
 PIPE_WIDTH = 1000
 #: Narrowest an identifier column gets on a small terminal: a short id (12 characters) stays whole.
 MIN_ID_CHARS = 12
@@ -48,6 +46,10 @@ class Output:
 
     def __init__(self, *, as_json: bool = False, settings: Settings | None = None) -> None:
         self.as_json = as_json
+        #: ``-o yaml``: what ``--json`` prints, as YAML.
+        self.as_yaml = False
+        #: ``--tenant``; None: WM_TENANT.
+        self.tenant: str | None = None
         if settings is not None:
             self.settings = settings
 
@@ -61,7 +63,7 @@ class Output:
     def manager(self) -> WorkManager:
         from wm.manager import WorkManager
 
-        return WorkManager(self.settings, actor="cli")
+        return WorkManager(self.settings, actor="cli", tenant=self.tenant)
 
     # -- consoles ----------------------------------------------------------------------------
 
@@ -70,7 +72,7 @@ class Output:
         from rich.console import Console
 
         tty = sys.stdout.isatty()
-        width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+        width = None if tty else PIPE_WIDTH
         # No markup: a cell is the operator's data, and ``[/x]`` in an error is no style tag.
         return Console(width=width, markup=False, highlight=False, soft_wrap=False, emoji=False)
 
@@ -88,8 +90,14 @@ class Output:
     # -- output ------------------------------------------------------------------------------
 
     def json(self, value: Any) -> None:
-        """``value`` as indented JSON on standard output (``--json``)."""
-        self.line(json.dumps(value, indent=2, default=jsonable, ensure_ascii=False))
+        """``value`` as indented JSON on standard output (``--json``), or as YAML
+        (``-o yaml``: the same fields, through JSON's conversions)."""
+        text = json.dumps(value, indent=2, default=jsonable, ensure_ascii=False)
+        if self.as_yaml:
+            import yaml
+
+            text = yaml.safe_dump(json.loads(text), sort_keys=False, allow_unicode=True).rstrip()
+        self.line(text)
 
     def line(self, text: str = "") -> None:
         """One line of text on standard output, as it is (no markup, no wrapping)."""
@@ -121,8 +129,31 @@ class Output:
         if not cells:
             self.line(empty)
             return
+        if self._plain_table([list(headers), *cells]):
+            return
         wraps = [header in wrap or i == len(headers) - 1 for i, header in enumerate(headers)]
         self.show(self._rich_table(headers, cells, wraps))
+
+    def _plain_table(self, rows: list[list[str]]) -> bool:
+        """Print ``rows`` (the headers first) as rich lays them out for a pipe -- no style, no
+        rule, each column as wide as its widest cell, two spaces apart -- without rich's
+        layout, which takes a while for a few hundred rows; False (nothing printed) at a
+        terminal, with colour forced, or when a cell or the row is more than one plain
+        line: rich lays those out."""
+        console = self.console
+        if console.is_terminal or console.color_system is not None:
+            return False
+        if not all(text.isprintable() for row in rows for text in row):
+            return False
+        widths = [max(map(_width, column)) for column in zip(*rows, strict=True)]
+        if sum(widths) + COLUMN_GAP * (len(widths) - 1) > console.width:
+            return False
+        for row in rows:
+            padded = (
+                text + " " * (width - _width(text)) for text, width in zip(row, widths, strict=True)
+            )
+            self.line((" " * COLUMN_GAP).join(padded).rstrip(" "))
+        return True
 
     def _rich_table(self, headers: Sequence[str], cells: list[list[str]], wraps: list[bool]) -> Any:
         from rich import box
@@ -269,7 +300,9 @@ def cell(value: Any) -> str:
     if value is None or value == "":
         return "-"
     if isinstance(value, datetime):
-        return views.aware(value).astimezone(UTC).strftime(TIME_FORMAT)
+        from wm.views import aware
+
+        return aware(value).astimezone(UTC).strftime(TIME_FORMAT)
     return str(value)
 
 
@@ -279,7 +312,9 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "to_json"):
         return value.to_json()
     if isinstance(value, datetime | uuid.UUID):
-        return views.jsonable(value)
+        from wm.views import jsonable as to_jsonable
+
+        return to_jsonable(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 

@@ -1,8 +1,8 @@
-"""The README's command reference, generated from the real ``--help`` of every command.
+"""The documentation's command reference, generated from the real ``--help`` of every command.
 
-``python -m wm.cli.reference README.md`` rewrites the part of the README between the two
-markers below; ``tests/test_readme.py`` fails when that part differs from what this renders,
-so the documentation cannot drift from the command line.
+``python -m wm.cli.reference docs/reference/cli.md`` (the default file) rewrites the part of
+that page between the two markers below; ``tests/test_readme.py`` fails when that part differs
+from what this renders, so the documentation cannot drift from the command line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import click
 
 from wm.cli import cli
 
-BEGIN = "<!-- wm-help:begin (python -m wm.cli.reference README.md) -->"
+#: The page the reference lives in, from the root of the clone.
+PAGE = "docs/reference/cli.md"
+BEGIN = f"<!-- wm-help:begin (python -m wm.cli.reference {PAGE}) -->"
 END = "<!-- wm-help:end -->"
 #: Columns the help is laid out to, whatever the terminal that renders it.
 WIDTH = 100
@@ -39,35 +41,26 @@ def _commands(
 
 
 def render() -> str:
-    """The reference as Markdown: one folded block per command, in the order ``--help``
-    lists them."""
+    """The reference as Markdown: a heading and a block per command, in the order ``--help``
+    lists them (the heading's anchor is the command: ``#wm-worker-create``)."""
     parts = [BEGIN, ""]
     for name, text in _commands(cli, ("wm",), None):
-        parts += [
-            f"<details><summary><code>{name}</code></summary>",
-            "",
-            "```text",
-            text.rstrip(),
-            "```",
-            "",
-            "</details>",
-            "",
-        ]
+        parts += [f"## `{name}`", "", "```text", text.rstrip(), "```", ""]
     parts.append(END)
     return "\n".join(parts)
 
 
-def replace(readme: str) -> str:
-    """``readme`` with its reference part rendered anew."""
-    head, found, rest = readme.partition(BEGIN)
+def replace(page: str) -> str:
+    """``page`` with its reference part rendered anew."""
+    head, found, rest = page.partition(BEGIN)
     if not found or END not in rest:
-        raise SystemExit(f"the README has no {BEGIN!r} … {END!r} part")
+        raise SystemExit(f"the page has no {BEGIN!r} … {END!r} part")
     return head + render() + rest.split(END, 1)[1]
 
 
 def main(argv: list[str]) -> int:
-    """Render the reference into the README named by ``argv`` (default ``README.md``)."""
-    path = Path(argv[0] if argv else "README.md")
+    """Render the reference into the page named by ``argv`` (default :data:`PAGE`)."""
+    path = Path(argv[0] if argv else PAGE)
     path.write_text(replace(path.read_text()))
     return 0
 

@@ -47,6 +47,7 @@ def status(out: Output, ping_timeout: float) -> int:
     _queues(out, found)
     _dead_letters(out, found)
     _breakers(out, found)
+    _tenants(out, found)
     return 0
 
 
@@ -144,6 +145,33 @@ def _breakers(out: Output, found: Overview) -> None:
         (_breaker_row(b, found.at) for b in found.recovery.breakers),
         empty="all closed",
     )
+
+
+def _tenants(out: Output, found: Overview) -> None:
+    """Shown once there is more than the default tenant, or a tenant has a limit."""
+    limited = any(any(v is not None for v in t.limits.to_json().values()) for t in found.tenants)
+    if len(found.tenants) < 2 and not limited:
+        return
+    _heading(out, "Tenants (limits '-': unlimited; use counted where a delivery limit is set)")
+    out.table(
+        ["TENANT", "WORKERS", "IN FLIGHT", "RATE /S", "MAX_WORKERS"],
+        (
+            [
+                t.name,
+                t.workers,
+                _use(t.in_flight, t.limits.shown("max_concurrency")),
+                _use(t.rate, t.limits.shown("rate_limit")),
+                t.limits.shown("max_workers"),
+            ]
+            for t in found.tenants
+        ),
+        empty="no tenants",
+    )
+
+
+def _use(used: int | None, limit: str) -> str:
+    """``3/10``: in use of the limit."""
+    return f"{'-' if used is None else used}/{limit}"
 
 
 def _breaker_row(breaker: BreakerInfo, now: datetime) -> list[Any]:

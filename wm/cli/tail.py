@@ -89,10 +89,11 @@ def _consume(
 ) -> None:
     with contextlib.closing(out.manager.receive(queue, count=count, idle_s=timeout_s)) as bodies:
         for body in bodies:
-            _print_event(out, body, full)
+            print_event(out, body, full)
 
 
-def _print_event(out: Output, body: str | bytes, full: bool) -> None:
+def print_event(out: Output, body: str | bytes, full: bool) -> None:
+    """One event as ``wm tail`` shows it (``wm consume`` too): a line, or JSON with --json."""
     from wm.errors import EventDecodeError
     from wm.events import decode, encode, event_to_dict
 

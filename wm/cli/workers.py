@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import click
 
@@ -18,6 +20,7 @@ from wm.cli.arguments import (
 )
 from wm.cli.output import Output, cell, duration, unavailable, unavailable_reasons
 from wm.lifecycle import Status
+from wm.names import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from wm.control.workerdetails import DeliveryCounts, LastError, WorkerDetails
@@ -68,7 +71,11 @@ def _code(file: str | None, base64_text: str | None, url: str | None) -> bytes |
 
 @worker.command("create")
 @click.option("--topic", required=True, help="Topic whose events the worker handles.")
-@click.option("--mime-type", required=True, help="Selects the engine, e.g. text/x-python.")
+@click.option(
+    "--mime-type",
+    help="Selects the engine, e.g. text/x-python. [default: from the --file or --url name: "
+    ".py, .cs, .nupkg or .dll, .zip]",
+)
 @_code_options
 @click.option("--group", help="Its group: members take turns on every event, or share the events.")
 @click.option(
@@ -78,7 +85,7 @@ def _code(file: str | None, base64_text: str | None, url: str | None) -> bytes |
     help="exclusive (default): members run every event, one at a time; shared: each event "
     "runs on one member.",
 )
-@click.option("--name", help="Unique among live workers; usable instead of the id.")
+@click.option("--name", help="Unique among the tenant's live workers; usable instead of the id.")
 @click.option("--no-start", is_flag=True, help="Leave it in status created.")
 @click.option(
     "--setting",
@@ -91,7 +98,7 @@ def _code(file: str | None, base64_text: str | None, url: str | None) -> bytes |
 def create_worker(
     out: Output,
     topic: str,
-    mime_type: str,
+    mime_type: str | None,
     file: str | None,
     base64_text: str | None,
     url: str | None,
@@ -106,7 +113,7 @@ def create_worker(
     info = out.manager.create_worker(
         code=_code(file, base64_text, url),
         url=url,
-        mime_type=mime_type,
+        mime_type=mime_type or _mime_type_of(file or url),
         topic=topic,
         group=group,
         name=name,
@@ -117,6 +124,31 @@ def create_worker(
     )
     _print_worker(out, info)
     return 0
+
+
+#: The engine a code file's name tells, when ``--mime-type`` is not given.
+MIME_TYPES_BY_SUFFIX = {
+    ".py": "text/x-python",
+    ".cs": "text/x-csharp",
+    ".nupkg": "application/x-dotnet-dll",
+    ".dll": "application/x-dotnet-dll",
+    ".zip": "application/x-native-dll",
+}
+
+
+def _mime_type_of(name: str | None) -> str:
+    """The MIME type :data:`MIME_TYPES_BY_SUFFIX` gives ``name`` (a path or URL)."""
+    path = urlsplit(name).path if name and "://" in name else (name or "")
+    suffix = PurePosixPath(path).suffix.lower()
+    found = MIME_TYPES_BY_SUFFIX.get(suffix)
+    if found is None:
+        known = ", ".join(f"{s} ({t})" for s, t in MIME_TYPES_BY_SUFFIX.items())
+        what = f"the name {name!r}" if name and name != "-" else "code without a file name"
+        raise click.UsageError(
+            f"--mime-type is needed: the engine cannot be told from {what}; the names that "
+            f"tell it end in {known}"
+        )
+    return found
 
 
 @worker.command("update-code")
@@ -144,6 +176,11 @@ def update_code(
     return 0
 
 
+def _health(info: WorkerInfo) -> str:
+    """The health column: ``unhealthy (paused)`` while health pauses the worker."""
+    return f"{info.health} (paused)" if info.paused else info.health
+
+
 @worker.command("list")
 @click.option("--topic", help="Only workers of this topic.")
 @click.option("--group", help="Only workers of this group.")
@@ -159,14 +196,15 @@ def list_workers(out: Output, topic: str | None, group: str | None, status: str 
     if out.as_json:
         out.json([info.to_json() for info in found])
         return 0
-    out.table(
-        ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "HEALTH", "VERSION", "MIME TYPE"],
-        (
-            [i.id, i.name, i.topic, i.group, i.status, i.health, i.current_version, i.mime_type]
-            for i in found
-        ),
-        empty="no workers",
-    )
+    headers = ["ID", "NAME", "TOPIC", "GROUP", "STATUS", "HEALTH", "VERSION", "MIME TYPE"]
+    rows = [
+        [i.id, i.name, i.topic, i.group, i.status, _health(i), i.current_version, i.mime_type]
+        for i in found
+    ]
+    if out.manager.tenant != DEFAULT_TENANT:  # the default tenant's listing is as before
+        headers.insert(0, "TENANT")
+        rows = [[i.tenant, *row] for i, row in zip(found, rows, strict=True)]
+    out.table(headers, rows, empty="no workers")
     return 0
 
 
@@ -255,12 +293,13 @@ def rollback_worker(out: Output, worker_ref: str, version: int) -> int:
 @click.argument("worker_ref", metavar="WORKER")
 @pass_output
 def history(out: Output, worker_ref: str) -> int:
-    """List the worker's code versions."""
-    info = out.manager.get_worker(worker_ref)
-    versions = out.manager.get_worker_history(info.id)
+    """List the worker's code versions (a deleted worker's too)."""
+    versions = out.manager.get_worker_history(worker_ref)
     if out.as_json:
         out.json([v.to_json() for v in versions])
         return 0
+    # by id: found when deleted too; its current version only, so no health from Redis
+    info = out.manager.get_worker(versions[0].worker_id, health=False)
     out.table(
         ["VERSION", "CURRENT", "SOURCE", "SIZE", "SHA256", "CREATED", "NOTE"],
         (
@@ -285,7 +324,7 @@ def history(out: Output, worker_ref: str) -> int:
 @click.argument("worker_ref", metavar="WORKER")
 @pass_output
 def transitions(out: Output, worker_ref: str) -> int:
-    """List the worker's state changes, oldest first."""
+    """List the worker's state changes, oldest first (a deleted worker's too)."""
     found = out.manager.get_worker_transitions(worker_ref)
     if out.as_json:
         out.json([t.to_json() for t in found])
@@ -320,7 +359,7 @@ def _duration(ms: int | None) -> str | None:
 @pass_output
 def show_code(out: Output, worker_ref: str, version: int | None) -> int:
     """Write a version's code to standard output."""
-    info = out.manager.get_worker(worker_ref)
+    info = out.manager.get_worker(worker_ref, health=False)  # its id and version: no Redis
     version = version or info.current_version
     code = out.manager.get_code(info.id, version)
     if out.as_json:
@@ -344,6 +383,7 @@ def _print_worker(out: Output, info: WorkerInfo, details: WorkerDetails | None =
     out.fields(
         [
             ("id", info.id),
+            *([] if info.tenant == DEFAULT_TENANT else [("tenant", info.tenant)]),
             ("name", info.name),
             ("topic", info.topic),
             ("group", info.group),
@@ -351,6 +391,7 @@ def _print_worker(out: Output, info: WorkerInfo, details: WorkerDetails | None =
             ("status", info.status),
             ("since", info.status_since),
             ("health", info.health),
+            ("paused", info.paused and f"{info.paused}: its queue is kept, not consumed"),
             ("version", info.current_version),
             ("sha256", info.sha256),
             ("size", info.size),

@@ -8,17 +8,32 @@ import uuid
 from typing import TYPE_CHECKING
 
 from wm.config import Settings
+from wm.names import DEFAULT_TENANT, check_name, route_topic
 
 if TYPE_CHECKING:
     from wm.dataplane.bus import Bus
 
 
 class Context:
-    def __init__(self, settings: Settings, actor: str, bus: Bus | None = None) -> None:
+    def __init__(
+        self, settings: Settings, actor: str, bus: Bus | None = None, tenant: str = DEFAULT_TENANT
+    ) -> None:
         self.settings = settings
         #: Who the transitions made here are recorded as asked by (``cli`` for ``wm``).
         self.actor = actor
+        #: The tenant every call made here works in (checked and known to exist).
+        self.tenant = tenant
         self._bus = bus
+
+    def route(self, topic: object, kind: str = "topic") -> str:
+        """The route topic (``wm.names.route_topic``) of a topic named in this tenant, once
+        it is checked as a ``kind`` name."""
+        return route_topic(self.tenant, check_name(kind, topic))
+
+    def route_filter(self, topic: str | None) -> str | None:
+        """The route topic a listing's topic filter means (unchecked, as before tenants: a
+        filter no topic matches lists nothing; the tenant is filtered on besides)."""
+        return None if topic is None else route_topic(self.tenant, topic)
 
     @property
     def bus(self) -> Bus:

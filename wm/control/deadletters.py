@@ -8,20 +8,25 @@ import builtins
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
 from wm import store
+from wm.config import Settings
 from wm.dataplane import deadletters as parking
 from wm.dataplane.message import DeliveryState
 from wm.dataplane.routes import worker_route
 from wm.errors import InvalidArgument, WorkerNotFound, WorkManagerError
 from wm.lifecycle import Status
+from wm.names import DEFAULT_TENANT, route_topic
 from wm.store import deadletters as letters
 from wm.store import records
-from wm.store import workers as rows
+from wm.store.models import Worker
 from wm.views import DeadLetterInfo
+
+if TYPE_CHECKING:
+    from wm.dataplane.bus import Bus
 
 #: Dead letters one purge statement deletes: a large purge goes in steps, each its own short
 #: transaction, so it can report progress and never holds one huge lock.
@@ -31,6 +36,29 @@ Progress = Callable[[int], None]
 
 
 class DeadLetters(parking.DeadLetters):
+    """A tenant's dead letters (``tenant``: the default one unless given); another tenant's
+    are not found, exactly as missing ones."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: Bus | None = None,
+        tenant: str = DEFAULT_TENANT,
+        make_bus: Callable[[], Bus] | None = None,
+    ):
+        super().__init__(settings, bus, make_bus)
+        self.tenant = tenant
+
+    def _filter(
+        self,
+        topic: str | None,
+        worker_id: str | None,
+        error_type: str | None,
+        include_replayed: bool,
+    ) -> letters.Filter:
+        route = None if topic is None else route_topic(self.tenant, topic)
+        return letters.Filter(route, worker_id, error_type, include_replayed, self.tenant)
+
     def list(
         self,
         *,
@@ -41,7 +69,7 @@ class DeadLetters(parking.DeadLetters):
         limit: int = 100,
     ) -> builtins.list[DeadLetterInfo]:
         """The letters matching every filter given, oldest failure first."""
-        selected = letters.Filter(topic, worker_id, error_type, include_replayed)
+        selected = self._filter(topic, worker_id, error_type, include_replayed)
         with store.session_scope(self.settings) as session:
             return letters.find(session, selected, limit)
 
@@ -54,14 +82,14 @@ class DeadLetters(parking.DeadLetters):
         include_replayed: bool = False,
     ) -> int:
         """How many dead letters match (a purge by filter deletes replayed ones too)."""
-        selected = letters.Filter(topic, worker_id, error_type, include_replayed)
+        selected = self._filter(topic, worker_id, error_type, include_replayed)
         with store.session_scope(self.settings) as session:
             return letters.count(session, selected)
 
     def get(self, letter_id: str) -> DeadLetterInfo:
         """The dead letter with this id or short id (a unique prefix of 6 characters or more)."""
         with store.session_scope(self.settings) as session:
-            return records.dead_letter_info(letters.row(session, letter_id))
+            return records.dead_letter_info(letters.row(session, letter_id, self.tenant))
 
     def replay(
         self,
@@ -95,8 +123,8 @@ class DeadLetters(parking.DeadLetters):
         return sent
 
     def _replay_one(self, session: Session, letter_id: str, to_version: str) -> None:
-        row = letters.row(session, letter_id, lock=True)
-        worker = rows.info(session, row.worker_id) if row.worker_id else None
+        row = letters.row(session, letter_id, self.tenant, lock=True)
+        worker = session.get(Worker, row.worker_id) if row.worker_id else None
         if worker is None or worker.status == Status.DELETED:
             raise WorkerNotFound(f"dead letter {letter_id}: its worker is gone; purge it instead")
         route = worker_route(str(worker.id), worker.topic, worker.group, dict(worker.settings))
@@ -109,8 +137,12 @@ class DeadLetters(parking.DeadLetters):
                     "the current version"
                 )
             options["kwargs"] = DeliveryState(pin_version=row.version).kwargs()
-        self.bus.send(row.envelope, [route], **options)
+        # Marked (and the row written, under its lock) before the letter goes out: a node
+        # that fails it again waits for this commit, then clears the mark. Marked after, a
+        # fast second failure would be hidden as "replayed".
         letters.mark_replayed(row, datetime.now(UTC))
+        session.flush()
+        self.bus.send(row.envelope, [route], **options)
 
     def purge(
         self,
@@ -126,7 +158,7 @@ class DeadLetters(parking.DeadLetters):
         time; ``progress`` is told of each batch deleted."""
         if letter_ids is None and topic is None and worker_id is None and error_type is None:
             raise InvalidArgument("purge needs dead-letter ids or at least one filter")
-        selected = letters.Filter(topic, worker_id, error_type)
+        selected = self._filter(topic, worker_id, error_type, True)
         with store.session_scope(self.settings) as session:
             chosen = letters.ids(session, selected, letter_ids)
         purged = 0

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from wm.codesource import FetchedCode
+from wm.control import tenants
 from wm.control.context import Context
 from wm.control.versions import Versions, add_version
 from wm.control.workers import Reference, Workers
@@ -28,10 +29,11 @@ from wm.dataplane.queues import worker_queue_name
 from wm.dataplane.routes import route_of, worker_route
 from wm.dataplane.shares import leaving_queue
 from wm.engine import WorkerSpec, engine_class
-from wm.errors import InvalidArgument, Unavailable, WorkManagerError
+from wm.errors import ConcurrencyConflict, InvalidArgument, Unavailable, WorkManagerError
 from wm.lifecycle import ALREADY_STARTED, ALREADY_STOPPED, Status
-from wm.names import check_name
+from wm.names import check_name, route_group, route_topic
 from wm.state import quota
+from wm.state.affinity import Affinity
 from wm.state.breaker import Breaker
 from wm.state.directory import Directory
 from wm.state.ledger import Ledger
@@ -43,6 +45,14 @@ from wm.views import WorkerInfo
 from wm.workersettings import WorkerSettings, validate_worker_settings
 
 logger = logging.getLogger(__name__)
+
+#: How many stops a start finishes (each raced by another stop) before it gives up.
+_STOP_RACES = 3
+
+
+class _Stopping(Exception):
+    """Raised inside a start's transaction (which then writes nothing) when the worker is
+    ``stopping``: the start finishes that stop first."""
 
 
 @dataclass(frozen=True)
@@ -78,27 +88,33 @@ class Lifecycle:
         settings: Mapping[str, Any] | None,
     ) -> WorkerInfo:
         """Validate everything, persist the worker (status ``created``), optionally start it."""
-        check_name("topic", topic)
+        route = self.context.route(topic)
+        if group is not None:
+            check_name("group", group)
         if name is not None:
             check_name("worker name", name)
         worker_settings = validate_worker_settings(
             settings or {}, engine_class(mime_type).worker_settings
         )
         shares.check_group(group, WorkerSettings.of(worker_settings).group_mode)
+        stored_group = route_group(self.context.tenant, group)
         fetched = self.versions.fetch(code, url, sha256)
-        spec = WorkerSpec(str(uuid.uuid4()), topic, group, 1, fetched.sha256, name, worker_settings)
+        tenant = self.context.tenant
+        spec = WorkerSpec(
+            str(uuid.uuid4()), topic, group, 1, fetched.sha256, name, worker_settings, tenant
+        )
         self.versions.check(mime_type, fetched.code, spec)
-        queue = worker_queue_name(topic, spec.worker_id)
+        queue = worker_queue_name(route, spec.worker_id)
         wid = records.transaction(
             self.settings,
             lambda session: self._insert(session, spec, mime_type, fetched, queue),
             name_hint=name,
         )
-        route = worker_route(spec.worker_id, topic, group, worker_settings, name)
-        self.context.bus.add_route(topic, route)
+        found = worker_route(spec.worker_id, route, stored_group, worker_settings, name)
+        self.context.bus.add_route(route, found)
         self.context.changed(wid)
-        self._share_changed(route)
-        logger.info("created worker %s on topic %s", wid, topic)
+        self._share_changed(found)
+        logger.info("created worker %s on topic %s", wid, route)
         return self.start(wid) if start else self.workers.get(wid)
 
     def _insert(
@@ -110,13 +126,16 @@ class Lifecycle:
         queue: str,
     ) -> uuid.UUID:
         wid = uuid.UUID(spec.worker_id)
-        shares.check_mode(session, spec.group, WorkerSettings.of(spec.settings).group_mode)
+        tenants.check_room(session, spec.tenant)  # locks the tenant's row: no overshoot
+        group = route_group(spec.tenant, spec.group)
+        shares.check_mode(session, group, WorkerSettings.of(spec.settings).group_mode)
         worker = rows.insert_worker(
             session,
             wid,
+            tenant=spec.tenant,
             name=spec.name,
-            topic=spec.topic,
-            group=spec.group,
+            topic=route_topic(spec.tenant, spec.topic),
+            group=group,
             mime_type=mime_type,
             settings=spec.settings,
             queue=queue,
@@ -146,7 +165,7 @@ class Lifecycle:
         wid = self.workers.resolve(reference)
         if delay_s is not None:
             return self._start_later(wid, delay_s)
-        route = records.transaction(self.settings, lambda s: self._start(s, wid))
+        route = self._start_after_stop(wid)
         self.context.changed(wid)
         pending.forget_delayed_start(self.settings, str(wid))
         if route is not None:
@@ -155,10 +174,26 @@ class Lifecycle:
             self.context.bus.broadcast_consume(route.queue)
         return self.workers.get(wid)
 
+    def _start_after_stop(self, wid: uuid.UUID) -> Route | None:
+        """Move to ``running``; a stop in progress (another caller's, or one whose caller
+        died) is finished first, joining its wait for the deliveries in flight, so that a
+        start racing a stop starts the worker instead of failing."""
+        for _ in range(_STOP_RACES):
+            try:
+                return records.transaction(self.settings, lambda s: self._start(s, wid))
+            except _Stopping:
+                self.stop(wid)
+        raise ConcurrencyConflict(
+            f"worker {wid} was stopped again each of the {_STOP_RACES} times this start "
+            "finished a stop; start it again"
+        )
+
     def _start_later(self, wid: uuid.UUID, delay_s: float) -> WorkerInfo:
-        if not (math.isfinite(delay_s) and delay_s > 0):
+        if not (math.isfinite(delay_s) and 0 < delay_s <= pending.MAX_START_DELAY_S):
             raise InvalidArgument(
-                f"start delay must be a positive number of seconds, not {delay_s}"
+                "start delay must be a positive number of seconds, at most "
+                f"{pending.MAX_START_DELAY_S} (a year; a schedule starts later ones), "
+                f"not {delay_s:g}"
             )
         bus = self.context.bus
         if pending.delay_start(self.settings, bus, bus.app, wid, delay_s, self.context.actor):
@@ -230,6 +265,7 @@ class Lifecycle:
         if removed is not None:
             self._removed(removed)
             Ordering(self.settings).forget_worker(str(wid))
+            Affinity(self.settings).forget_worker(str(wid))
             enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
         return self.workers.get(wid)
 
@@ -272,6 +308,8 @@ class Lifecycle:
         worker = records.lock_worker(session, wid)
         if worker.status in ALREADY_STARTED:
             return None
+        if worker.status == Status.STOPPING:
+            raise _Stopping
         if worker.status == Status.SUSPENDED:
             self._move(session, worker, Status.RUNNING, "resumed")
             return route_of(worker)

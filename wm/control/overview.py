@@ -12,33 +12,34 @@ the ping's timeout), so one broken service never hangs the look at the others.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from amqp.exceptions import ChannelError as AmqpChannelError
 from celery import Celery
-from kombu.exceptions import ChannelError
 from sqlalchemy.orm import Session
 
 from wm import store
 from wm.config import Settings
 from wm.dataplane.app import broker_errors
-from wm.dataplane.bus import Bus
-from wm.dataplane.queues import subscription_queue
+from wm.dataplane.bus import Bus, queue_depths
+from wm.dataplane.liveness import live_hostnames
 from wm.dataplane.routes import worker_route
 from wm.errors import BrokerUnavailable
 from wm.lifecycle import Status
+from wm.names import split_route_topic
 from wm.state.breaker import failures_key, trips_key
 from wm.state.connection import redis_errors, redis_for
-from wm.state.health import HEALTHS, WorkerHealth
+from wm.state.health import HEALTHS, UNHEALTHY, WorkerHealth
 from wm.state.ledger import Ledger
+from wm.state.tenantlimits import TenantGate
 from wm.store import deadletters as dead_letters
+from wm.store import tenants as tenant_rows
 from wm.store import workers as rows
-from wm.views import aware, jsonable
+from wm.tenantlimits import TenantLimits
+from wm.views import TenantInfo, aware, jsonable
 from wm.workersettings import STRATEGIES, WorkerSettings
 
 T = TypeVar("T")
@@ -97,7 +98,8 @@ class Overview:
     at: datetime
     #: Nodes that answered the ping, by name; None when the broker is unavailable.
     nodes: list[str] | None
-    #: Live workers (not deleted), and how many are in each status and health.
+    #: Live workers (not deleted), and how many are in each status and health (and
+    #: ``paused``: running but paused while unhealthy, when any is).
     workers: int
     by_status: dict[str, int]
     by_health: dict[str, int] | None
@@ -109,10 +111,33 @@ class Overview:
     recovery: Recovery | None
     #: Service → why the parts that need it are None.
     unavailable: dict[str, str]
+    #: Every tenant (with a tenant: its own) with its limits and, where it has a delivery
+    #: limit, its use.
+    tenants: list[TenantUse] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = jsonable(asdict(self))
         return data
+
+
+@dataclass(frozen=True)
+class TenantUse:
+    """A tenant's limits and use: deliveries running now and begun in the last whole second,
+    across the cluster; None where the tenant has no ``max_concurrency`` or ``rate_limit``
+    (only a limited tenant's deliveries are counted: the others pay nothing), or Redis does
+    not answer."""
+
+    name: str
+    workers: int
+    limits: TenantLimits
+    in_flight: int | None = None
+    rate: int | None = None
+
+
+def tenant_uses(settings: Settings, tenants: list[TenantInfo]) -> list[TenantUse]:
+    limited = [t.name for t in tenants if t.limits.delivery()]
+    use = TenantGate(settings).in_use(limited) if limited else {}
+    return [TenantUse(t.name, t.workers, t.limits, *use.get(t.name, (None, None))) for t in tenants]
 
 
 @dataclass(frozen=True)
@@ -136,22 +161,32 @@ class LiveWorker:
 # -- the cluster -------------------------------------------------------------------------------
 
 
-def overview(settings: Settings, bus: Bus, ping_timeout_s: float | None = None) -> Overview:
+def overview(
+    settings: Settings, bus: Bus, ping_timeout_s: float | None = None, tenant: str | None = None
+) -> Overview:
     """The cluster at a glance, asking the nodes to answer a ping within ``ping_timeout_s``
     (default :data:`PING_TIMEOUT_S`); see the module's docs for what a dead service leaves
-    out."""
+    out. With ``tenant``, that tenant's part only: its workers, queues, dead letters and
+    breakers, its topics as it names them; the nodes and the recovery lease are shared."""
     timeout_s = PING_TIMEOUT_S if ping_timeout_s is None else ping_timeout_s
     with store.session_scope(settings) as session:
-        workers = _live_workers(session)
-        letters = dead_letters.waiting_by_topic(session)
+        workers = _live_workers(session, tenant)
+        letters = dead_letters.waiting_by_topic(session, tenant)
+        if tenant is not None:
+            letters = {split_route_topic(t)[1]: n for t, n in letters.items()}
         paused = rows.paused_by_breaker(
             session, [w.id for w in workers if w.status == Status.PENDING]
         )
+        # with a tenant, its own line only: another tenant's name is not shown
+        tenants = [t for t in tenant_rows.listing(session) if tenant in (None, t.name)]
     missing: dict[str, str] = {}
+    uses = part(missing, REDIS, lambda: tenant_uses(settings, tenants))
     health = part(missing, REDIS, lambda: _health_counts(settings, workers))
     recovery = part(missing, REDIS, lambda: _recovery(settings, workers, paused))
     looked = part(missing, BROKER, lambda: _nodes_and_depths(settings, bus.app, workers, timeout_s))
     nodes, depths = looked if looked is not None else (None, None)
+    if tenant is not None and depths is not None:
+        depths = [replace(d, topic=split_route_topic(d.topic)[1]) for d in depths]
     return Overview(
         at=datetime.now(UTC),
         nodes=nodes,
@@ -163,7 +198,12 @@ def overview(settings: Settings, bus: Bus, ping_timeout_s: float | None = None) 
         dead_letters=letters,
         recovery=recovery,
         unavailable=missing,
+        tenants=uses if uses is not None else tenant_uses_unknown(tenants),
     )
+
+
+def tenant_uses_unknown(tenants: list[TenantInfo]) -> list[TenantUse]:
+    return [TenantUse(t.name, t.workers, t.limits) for t in tenants]
 
 
 def part(missing: dict[str, str], service: str, read: Callable[[], T]) -> T | None:
@@ -178,7 +218,8 @@ def part(missing: dict[str, str], service: str, read: Callable[[], T]) -> T | No
         return None
 
 
-def _live_workers(session: Session) -> list[LiveWorker]:
+def _live_workers(session: Session, tenant: str | None = None) -> list[LiveWorker]:
+    """Live workers (of ``tenant`` unless None), their topics as routing knows them."""
     return [
         LiveWorker(
             str(row.id),
@@ -189,13 +230,21 @@ def _live_workers(session: Session) -> list[LiveWorker]:
             aware(row.status_since),
             row.group,
         )
-        for row in rows.live(session)
+        for row in rows.live(session, tenant)
     ]
 
 
 def _health_counts(settings: Settings, workers: list[LiveWorker]) -> dict[str, int]:
+    """How many are in each health, and ``paused``: running ones paused while unhealthy."""
     known = WorkerHealth(settings).known([w.id for w in workers])
-    return _ordered(Counter(known.values()), list(HEALTHS))
+    counts = Counter(known.values())
+    counts["paused"] = sum(
+        known[w.id] == UNHEALTHY
+        and w.status == Status.RUNNING
+        and WorkerSettings.of(w.settings).pause_when_unhealthy
+        for w in workers
+    )
+    return _ordered(counts, [*HEALTHS, "paused"])
 
 
 def _ordered(counts: Counter[str], order: list[str]) -> dict[str, int]:
@@ -237,7 +286,7 @@ def breaker_info(worker: LiveWorker, failures: int, trips: int, paused: bool) ->
     """The state of ``worker``'s breaker (see :data:`OPEN` and the others) from its counts
     and whether the breaker itself paused it."""
     typed = WorkerSettings.of(worker.settings)
-    limit, how = typed.failure_threshold, typed.recovery
+    limit, how = typed.failure_threshold, typed.strategy_for("error")
     retry_at = None
     if worker.status == Status.PENDING and paused:
         state = OPEN
@@ -262,10 +311,25 @@ def _nodes_and_depths(
     wait bounded. A shared group's one queue is counted once, under its oldest member."""
     firsts = _queue_owners(workers)
     with broker_errors(settings), connect(app) as conn:
-        replies = app.control.ping(timeout=ping_timeout_s, connection=conn) or []
+        replies = _ping(app, conn, ping_timeout_s)
         depths = queue_depths(conn, [w.queue for w in firsts])
     nodes = sorted(name for reply in replies for name in reply)
     return nodes, [QueueDepth(w.id, w.name, w.topic, w.queue, depths[w.queue]) for w in firsts]
+
+
+def _ping(app: Celery, conn: Any, timeout_s: float) -> list[dict[str, Any]]:
+    """The nodes' answers to a ping. On a Redis broker, where each node keeps a liveness
+    record (``wm.dataplane.liveness``), the wait ends once every live node answered, and no
+    live node means no wait; elsewhere (RabbitMQ) it ends ``timeout_s`` after the last
+    answer."""
+    live = live_hostnames(conn)
+    if live is not None and not live:
+        return []
+    limit = None if live is None else len(live)
+    replies: list[dict[str, Any]] = app.control.ping(
+        timeout=timeout_s, connection=conn, limit=limit
+    )
+    return replies or []
 
 
 def worker_queue_depths(settings: Settings, app: Celery) -> list[QueueDepth]:
@@ -296,25 +360,6 @@ def connect(app: Celery) -> Any:
         conn.release()
         raise
     return conn
-
-
-def queue_depths(conn: Any, queues: Iterable[str]) -> dict[str, int]:
-    """Messages ready in each queue (0 for a queue that does not exist), on ``conn``."""
-    depths: dict[str, int] = {}
-    channel = conn.channel()
-    try:
-        for name in queues:
-            try:
-                declared = subscription_queue(name).bind(channel).queue_declare(passive=True)
-                depths[name] = int(declared.message_count)
-            except (ChannelError, AmqpChannelError):  # no such queue; AMQP closes the channel
-                depths[name] = 0
-                with contextlib.suppress(Exception):  # closed already on AMQP
-                    channel.close()
-                channel = conn.channel()
-    finally:
-        channel.close()
-    return depths
 
 
 def _deepest(depths: list[QueueDepth]) -> list[QueueDepth]:

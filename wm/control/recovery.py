@@ -11,10 +11,11 @@ from wm.control.context import Context
 from wm.views import RecoveryReport
 
 
-def recover(context: Context) -> RecoveryReport:
-    """Run recovery now; raises :class:`wm.errors.RecoveryRunning` while another holds the
-    lease."""
+def recover(context: Context, *, own_tenant: bool = False) -> RecoveryReport:
+    """Run recovery now (the report of the context's tenant alone with ``own_tenant``);
+    raises :class:`wm.errors.RecoveryRunning` while another holds the lease."""
     from wm.dataplane import recovery
 
     holder = f"{context.actor}@{socket.gethostname()}"
-    return recovery.recover(context.settings, context.bus.app, holder)
+    tenant = context.tenant if own_tenant else None
+    return recovery.recover(context.settings, context.bus.app, holder, tenant)

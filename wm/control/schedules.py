@@ -13,7 +13,6 @@ from wm import store
 from wm.control.workers import Reference, Workers
 from wm.errors import InvalidArgument, ScheduleNotFound
 from wm.names import check_name
-from wm.schedules import MISSED, Timing
 from wm.store import records
 from wm.store import schedules as rows
 from wm.views import ScheduleInfo
@@ -42,6 +41,8 @@ class Schedules:
         """Send ``event_type`` (with ``data``) to the worker at every firing of a cron
         expression in ``timezone`` or every ``every_s`` seconds, until ``until``; firings no
         beat was running for are skipped or caught up (at most ``max_catch_up``)."""
+        from wm.schedules import Timing  # croniter: only adding a schedule parses one
+
         wid = self.workers.resolve(reference)
         Timing(cron, timezone, every_s).check()
         check_name("event type", event_type)
@@ -68,19 +69,21 @@ class Schedules:
         """Schedules of live workers (of one worker), oldest first."""
         wid = None if reference is None else self.workers.stored(reference).id
         with store.session_scope(self.settings) as session:
-            return rows.of_live_workers(session, wid)
+            return rows.of_live_workers(session, self.workers.tenant, wid)
 
     def remove(self, schedule_id: str) -> None:
         """Remove a schedule; firings already sent stay in the worker's queue."""
 
         def remove(session: Session) -> None:
-            if not rows.remove(session, schedule_id):
+            if not rows.remove(session, self.workers.tenant, schedule_id):
                 raise ScheduleNotFound(f"no schedule with id or short id {schedule_id!r}")
 
         records.transaction(self.settings, remove)
 
 
 def _check_policy(missed: str, max_catch_up: int, until: datetime | None, data: Any) -> None:
+    from wm.schedules import MISSED
+
     if missed not in MISSED:
         raise InvalidArgument(f"missed must be one of {', '.join(MISSED)}, not {missed!r}")
     if max_catch_up < 1:

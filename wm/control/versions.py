@@ -6,10 +6,11 @@ transition and a ``code_updated`` event."""
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
-from wm import codesource, store
+from wm import store
 from wm.control.context import Context
 from wm.control.workers import Reference, Workers
 from wm.engine import WorkerSpec, engine_class
@@ -18,6 +19,9 @@ from wm.store import records
 from wm.store import workers as rows
 from wm.store.models import Worker
 from wm.views import VersionInfo, WorkerInfo
+
+if TYPE_CHECKING:
+    from wm import codesource
 
 
 class Versions:
@@ -30,6 +34,8 @@ class Versions:
         self, code: bytes | str | None, url: str | None, sha256: str | None
     ) -> codesource.FetchedCode:
         """The code given inline or at ``url`` (SSRF-guarded), checked against ``sha256``."""
+        from wm import codesource  # http.client and ssl: only a change of code needs them
+
         if (code is None) == (url is None):
             raise InvalidArgument("give exactly one of code= or url=")
         if url is not None:
@@ -54,6 +60,7 @@ class Versions:
             fetched.sha256,
             info.name,
             info.settings,
+            info.tenant,
         )
         self.check(info.mime_type, fetched.code, spec)
 
@@ -98,8 +105,9 @@ class Versions:
         return self.workers.get(wid)
 
     def history(self, reference: Reference) -> list[VersionInfo]:
-        """Every code version, oldest first."""
-        wid = self.workers.stored(reference).id
+        """Every code version, oldest first (a deleted worker's too, by its id, short id or
+        name)."""
+        wid = self.workers.any_id(reference)
         with store.session_scope(self.settings) as session:
             return rows.versions(session, wid)
 

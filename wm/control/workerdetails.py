@@ -31,11 +31,11 @@ from wm.control.overview import (
     breaker_info,
     connect,
     part,
-    queue_depths,
 )
 from wm.dataplane.app import broker_errors
-from wm.dataplane.bus import Bus
+from wm.dataplane.bus import Bus, queue_depths
 from wm.lifecycle import Status
+from wm.names import route_group, route_topic
 from wm.state.breaker import Breaker, failures_key
 from wm.state.connection import redis_errors, redis_for, text
 from wm.state.health import WINDOW_MIN, ProbeFacts, counts_key, probe_key
@@ -95,11 +95,11 @@ def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDeta
     live = LiveWorker(
         str(info.id),
         info.name,
-        info.topic,
+        route_topic(info.tenant, info.topic),
         info.status,
         dict(info.settings),
         aware(info.status_since),
-        info.group,
+        route_group(info.tenant, info.group),
     )
     with store.session_scope(settings) as session:
         letters, errors = _letters_of(session, info.id)

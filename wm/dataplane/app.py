@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import redis
-from amqp.exceptions import AMQPError
+from amqp.exceptions import AMQPError, PreconditionFailed
 from celery import Celery
+from celery.app.amqp import AMQP
+from kombu.connection import Connection
 from kombu.exceptions import KombuError
-from kombu.utils.url import maybe_sanitize_url
 
-from wm.config import Settings, deployment_name
+from wm import sentinelurl
+from wm.config import Settings, deployment_name, masked
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE, READY_LIST, subscription_queue
 from wm.errors import BrokerUnavailable, ConfigurationError
 from wm.state.connection import CLUSTER_BROKER, cluster_refusal
@@ -21,11 +24,16 @@ from wm.state.connection import CLUSTER_BROKER, cluster_refusal
 #: is unreachable or refused the operation.
 BROKER_ERRORS = (OSError, KombuError, AMQPError, redis.RedisError)
 
+#: The nodes' Redis transport (kombu's, hardened: :mod:`wm.dataplane.transport`).
+REDIS_TRANSPORT = "wm.dataplane.transport:Transport"
+#: The same through Redis Sentinel (``sentinel://`` broker URLs).
+SENTINEL_TRANSPORT = "wm.dataplane.transport:SentinelTransport"
+
 
 def celery_settings(settings: Settings) -> dict[str, Any]:
     """Celery configuration derived from WorkManager settings (``celeryconfig`` uses it)."""
     return {
-        "broker_url": settings.broker_url,
+        "broker_url": _kombu_url(settings.broker_url),
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
@@ -52,7 +60,7 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
         "task_default_exchange": EXCHANGE.name,
         "task_default_routing_key": DEFAULT_QUEUE,
         "task_default_exchange_type": "direct",
-        "task_queues": [subscription_queue(DEFAULT_QUEUE)],
+        "task_queues": [subscription_queue(DEFAULT_QUEUE, settings)],
         # ``celery -A wm.celeryapp beat``: WorkManager's schedules (wm.dataplane.beat)
         "beat_scheduler": "wm.dataplane.beat:DatabaseScheduler",
         "worker_cancel_long_running_tasks_on_connection_loss": False,
@@ -74,8 +82,31 @@ def control_exchanges(settings: Settings) -> dict[str, str]:
 
 
 def redis_broker(broker_url: str) -> bool:
-    """True when the broker is Redis (kombu's Redis transport)."""
-    return broker_url.startswith(("redis://", "rediss://"))
+    """True when the broker is Redis (kombu's Redis transport), itself or through Sentinel."""
+    return broker_url.startswith(("redis://", "rediss://")) or sentinelurl.is_sentinel(broker_url)
+
+
+def broker_connection(settings: Settings, **options: Any) -> Connection:
+    """A kombu connection to the broker of ``settings``, whatever its kind."""
+    sentinel = sentinelurl.is_sentinel(settings.broker_url)
+    return Connection(
+        _kombu_url(settings.broker_url),
+        transport=SENTINEL_TRANSPORT if sentinel else None,
+        transport_options=_sentinel_options(settings.broker_url),
+        **options,
+    )
+
+
+def _kombu_url(broker_url: str) -> str:
+    if sentinelurl.is_sentinel(broker_url):
+        return sentinelurl.kombu_url(broker_url)
+    return broker_url
+
+
+def _sentinel_options(broker_url: str) -> dict[str, Any]:
+    if sentinelurl.is_sentinel(broker_url):
+        return {"master_name": sentinelurl.parse(broker_url).master_name}
+    return {}
 
 
 def _redis_options(settings: Settings) -> dict[str, Any]:
@@ -86,14 +117,54 @@ def _redis_options(settings: Settings) -> dict[str, Any]:
         return {
             "priority_steps": list(settings.priority_steps),
             "ready_key": READY_LIST if settings.ready_list else None,
+            **_sentinel_options(settings.broker_url),
         }
     return {}
 
 
 def _redis_transport(broker_url: str) -> dict[str, Any]:
+    if sentinelurl.is_sentinel(broker_url):
+        return {"broker_transport": SENTINEL_TRANSPORT}
     if redis_broker(broker_url):
-        return {"broker_transport": "wm.dataplane.transport:Transport"}
+        return {"broker_transport": REDIS_TRANSPORT}
     return {}
+
+
+class BrokerConnection(Connection):
+    """kombu's connection, naming WorkManager's Redis transport by the URL's scheme.
+
+    kombu writes a connection's URL (``as_uri``, built from ``info``) with the transport's
+    name as its scheme, ``wm.dataplane.transport:Transport://…``, which no reader of
+    broker URLs knows: Flower's Broker tab answered "'redis' broker is not supported".
+    The transport used to connect is unchanged; only its description says ``redis``.
+    """
+
+    def info(self) -> dict[str, Any]:
+        """Connection info with ``transport`` ``redis`` or ``rediss`` for our transport."""
+        info: dict[str, Any] = super().info()
+        if info["transport"] == REDIS_TRANSPORT:
+            info["transport"] = "rediss" if self.ssl else "redis"
+        elif info["transport"] == SENTINEL_TRANSPORT:
+            info["transport"] = "sentinel"
+        return info
+
+
+class BrokerAMQP(AMQP):
+    """Celery's messaging helpers, with connections that say which broker they reach."""
+
+    Connection = BrokerConnection
+
+
+class _WaitsInTheNode(logging.Filter):
+    """Celery warns at every countdown sent to a quorum queue on a direct exchange that it
+    "may block the worker process until the ETA arrives": WorkManager means it so (a retry
+    waits in the node, as on classic queues: docs/guides/replicated-brokers.md)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not supported with native delayed delivery" not in record.getMessage()
+
+
+_WAITS_IN_THE_NODE = _WaitsInTheNode()
 
 
 def make_app(settings: Settings | None = None) -> Celery:
@@ -102,7 +173,8 @@ def make_app(settings: Settings | None = None) -> Celery:
     The consumer task and the node's bootstep are named, not imported, so building an app
     (an admin script publishing an event) loads neither.
     """
-    app = Celery("wm", include=["wm.dataplane.tasks", "wm.dataplane.probes"])
+    app = Celery("wm", amqp=BrokerAMQP, include=["wm.dataplane.tasks", "wm.dataplane.probes"])
+    logging.getLogger("celery.app.base").addFilter(_WAITS_IN_THE_NODE)  # once: it is one object
     if settings is None:
         app.config_from_object("celeryconfig")
     else:
@@ -117,9 +189,15 @@ def broker_errors(settings: Settings) -> Iterator[None]:
     try:
         yield
     except BROKER_ERRORS as exc:
-        shown = maybe_sanitize_url(settings.broker_url)
+        shown = masked(settings.broker_url)
         if cluster_refusal(exc):
             raise ConfigurationError(f"WM_BROKER_URL ({shown}) {CLUSTER_BROKER}") from exc
+        if isinstance(exc, PreconditionFailed):
+            raise ConfigurationError(
+                f"the broker at WM_BROKER_URL={shown} refused a queue as declared ({exc}); a "
+                "queue keeps the type it was made with: WM_AMQP_QUEUE_TYPE must say the type "
+                "the deployment's queues have (new queues, or a new vhost, to change it)"
+            ) from exc
         raise BrokerUnavailable(
             f"the broker at WM_BROKER_URL={shown} is unreachable ({exc}); start it or fix "
             "the setting"

@@ -14,6 +14,7 @@ whose reply was lost.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,11 +26,24 @@ from celery import Celery
 from celery.utils.nodenames import anon_nodename
 from kombu.exceptions import OperationalError
 
+from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS, redis_broker
 from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, subscription_queue
 
 #: Seconds a batch waits for RabbitMQ's confirms before it counts as failed.
 CONFIRM_TIMEOUT_S = 30.0
+
+
+@functools.lru_cache(maxsize=4096)
+def declared_queue(queue: str, settings: Settings) -> Any:
+    """The queue of a subscription as ``settings`` declare it, made once per process."""
+    return subscription_queue(queue, settings)
+
+
+def undeclared(producer: Any, queue: Any) -> list[Any]:
+    """What a publish through ``producer`` must declare first: ``queue``, unless its
+    connection declared it already (kombu's own check comes after copying the queue)."""
+    return [] if hash(queue) in producer.connection.declared_entities else [queue]
 
 
 @contextmanager
@@ -51,10 +65,9 @@ class Deliveries:
     and the result object. With task events on (WM_TASK_EVENTS) each goes through
     ``send_task``, which also publishes its task-sent event."""
 
-    def __init__(self, app: Celery) -> None:
-        self.app = app
+    def __init__(self, app: Celery, settings: Settings) -> None:
+        self.app, self.settings = app, settings
         self.origin = anon_nodename()
-        self.declared: set[str] = set()
 
     def send(
         self,
@@ -70,16 +83,13 @@ class Deliveries:
                 DELIVER_TASK,
                 args=args,
                 kwargs=kwargs,
-                queue=subscription_queue(queue),
+                queue=declared_queue(queue, self.settings),
                 task_id=task_id,
                 producer=producer,
                 retry=False,
                 **labels,
             )
             return
-        if queue not in self.declared:
-            producer.maybe_declare(subscription_queue(queue))
-            self.declared.add(queue)
         message = self.app.amqp.as_task_v2(
             task_id, DELIVER_TASK, args, kwargs, origin=self.origin, **labels
         )
@@ -87,6 +97,7 @@ class Deliveries:
             message.body,
             exchange=EXCHANGE.name,
             routing_key=queue,
+            declare=undeclared(producer, declared_queue(queue, self.settings)),
             serializer="json",
             delivery_mode=2,
             headers=message.headers,

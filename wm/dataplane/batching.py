@@ -29,7 +29,7 @@ from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.engine import Engine
 from wm.errors import Unavailable, WorkerExecutionError
 from wm.events import CloudEvent
-from wm.state.connection import redis_errors
+from wm.state.connection import check_wait, queue_wait, redis_errors
 
 
 class _Run:
@@ -201,9 +201,13 @@ class BatchPipeline(Pipeline):
         queued = [q for run in runs if (q := self._queue_record(run, pipe)) is not None]
         if not queued:
             return
+        last = queued[-1][0].delivery  # a batch is one worker's: its outcomes share a slot
+        waited = queue_wait(pipe, rt.settings, rt.outcomes.key(last.meta.id, last.operation))
         try:
             with redis_errors(rt.settings):
                 replies = pipe.execute()
+            if waited:
+                check_wait(rt.settings, replies[-1], "a batch's outcomes")
         except Exception as exc:
             for run, *_ in queued:
                 run.error = exc

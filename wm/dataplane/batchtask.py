@@ -29,6 +29,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Reject, Retry
 
+from wm.dataplane import guard
 from wm.dataplane.batchbroker import BatchBroker, Taken, batch_broker
 from wm.dataplane.batching import BatchPipeline
 from wm.dataplane.delivery import Delivery
@@ -36,7 +37,13 @@ from wm.dataplane.pipeline import Feature
 from wm.dataplane.queues import DELIVER_TASK
 from wm.dataplane.runtime import Runtime, runtime
 from wm.dataplane.verdicts import Done, Requeue, Verdict
-from wm.errors import DeadLettered, EventDecodeError, IdempotencyKeyMissing, WorkerNotFound
+from wm.errors import (
+    DeadLettered,
+    EventDecodeError,
+    IdempotencyKeyMissing,
+    TenantMismatch,
+    WorkerNotFound,
+)
 from wm.events import decode, key_of
 from wm.idempotency import operation_key
 from wm.lifecycle import Status
@@ -87,9 +94,12 @@ class Batcher:
 
     def wanted(self, delivery: Delivery) -> bool:
         """A fresh delivery of a worker with batch_size > 1 (a redelivery runs alone, and so
-        does a shared group's: its queue's next events may go to other members)."""
-        size = delivery.worker_settings.batch_size_on(delivery.rt.settings)
-        return size > 1 and not delivery.redelivered and delivery.share is None
+        does a shared group's: its queue's next events may go to other members, and a worker
+        with sessions': each call runs where its session is bound)."""
+        settings = delivery.worker_settings
+        size = settings.batch_size_on(delivery.rt.settings)
+        alone = delivery.redelivered or delivery.share is not None or settings.session_key
+        return size > 1 and not alone
 
     def run(self, task: Task, leader: Delivery) -> Verdict:
         """The leader's verdict, once every follower is settled."""
@@ -156,7 +166,7 @@ class Batcher:
     ) -> tuple[list[_Follower], list[_Follower]]:
         """The followers to run with the leader, and those to run alone after; the others
         are settled now (parked, requeued, or left to the node's consumer)."""
-        ours = [f for f in followers if self._readable(task, rt, broker, f)]
+        ours = [f for f in followers if self._readable(task, rt, broker, f, leader.meta)]
         keys = [_outcome_key(rt, leader.meta, f) for f in ours]
         fact_keys = self.pipeline.fact_keys(leader.meta.id)
         meta, values = rt.directory.get_with(leader.meta.id, *keys, *fact_keys)
@@ -178,8 +188,11 @@ class Batcher:
                 (alone if delivery.redelivered else fresh).append(follower)
         return fresh, alone
 
-    def _readable(self, task: Task, rt: Runtime, broker: BatchBroker, f: _Follower) -> bool:
-        """A follower that is a delivery to the leader's worker, its event decoded."""
+    def _readable(
+        self, task: Task, rt: Runtime, broker: BatchBroker, f: _Follower, meta: WorkerMeta
+    ) -> bool:
+        """A follower that is a delivery to the leader's worker, its event decoded and of the
+        worker's tenant (another tenant's is dropped, ``wm.dataplane.guard``)."""
         message, leader = f.message, task.request
         if f.request.get("task") != DELIVER_TASK or message.malformed is not None:
             if f.request.get("task") == DELIVER_TASK:
@@ -194,6 +207,11 @@ class Batcher:
             message.event = decode(message.payload)
         except EventDecodeError as exc:
             self._park(task, broker, f, None, exc, rt.directory.get(message.worker_id))
+            return False
+        try:
+            guard.check_worker(message.event, meta)
+        except TenantMismatch:
+            broker.ack([f.taken.tag])
             return False
         return True
 

@@ -43,7 +43,7 @@ from wm.config import Settings
 from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
 from wm.dataplane.routes import route_of
-from wm.events import encode, make_event
+from wm.events import encode, in_tenant, make_event
 from wm.lifecycle import Status
 from wm.schedules import Timing, event_id
 from wm.state.connection import redis_errors, redis_for
@@ -158,7 +158,7 @@ def _fire_one(settings: Settings, bus: Bus, schedule_id: str, now: datetime) -> 
                 id=event_id(row.id, at),
                 time=at,
             )
-            bus.send(encode(event), [route])
+            bus.send(encode(in_tenant(event, worker.tenant)), [route])
         row.last_fired_at = due[-1]
         return len(sent)
 

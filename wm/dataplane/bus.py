@@ -11,12 +11,15 @@ for a batch of events: one script per topic of the batch and one pipelined send.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from amqp.exceptions import ChannelError, IrrecoverableChannelError
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 from redis.cluster import RedisCluster
 from sqlalchemy import select
 
@@ -24,7 +27,7 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane import tracing
 from wm.dataplane.app import BROKER_ERRORS, broker_errors, make_app
-from wm.dataplane.batches import Deliveries, batch_producer
+from wm.dataplane.batches import Deliveries, batch_producer, declared_queue, undeclared
 from wm.dataplane.message import numbered
 from wm.dataplane.outgoing import (
     PUBLISH_BATCH,
@@ -37,9 +40,11 @@ from wm.dataplane.outgoing import (
 )
 from wm.dataplane.queues import (
     CLOUDEVENT_CONTENT_TYPE,
+    DEFAULT_QUEUE,
     DELIVER_TASK,
     EXCHANGE,
     delivery_labels,
+    queue_arguments,
     subscription_queue,
 )
 from wm.dataplane.routes import (
@@ -59,11 +64,12 @@ from wm.dataplane.routes import ordered as ordered
 from wm.errors import PublishInterrupted, Unavailable
 from wm.events import (
     CloudEvent,
+    in_tenant,
     payload_about,
     payload_key,
     payload_partition,
 )
-from wm.names import check_name
+from wm.names import check_route_topic, split_route_topic
 from wm.state.connection import StateRedis, queue_eval, redis_errors, redis_for, text
 from wm.state.ledger import Delivery, Entries, Ledger
 from wm.store.models import Subscription, Worker
@@ -71,14 +77,16 @@ from wm.store.models import Subscription, Worker
 logger = logging.getLogger(__name__)
 
 
-def send_plain(producer: Any, queue: str, payload: str) -> None:
+def send_plain(producer: Any, queue: str, payload: str, settings: Settings) -> None:
     """Publish an encoded event to the plain queue ``queue`` as structured-mode CloudEvent
-    JSON, the format any kombu client of a plain subscription reads."""
+    JSON, the format any kombu client of a plain subscription reads. The queue is declared
+    once per connection (kombu remembers what a connection declared); asking kombu every
+    time would copy the queue and its exchange for each event (~0.1 ms)."""
     producer.publish(
         payload,
         exchange=EXCHANGE,
         routing_key=queue,
-        declare=[subscription_queue(queue)],
+        declare=undeclared(producer, declared_queue(queue, settings)),
         content_type=CLOUDEVENT_CONTENT_TYPE,
         content_encoding="utf-8",
         serializer=None,
@@ -126,9 +134,10 @@ class Bus:
         pairs = zip(flat[::2], flat[1::2], strict=True)
         return [Route.parse(q, w) for q, w in sorted(pairs)]
 
-    def rebuild_routes(self, topic: str | None = None) -> int:
+    def rebuild_routes(self, topic: str | None = None, repaired: list[str] | None = None) -> int:
         """Make the routing table (or ``topic``'s routes) match the ``subscriptions`` table
-        and mark it loaded; returns the fixes made.
+        and mark it loaded; returns the fixes made (the topic of each is added to
+        ``repaired`` when given).
 
         Differences are repaired one by one rather than by rewriting the table, so a route
         added concurrently is never wiped; a route is removed only if a second look at the
@@ -152,6 +161,8 @@ class Bus:
             if topic is None:
                 pipe.delete(LEGACY_READY)
             pipe.execute()
+        if repaired is not None:
+            repaired += [name for name, _ in [*missing, *extra]]
         if missing or extra:
             logger.warning(
                 "routing table repaired: %d route(s) added, %d removed", len(missing), len(extra)
@@ -225,35 +236,44 @@ class Bus:
 
     def declare_queue(self, name: str) -> None:
         with broker_errors(self.settings), self.app.connection_for_write() as conn:
-            subscription_queue(name).bind(conn.default_channel).declare()
+            channel = conn.default_channel
+            if queue_arguments(self.settings, name):  # a quorum queue, which gives up into
+                # the default queue: RabbitMQ drops what it dead-letters to no queue
+                subscription_queue(DEFAULT_QUEUE, self.settings).bind(channel).declare()
+            subscription_queue(name, self.settings).bind(channel).declare()
 
     def delete_queue(self, name: str) -> None:
         with broker_errors(self.settings), self.app.connection_for_write() as conn:
-            bound = subscription_queue(name).bind(conn.default_channel)
+            bound = subscription_queue(name, self.settings).bind(conn.default_channel)
             # kombu's virtual transports delete only bindings this channel knows about.
             bound.declare()
             bound.delete()
 
     def queue_depth(self, name: str) -> int:
         """Messages ready in ``name`` (0 when the queue does not exist)."""
+        return self.queue_depths([name])[name]
+
+    def queue_depths(self, names: Sequence[str]) -> dict[str, int]:
+        """Messages ready in each of ``names``, on one connection (0 for a queue that does
+        not exist, and for every queue when the broker cannot be reached)."""
         try:
             with self.app.connection_for_write() as conn:
-                result = (
-                    subscription_queue(name).bind(conn.default_channel).queue_declare(passive=True)
-                )
-                return int(result.message_count)
+                return queue_depths(conn, names)
         except BROKER_ERRORS:
-            return 0
+            return dict.fromkeys(names, 0)
 
     # -- publishing ------------------------------------------------------------------------
 
     def publish(self, event: CloudEvent, topic: str | None = None) -> int:
-        """Send ``event`` to every subscription of ``topic`` (default: its type).
+        """Send ``event`` to every subscription of ``topic`` (default: its type), a route
+        topic (``wm.names.route_topic``): the event's ``tenant`` extension is set to its
+        tenant's.
 
         One round trip looks the routes up and writes the pending ledger, one more sends.
         Returns how many subscriptions it was sent to; 0 means it was dropped and counted.
         """
-        topic = check_name("topic", topic or event.get_type())
+        topic = check_route_topic(topic or event.get_type())
+        event = in_tenant(event, split_route_topic(topic)[0])
         with tracing.publishing(event, topic) as traced:
             [out] = self._record([encoded(traced, topic)])
             if out.routes:
@@ -447,13 +467,13 @@ class Bus:
         if not outs:
             return
         messages = sum(len(out.routes) for out in outs)
-        tasks = Deliveries(self.app)
+        tasks = Deliveries(self.app, self.settings)
         try:
             with broker_errors(self.settings), batch_producer(self.app, messages) as producer:
                 for out in outs:
                     for route in out.routes:
                         if route.worker_id is None:
-                            send_plain(producer, route.queue, out.payload)
+                            send_plain(producer, route.queue, out.payload, self.settings)
                             continue
                         seq = out.entries.numbers.get(route.worker_id)
                         kwargs = {} if seq is None else numbered(None, seq)
@@ -492,9 +512,9 @@ class Bus:
         about: tuple[str, str] | None = None,
     ) -> None:
         if route.worker_id is None:
-            send_plain(producer, route.queue, payload)
+            send_plain(producer, route.queue, payload, self.settings)
             return
-        queue = subscription_queue(route.queue)
+        queue = declared_queue(route.queue, self.settings)
         if seq is not None:  # its number among the worker's events of its partition key
             task_options["kwargs"] = numbered(task_options.get("kwargs"), seq)
         labels = self._labels(route, payload, about)
@@ -505,6 +525,7 @@ class Bus:
             **labels,
             task_id=task_options.pop("task_id", None) or str(uuid.uuid4()),
             producer=producer,
+            declare=undeclared(producer, queue),
             **task_options,
         )
 
@@ -543,3 +564,42 @@ def _routes_loaded(waiting: list[int]) -> None:
             "the routing table in Redis was lost again while it was loaded (evicted or "
             "flushed?); publish again: an event published twice is delivered once"
         )
+
+
+def queue_depths(conn: Any, queues: Iterable[str]) -> dict[str, int]:
+    """Messages ready in each queue (0 for a queue that does not exist), on ``conn``: on
+    Redis in one round trip, elsewhere one passive declaration each."""
+    depths: dict[str, int] = {}
+    channel = conn.channel()
+    try:
+        if isinstance(channel, kombu_redis.Channel):
+            return _redis_depths(channel, list(queues))
+        for name in queues:
+            try:
+                declared = subscription_queue(name).bind(channel).queue_declare(passive=True)
+                depths[name] = int(declared.message_count)
+            except ChannelError as exc:  # no such queue
+                depths[name] = 0
+                if isinstance(exc, IrrecoverableChannelError):  # AMQP closed the channel
+                    with contextlib.suppress(Exception):
+                        channel.close()
+                    channel = conn.channel()
+    finally:
+        channel.close()
+    return depths
+
+
+def _redis_depths(channel: Any, queues: list[str]) -> dict[str, int]:
+    """What kombu's passive declaration counts -- the lengths of a queue's lists, one per
+    priority level; none for a queue that does not exist -- for every queue in one pipeline."""
+    levels = [[channel._q_for_pri(name, pri) for pri in channel.priority_steps] for name in queues]
+    with channel.conn_or_acquire() as client:
+        pipe = client.pipeline(transaction=False)  # lists in many slots on a cluster
+        for keys in levels:
+            for key in keys:
+                pipe.llen(key)
+        lengths = iter(pipe.execute())
+    return {
+        name: sum(int(next(lengths)) for _ in keys)
+        for name, keys in zip(queues, levels, strict=True)
+    }

@@ -27,25 +27,41 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters, malformed
-from wm.dataplane.queues import is_worker_queue
+from wm.dataplane.queues import is_worker_queue, over_delivery_limit, queue_arguments
 from wm.errors import WorkManagerError
 from wm.names import SEPARATOR
 from wm.store import shares, workers
 
 logger = logging.getLogger(__name__)
+_GIVEN_UP = (
+    "RabbitMQ delivered it more than WM_AMQP_DELIVERY_LIMIT times without an "
+    "acknowledgement, and gave it up"
+)
 
 
 class Consumer(CeleryConsumer):
     """``worker_consumer`` of a node (see ``wm.dataplane.app.celery_settings``)."""
+
+    class Blueprint(CeleryConsumer.Blueprint):
+        """Celery's steps but native delayed delivery, which Celery adds with quorum queues:
+        it needs topic exchanges (WorkManager routes on a direct one: a retry's countdown
+        waits in the node, as on classic queues), and at each reconnect it would try every
+        server of a failover URL, a dead one for 17 s, before the node consumes again."""
+
+        default_steps = [
+            step for step in CeleryConsumer.Blueprint.default_steps if "DelayedDelivery" not in step
+        ]
 
     #: Worker queues of running workers, as the node's own store listed them at its last
     #: reconcile (``wm.dataplane.node.reconcile``): known to be ours without asking again.
     own_queues: frozenset[str] = frozenset()
 
     def add_task_queue(self, queue: str, *args: Any, **options: Any) -> None:
-        """Celery's, for every queue but a worker's queue this deployment does not own."""
+        """Celery's, for every queue but a worker's queue this deployment does not own; the
+        queue is declared as every client of the deployment declares it (a quorum queue)."""
         if is_worker_queue(queue) and queue not in self.own_queues and not owned(queue):
             return
+        options.setdefault("queue_arguments", queue_arguments(Settings.from_env(), queue))
         super().add_task_queue(queue, *args, **options)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
@@ -63,6 +79,9 @@ class Consumer(CeleryConsumer):
 
     def _park(self, message: Any, reason: str) -> None:
         queue = str((message.delivery_info or {}).get("routing_key") or "unknown")
+        given_up_by = over_delivery_limit(message.headers)
+        if given_up_by is not None:  # from a quorum queue (a plain subscription's event)
+            queue, reason = given_up_by, _GIVEN_UP
         try:
             settings = Settings.from_env()
             letters = DeadLetters(settings, Bus(settings, self.app))

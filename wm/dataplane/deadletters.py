@@ -8,19 +8,22 @@ import base64
 import hashlib
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wm import store
 from wm.config import Settings
-from wm.dataplane.bus import Bus
 from wm.errors import MalformedMessage, StoreUnavailable
 from wm.events import make_event
-from wm.names import DEAD_SUFFIX, SEPARATOR
+from wm.names import DEAD_SUFFIX, SEPARATOR, split_route_topic
 from wm.state.ledger import Ledger
 from wm.store.models import DeadLetter
 from wm.text import storable
+
+if TYPE_CHECKING:
+    from wm.dataplane.bus import Bus
 
 logger = logging.getLogger(__name__)
 DEAD_LETTER_TYPE = "com.virtufin.workmanager.deadletter"
@@ -77,9 +80,26 @@ class DeadLetters:
     """Parks failed deliveries (``wm.control.deadletters.DeadLetters`` adds what an operator
     does with them)."""
 
-    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        bus: Bus | None = None,
+        make_bus: Callable[[], Bus] | None = None,
+    ) -> None:
         self.settings = settings
-        self.bus = bus or Bus(settings)
+        self._bus, self._make_bus = bus, make_bus
+
+    @property
+    def bus(self) -> Bus:
+        """``bus``, or one made on first use (by ``make_bus`` if given): listing and reading
+        letters never needs it, and ``wm dlq list`` answers sooner without loading Celery."""
+        if self._bus is None and self._make_bus is not None:
+            self._bus = self._make_bus()
+        elif self._bus is None:
+            from wm.dataplane.bus import Bus
+
+            self._bus = Bus(self.settings)
+        return self._bus
 
     def park(self, failure: Failure) -> str:
         """Store (upsert) the dead letter, publish it to ``<topic>-dead``, and settle the
@@ -119,10 +139,13 @@ class DeadLetters:
             else now
         )
         with store.session_scope(self.settings) as session:
-            row = session.get(DeadLetter, letter_id)
+            # Locked: a replay in flight holds the row until it has marked it replayed, and
+            # this failure must come after that mark, to clear it.
+            row = session.get(DeadLetter, letter_id, with_for_update=True)
             if row is None:
                 row = DeadLetter(id=letter_id, replay_count=0, first_failure_at=first)
                 session.add(row)
+            row.tenant = split_route_topic(failure.topic)[0]
             row.topic, row.envelope = failure.topic, failure.envelope
             row.event_id = failure.event_id
             row.worker_id = uuid.UUID(failure.worker_id) if failure.worker_id else None
@@ -136,6 +159,7 @@ class DeadLetters:
         data = asdict(failure)
         del data["first_failure_at"], data["key"], data["share"]
         data["dead_letter_id"] = letter_id
+        data["topic"] = split_route_topic(failure.topic)[1]  # as its tenant names it
         return make_event(
             DEAD_LETTER_TYPE,
             "/workmanager/deadletters",
@@ -150,8 +174,9 @@ def malformed(queue: str, body: Any, content_type: str | None, reason: str) -> F
     topic, _, tail = queue.rpartition(SEPARATOR)
     try:
         worker_id: str | None = str(uuid.UUID(tail))
-    except ValueError:
-        topic, worker_id = queue, None
+    except ValueError:  # a plain subscription's queue, ``<topic>::sub::<name>``, or another
+        head, _, kind = topic.rpartition(SEPARATOR)
+        topic, worker_id = (head if kind == "sub" and head else queue), None
     error = MalformedMessage(f"{reason} (content type {content_type!r}, queue {queue!r})")
     return Failure(
         topic=topic,

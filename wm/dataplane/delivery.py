@@ -31,15 +31,17 @@ from wm.errors import (
 )
 from wm.events import (
     LIFECYCLE_TOPIC,
+    TENANT_EXTENSION,
     CloudEvent,
     derive_id,
     key_of,
     lifecycle_event,
+    tenant_fields,
     with_attributes,
 )
 from wm.idempotency import operation_key
 from wm.lifecycle import Status
-from wm.names import check_name, reserved_topic
+from wm.names import DEFAULT_TENANT, bare_group, check_name, reserved_topic, split_route_topic
 from wm.state.connection import StatePipeline
 from wm.state.directory import WorkerMeta
 from wm.state.ledger import Settlement
@@ -289,6 +291,8 @@ class Delivery:
         extra: dict[str, object] = {
             "id": derive_id(self.key, self.owner, index),
             HOPS_EXTENSION: self.hops + 1,
+            # the worker's own tenant, whatever its code set: its outputs stay in it
+            TENANT_EXTENSION: None if self.meta.tenant == DEFAULT_TENANT else self.meta.tenant,
         }
         for name in PROPAGATED:
             if traced and name in tracing.TRACE_ATTRIBUTES:
@@ -327,14 +331,16 @@ class Delivery:
 
     def emit_error(self, error_type: str, error_message: str) -> None:
         """Publish a ``worker.error`` lifecycle event about this attempt."""
+        tenant, topic = split_route_topic(self.meta.topic)
         data = {
-            "group": self.meta.group,
-            "topic": self.meta.topic,
+            "group": bare_group(self.meta.group),
+            "topic": topic,  # as its tenant names it, as the other lifecycle events
             "version": self.version,
             "error_type": storable(error_type),
             "error_message": storable(error_message),
             "event_id": self.event.get_id(),
             "attempt": self.attempt,
+            **tenant_fields(tenant),
         }
         self.rt.bus.publish(lifecycle_event("error", self.meta.id, data), LIFECYCLE_TOPIC)
 

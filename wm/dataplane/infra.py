@@ -26,7 +26,8 @@ from typing import Any
 
 from wm.config import Settings
 from wm.dataplane.bus import Bus
-from wm.events import GROUPLOCK_TOPIC, HEARTBEAT_TOPIC, CloudEvent, infra_event
+from wm.events import GROUPLOCK_TOPIC, HEARTBEAT_TOPIC, CloudEvent, infra_event, tenant_fields
+from wm.names import split_route_topic
 from wm.state.locks import Lease
 
 __all__ = [
@@ -187,12 +188,14 @@ def lock_released(bus: Bus, lease: Lease, worker_id: str) -> None:
 
 
 def _lock_event(bus: Bus, kind: str, lease: Lease, worker_id: str, extra: dict[str, Any]) -> None:
+    tenant, group = split_route_topic(lease.group)
     data: dict[str, Any] = {
-        "group": lease.group,
+        "group": group,  # as its tenant names it; the subject stays the qualified group
         "fence": lease.fence,
         "holder": lease.owner,
         "worker_id": worker_id,
         **extra,
+        **tenant_fields(tenant),
     }
     if lease.item is not None:
         data["item"] = lease.item

@@ -173,6 +173,25 @@ def record_key(node: str) -> str:
     return f"{NODE_PREFIX}{node}"
 
 
+def live_hostnames(conn: Any) -> set[str] | None:
+    """The (Celery) host names of the nodes whose liveness record is current, on the broker
+    ``conn`` reaches: one round trip; None when that broker keeps no records (RabbitMQ) or
+    they cannot be read as written (a kombu key prefix)."""
+    if not isinstance(conn.transport, kombu_redis.Transport):
+        return None
+    channel = conn.default_channel
+    if channel.global_keyprefix:  # the records' own keys are not prefixed (``_BEAT``)
+        return None
+    client = channel.client
+    nodes = sorted(bytes_to_str(node) for node in client.smembers(NODES_KEY))
+    pipe = client.pipeline(transaction=False)
+    for node in nodes:
+        pipe.exists(record_key(node))
+    alive = pipe.execute() if nodes else []
+    # a node's name is its host name and a dot-less life id (``wm.dataplane.node``)
+    return {node.rpartition(".")[0] for node, up in zip(nodes, alive, strict=True) if up}
+
+
 def held_key(node: str) -> str:
     return f"{NODE_PREFIX}{node}.held"
 

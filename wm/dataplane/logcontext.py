@@ -1,6 +1,6 @@
 """What a log record is about: the delivery in progress, as fields every record carries.
 
-The delivery task binds its worker, event, correlation id, topic and attempt here; a logging
+The delivery task binds its worker, event, correlation id, topic, attempt and tenant here; a logging
 filter (``wm.ops.logs``) copies them onto each record handled while they are bound, so the
 lines of Celery, of the libraries and of the engines about a delivery carry them too, not
 only WorkManager's own. The data plane sets them and never configures logging.
@@ -21,8 +21,19 @@ from types import MappingProxyType
 from wm.text import storable
 
 #: The fields a delivery binds, as record attributes: the worker's name (its id when it has
-#: none) and id, the event's id and ``correlationid``, the worker's topic, the attempt (1…).
-FIELDS = ("worker", "worker_id", "event_id", "correlation_id", "topic", "attempt")
+#: none) and id, the event's id and ``correlationid``, its trace id (of its ``traceparent``,
+#: or of the delivery's span when tracing), the worker's topic, the attempt (1…), and the
+#: worker's tenant outside the default one (whose lines are as before tenants).
+FIELDS = (
+    "worker",
+    "worker_id",
+    "event_id",
+    "correlation_id",
+    "trace_id",
+    "topic",
+    "attempt",
+    "tenant",
+)
 
 #: Longest field value a record carries (an event id may be anything a publisher chose).
 FIELD_CHARS = 256

@@ -42,10 +42,12 @@ from wm.dataplane.liveness import Heartbeat
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
 from wm.dataplane.routes import route_of
 from wm.engine import check_engines
-from wm.errors import RecoveryRunning
+from wm.errors import RecoveryRunning, Unavailable
 from wm.lifecycle import Status
+from wm.state.health import UNHEALTHY, WorkerHealth
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription, Worker
+from wm.workersettings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,8 @@ STATE = NodeState()
 
 def running_queues(settings: Settings) -> dict[str, str]:
     """Queue → worker id of running workers, from the database (the source of truth); a
-    shared group's one queue → the share's id, while any member runs (``wm.store.shares``)."""
+    shared group's one queue → the share's id, while any member runs (``wm.store.shares``).
+    A worker paused while unhealthy (``wm.dataplane.features.pause``) is left out."""
     with store.session_scope(settings) as session:
         workers = session.scalars(
             select(Worker)
@@ -83,7 +86,24 @@ def running_queues(settings: Settings) -> dict[str, str]:
             .where(Worker.status == Status.RUNNING.value)
         ).all()
         routes = [route_of(worker) for worker in workers]
-    return {route.queue: str(route.worker_id) for route in routes}
+        pausing = [str(w.id) for w in workers if WorkerSettings.of(w.settings).pause_when_unhealthy]
+    paused = unhealthy(settings, pausing)
+    return {
+        route.queue: str(route.worker_id)
+        for route in routes
+        if route.share is not None or str(route.worker_id) not in paused
+    }
+
+
+def unhealthy(settings: Settings, worker_ids: list[str]) -> set[str]:
+    """Those of ``worker_ids`` whose kept verdict is ``unhealthy`` (none while Redis cannot
+    say: health is no reason to stop consuming)."""
+    try:
+        known = WorkerHealth(settings).known(worker_ids)
+    except Unavailable as exc:
+        logger.warning("consuming every running worker's queue: health unknown (%s)", exc)
+        return set()
+    return {worker_id for worker_id, health in known.items() if health == UNHEALTHY}
 
 
 def maintain(

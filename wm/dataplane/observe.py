@@ -9,7 +9,9 @@ worker), ``succeeded``, ``failed`` (an attempt failed), ``retried``, ``dead_lett
 ``fence_refused`` (a write refused under a lost lease), ``duplicate`` (a recorded outcome
 republished instead of running again), ``breaker_opened`` (the circuit breaker paused
 it), ``replaced`` (recovery ``replace`` unloaded its engine), ``probe_passed``,
-``probe_failed``; with seconds as the value: ``lock_wait``, ``engine`` (the code's run),
+``probe_failed``, ``session_hit`` / ``session_miss`` (a session's event ran on its bound
+instance / bound its session anew); with seconds as the value: ``lock_wait``, ``engine``
+(the code's run),
 ``latency`` (from the input's ``time`` to its outputs' publish), ``probe`` (a health
 probe's run); with a count as the value, after a
 worker's engine was loaded: ``engines`` (the process's loaded engines), ``sandboxes`` (the

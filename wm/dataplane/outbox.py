@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 FLUSH_BATCH = 500
 
 
-def flush(settings: Settings, bus: Bus) -> int:
-    """Publish lifecycle events written by committed changes; returns how many were sent.
+def flush(settings: Settings, bus: Bus, topics: list[str] | None = None) -> int:
+    """Publish lifecycle events written by committed changes; returns how many were sent
+    (and adds the topic of each to ``topics`` when given).
 
     Rows are locked with SKIP LOCKED, so concurrent flushes never send one event twice.
     SQLite has no row locks: there each row is deleted before it is sent, and a flush whose
@@ -48,6 +49,8 @@ def flush(settings: Settings, bus: Bus) -> int:
                 if taken.rowcount:  # type: ignore[attr-defined]
                     bus.publish(decode(payload), topic)
                     sent += 1
+                    if topics is not None:
+                        topics.append(topic)
     except Unavailable as exc:
         logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
     return sent

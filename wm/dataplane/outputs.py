@@ -23,7 +23,8 @@ from kombu.utils.json import dumps
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
-from wm.events import CloudEvent, encode, key_of
+from wm.events import CloudEvent, encode, key_of, tenant_of
+from wm.names import route_topic
 from wm.state.connection import StatePipeline, pooled_client, queue_eval, redis_errors
 
 _MARKER = "wm:published:"
@@ -52,7 +53,7 @@ class OutputPublisher:
 
         def queue(pipe: StatePipeline) -> None:
             for output in outputs:
-                script, count, *rest = Bus.routes_command(output.get_type(), True)
+                script, count, *rest = Bus.routes_command(output_topic(output), True)
                 queue_eval(pipe, script, rest[:count], *rest[count:])
 
         return queue
@@ -60,7 +61,7 @@ class OutputPublisher:
     def publish(self, output: CloudEvent, routes: list[Route] | None = None) -> None:
         """Send ``output`` to the topic of its type: to workers (maybe again), to plain
         subscriptions once. ``routes``: the topic's, looked up (and a drop counted) already."""
-        topic = output.get_type()
+        topic = output_topic(output)
         if routes is None:
             routes = self.bus.routes(topic, count_drop=True)
         if not routes:
@@ -109,6 +110,12 @@ class OutputPublisher:
                 return
             self.bus.send(payload, routes)
             self.bus.redis.set(marker, 1, ex=self.ttl_s)
+
+
+def output_topic(output: CloudEvent) -> str:
+    """The route topic of an output (stamped by its delivery): its type, in the tenant of
+    the worker that made it."""
+    return route_topic(tenant_of(output), output.get_type())
 
 
 def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:

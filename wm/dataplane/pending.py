@@ -53,6 +53,11 @@ def half_open(settings: Settings, bus: Bus, worker_id: str, trips: int | None = 
     return True
 
 
+#: The longest a start may be delayed: a year (Celery's countdown and Redis' expiry of the
+#: due time would overflow long before a float does).
+MAX_START_DELAY_S = 365 * 86400
+
+
 def delay_start(
     settings: Settings, bus: Bus, app: Celery, wid: uuid.UUID, delay_s: float, actor: str
 ) -> bool:

@@ -12,7 +12,8 @@ one of them (STYLE.md habit 16). A feature's hooks, each optional:
   raising (a :class:`~wm.dataplane.verdicts.Verdict`, or an error for the features to
   judge), and sees a failure leave it as an exception;
 - :meth:`Feature.around_run`: a context around the engine's part (loading, call, record,
-  publish), entered only when no outcome is recorded yet;
+  publish), entered only when no outcome is recorded yet; it may give an engine that makes
+  the call instead of the one loaded here (session affinity: another process's);
 - :meth:`Feature.around_call`: a context around the call, once the engine is loaded; it may
   find the outcome recorded meanwhile (``Delivery.recorded``);
 - :meth:`Feature.recording`: its writes, added to the outcome's record (one round trip);
@@ -154,10 +155,14 @@ class Pipeline:
             delivery.republish(recorded)
             return
         with ExitStack() as stack:
+            instead = None
             for feature in self._hooks.around_run:
-                stack.enter_context(feature.around_run(delivery))
+                entered = stack.enter_context(feature.around_run(delivery))
+                instead = entered if isinstance(entered, Engine) else instead
             with delivery.running():
-                engine, temporary = delivery.load_engine()
+                engine, temporary = (
+                    (instead, False) if instead is not None else delivery.load_engine()
+                )
                 try:
                     self._call(delivery, engine)
                 finally:

@@ -6,6 +6,9 @@ queue for each running worker whose probe is due (:func:`send_due`); whichever n
 runs the probe in its pool process's engine (:meth:`wm.engine.Engine.probe`, loaded and
 cached as for deliveries, within the worker's ``timeout_s``) and records what it found
 (``wm.state.health.Probes``), which the next judgement counts (``wm.dataplane.workerhealth``).
+Probes go on while a worker is paused as unhealthy: a passing one ends the pause. The probe
+that brings the failures in a row to ``max_probe_failures`` runs the worker's
+``recovery_on_health`` strategy (:func:`recover_at_limit`).
 
 One probe per worker is outstanding at a time: claiming it keeps the worker's probe-due key
 for the probe's whole possible life (:func:`lease_s`), recording sets it to the interval, so
@@ -25,6 +28,7 @@ from sqlalchemy import select
 
 from wm import store
 from wm.config import Settings
+from wm.dataplane import strategies
 from wm.dataplane.app import broker_errors
 from wm.dataplane.bus import Bus
 from wm.dataplane.observe import notify
@@ -127,7 +131,25 @@ def run_probe(rt: Runtime, worker_id: str) -> ProbeFacts | None:
             facts.failures,
             error,
         )
+        recover_at_limit(rt, meta, facts)
     return facts
+
+
+def recover_at_limit(rt: Runtime, meta: WorkerMeta, facts: ProbeFacts) -> bool:
+    """The probe that brings the failures in a row to ``max_probe_failures`` runs the
+    worker's ``recovery_on_health`` strategy (``wm.dataplane.strategies``): once per run of
+    failures, as the count passes the limit only once. Taken out of service (``stop``,
+    ``remove``), its probe facts are forgotten: started again, it is judged afresh."""
+    limit = meta.worker_settings.max_probe_failures
+    if not limit or facts.failures != limit:
+        return False
+    failures = f"{limit} failed probes in a row"
+    done = strategies.apply(
+        rt.settings, rt.bus, meta, "health", failures, limit, facts.error, "health"
+    )
+    if done and meta.worker_settings.strategy_for("health") in ("stop", "remove"):
+        Probes(rt.settings).forget(meta.id)
+    return done
 
 
 def _ask(rt: Runtime, meta: WorkerMeta) -> bool | None:

@@ -38,6 +38,7 @@ from wm.dataplane.routes import route_of
 from wm.engine import engine_class
 from wm.errors import EngineLoadError, RecoveryRunning, Unavailable
 from wm.lifecycle import Status
+from wm.names import DEFAULT_TENANT, split_route_topic
 from wm.state.connection import redis_errors, redis_for, text
 from wm.state.directory import Directory
 from wm.store.models import Subscription, Worker, WorkerVersion
@@ -68,11 +69,15 @@ class _Owner(NamedTuple):
     mime_type: str = ""
     version: int = 0
     running: bool = False
+    tenant: str = DEFAULT_TENANT
 
 
-def recover(settings: Settings, app: Celery, holder: str) -> RecoveryReport:
+def recover(
+    settings: Settings, app: Celery, holder: str, tenant: str | None = None
+) -> RecoveryReport:
     """Run recovery under the lease, as ``holder`` (a node's name, or who asked); raises
-    :class:`RecoveryRunning` when another holds the lease."""
+    :class:`RecoveryRunning` when another holds the lease. The whole deployment is recovered;
+    with ``tenant``, the report counts and names that tenant's part only."""
     redis = redis_for(settings)
     ttl_s = settings.worker_recovery_lease_ttl_seconds
     with redis_errors(settings):
@@ -83,7 +88,7 @@ def recover(settings: Settings, app: Celery, holder: str) -> RecoveryReport:
             raise _running(settings)
     logger.info("recovery: %s leads (lease %d s)", holder, ttl_s)
     try:
-        report = _rebuild(settings, app, holder)
+        report = _rebuild(settings, app, holder, tenant)
         with redis_errors(settings):
             redis.set(DONE_KEY, token)
     except Exception:
@@ -124,26 +129,34 @@ def _epoch(token: str) -> int:
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 
-def _rebuild(settings: Settings, app: Celery, holder: str) -> RecoveryReport:
+def _rebuild(settings: Settings, app: Celery, holder: str, tenant: str | None) -> RecoveryReport:
     started = time.monotonic()
     bus = Bus(settings, app)
-    routes = bus.rebuild_routes()
+    routes: list[str] = []
+    bus.rebuild_routes(repaired=routes)
     Directory(settings).invalidate()
     owners = _owners(settings)
     failures: list[RecoveryFailure] = []
     by_queue: dict[str, list[_Owner]] = defaultdict(list)
     for owner in owners:
         by_queue[owner.queue].append(owner)
-    declared = sum(_declare(bus, queue, by_queue[queue], failures) for queue in sorted(by_queue))
+    declared = {q for q in sorted(by_queue) if _declare(bus, q, by_queue[q], failures)}
     running = {o.worker_id: o for o in owners if o.running}
     failures += _check_code(settings, list(running.values()))
+    events: list[str] = []
+    outbox.flush(settings, bus, events)
+
+    def ours(topics: list[str]) -> int:
+        return sum(tenant in (None, split_route_topic(t)[0]) for t in topics)
+
+    queues = {o.queue for o in owners if tenant in (None, o.tenant)}
     return RecoveryReport(
         holder=holder,
-        routes_repaired=routes,
-        queues_declared=declared,
-        workers_checked=len(running),
-        events_published=outbox.flush(settings, bus),
-        failures=failures,
+        routes_repaired=ours(routes),
+        queues_declared=len(declared & queues),
+        workers_checked=sum(tenant in (None, o.tenant) for o in running.values()),
+        events_published=ours(events),
+        failures=[f for f in failures if f.queue in queues],
         seconds=round(time.monotonic() - started, 3),
     )
 
@@ -152,12 +165,12 @@ def _owners(settings: Settings) -> list[_Owner]:
     """Every subscription's queue and owner, from the database."""
     with store.session_scope(settings) as session:
         rows = session.execute(
-            select(Subscription.queue, Worker).outerjoin(
+            select(Subscription.queue, Subscription.tenant, Worker).outerjoin(
                 Worker, Worker.id == Subscription.worker_id
             )
         ).all()
         return [
-            _Owner(queue)
+            _Owner(queue, tenant=tenant)
             if w is None
             else _Owner(
                 route_of(w).queue,
@@ -166,8 +179,9 @@ def _owners(settings: Settings) -> list[_Owner]:
                 w.mime_type,
                 w.current_version,
                 w.status == Status.RUNNING.value,
+                w.tenant,
             )
-            for queue, w in rows
+            for queue, tenant, w in rows
         ]
 
 

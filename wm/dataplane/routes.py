@@ -4,6 +4,7 @@ a topic (DESIGN.md §5.1), where a shared group's members are one subscription
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ class Route:
         return json.dumps(found, separators=(",", ":"))
 
     @classmethod
+    @functools.lru_cache(maxsize=4096)  # a batch's events of one topic share their routes
     def parse(cls, queue: Any, value: Any) -> Route:
         worker = text(value)
         if not worker.startswith("{"):

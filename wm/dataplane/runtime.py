@@ -28,6 +28,7 @@ from wm.state.locks import GroupLocks
 from wm.state.ordering import Ordering
 from wm.state.outcomes import Outcomes
 from wm.state.slots import Slots
+from wm.state.tenantlimits import TenantGate
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Runtime:
         self.outputs = OutputPublisher(self.bus)
         self.locks = GroupLocks(settings)
         self.slots = Slots(settings)
+        self.tenant_gate = TenantGate(settings)
         self.ordering = Ordering(settings)
         self.tally = Tally()
         self.dead_letters = DeadLetters(settings, self.bus)

@@ -4,7 +4,8 @@
 Every path ends in exactly one of: success (ack), a resend with a delay (a new message, then
 ack: a retry after a failure, or a wait for a lock that uses up no attempt), a dead letter
 (stored, then ack), or a requeue (reject) when the platform itself (Redis, database) is
-unavailable or a feature keeps the message for later — so no message is ever dropped. A
+unavailable or a feature keeps the message for later — so no message is ever dropped but one
+the tenant guard refuses (``wm.dataplane.guard``: its event is another tenant's). A
 message of another shape is parked as ``MalformedMessage``; one that keeps being requeued
 for ``WM_REQUEUE_LIMIT_S`` is parked as ``RequeueLimitExceeded`` (``wm.state.requeues``).
 """
@@ -23,7 +24,7 @@ from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 
-from wm.dataplane import logcontext, pending, shares
+from wm.dataplane import guard, logcontext, pending, shares, tracing
 from wm.dataplane import runtime as runtime_module
 from wm.dataplane.batchtask import Batcher, Boundary
 from wm.dataplane.bus import send_plain
@@ -32,22 +33,25 @@ from wm.dataplane.delivery import REQUEUE_PAUSE_S, Delivery
 from wm.dataplane.features import FEATURES
 from wm.dataplane.message import DeliveryState
 from wm.dataplane.pipeline import Pipeline
-from wm.dataplane.queues import DELIVER_TASK, delivery_labels
+from wm.dataplane.queues import DELIVER_TASK, delivery_labels, over_delivery_limit
 from wm.dataplane.runtime import Runtime, reset_runtime, runtime
 from wm.dataplane.verdicts import Park, Requeue, Resend, Verdict
 from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.errors import (
     DeadLettered,
+    DeliveryLimitExceeded,
     EventDecodeError,
     InvalidArgument,
     MalformedMessage,
     RequeueLimitExceeded,
+    TenantMismatch,
     Unavailable,
     WorkerNotFound,
     WorkerTimeout,
 )
 from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
+from wm.names import DEFAULT_TENANT
 from wm.state import settled
 from wm.state.directory import WorkerMeta
 from wm.state.requeues import Requeues
@@ -68,19 +72,20 @@ MIN_REQUEUES = 10
     acks_late=True,
     reject_on_worker_lost=True,
     max_retries=None,
-    throws=(DeadLettered,),  # an expected end: logged without a traceback
+    throws=(DeadLettered, TenantMismatch),  # expected ends: logged without a traceback
 )
 def deliver(self: Task, *args: Any, **kwargs: Any) -> None:
     """Deliver an event to a worker: ``(worker_id, payload, state=None, **legacy)``, where
     ``state`` is the delivery's state across its runs (``wm.dataplane.message``) and
     ``legacy`` the same as release 0.1 sent it. A message of any other shape is parked as
-    ``MalformedMessage``: Celery would drop it (a missing argument) or fail it for ever."""
+    ``MalformedMessage``: Celery would drop it (a missing argument) or fail it for ever. One
+    whose event is another tenant's than its worker's is dropped (``wm.dataplane.guard``)."""
     rt = runtime(self)
     message = _Message(self, args, kwargs)
     with logcontext.scope(worker_id=message.worker_id or None):
         try:
             _deliver(self, rt, message)
-        except (Retry, DeadLettered):
+        except (Retry, DeadLettered, TenantMismatch):
             raise
         except Requeue as verdict:
             _requeue(self, rt, message, verdict)
@@ -101,6 +106,13 @@ def deliver(self: Task, *args: Any, **kwargs: Any) -> None:
 def _deliver(task: Task, rt: Runtime, message: _Message) -> None:
     if message.malformed is not None:
         _park(rt, message.failure(message.malformed, None))
+    if message.given_up_by is not None:
+        error = DeliveryLimitExceeded(
+            f"RabbitMQ delivered it from queue {message.given_up_by} more than "
+            f"WM_AMQP_DELIVERY_LIMIT={rt.settings.amqp_delivery_limit} times without an "
+            "acknowledgement, and gave it up"
+        )
+        _park(rt, message.failure(error, rt.directory.get(message.worker_id)))
     logcontext.bind(attempt=message.number)
     delivery = _delivery(task, rt, message)
     verdict = BATCHER.run(task, delivery) if BATCHER.wanted(delivery) else PIPELINE.run(delivery)
@@ -193,6 +205,9 @@ class _Message:
     def __init__(self, task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = task.request
         self.queue = str((request.delivery_info or {}).get("routing_key") or "unknown")
+        #: the quorum queue that gave it up at its delivery limit (its headers, which Celery
+        #: keeps as the request's attributes, say so), else None
+        self.given_up_by = over_delivery_limit(vars(request))
         #: how often it was sent again (a retry, a wait): its number among its messages
         self.resends = 0
         self.malformed: MalformedMessage | None = None
@@ -289,6 +304,7 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         event = decode(message.payload)
     except EventDecodeError as exc:
         _park(rt, message.failure(exc, rt.directory.get(worker_id)))
+    guard.check_queue(event, message.queue, worker_id)  # before any store is touched
     keys = [rt.outcomes.key(worker_id, key_of(event)), *PIPELINE.fact_keys(worker_id)]
     found, values = rt.directory.find(worker_id, *keys)
     facts, share = dict(zip(keys, values, strict=True)), None
@@ -297,6 +313,8 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         found, facts = _member(found, rt, {keys[0]: values[0]})
     meta = found
     _bind_log_fields(event, meta)
+    if meta is not None:
+        guard.check_worker(event, meta)  # before anything of the worker is used
     if meta is None or meta.status == Status.DELETED:
         error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
         _park(rt, message.failure(error, meta, event))
@@ -336,9 +354,13 @@ def _member(share: Share, rt: Runtime, facts: dict[str, Any]) -> tuple[WorkerMet
 def _bind_log_fields(event: CloudEvent, meta: WorkerMeta | None) -> None:
     """The lines logged about this delivery from here on name its event and worker."""
     correlation_id = event.get_extension(logcontext.CORRELATION_EXTENSION)
-    logcontext.bind(event_id=event.get_id(), correlation_id=correlation_id)
+    logcontext.bind(
+        event_id=event.get_id(), correlation_id=correlation_id, trace_id=tracing.trace_id(event)
+    )
     if meta is not None:
         logcontext.bind(worker=meta.name or meta.id, topic=meta.topic)
+        if meta.tenant != DEFAULT_TENANT:  # the default tenant's lines are as before
+            logcontext.bind(tenant=meta.tenant)
 
 
 def _carry_out(task: Task, delivery: Delivery, verdict: Verdict) -> None:
@@ -408,7 +430,7 @@ def echo(self: Task, queue: str, payload: str) -> None:
     reference of ``wm bench``'s round trip, a task that answers each message with one, as a
     worker with one output to a plain subscription does."""
     with self.app.producer_or_acquire() as producer:
-        send_plain(producer, queue, payload)
+        send_plain(producer, queue, payload, runtime(self).settings)
 
 
 #: Batched deliveries (``wm.dataplane.batchtask``), with this module's boundary.

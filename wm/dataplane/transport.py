@@ -57,6 +57,7 @@ from kombu.transport.virtual import Empty
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from wm.dataplane import fairshare
 from wm.dataplane.liveness import HOLD, QoS, hold_args
 from wm.dataplane.placement import PLACE, my_inbox, place_args
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
@@ -86,11 +87,16 @@ end
 return moved
 """
 
-# The ready list. KEYS: the list the message goes to, the ready list. ARGV: the message,
-# its queue.
+# The ready list. KEYS: the list the messages go to, the ready list. ARGV: their queue, then
+# the messages, oldest first: one, or a batch's for that queue (``ReadyBatch``). Lists the
+# queue if they made its list non-empty (LPUSH answers the list's new length).
 _PUT = """
-if redis.call('LPUSH', KEYS[1], ARGV[1]) == 1 then redis.call('LPUSH', KEYS[2], ARGV[2]) end
+if redis.call('LPUSH', KEYS[1], unpack(ARGV, 2)) == #ARGV - 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[1])
+end
 """
+#: Messages one ``_PUT`` pushes at most (Lua's ``unpack`` is bounded by its C stack).
+PUT_MESSAGES = 1000
 # The message of a popped name. KEYS: the ready list, the lists of the queue's levels read,
 # highest priority first. ARGV: the queue, 1 if the name came from this node's inbox, the six
 # H of liveness.HOLD, then the P of placement.PLACE. Returns {oldest message, names still
@@ -116,8 +122,10 @@ return false
 )
 # Without blocking: the next message of the ready list's queues (this node's inbox first,
 # placement.PLACE), or of the other queues consumed. KEYS: the ready list, then the other
-# queues' lists. ARGV: 1 to try the other queues first, the number L of levels, the L
-# suffixes of a level's list, then the six H of liveness.HOLD and the P of placement.PLACE.
+# queues' lists. ARGV: 1 to try the other queues first (then ``:<tenant>`` to take a listed
+# queue of another tenant before the next of that one's, ``wm.dataplane.fairshare``), the
+# number L of levels, the L suffixes of a level's list, then the six H of liveness.HOLD and
+# the P of placement.PLACE.
 # Returns {queue, message, the list it came from, its delivery tag if recorded as held} or
 # nil. A name whose queue is empty is dropped; one placed on another node goes to its inbox.
 _TAKE_NEXT = (
@@ -132,17 +140,27 @@ local function pop()
   if queue then return queue, true end
   return redis.call('RPOP', KEYS[1]), false
 end
+local avoid = string.sub(ARGV[1], 3)
+local function avoided(queue)
+  return avoid ~= '' and (string.match(queue, '^(.-)::.-::') or 'default') == avoid
+end
 local function listed()
   local queue, mine = pop()
+  local skipped, first = 0, nil
   while queue do
-    local lists = {}
-    for l = 3, levels + 2 do lists[#lists + 1] = queue .. ARGV[l] end
-    if mine or placed(queue, lists, P) then
-      for _, key in ipairs(lists) do
-        local message = redis.call('RPOP', key)
-        if message then
-          relist(queue, depth(lists), P)
-          return {queue, message, key}
+    if not mine and skipped < 16 and queue ~= first and avoided(queue) then
+      redis.call('LPUSH', KEYS[1], queue)  -- the tenant's turn was the last: behind the others
+      first, skipped = first or queue, skipped + 1
+    else
+      local lists = {}
+      for l = 3, levels + 2 do lists[#lists + 1] = queue .. ARGV[l] end
+      if mine or placed(queue, lists, P) then
+        for _, key in ipairs(lists) do
+          local message = redis.call('RPOP', key)
+          if message then
+            relist(queue, depth(lists), P)
+            return {queue, message, key}
+          end
         end
       end
     end
@@ -158,7 +176,11 @@ local function others()
   return false
 end
 local taken
-if ARGV[1] == '1' then taken = others() or listed() else taken = listed() or others() end
+if string.sub(ARGV[1], 1, 1) == '1' then
+  taken = others() or listed()
+else
+  taken = listed() or others()
+end
 if taken then taken[4] = hold(taken[2], H) end
 return taken
 """
@@ -214,6 +236,7 @@ class Channel(kombu_redis.Channel):
         self._others: list[str] = []  # queues consumed that are not worker queues
         self._workers_consumed = 0
         self._others_first = False
+        self._last_tenant = ""  # the tenant of the worker queue taken from last
         self._backlog = False  # the last take saw more listed: take without blocking
         self._sent = "BRPOP"  # the command in flight on the polling connection
         self._scripts: dict[str, Any] = {}
@@ -319,11 +342,14 @@ class Channel(kombu_redis.Channel):
         pri = self._get_message_priority(message, reverse=False)
         keys = [self._q_for_pri(queue, pri), self.ready_key]
         batch = kwargs.pop("_publish_batch", None)
-        if batch is not None:  # a pipeline: no EVALSHA, which a restarted Redis would refuse
-            batch.add("eval", _PUT, len(keys), *keys, dumps(message), queue)
+        if batch is not None:
+            batch.put(keys, queue, dumps(message))
             return
         with self.conn_or_acquire() as client:
-            self._script(_PUT)(keys=keys, args=[dumps(message), queue], client=client)
+            self._script(_PUT)(keys=keys, args=[queue, dumps(message)], client=client)
+
+    def create_publish_batch(self, max_size: int) -> ReadyBatch:
+        return ReadyBatch(self, max_size)
 
     def _do_restore_message(
         self, payload: Any, exchange: str, routing_key: str, pipe: Any, leftmost: bool = False
@@ -348,7 +374,8 @@ class Channel(kombu_redis.Channel):
             self._sent = "EVAL"
             suffixes = self._levels("")
             command = ["EVAL", _TAKE_NEXT, 1 + len(others), self.ready_key, *others]
-            command += [int(self._others_first), len(suffixes), *suffixes, *hold_args(self)]
+            first = f"{int(self._others_first)}:{fairshare.avoided(self._last_tenant)}"
+            command += [first, len(suffixes), *suffixes, *hold_args(self)]
             command += place_args(self)
         else:
             self._sent = "BRPOP"
@@ -401,6 +428,7 @@ class Channel(kombu_redis.Channel):
             raise Empty()
         item, listed, tag = (*reply, None)[:3]
         self._backlog = int(listed) > 0
+        self._last_tenant = fairshare.queue_tenant(queue)
         self._deliver_item(item, queue, tag)
         return True
 
@@ -422,6 +450,8 @@ class Channel(kombu_redis.Channel):
                     self.qos._remove_from_indices(bytes_to_str(tag), pipe)
                 pipe.execute()
             raise Empty()
+        else:
+            self._last_tenant = fairshare.queue_tenant(queue)
         self._deliver_item(item, queue, tag)
         return True
 
@@ -503,6 +533,64 @@ class Transport(kombu_redis.Transport):
         if self.channels and not is_kombu_message(self.channels[-1], message):
             message = raw_message(self.channels[-1], json.dumps(message).encode(), queue)
         super()._deliver(message, queue)
+
+
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The channel above on the primary a Redis Sentinel names (kombu's ``SentinelChannel``:
+    each new connection asks the sentinels, so after a failover it reaches the new one)."""
+
+    from_transport_options = (  # type: ignore[assignment]  # kombu types it by its length
+        *Channel.from_transport_options,
+        "master_name",
+        "min_other_sentinels",
+        "sentinel_kwargs",
+    )
+
+
+class SentinelTransport(Transport):
+    """WorkManager's Redis transport through Redis Sentinel (``sentinel://`` broker URLs)."""
+
+    default_port = 26379  # type: ignore[assignment]  # kombu types it as None
+    Channel = SentinelChannel
+
+
+class ReadyBatch(kombu_redis.PublishBatch):
+    """kombu's publish batch (``Producer.batch``: one pipeline, one round trip), whose
+    messages to a worker queue are pushed by one script per queue and batch (``_PUT``),
+    not one script each: Redis runs, and redis-py encodes and parses, a command per queue
+    instead of one per message (a third of a batched publish's time). Within a queue the
+    messages keep their order."""
+
+    def __init__(self, channel: Channel, max_size: int) -> None:
+        super().__init__(channel, max_size)
+        self._puts: dict[tuple[str, str, str], list[str]] = {}
+
+    def put(self, keys: list[str], queue: str, message: str) -> None:
+        """Hold ``message`` for the list ``keys[0]`` of ``queue`` (``keys[1]``: the ready
+        list) until the batch is flushed."""
+        self._puts.setdefault((keys[0], keys[1], queue), []).append(message)
+        self._buffered += 1
+
+    def publish(self, message: Any, **kwargs: Any) -> Any:
+        result = super().publish(message, **kwargs)
+        if self._buffered >= self.max_size:
+            self.flush()
+        return result
+
+    def flush(self) -> None:
+        """Add the held messages to the pipeline and execute it (a pipeline sends EVAL, not
+        EVALSHA, which a restarted Redis would refuse)."""
+        self._check_usable()
+        for (key, ready, queue), messages in self._puts.items():
+            for start in range(0, len(messages), PUT_MESSAGES):
+                held = messages[start : start + PUT_MESSAGES]
+                self.pipeline.eval(_PUT, 2, key, ready, queue, *held)
+        self._puts.clear()
+        super().flush()
+
+    def discard(self) -> None:
+        self._puts.clear()
+        super().discard()
 
 
 def is_kombu_message(channel: Any, message: Any) -> bool:

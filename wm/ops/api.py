@@ -8,24 +8,46 @@ decides what it may do (``wm.control.access``), checked before the body is parse
 mutating call is written to the audit log before it runs and completed after it (``wm
 audit``); if the log cannot be written, the call is refused with 503 and nothing runs.
 
+Every call works in one tenant: a tenant's token works in its own, and naming another in
+``WM-Tenant`` is a 403 that reads the same whether that tenant exists or not; a
+deployment-wide admin token works in the tenant ``WM-Tenant`` names (the default one without
+it). Another tenant's objects answer exactly as missing ones. Tenants are managed with
+``wm tenant`` (the API has no tenant routes).
+
 Only ``GET /health/live`` (it says the server is up and nothing else) and the API's own
-description (``/openapi.json``, ``/docs``) answer without a token.
+description (``/openapi.json``, and its pages ``/docs`` and ``/redoc`` with the files they
+load, which the API serves itself so they work offline: ``wm.ops.apidocs``) answer without a
+token. The worker console (``/console/``, ``wm.ops.console``) makes the same calls for a
+browser, its token in a session cookie.
 """
 
 import base64
 import binascii
+import errno
 import ipaddress
 import logging
 import os
+import socket
+import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from http import HTTPStatus
 from importlib import metadata
 from typing import Annotated, Any, Literal, get_type_hints
 
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response, Security
+from fastapi import (
+    APIRouter,
+    Depends,
+    FastAPI,
+    Header,
+    Path,
+    Query,
+    Request,
+    Response,
+    Security,
+)
 from fastapi.dependencies.models import Dependant
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -47,19 +69,15 @@ from starlette.exceptions import HTTPException
 
 from wm import store
 from wm.config import Settings
+from wm.control import tenants
 from wm.control.overview import Overview
 from wm.engine import engine_class
 from wm.errors import (
     CodeSourceError,
     ConfigurationError,
-    Conflict,
-    DeliveryFailed,
     EngineLoadError,
     EventDecodeError,
     InvalidArgument,
-    Misconfigured,
-    NotFound,
-    Refused,
     Unavailable,
     WorkerNotFound,
     WorkManagerError,
@@ -67,8 +85,8 @@ from wm.errors import (
 from wm.events import CloudEvent, decode
 from wm.lifecycle import Status
 from wm.manager import WorkManager
-from wm.names import check_name
-from wm.ops import gate, health
+from wm.names import DEFAULT_TENANT, TENANT_PATTERN, check_name
+from wm.ops import accesslog, apidocs, console, gate, health
 from wm.text import storable, storable_data
 from wm.views import (
     AuditInfo,
@@ -86,22 +104,14 @@ from wm.workersettings import validate_worker_settings, with_group_mode
 logger = logging.getLogger(__name__)
 VERSION = metadata.version("workmanager")
 
+#: Connections waiting to be accepted on the API's socket (uvicorn's default).
+LISTEN_BACKLOG = 2048
 #: The most dead letters one replay call sends, and the fastest rate it may ask for.
 MAX_REPLAY = 10_000
 MAX_REPLAY_RATE = 1000.0
-#: Status code of each group of errors (``wm.errors.GROUPS``); 422 ones are shaped like
-#: FastAPI's validation errors. A failed delivery ends an attempt on a node, not a call: 400
-#: is what any error outside these groups gets too.
-ERROR_STATUS: dict[type[WorkManagerError], int] = {
-    NotFound: 404,
-    Conflict: 409,
-    Refused: 422,
-    Unavailable: 503,
-    Misconfigured: 400,
-    DeliveryFailed: 400,
-}
-#: Status code of an error under no group (the root, raised bare).
-OTHER_ERROR_STATUS = 400
+#: Status code of each group of errors (``wm.errors.GROUPS``), kept by the gate, which the
+#: console shares.
+ERROR_STATUS = gate.ERROR_STATUS
 
 
 # -- what goes in and out ------------------------------------------------------------------
@@ -171,7 +181,7 @@ def _name(kind: str, value: str | None) -> str | None:
 class WorkerCreate(_Code):
     topic: str = Field(description="the topic it consumes")
     mime_type: str = Field(description="its engine: text/x-python, text/x-csharp, …")
-    name: str | None = Field(None, description="unique among live workers")
+    name: str | None = Field(None, description="unique among the tenant's live workers")
     group: str | None = Field(
         None, description="workers of one group take turns (fenced), or share the events"
     )
@@ -309,27 +319,58 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": Problem} for code in codes}
 
 
-def _status_of(exc: WorkManagerError) -> int:
-    return next(
-        (code for group, code in ERROR_STATUS.items() if isinstance(exc, group)),
-        OTHER_ERROR_STATUS,
-    )
+_status_of = gate.status_of
 
 
 # -- who is calling --------------------------------------------------------------------------
 
 
 class Services:
-    """What the routes work with, built once per application."""
+    """What the routes work with, built once per application, and once per tenant a call
+    names (:meth:`of_tenant`: tenants that exist only, so they are few)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, manager: WorkManager | None = None) -> None:
         self.settings = settings
-        self.manager = WorkManager(settings)
+        self.manager = manager or WorkManager(settings, tenant=DEFAULT_TENANT)
+        self._tenants: dict[str, Services] = {DEFAULT_TENANT: self}
+        self._lock = threading.Lock()
+
+    def of_tenant(self, tenant: str) -> "Services":
+        """The services of ``tenant`` (:class:`TenantNotFound` if it does not exist: asked
+        on every call, as a tenant may have been deleted since)."""
+        found = self._tenants.get(tenant)
+        if tenant != DEFAULT_TENANT:
+            tenants.checked(self.settings, tenant)
+        if found is None:
+            manager = WorkManager(self.settings, bus=self.manager.bus, tenant=tenant)
+            with self._lock:
+                found = self._tenants.setdefault(tenant, Services(self.settings, manager))
+        return found
 
 
-def _services(request: Request) -> Services:
+#: The request header naming the tenant a call works in (absent: the token's tenant, or the
+#: default one for a deployment-wide token).
+TENANT_HEADER = gate.TENANT_HEADER
+
+
+def _services(
+    request: Request,
+    _tenant: Annotated[
+        str | None,
+        Header(
+            alias=TENANT_HEADER,
+            pattern=TENANT_PATTERN,
+            description="the tenant the call works in: a tenant's token may name its own "
+            "only (another is a 403, whether it exists or not); a deployment-wide admin "
+            "token any (default: the default tenant). Another tenant's workers, "
+            "subscriptions, schedules and dead letters are not found, exactly as missing ones",
+        ),
+    ] = None,
+) -> Services:
+    """The services of the tenant the call works in, which :class:`wm.ops.gate.Gate`
+    settled from the token and the header (the header parameter documents and checks it)."""
     found: Services = request.app.state.services
-    return found
+    return found.of_tenant(request.state.tenant)
 
 
 Svc = Annotated[Services, Depends(_services)]
@@ -362,8 +403,7 @@ class _Guarded(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
-        marks = (getattr(d.dependency, "needed", None) for d in self.dependencies)
-        needed: Role | None = next((m for m in marks if m is not None), None)
+        needed = gate.needed_role(self)
         if needed is None:
             return handler
 
@@ -422,21 +462,33 @@ def create_app(settings: Settings) -> FastAPI:
         title="WorkManager admin API",
         version=VERSION,
         description=__doc__,
-        responses=_errors(400, 401, 403, 413, 503),
+        responses=_errors(400, 401, 403, 404, 413, 503),
+        docs_url=None,
+        redoc_url=None,
     )
+    docs = apidocs.add_docs(app)
     services = app.state.services = Services(settings)
     app.add_exception_handler(WorkManagerError, _failed)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _refused)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _crashed)
-    for router in (WORKERS, EVENTS, LETTERS, SCHEDULES, OPERATIONS):
+    routers = (WORKERS, EVENTS, LETTERS, SCHEDULES, SUBSCRIPTIONS, TOKENS, OPERATIONS)
+    for router in routers:
         app.include_router(router)
-    # Added last, run first: the token, then the audit entry, then the body's size.
+    pages = console.add_console(app, routers)  # each action needs its JSON route's role
+    # Added last, run first: the token, then the audit entry, then the tenant named, then
+    # the body's size.
     app.add_middleware(gate.BodyLimit, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(gate.TenantGuard)
     app.add_middleware(gate.Audited, audit=services.manager.audit)
-    public = {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url}
-    public_paths = frozenset(p for p in (*public, "/health/live") if p)
-    app.add_middleware(gate.Gate, tokens=services.manager.tokens, public=public_paths)
+    public_paths = frozenset({str(app.openapi_url), "/health/live", *docs, *pages})
+    app.add_middleware(
+        gate.Gate,
+        tokens=services.manager.tokens,
+        public=public_paths,
+        browser=console.browser(),
+    )
+    app.add_middleware(accesslog.AccessLog)
     return app
 
 
@@ -737,6 +789,95 @@ def remove_schedule(svc: Svc, schedule_id: str) -> Purged:
     return Purged(purged=1)
 
 
+# -- subscriptions -------------------------------------------------------------------------
+
+SUBSCRIPTIONS = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"], route_class=_Guarded)
+Topic = Annotated[str, Path(description="the topic (in the call's tenant)", min_length=1)]
+SubscriptionName = Annotated[str, Path(description="the subscription's name", min_length=1)]
+
+
+class SubscriptionOut(BaseModel):
+    topic: str
+    queue: str = Field(description="the queue a kombu client reads")
+    worker_id: str | None = Field(description="the worker fed, null for a plain subscription")
+    depth: int = Field(description="messages waiting in the queue")
+
+
+class Subscribed(BaseModel):
+    topic: str
+    name: str
+    queue: str = Field(description="the queue a kombu client reads (`wm consume` too)")
+
+
+@SUBSCRIPTIONS.get("", dependencies=[VIEWER])
+def list_subscriptions(svc: Svc, topic: str | None = None) -> list[SubscriptionOut]:
+    """Every subscription of the tenant (workers' and plain ones), with its queue depth."""
+    return [SubscriptionOut(**found) for found in svc.manager.list_subscriptions(topic)]
+
+
+@SUBSCRIPTIONS.put("/{topic}/{name}", dependencies=[OPERATOR])
+def subscribe(svc: Svc, topic: Topic, name: SubscriptionName) -> Subscribed:
+    """Feed the topic into a named durable queue any kombu client can read (``wm
+    subscribe``); subscribing again changes nothing."""
+    with _field("path"):
+        queue = svc.manager.subscribe(topic, name)
+    return Subscribed(topic=topic, name=name, queue=queue)
+
+
+@SUBSCRIPTIONS.delete("/{topic}/{name}", dependencies=[OPERATOR], responses=_errors(404))
+def unsubscribe(svc: Svc, topic: Topic, name: SubscriptionName) -> Purged:
+    """Remove a plain subscription and its queue, with what the queue holds."""
+    svc.manager.unsubscribe(topic, name)
+    return Purged(purged=1)
+
+
+# -- tokens --------------------------------------------------------------------------------
+
+TOKENS = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=_Guarded)
+#: The longest lifetime a token made over HTTP may be given (ten years): beyond it, ask for
+#: one that never expires.
+MAX_TOKEN_LIFETIME_S = 10 * 365 * 86400
+
+
+class TokenCreate(_Strict):
+    name: str = Field(description="unique among the tokens in force")
+    role: Role = Field(description="viewer < operator < admin, within the call's tenant")
+    expires_in_s: float | None = Field(
+        None, gt=0, le=MAX_TOKEN_LIFETIME_S, description="default: never expires"
+    )
+
+    _token_name = field_validator("name")(lambda v: _name("token name", v))
+
+
+class TokenCreated(BaseModel):
+    token: TokenInfo
+    secret: str = Field(description="the bearer token's text: shown this once, never again")
+
+
+@TOKENS.get("", dependencies=[ADMIN])
+def list_tokens(svc: Svc) -> list[TokenInfo]:
+    """The tenant's tokens in force (admins only; deployment-wide tokens are managed with
+    ``wm token``, on the deployment's own machine)."""
+    return svc.manager.tokens.list(own_tenant=True)
+
+
+@TOKENS.post("", status_code=201, dependencies=[ADMIN], responses=_errors(409))
+def create_token(svc: Svc, body: TokenCreate) -> TokenCreated:
+    """A new token of the call's tenant; its secret is in this answer only."""
+    expires = None if body.expires_in_s is None else timedelta(seconds=body.expires_in_s)
+    with _field("body", "name"):
+        info, secret = svc.manager.tokens.create(body.name, body.role, expires_in=expires)
+    return TokenCreated(token=info, secret=secret)
+
+
+@TOKENS.delete("/{token}", dependencies=[ADMIN], responses=_errors(404))
+def revoke_token(
+    svc: Svc, token: Annotated[str, Path(description="token id, short id or name")]
+) -> TokenInfo:
+    """Revoke one of the tenant's tokens; it stops working at once."""
+    return svc.manager.tokens.revoke(token, own_tenant=True)
+
+
 # -- health, identity, audit ---------------------------------------------------------------
 
 OPERATIONS = APIRouter(route_class=_Guarded)
@@ -766,10 +907,11 @@ def api_health(svc: Svc, response: Response) -> Health:
 
 @OPERATIONS.get("/v1/status", tags=["health"], dependencies=[VIEWER], responses=_errors(503))
 def cluster_status(svc: Svc) -> Overview:
-    """The cluster at a glance (``wm status``): nodes that answer a ping, workers by status
-    and health, the deepest queues, dead letters per topic, breakers and recovery. A part
-    whose service (broker, Redis) does not answer is null and named in ``unavailable``."""
-    return svc.manager.status()
+    """The tenant's part of the cluster at a glance (``wm status``): nodes that answer a
+    ping (shared by every tenant), its workers by status and health, its deepest queues,
+    its dead letters per topic, its breakers, and recovery. A part whose service (broker,
+    Redis) does not answer is null and named in ``unavailable``."""
+    return svc.manager.status(own_tenant=True)
 
 
 @OPERATIONS.post(
@@ -778,14 +920,15 @@ def cluster_status(svc: Svc) -> Overview:
 def recover(svc: Svc) -> RecoveryReport:
     """Run recovery now (``wm recover``), as a starting node does: repair the routing table,
     declare every subscription's queue, check each running worker's code, publish the
-    outbox. ``failures`` names each worker it could not bring back, and why; 409 while a
-    recovery runs elsewhere."""
-    return svc.manager.recover()
+    outbox. The whole deployment is recovered, but the report counts and names the tenant's
+    routes, queues, workers and events only. ``failures`` names each worker it could not
+    bring back, and why; 409 while a recovery runs elsewhere."""
+    return svc.manager.recover(own_tenant=True)
 
 
 @OPERATIONS.get("/v1/whoami", tags=["tokens"])
 def whoami(token: Annotated[TokenInfo, Depends(_authenticated)]) -> TokenInfo:
-    """The calling token: id, name, role, times."""
+    """The calling token: id, name, role, times, and its tenant (null: deployment-wide)."""
     return token
 
 
@@ -796,8 +939,9 @@ def audit_log(
     since: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_REPLAY)] = 100,
 ) -> list[AuditInfo]:
-    """The newest audit entries, oldest first (admins only)."""
-    return svc.manager.audit.list(token=token, since=since, limit=limit)
+    """The newest audit entries of calls that worked in the tenant, oldest first (admins
+    only)."""
+    return svc.manager.audit.list(token=token, since=since, limit=limit, tenant=svc.manager.tenant)
 
 
 # -- serving -------------------------------------------------------------------------------
@@ -842,18 +986,42 @@ def serve(settings: Settings, *, insecure: bool = False) -> None:
     app = create_app(settings)
     config = uvicorn.Config(
         app,
-        host=settings.api_bind,
-        port=settings.api_port,
         ssl_certfile=cert or None,
         ssl_keyfile=key or None,
         log_level=settings.log_level.lower(),
+        log_config=None,  # uvicorn's lines through WorkManager's handler (WM_LOG_FORMAT)
+        access_log=False,  # wm.ops.accesslog's instead
         server_header=False,
     )
-    server = uvicorn.Server(config)
+    sock = _listen(settings.api_bind, settings.api_port)
+    accesslog.enable(settings)
+    accesslog.announce(settings, _url(settings.api_bind, sock.getsockname()[1], tls=bool(cert)))
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port``, bound here rather than by uvicorn so that a
+    taken port is one clear error, not uvicorn's log text and exit code."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server.run()
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigurationError(
+                f"port {port} on {host} is taken ({reason}); pass --port or set WM_API_PORT"
+            ) from exc
         raise ConfigurationError(
-            f"WM_API_PORT={settings.api_port} (WM_API_BIND={settings.api_bind}): cannot "
-            f"listen there ({exc})"
+            f"cannot listen on {host} port {port} ({reason}); pass --bind and --port or set "
+            "WM_API_BIND and WM_API_PORT"
         ) from exc
+    return sock
+
+
+def _url(host: str, port: int, *, tls: bool) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"

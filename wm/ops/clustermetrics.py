@@ -1,6 +1,6 @@
 """The cluster's metrics that every node reads at a scrape, not per delivery (issue 27).
 
-- ``wm_queue_depth{worker_id, worker}``: messages ready in each live worker's queue, as
+- ``wm_queue_depth{worker_id, worker, tenant}``: messages ready in each live worker's queue, as
   ``wm status`` counts them (a shared group's one queue once, under its oldest member). One
   database read and one broker connection with a passive declare per queue, at most every
   :data:`TTL_S`; one series per live worker queue. An autoscaler (KEDA's Prometheus scaler)
@@ -28,6 +28,7 @@ from wm.config import Settings
 from wm.control.overview import QueueDepth, worker_queue_depths
 from wm.dataplane.app import make_app
 from wm.errors import WorkManagerError
+from wm.names import split_route_topic
 from wm.store import workers as rows
 
 #: Seconds a scrape reuses the queue depths it read.
@@ -65,10 +66,11 @@ class QueueDepthCollector:
         gauge = GaugeMetricFamily(
             "wm_queue_depth",
             "Messages ready in the worker's queue (a shared group's, under its oldest member).",
-            labels=["worker_id", "worker"],
+            labels=["worker_id", "worker", "tenant"],  # a worker's tenant adds no series
         )
         for depth in depths:
-            gauge.add_metric([depth.worker_id, depth.name or ""], depth.depth)
+            tenant = split_route_topic(depth.topic)[0]
+            gauge.add_metric([depth.worker_id, depth.name or "", tenant], depth.depth)
         yield gauge
 
 

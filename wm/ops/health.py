@@ -39,10 +39,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import sqlalchemy as sa
 from celery import bootsteps
-from kombu.connection import Connection
 
 from wm import store
 from wm.config import Settings, masked
+from wm.dataplane.app import broker_connection
 from wm.dataplane.node import STATE
 from wm.engine import engine_facts
 from wm.errors import ConfigurationError, InvalidArgument, NodeUnavailable
@@ -61,7 +61,7 @@ StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 
 def _broker(settings: Settings) -> None:
-    with Connection(settings.broker_url, connect_timeout=CHECK_TIMEOUT_S) as connection:
+    with broker_connection(settings, connect_timeout=CHECK_TIMEOUT_S) as connection:
         connection.ensure_connection(max_retries=1, timeout=CHECK_TIMEOUT_S)
 
 

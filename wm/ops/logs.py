@@ -16,9 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
-from typing import IO, TYPE_CHECKING, Any
-
-from pythonjsonlogger.json import JsonFormatter
+from typing import IO, TYPE_CHECKING
 
 from wm.dataplane import logcontext
 from wm.errors import ConfigurationError
@@ -41,9 +39,11 @@ TIME_FIELD = "time"
 MAX_LOG_MESSAGE_CHARS = 16384
 #: Delivery fields shown in a text line, with their labels there.
 TEXT_FIELDS = {
+    "tenant": "tenant",
     "worker": "worker",
     "event_id": "event",
     "correlation_id": "correlation",
+    "trace_id": "trace",
     "attempt": "attempt",
 }
 
@@ -87,7 +87,7 @@ def _install(settings: Settings, handler: logging.Handler) -> None:
     if not any(isinstance(f, DeliveryFields) for f in handler.filters):
         handler.addFilter(DeliveryFields())
     current = handler.formatter
-    if isinstance(current, (TextFields, JsonLines)):
+    if getattr(current, "WORKMANAGER", False):  # ours already (TextFields, JsonLines)
         return
     if settings.log_format == "json":
         handler.addFilter(TaskFields())
@@ -136,6 +136,8 @@ class TextFields(logging.Formatter):
     """Another formatter's text (Celery's, colours and all), with the delivery's fields
     after the message's first line, so a traceback below it stays whole."""
 
+    WORKMANAGER = True
+
     def __init__(self, inner: logging.Formatter) -> None:
         super().__init__()
         self.inner = inner
@@ -156,11 +158,6 @@ class TextFields(logging.Formatter):
 def json_formatter() -> logging.Formatter:
     """One JSON object per line: time, level, logger, process, message, then the record's
     other fields (the delivery's, ``exc_info`` with the traceback)."""
+    from wm.ops.jsonlines import JsonLines  # python-json-logger: only for WM_LOG_FORMAT=json
+
     return JsonLines(list(JSON_FIELDS), rename_fields=JSON_NAMES, timestamp=TIME_FIELD)
-
-
-class JsonLines(JsonFormatter):
-    """python-json-logger's formatter with the time first, where a reader looks for it."""
-
-    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
-        return {TIME_FIELD: log_data.pop(TIME_FIELD), **log_data}

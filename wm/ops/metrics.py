@@ -11,7 +11,8 @@ deliveries (``wm.dataplane.observe``). A pool process that exits is marked dead
 (:func:`on_process_exit`), and one killed outright (a hard time limit, the OOM killer) at the
 next scrape, so its gauges drop out while its counters stay counted.
 
-Per WorkManager worker, labelled ``worker_id`` and ``worker`` (its name, or empty):
+Per WorkManager worker, labelled ``worker_id``, ``worker`` (its name, or empty) and
+``tenant`` (its tenant, ``default`` in a deployment that names none):
 ``wm_delivered_total``, ``wm_succeeded_total``, ``wm_failed_total`` (failed attempts),
 ``wm_retried_total``, ``wm_dead_lettered_total``, ``wm_fence_refusals_total``,
 ``wm_duplicates_skipped_total`` (a recorded outcome republished instead of a second run),
@@ -24,6 +25,14 @@ histograms ``wm_lock_wait_seconds``, ``wm_engine_seconds``,
 ``wm_node_recovery`` (1 for the current state), ``wm_node_engines`` (engines loaded in its
 pool processes) and ``wm_node_sandbox_processes``. Cardinality: 11 counters and 4 histograms
 of 13 series each per worker the node served since it started, so about 63 series per worker.
+Per tenant, labelled ``tenant``: ``wm_tenant_refusals_total`` (messages the tenant guard
+refused in its queues, ``wm.dataplane.guard``), ``wm_tenant_throttled_total`` (deliveries
+sent back to wait by the tenant's ``max_concurrency`` or ``rate_limit``) and
+``wm_tenant_in_flight``
+(deliveries of the tenant running on the node); and of the cluster
+``wm_tenant_limit{tenant,limit}``, each limit set. Tenants are created by an admin only
+(``wm tenant create``), never by traffic, so the ``tenant`` label's values are bounded by
+that list: about 5 series per tenant.
 
 Of the whole cluster, the same on every node (read from the database and Redis at most every
 :data:`WORKERS_TTL_S`; aggregate with ``max``): ``wm_workers{status}``, the live workers in
@@ -53,7 +62,9 @@ from wm.lifecycle import Status
 from wm.ops import clustermetrics
 from wm.state.directory import WorkerMeta
 from wm.state.health import HEALTHS, WorkerHealth
+from wm.store import tenants as tenant_rows
 from wm.store.models import Worker
+from wm.views import TenantInfo
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 COUNTERS = {
@@ -68,11 +79,15 @@ COUNTERS = {
     "probe_passed": "Health probes of the worker's code that passed.",
     "probe_failed": "Health probes of the worker's code that failed (false, raised, timed out).",
     "replaced": "Times recovery 'replace' unloaded the worker's engine to load it afresh.",
+    "session_hit": "Session events run on the instance their session was bound to.",
+    "session_miss": "Session events that bound their session anew (none, expired, gone).",
 }
 NAMES = {
     "fence_refused": "fence_refusals",
     "duplicate": "duplicates_skipped",
     "replaced": "replacements",
+    "session_hit": "session_affinity_hits",
+    "session_miss": "session_affinity_misses",
 }
 HISTOGRAMS = {
     "lock_wait": ("lock_wait_seconds", "Time taking the group lock."),
@@ -83,6 +98,25 @@ HISTOGRAMS = {
 GAUGES = {
     "engines": ("node_engines", "Engines loaded in the node's pool processes."),
     "sandboxes": ("node_sandbox_processes", "Processes the loaded engines keep."),
+}
+#: Labels of the per-worker metrics. ``tenant`` adds no series: a worker belongs to one
+#: tenant, so it only groups the worker's. Its values stay few: tenants are created one by
+#: one by an admin (``wm tenant create``), never by a publisher, a message or worker code.
+WORKER_LABELS = ("worker_id", "worker", "tenant")
+#: Per tenant, labelled ``tenant`` alone (the queue's, never one a message claims): counters,
+#: and gauges summed over live processes.
+TENANT_COUNTERS = {
+    "tenant_refused": (
+        "tenant_refusals",
+        "Messages the tenant guard refused in the tenant's queues (another tenant's event).",
+    ),
+    "tenant_throttled": (
+        "tenant_throttled",
+        "Deliveries sent back to wait by their tenant's max_concurrency or rate_limit.",
+    ),
+}
+TENANT_GAUGES = {
+    "tenant_running": ("tenant_in_flight", "Deliveries of the tenant running on the node."),
 }
 RECOVERY_STATES = ("pending", "running", "retrying", "done", "elsewhere", "disabled", "failed")
 
@@ -124,13 +158,16 @@ def _define() -> None:
     # command plugin's entry point, such as Flower's): pick again now.
     values.ValueClass = values.get_value_class()
 
-    labels = ("worker_id", "worker")
     for kind, text in COUNTERS.items():
-        _metrics[kind] = Counter(f"wm_{NAMES.get(kind, kind)}", text, labels)
+        _metrics[kind] = Counter(f"wm_{NAMES.get(kind, kind)}", text, WORKER_LABELS)
     for kind, (name, text) in HISTOGRAMS.items():
-        _metrics[kind] = Histogram(f"wm_{name}", text, labels)
+        _metrics[kind] = Histogram(f"wm_{name}", text, WORKER_LABELS)
+    for kind, (name, text) in TENANT_COUNTERS.items():
+        _metrics[kind] = Counter(f"wm_{name}", text, ("tenant",))
     for kind, (name, text) in GAUGES.items():
         _metrics[kind] = Gauge(f"wm_{name}", text, multiprocess_mode="livesum")
+    for kind, (name, text) in TENANT_GAUGES.items():
+        _metrics[kind] = Gauge(f"wm_{name}", text, ("tenant",), multiprocess_mode="livesum")
 
 
 def _observe(kind: str, meta: WorkerMeta, value: float) -> None:
@@ -139,10 +176,12 @@ def _observe(kind: str, meta: WorkerMeta, value: float) -> None:
         return
     if kind in GAUGES:
         metric.set(value)
+    elif kind in TENANT_COUNTERS or kind in TENANT_GAUGES:
+        metric.labels(meta.tenant).inc(value)
     elif kind in HISTOGRAMS:
-        metric.labels(meta.id, meta.name or "").observe(value)
+        metric.labels(meta.id, meta.name or "", meta.tenant).observe(value)
     else:
-        metric.labels(meta.id, meta.name or "").inc(value)
+        metric.labels(meta.id, meta.name or "", meta.tenant).inc(value)
 
 
 def close() -> None:
@@ -190,6 +229,7 @@ class _WorkersCollector:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._cached: tuple[float, dict[str, int], dict[str, int]] | None = None
+        self._limits: list[TenantInfo] = []
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
         now = time.monotonic()
@@ -198,6 +238,7 @@ class _WorkersCollector:
                 rows = session.execute(
                     select(Worker.id, Worker.status).where(Worker.status != Status.DELETED.value)
                 ).all()
+                self._limits = tenant_rows.listing(session)
             statuses = {str(status): 0 for status in Status if status != Status.DELETED}
             for _, status in rows:
                 statuses[status] = statuses.get(status, 0) + 1
@@ -226,6 +267,22 @@ class _WorkersCollector:
         for health, count in healths.items():
             by_health.add_metric([health], count)
         yield by_health
+        yield self._tenant_limits()
+
+    def _tenant_limits(self) -> Any:
+        """``wm_tenant_limit{tenant,limit}``: each limit a tenant has (unlimited: none)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        limits = GaugeMetricFamily(
+            "wm_tenant_limit",
+            "Each tenant's limits (max_concurrency, rate_limit, max_workers) that are set.",
+            labels=["tenant", "limit"],
+        )
+        for tenant in self._limits:
+            for name, value in tenant.limits.to_json().items():
+                if value is not None:
+                    limits.add_metric([tenant.name, name], float(value))
+        return limits
 
 
 class _NodeCollector:

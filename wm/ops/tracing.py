@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from wm.errors import ConfigurationError, MissingDependency
+from wm.extras import install_hint
 
 _provider: list[Any] = []
 
@@ -32,7 +33,7 @@ def configure() -> bool:
     except ImportError as exc:
         raise MissingDependency(
             f"OTEL_TRACES_EXPORTER={name} needs OpenTelemetry's SDK: "
-            "pip install 'workmanager[otel]' (or unset OTEL_TRACES_EXPORTER)"
+            f"{install_hint('otel')} (or unset OTEL_TRACES_EXPORTER)"
         ) from exc
     exporter: Any
     if name == "console":

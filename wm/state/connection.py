@@ -3,7 +3,7 @@
 WM_REDIS_URL may name a single Redis or any node of a Redis Cluster: :func:`redis_for` asks
 the server once per process (``INFO cluster``) and returns a :class:`redis.cluster.RedisCluster`
 for a cluster. Every key the state store writes carries a hash tag, so each script, MGET and
-transaction touches one slot; the README's "Redis Cluster" section lists which tag each key has.
+transaction touches one slot; docs/guides/nodes.md ("Redis Cluster") lists which tag each key has.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from kombu.utils.url import maybe_sanitize_url
 from redis.client import Pipeline
 from redis.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import MovedError, RedisClusterException
+from redis.sentinel import Sentinel
 
-from wm.config import Settings
+from wm import sentinelurl
+from wm.config import Settings, masked
 from wm.errors import BrokerUnavailable, ConfigurationError
 
 #: A client of the state store: one server, or a cluster.
@@ -71,12 +73,37 @@ def pooled_client(url: str, socket_timeout_s: float | None = None) -> redis.Redi
 
 
 def _single(url: str, socket_timeout_s: float | None) -> redis.Redis:
+    if sentinelurl.is_sentinel(url):
+        return _sentinel_primary(url, socket_timeout_s)
     return redis.Redis.from_url(
         url,
         socket_connect_timeout=_CONNECT_TIMEOUT_S,
         socket_timeout=socket_timeout_s,
         health_check_interval=_HEALTH_CHECK_INTERVAL_S,
     )
+
+
+def _sentinel_primary(url: str, socket_timeout_s: float | None) -> redis.Redis:
+    """A client of the primary the sentinels of ``url`` name: each new connection asks them
+    again, so after a failover the pool's next connection reaches the new primary (one
+    whose server is no primary any more is refused with a connection error)."""
+    where = sentinelurl.parse(url)
+    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+        list(where.sentinels),
+        sentinel_kwargs={
+            "socket_connect_timeout": _CONNECT_TIMEOUT_S,
+            "socket_timeout": _CONNECT_TIMEOUT_S,
+        },
+    )
+    client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+        where.master_name,
+        db=where.db,
+        password=where.password,
+        socket_connect_timeout=_CONNECT_TIMEOUT_S,
+        socket_timeout=socket_timeout_s,
+        health_check_interval=_HEALTH_CHECK_INTERVAL_S,
+    )
+    return client
 
 
 def own_client(settings: Settings) -> StateRedis:
@@ -145,6 +172,37 @@ def queue_eval(pipe: StatePipeline, script: str, keys: list[str], *args: Any) ->
     pipe.execute_command("EVAL", script, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
 
 
+def queue_wait(pipe: StatePipeline, settings: Settings, key: str) -> bool:
+    """Queue ``WAIT`` behind the writes queued in ``pipe`` before it, when
+    WM_REDIS_WAIT_REPLICAS asks for replicas' acknowledgements; False when it does not (and
+    nothing was queued). WAIT counts the writes of its own connection, and a pipeline sends
+    what goes to one server on one connection: on a cluster, WAIT goes to the server of
+    ``key``'s slot, so ``key`` must be a key the writes to wait for live with."""
+    if not settings.redis_wait_replicas:
+        return False
+    args = ("WAIT", settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
+    if isinstance(pipe, ClusterPipeline):
+        node = pipe.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        pipe.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
+    else:
+        pipe.execute_command(*args)  # type: ignore[no-untyped-call]
+    return True
+
+
+def check_wait(settings: Settings, acknowledged: Any, what: str) -> None:
+    """Raise :class:`BrokerUnavailable` when fewer replicas than WM_REDIS_WAIT_REPLICAS
+    acknowledged ``what`` (a reply of :func:`queue_wait`'s WAIT): the write is on the
+    primary, but a failover could lose it."""
+    wanted, got = settings.redis_wait_replicas, int(acknowledged)
+    if got < wanted:
+        raise BrokerUnavailable(
+            f"{what} reached {got} replica(s) of the Redis at WM_REDIS_URL="
+            f"{maybe_sanitize_url(settings.redis_url)} within WM_REDIS_WAIT_TIMEOUT_MS="
+            f"{settings.redis_wait_timeout_ms}, not WM_REDIS_WAIT_REPLICAS={wanted}; "
+            "start the missing replicas or lower the setting"
+        )
+
+
 @contextmanager
 def redis_errors(settings: Settings) -> Iterator[None]:
     """Turn a Redis error raised inside the block into :class:`BrokerUnavailable`. Keys of
@@ -155,7 +213,7 @@ def redis_errors(settings: Settings) -> Iterator[None]:
     except (redis.RedisError, RedisClusterException) as exc:
         if _cross_slot(exc):
             raise
-        where = f"Redis at WM_REDIS_URL={maybe_sanitize_url(settings.redis_url)}"
+        where = f"Redis at WM_REDIS_URL={masked(settings.redis_url)}"
         if isinstance(exc, MovedError):
             raise BrokerUnavailable(
                 f"{where} is a Redis Cluster node, but it refused INFO, which tells WorkManager "

@@ -19,9 +19,11 @@ from sqlalchemy import select
 from wm import store
 from wm.config import Settings
 from wm.errors import VersionNotFound
+from wm.names import split_route_topic
 from wm.state.connection import StateRedis, redis_errors, redis_for
 from wm.store import shares
-from wm.store.models import Worker, WorkerVersion
+from wm.store import tenants as tenant_rows
+from wm.store.models import Tenant, Worker, WorkerVersion
 from wm.store.shares import Share
 from wm.workersettings import WorkerSettings
 
@@ -51,6 +53,14 @@ class WorkerMeta:
     sha256: str
     settings: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
+    #: Its tenant's limits a node enforces (``wm.tenantlimits.TenantLimits.delivery``),
+    #: read with the worker's facts; None: its tenant has none (nothing to pay for).
+    tenant_limits: dict[str, Any] | None = None
+
+    @functools.cached_property
+    def tenant(self) -> str:
+        """The worker's tenant (``topic`` is its route topic, ``wm.names.route_topic``)."""
+        return split_route_topic(self.topic)[0]
 
     @functools.cached_property
     def worker_settings(self) -> WorkerSettings:
@@ -58,7 +68,12 @@ class WorkerMeta:
         return WorkerSettings.of(self.settings)
 
     def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+        """The cached text; without ``tenant_limits`` when there are none, so an entry
+        reads as before tenant limits existed (and an older node parses it)."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        if given["tenant_limits"] is None:
+            del given["tenant_limits"]
+        return json.dumps(given)
 
 
 #: Worker facts parsed, by their cached text: a pool process reads the same text for every
@@ -172,6 +187,7 @@ class Directory:
             if row is None:
                 return None
             worker, sha256 = row
+            limits = tenant_rows.limits_of(session.get(Tenant, worker.tenant)).delivery()
             return WorkerMeta(
                 str(worker.id),
                 worker.topic,
@@ -182,6 +198,7 @@ class Directory:
                 sha256,
                 dict(worker.settings or {}),
                 worker.name,
+                limits,
             )
 
     def code(self, worker_id: str, version: int) -> bytes:

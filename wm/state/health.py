@@ -13,7 +13,9 @@ code has one, its health probe:
   that ran it, ``wm.dataplane.probes``; forgotten :data:`PROBE_FACTS_TTL_S` or three
   intervals after the last probe, so a worker no longer probed is judged by its deliveries).
 
-``unknown``: no delivery in the window and no probe. ``unhealthy``:
+``unknown``: no delivery in the window and no probe (failures in a row count only while
+the window holds deliveries: those of a worker paused while unhealthy age out, and it
+resumes). ``unhealthy``:
 ``health_max_consecutive_failures`` failures in a row (default 3), an error rate of at least
 ``health_unhealthy_rate`` (default 0.5), or ``max_probe_failures`` failed probes in a row
 (default 3; 0: failed probes alone never make a worker unhealthy). ``degraded``: an error
@@ -22,6 +24,11 @@ of the deliveries' verdict and the probe's holds; a passing probe makes a worker
 deliveries ``healthy``. The maintaining node judges every live worker each reconcile period
 and keeps the verdict (``wm:health-state:{<id>}``); a change is a lifecycle event
 ``health_changed``.
+
+When the kept verdict changes, ``wm:health-since:{<id>}`` records the time: a worker paused as
+unhealthy (``pause_when_unhealthy``, ``wm.dataplane.features.pause``) whose probe passed after
+that, or that has no probe and has been paused ``health_pause_s``, is given a trial
+(:meth:`WorkerHealth.judge_all`).
 
 Probes are scheduled with two more keys per worker: ``wm:probe-due:{<id>}`` exists while a
 probe is outstanding or not yet due, and ``wm:no-probe:{<id>}:<version>`` remembers that a
@@ -56,6 +63,7 @@ PROBE_FACTS_TTL_S = WINDOW_MIN * 60
 NO_PROBE_TTL_S = 7 * 24 * 3600
 _COUNTS = "wm:health:"
 _STATE = "wm:health-state:"
+_SINCE = "wm:health-since:"
 _PROBE = "wm:probe:"
 _PROBE_DUE = "wm:probe-due:"
 _NO_PROBE = "wm:no-probe:"
@@ -90,6 +98,11 @@ def counts_key(worker_id: str) -> str:
 
 def state_key(worker_id: str) -> str:
     return f"{_STATE}{{{worker_id}}}"
+
+
+def since_key(worker_id: str) -> str:
+    """When the kept verdict last changed (``time.time()``)."""
+    return f"{_SINCE}{{{worker_id}}}"
 
 
 def probe_key(worker_id: str) -> str:
@@ -191,9 +204,9 @@ def _judge_deliveries(
     ok: int, failed: int, consecutive: int, worker_settings: Mapping[str, Any]
 ) -> Verdict:
     total = ok + failed
-    if total == 0 and consecutive == 0:
-        return Verdict(UNKNOWN, None, 0, 0)
-    rate = failed / total if total else 1.0
+    if total == 0:  # a run of failures counts while it is in the window: a paused worker's
+        return Verdict(UNKNOWN, None, 0, consecutive)  # ages out, and it may try again
+    rate = failed / total
     typed = WorkerSettings.of(worker_settings)
     degraded, unhealthy = typed.health_degraded_rate, typed.health_unhealthy_rate
     in_a_row = typed.health_max_consecutive_failures
@@ -252,38 +265,41 @@ class WorkerHealth:
 
     def judge_all(self, workers: dict[str, dict[str, Any]]) -> dict[str, tuple[Verdict, str]]:
         """Judge these workers (id → its settings) and keep the verdicts: id → (verdict,
-        the verdict it replaced, ``unknown`` when none), in two pipelined round trips."""
+        the verdict it replaced, ``unknown`` when none), in two pipelined round trips.
+
+        A worker paused as unhealthy (``pause_when_unhealthy``) whose probe passed after
+        the pause began, or that has no probe and was paused ``health_pause_s`` ago, is
+        given a trial: the failures behind the pause are forgotten (its
+        deliveries' counts and its run of failures, as a success would), so it resumes; new
+        failures pause it again."""
         ids = list(workers)
         if not ids:
             return {}
         redis, since = redis_for(self.settings), _minute() - WINDOW_MIN + 1
         with redis_errors(self.settings):
-            pipe = redis.pipeline(transaction=False)
-            for worker_id in ids:
-                pipe.hgetall(counts_key(worker_id))
-                pipe.get(failures_key(worker_id))
-                pipe.hgetall(probe_key(worker_id))
-            read = pipe.execute()
-            counts, in_a_row, probes = read[::3], read[1::3], read[2::3]
+            read = _read_facts(redis, ids)
+            kept, probes = _kept_and_probes(read)
+            tried = [
+                _trial(workers[w], old, probe)
+                for w, old, probe in zip(ids, kept, probes, strict=True)
+            ]
+            counts = [{} if trial else found for trial, found in zip(tried, read[::5], strict=True)]
+            in_a_row = [0 if t else int(n or 0) for t, n in zip(tried, read[1::5], strict=True)]
             tallies = [_tally(found, since) for found in counts]
             verdicts = [
-                judge(ok, failed, int(consecutive or 0), workers[w], ProbeFacts.parse(probe))
+                judge(ok, failed, consecutive, workers[w], probe)
                 for w, (ok, failed, _), consecutive, probe in zip(
                     ids, tallies, in_a_row, probes, strict=True
                 )
             ]
             pipe = redis.pipeline(transaction=False)
-            for worker_id, verdict in zip(ids, verdicts, strict=True):
-                pipe.set(state_key(worker_id), verdict.health, get=True)
-            for worker_id, (_, _, stale), found in zip(ids, tallies, counts, strict=True):
-                if stale:  # minutes out of the window, and the key's end when the worker rests
-                    pipe.hdel(counts_key(worker_id), *stale)
-                if found:
-                    pipe.expire(counts_key(worker_id), _COUNTS_TTL_S)
-            before = pipe.execute()[: len(ids)]
+            for worker_id, verdict, (old, _), trial in zip(ids, verdicts, kept, tried, strict=True):
+                _keep(pipe, worker_id, verdict.health, old, trial)
+            _trim_counts(pipe, ids, [stale for _, _, stale in tallies], counts)
+            pipe.execute()
         return {
-            worker_id: (verdict, UNKNOWN if old is None else text(old))
-            for worker_id, verdict, old in zip(ids, verdicts, before, strict=True)
+            worker_id: (verdict, old)
+            for worker_id, verdict, (old, _) in zip(ids, verdicts, kept, strict=True)
         }
 
     def known(self, worker_ids: list[str]) -> dict[str, str]:
@@ -353,9 +369,38 @@ class Probes:
         with redis_errors(self.settings):
             redis_for(self.settings).delete(probe_due_key(worker_id))
 
+    def forget(self, worker_id: str) -> None:
+        """The worker was taken out of service: its probes start again when it does."""
+        with redis_errors(self.settings):
+            redis_for(self.settings).delete(probe_key(worker_id), probe_due_key(worker_id))
+
     def last(self, worker_id: str) -> ProbeFacts | None:
         with redis_errors(self.settings):
             return ProbeFacts.parse(redis_for(self.settings).hgetall(probe_key(worker_id)))
+
+
+def _keep(pipe: Any, worker_id: str, health: str, old: str, trial: bool) -> None:
+    """Keep a worker's verdict, when it changed since when, and forget on a trial the
+    failures behind its pause."""
+    pipe.set(state_key(worker_id), health)
+    if health != old:
+        pipe.set(since_key(worker_id), repr(time.time()))
+    if trial:
+        pipe.delete(counts_key(worker_id), failures_key(worker_id))
+
+
+def _trial(
+    worker_settings: Mapping[str, Any], kept: tuple[str, float], probe: ProbeFacts | None
+) -> bool:
+    """A worker paused as unhealthy since ``kept[1]`` whose probe passed after that, or,
+    with no probe to say so, whose pause has lasted ``health_pause_s``."""
+    health, since = kept
+    typed = WorkerSettings.of(worker_settings)
+    if health != UNHEALTHY or not typed.pause_when_unhealthy:
+        return False
+    if probe is None:
+        return time.time() - since >= typed.health_pause_s
+    return probe.ok and probe.at > since
 
 
 def _ms(seconds: float) -> int:
@@ -376,3 +421,37 @@ def _tally(counts: dict[Any, Any] | None, since: int) -> tuple[int, int, list[An
         elif kind == "failed":
             failed += int(value)
     return ok, failed, stale
+
+
+def _kept_and_probes(
+    read: list[Any],
+) -> tuple[list[tuple[str, float]], list[ProbeFacts | None]]:
+    """From :func:`_read_facts`' replies: each worker's kept verdict (``unknown`` when none)
+    with since when, and its probe's facts."""
+    kept = [
+        (UNKNOWN if h is None else text(h), float(t or 0))
+        for h, t in zip(read[3::5], read[4::5], strict=True)
+    ]
+    return kept, [ProbeFacts.parse(probe) for probe in read[2::5]]
+
+
+def _read_facts(redis: Any, ids: list[str]) -> list[Any]:
+    """Per worker, five replies in a row: its counts, its run of failures, its probe, its
+    kept verdict and since when (two GETs: a cluster pipeline has no MGET)."""
+    pipe = redis.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.hgetall(counts_key(worker_id))
+        pipe.get(failures_key(worker_id))
+        pipe.hgetall(probe_key(worker_id))
+        pipe.get(state_key(worker_id))
+        pipe.get(since_key(worker_id))
+    return list(pipe.execute())
+
+
+def _trim_counts(pipe: Any, ids: list[str], stales: list[Any], counts: list[Any]) -> None:
+    """Drop the minutes out of the window, and give the counts key its end when it rests."""
+    for worker_id, stale, found in zip(ids, stales, counts, strict=True):
+        if stale:
+            pipe.hdel(counts_key(worker_id), *stale)
+        if found:
+            pipe.expire(counts_key(worker_id), _COUNTS_TTL_S)

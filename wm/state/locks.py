@@ -24,6 +24,9 @@ is atomic and costs one round trip: an uncontended acquire plus release is two r
   short hand-off window (or in the blocking :meth:`GroupLocks.acquire`) retries at once;
   only a lock someone found held (its record's *waiting* flag) leaves one.
 * The written flag only tells operators that a holder is in its publishing phase.
+* With ``WM_REDIS_WAIT_REPLICAS``, an acquire is followed by ``WAIT`` on its connection and
+  counts only once that many replicas have it: a fence minted survives a failover, so no
+  promoted replica mints it again (:func:`wm.state.connection.queue_wait`).
 * Acquire also records the new holder (``…:last``), and release deletes that record with the
   lock's, in their scripts: an acquire that finds a holder recorded took the lock after that
   holder's lease expired without a release, and says so (:attr:`Lease.stolen_from`). It
@@ -58,7 +61,15 @@ from redis.commands.core import Script
 
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
-from wm.state.connection import StateRedis, redis_errors, redis_for, text
+from wm.state.connection import (
+    StateRedis,
+    check_wait,
+    queue_eval,
+    queue_wait,
+    redis_errors,
+    redis_for,
+    text,
+)
 
 __all__ = [
     "ACQUIRE_RETRIES",
@@ -441,8 +452,15 @@ class GroupLocks:
             raise ValueError("group and owner must be non-empty")
         record = self._record_key(group, item)
         keys = [record, self._fence_key(group), f"{record}:last"] + ([read] if read else [])
+        args: list[str | int] = [owner, self.lease_ms, LAST_HOLDER_MS]
         with redis_errors(self._settings):
-            raw = self._acquire_script(keys=keys, args=[owner, self.lease_ms, LAST_HOLDER_MS])
+            if not self._settings.redis_wait_replicas:
+                return _AcquireReply.parse(self._acquire_script(keys=keys, args=args))
+            pipe = self._redis.pipeline(transaction=False)  # script and WAIT, one connection
+            queue_eval(pipe, _ACQUIRE_LUA, keys, *args)
+            queue_wait(pipe, self._settings, record)
+            raw, acknowledged = pipe.execute()
+        check_wait(self._settings, acknowledged, f"the fence of group lock {group!r}")
         return _AcquireReply.parse(raw)
 
     def _renew(self, lease: Lease, *, mark_write: bool) -> tuple[str, str] | None:

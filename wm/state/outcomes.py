@@ -15,7 +15,15 @@ from typing import Any
 from wm.config import Settings
 from wm.errors import OutputTooLarge
 from wm.events import CloudEvent, decode, encode
-from wm.state.connection import StatePipeline, StateRedis, queue_eval, redis_errors, redis_for
+from wm.state.connection import (
+    StatePipeline,
+    StateRedis,
+    check_wait,
+    queue_eval,
+    queue_wait,
+    redis_errors,
+    redis_for,
+)
 from wm.state.ledger import Settlement
 from wm.state.locks import FENCE_CHECK_LUA, WriteFence
 
@@ -108,13 +116,17 @@ class Outcomes:
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             queue_eval(pipe, script, keys, *args)
+            waited = queue_wait(pipe, self.settings, key)  # right behind the record
             if also is not None:
                 also(pipe)
             reply, *more = pipe.execute()
+        acknowledged = more.pop(0) if waited else None
         if fence is not None:
             if int(reply[0]) == 0:
                 raise fence.refused(reply[1], reply[2])
             reply = reply[1]
+        if waited:
+            check_wait(self.settings, acknowledged, "an outcome")
         return (outputs if reply is None else self.parse(reply) or []), more
 
     def queue_record(

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from wm.config import Settings, masked
 from wm.errors import ConfigurationError, MissingDependency, StoreUnavailable
+from wm.extras import install_hint
 
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
@@ -45,20 +46,27 @@ def engine_for(settings: Settings) -> Engine:
 def _url_errors(url: str) -> Iterator[None]:
     """Translate what building an engine for ``url`` raises: a malformed URL or an unknown
     dialect, a driver that is not installed, a SQLite directory that cannot be made."""
-    where = f"WM_DATABASE_URL={masked(url)}"
     try:
         yield
     except sa.exc.ArgumentError as exc:
-        raise ConfigurationError(f"{where} names no database WorkManager can use ({exc})") from exc
+        raise ConfigurationError(
+            f"{_where(url)} names no database WorkManager can use ({exc})"
+        ) from exc
     except ImportError as exc:
         raise MissingDependency(
-            f"{where} needs the driver module {exc.name!r}, which is not installed: "
+            f"{_where(url)} needs the driver module {exc.name!r}, which is not installed: "
             f"{_install_hint(url, exc.name)}"
         ) from exc
     except OSError as exc:
         raise ConfigurationError(
-            f"{where}: the SQLite file's directory cannot be made ({exc}); fix the setting"
+            f"{_where(url)}: the SQLite file's directory cannot be made ({exc}); fix the setting"
         ) from exc
+
+
+def _where(url: str) -> str:
+    """The setting and its URL, password masked (kombu's parser: only when an error needs
+    it)."""
+    return f"WM_DATABASE_URL={masked(url)}"
 
 
 #: The driver WorkManager's ``[postgres]`` extra installs, and its URL scheme.
@@ -69,10 +77,9 @@ def _install_hint(url: str, module: str | None) -> str:
     if not url.startswith("postgres"):
         return f"install it, or use {_POSTGRES_SCHEME} or sqlite:///"
     if module == _POSTGRES_DRIVER:
-        return "pip install 'workmanager[postgres]' installs it"
+        return f"{install_hint('postgres')} installs it"
     return (
-        f"install it, or use {_POSTGRES_SCHEME}, whose driver pip install "
-        "'workmanager[postgres]' installs"
+        f"install it, or use {_POSTGRES_SCHEME}, whose driver {install_hint('postgres')} installs"
     )
 
 
@@ -143,10 +150,37 @@ def translate(settings: Settings, exc: sa.exc.DBAPIError) -> StoreUnavailable:
     text = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
     if any(fragment in text for fragment in _TRANSIENT):
         return StoreUnavailable(f"database busy: {text}", transient=True)
+    if text.startswith("no such table"):  # SQLite: an empty file, often a relative path
+        return StoreUnavailable(
+            f"database {safe_url(settings)} has no WorkManager tables ({text}): "
+            f"{_sqlite_place(settings.database_url)}check WM_DATABASE_URL (`wm up` writes "
+            "it to .wm/env), or run `wm db upgrade` to make a new database there"
+        )
     return StoreUnavailable(
         f"database {safe_url(settings)} refused the operation ({text}); check "
         "WM_DATABASE_URL and that `wm db upgrade` ran"
     )
+
+
+def _sqlite_place(url: str) -> str:
+    """Where a relative SQLite path led, for an error: it depends on the working directory."""
+    database = sa.make_url(url).database or ""
+    if not database or database == ":memory:" or Path(database).is_absolute():
+        return ""
+    return f"the path is relative, and from here it is the file {Path(database).resolve()}; "
+
+
+def absolute_sqlite(url: str) -> str:
+    """``url`` with a relative SQLite path made absolute (from the working directory), so a
+    URL written down (``.wm/env``) names the same file from any directory."""
+    parsed = sa.make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return url
+    if Path(database).expanduser().is_absolute():
+        return url
+    absolute = parsed.set(database=str(Path(database).expanduser().resolve()))
+    return absolute.render_as_string(hide_password=False)
 
 
 def safe_url(settings: Settings) -> str:

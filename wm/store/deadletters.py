@@ -13,6 +13,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from wm.errors import DeadLetterNotFound, InvalidArgument
+from wm.names import DEFAULT_TENANT
 from wm.store import records
 from wm.store.models import DeadLetter
 from wm.views import DeadLetterInfo
@@ -28,8 +29,11 @@ class Filter:
     error_type: str | None = None
     #: Letters replayed already match too.
     include_replayed: bool = True
+    #: Only this tenant's letters (``topic``: a route topic of it).
+    tenant: str = DEFAULT_TENANT
 
     def where(self, query: Any) -> Any:
+        query = query.where(DeadLetter.tenant == self.tenant)
         if self.topic is not None:
             query = query.where(DeadLetter.topic == self.topic)
         if self.worker_id is not None:
@@ -57,13 +61,15 @@ def count(session: Session, selected: Filter) -> int:
     return int(session.scalar(select(func.count()).select_from(query.subquery())) or 0)
 
 
-def row(session: Session, letter_id: str, *, lock: bool = False) -> DeadLetter:
-    """The dead letter with this id, or the one whose id starts with it (a short id)."""
+def row(session: Session, letter_id: str, tenant: str, *, lock: bool = False) -> DeadLetter:
+    """The tenant's dead letter with this id, or the one whose id starts with it (a short
+    id); another tenant's is not found, exactly as a missing one."""
     found = session.get(DeadLetter, letter_id, with_for_update=lock)
     if found is None:
-        full = records.by_prefix(session, DeadLetter.id, letter_id, "dead letter")
+        mine = DeadLetter.tenant == tenant
+        full = records.by_prefix(session, DeadLetter.id, letter_id, "dead letter", mine)
         found = None if full is None else session.get(DeadLetter, full, with_for_update=lock)
-    if found is None:
+    if found is None or found.tenant != tenant:
         raise DeadLetterNotFound(f"no dead letter with id or short id {letter_id!r}")
     return found
 
@@ -72,7 +78,8 @@ def ids(session: Session, selected: Filter, letter_ids: list[str] | None) -> lis
     """The full ids of the letters selected and (if given) named, each of which must exist."""
     query = selected.where(select(DeadLetter.id))
     if letter_ids is not None:
-        query = query.where(DeadLetter.id.in_([row(session, i).id for i in letter_ids]))
+        named = [row(session, i, selected.tenant).id for i in letter_ids]
+        query = query.where(DeadLetter.id.in_(named))
     return list(session.scalars(query.order_by(DeadLetter.id)))
 
 
@@ -85,14 +92,12 @@ def remove(session: Session, letter_ids: list[str]) -> int:
 # -- what the status views count --------------------------------------------------------------
 
 
-def waiting_by_topic(session: Session) -> dict[str, int]:
-    """Letters not replayed, per topic."""
-    rows = session.execute(
-        select(DeadLetter.topic, func.count())
-        .where(DeadLetter.replayed_at.is_(None))
-        .group_by(DeadLetter.topic)
-        .order_by(DeadLetter.topic)
-    ).all()
+def waiting_by_topic(session: Session, tenant: str | None = None) -> dict[str, int]:
+    """Letters not replayed (of ``tenant`` unless None), per route topic."""
+    query = select(DeadLetter.topic, func.count()).where(DeadLetter.replayed_at.is_(None))
+    if tenant is not None:
+        query = query.where(DeadLetter.tenant == tenant)
+    rows = session.execute(query.group_by(DeadLetter.topic).order_by(DeadLetter.topic)).all()
     return {topic: int(n) for topic, n in rows}
 
 

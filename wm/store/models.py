@@ -26,6 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from wm.names import DEFAULT_TENANT, MAX_TENANT_CHARS
 from wm.text import MAX_TEXT_CHARS, storable
 
 _NAMING = {
@@ -77,11 +78,40 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=_NAMING)
 
 
+def tenant_column() -> Mapped[str]:
+    """The tenant a row belongs to (``wm.names.check_tenant``); rows written by code that
+    names none, and every row of earlier releases, are in the default tenant."""
+    return mapped_column(
+        String(MAX_TENANT_CHARS),
+        default=DEFAULT_TENANT,
+        server_default=DEFAULT_TENANT,
+        index=True,
+    )
+
+
+class Tenant(Base):
+    """A tenant: workers, subscriptions, schedules and dead letters of one tenant never meet
+    another's (``wm.names.route_topic``). The default tenant always exists."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(MAX_TENANT_CHARS), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: The tenant's limits (``wm.tenantlimits``; NULL: unlimited): deliveries running at
+    #: once and begun per second across the cluster, and live workers.
+    max_concurrency: Mapped[int | None] = mapped_column(Integer)
+    rate_limit: Mapped[float | None] = mapped_column(Float)
+    max_workers: Mapped[int | None] = mapped_column(Integer)
+
+
 class Worker(Base):
     __tablename__ = "workers"
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    tenant: Mapped[str] = tenant_column()
     name: Mapped[str | None] = mapped_column(String(200))
+    #: The route topic (``wm.names.route_topic``): ``<tenant>::<topic>`` outside the default
+    #: tenant, so routing, queues and shared groups never meet another tenant's.
     topic: Mapped[str] = mapped_column(String(255), index=True)
     group: Mapped[str | None] = mapped_column(String(255), index=True)
     mime_type: Mapped[str] = mapped_column(String(100))
@@ -99,9 +129,10 @@ class Worker(Base):
 
     __mapper_args__ = {"version_id_col": row_version}
     __table_args__ = (
-        # Names are unique among live workers; a deleted worker's name may be reused.
+        # Names are unique among a tenant's live workers; a deleted worker's name may be reused.
         Index(
             "uq_workers_live_name",
+            "tenant",
             "name",
             unique=True,
             postgresql_where=text("status <> 'deleted'"),
@@ -115,6 +146,7 @@ class WorkerVersion(Base):
 
     worker_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("workers.id"), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant: Mapped[str] = tenant_column()
     source_kind: Mapped[str] = mapped_column(String(10))
     url: Mapped[str | None] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
@@ -145,6 +177,8 @@ class Subscription(Base):
     __tablename__ = "subscriptions"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = tenant_column()
+    #: The route topic (``wm.names.route_topic``).
     topic: Mapped[str] = mapped_column(String(255), index=True)
     queue: Mapped[str] = mapped_column(String(512), unique=True)
     worker_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("workers.id"))
@@ -168,6 +202,8 @@ class DeadLetter(Base):
     __tablename__ = "dead_letters"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = tenant_column()
+    #: The route topic (``wm.names.route_topic``).
     topic: Mapped[str] = mapped_column(String(255), index=True)
     worker_id: Mapped[uuid.UUID | None] = mapped_column(Uuid, index=True)
     event_id: Mapped[str | None] = mapped_column(FreeString(255))
@@ -190,6 +226,9 @@ class ApiToken(Base):
     __tablename__ = "api_tokens"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    #: The one tenant its calls work in, or ``*`` (``wm.store.access.ALL_TENANTS``): a
+    #: deployment-wide admin token (``wm.control.access``).
+    tenant: Mapped[str] = tenant_column()
     name: Mapped[str] = mapped_column(String(200))
     role: Mapped[str] = mapped_column(String(20))
     secret_sha256: Mapped[str] = mapped_column(String(64))
@@ -220,6 +259,7 @@ class AuditEntry(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    tenant: Mapped[str] = tenant_column()
     token_id: Mapped[str | None] = mapped_column(String(32), index=True)
     token_name: Mapped[str | None] = mapped_column(String(200))
     role: Mapped[str | None] = mapped_column(String(20))
@@ -239,6 +279,7 @@ class Schedule(Base):
     __tablename__ = "schedules"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant: Mapped[str] = tenant_column()
     worker_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("workers.id"), index=True)
     cron: Mapped[str | None] = mapped_column(String(200))
     timezone: Mapped[str] = mapped_column(String(64))

@@ -6,12 +6,14 @@ views the API returns, built from rows."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import String, Uuid, cast, func, select
+from sqlalchemy import event as orm_events
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 from sqlalchemy.orm.exc import StaleDataError
@@ -25,9 +27,9 @@ from wm.errors import (
     StoreUnavailable,
     WorkerNotFound,
 )
-from wm.events import LIFECYCLE_TOPIC, encode, lifecycle_event
+from wm.events import LIFECYCLE_TOPIC, encode, lifecycle_event, tenant_fields
 from wm.lifecycle import EVENT_ON_ENTER, Status, check_transition
-from wm.schedules import Timing
+from wm.names import DEFAULT_TENANT, bare_group, route_topic, split_route_topic
 from wm.store.db import session_scope
 from wm.store.models import (
     DeadLetter,
@@ -48,8 +50,25 @@ from wm.views import (
 )
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 #: How often a change is retried when a concurrent writer got there first.
 CONFLICT_RETRIES = 8
+
+
+#: Transitions of a session's transaction, logged once it commits (a rolled-back one never
+#: happened): seed 004 logs every transition.
+_LOGGED = "wm_transitions"
+
+
+@orm_events.listens_for(Session, "after_commit")
+def _log_transitions(session: Session) -> None:
+    for line in session.info.pop(_LOGGED, ()):
+        logger.info("%s", line)
+
+
+@orm_events.listens_for(Session, "after_rollback")
+def _forget_transitions(session: Session) -> None:
+    session.info.pop(_LOGGED, None)
 
 
 def transaction(
@@ -131,6 +150,11 @@ def record_transition(
             duration_ms=duration_ms,
         )
     )
+    by = f" by {actor}" if actor else ""
+    session.info.setdefault(_LOGGED, []).append(
+        f"worker {worker.name or worker.id} ({worker.id}): {source or 'new'} → {target}{by}: "
+        f"{reason}"
+    )
     kind = event or EVENT_ON_ENTER.get(Status(target))
     if kind is None:
         return
@@ -163,15 +187,19 @@ def add_outbox(
 ) -> None:
     """Write the lifecycle event ``kind`` of ``worker`` to the outbox, in this transaction."""
     payload = {
-        "group": worker.group,
-        "topic": worker.topic,
+        "group": bare_group(worker.group),
+        "topic": split_route_topic(worker.topic)[1],
         "name": worker.name,
         "version": version or worker.current_version,
         "reason": reason,
         **data,
+        **tenant_fields(worker.tenant),
     }
     event = lifecycle_event(kind, str(worker.id), storable_data(payload))
     session.add(OutboxEvent(topic=LIFECYCLE_TOPIC, payload=encode(event)))
+    if worker.tenant != DEFAULT_TENANT:  # and to the tenant's own, which its users can read
+        tenants_own = route_topic(worker.tenant, LIFECYCLE_TOPIC)
+        session.add(OutboxEvent(topic=tenants_own, payload=encode(event)))
 
 
 # -- views -----------------------------------------------------------------------------------
@@ -181,8 +209,8 @@ def worker_info(worker: Worker, version: WorkerVersion) -> WorkerInfo:
     return WorkerInfo(
         id=worker.id,
         name=worker.name,
-        topic=worker.topic,
-        group=worker.group,
+        topic=split_route_topic(worker.topic)[1],
+        group=bare_group(worker.group),
         mime_type=worker.mime_type,
         status=worker.status,
         current_version=worker.current_version,
@@ -193,6 +221,7 @@ def worker_info(worker: Worker, version: WorkerVersion) -> WorkerInfo:
         updated_at=worker.updated_at,
         started_at=worker.started_at,
         status_since=worker.status_since,
+        tenant=worker.tenant,
     )
 
 
@@ -225,7 +254,7 @@ def transition_info(row: WorkerTransition) -> TransitionInfo:
 def dead_letter_info(row: DeadLetter) -> DeadLetterInfo:
     return DeadLetterInfo(
         row.id,
-        row.topic,
+        split_route_topic(row.topic)[1],
         str(row.worker_id) if row.worker_id else None,
         row.event_id,
         row.error_type,
@@ -243,6 +272,8 @@ def dead_letter_info(row: DeadLetter) -> DeadLetterInfo:
 
 
 def schedule_info(row: Schedule) -> ScheduleInfo:
+    from wm.schedules import Timing  # croniter: only where a schedule is read
+
     created, last, until = aware(row.created_at), aware(row.last_fired_at), aware(row.until)
     upcoming = Timing(row.cron, row.timezone, row.every_s).next_until(
         max(last or created, datetime.now(UTC)), created, until

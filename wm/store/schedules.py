@@ -29,9 +29,13 @@ def insert(
     max_catch_up: int,
     until: datetime | None,
 ) -> ScheduleInfo:
-    """A new schedule, created now (its first interval counts from here)."""
+    """A new schedule, created now (its first interval counts from here), in its worker's
+    tenant."""
+    worker = session.get(Worker, worker_id)
+    assert worker is not None
     row = Schedule(
         id=str(uuid.uuid4()),
+        tenant=worker.tenant,
         worker_id=worker_id,
         cron=cron,
         timezone=timezone,
@@ -48,12 +52,14 @@ def insert(
     return records.schedule_info(row)
 
 
-def of_live_workers(session: Session, worker_id: uuid.UUID | None) -> list[ScheduleInfo]:
-    """Schedules of live workers (of one worker), oldest first."""
+def of_live_workers(
+    session: Session, tenant: str, worker_id: uuid.UUID | None
+) -> list[ScheduleInfo]:
+    """Schedules of the tenant's live workers (of one worker), oldest first."""
     query = (
         select(Schedule)
         .join(Worker, Worker.id == Schedule.worker_id)
-        .where(Worker.status != Status.DELETED.value)
+        .where(Worker.status != Status.DELETED.value, Schedule.tenant == tenant)
         .order_by(Schedule.created_at, Schedule.id)
     )
     if worker_id is not None:
@@ -61,13 +67,15 @@ def of_live_workers(session: Session, worker_id: uuid.UUID | None) -> list[Sched
     return [records.schedule_info(row) for row in session.scalars(query).all()]
 
 
-def remove(session: Session, reference: str) -> bool:
-    """Delete the schedule with this id or short id; False if there is none."""
+def remove(session: Session, tenant: str, reference: str) -> bool:
+    """Delete the tenant's schedule with this id or short id; False if there is none (or
+    it is another tenant's)."""
     found = session.get(Schedule, reference)
     if found is None:
-        full = records.by_prefix(session, Schedule.id, reference, "schedule")
+        mine = Schedule.tenant == tenant
+        full = records.by_prefix(session, Schedule.id, reference, "schedule", mine)
         found = None if full is None else session.get(Schedule, full)
-    if found is None:
+    if found is None or found.tenant != tenant:
         return False
     session.delete(found)
     return True

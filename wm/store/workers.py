@@ -41,13 +41,20 @@ def info(session: Session, wid: uuid.UUID) -> WorkerInfo | None:
 
 
 def find(
-    session: Session, *, topic: str | None, group: str | None, status: Status | None
+    session: Session,
+    *,
+    tenant: str,
+    topic: str | None,
+    group: str | None,
+    status: Status | None,
 ) -> list[WorkerInfo]:
-    """Workers matching every filter given (live ones without ``status``), oldest first."""
+    """The tenant's workers matching every filter given (``topic``: a route topic; live ones
+    without ``status``), oldest first."""
     query = select(Worker, WorkerVersion).join(
         WorkerVersion,
         (WorkerVersion.worker_id == Worker.id) & (WorkerVersion.version == Worker.current_version),
     )
+    query = query.where(Worker.tenant == tenant)
     if topic is not None:
         query = query.where(Worker.topic == topic)
     if group is not None:
@@ -57,27 +64,43 @@ def find(
     return [records.worker_info(w, v) for w, v in rows]
 
 
-def names(session: Session, wanted: Iterable[uuid.UUID]) -> dict[str, str | None]:
-    """Each worker's name (None if it has none) by its id as text, deleted workers too."""
-    rows = session.execute(select(Worker.id, Worker.name).where(Worker.id.in_(set(wanted))))
-    return {str(worker_id): name for worker_id, name in rows}
+def names(
+    session: Session, wanted: Iterable[uuid.UUID], tenant: str | None = None
+) -> dict[str, str | None]:
+    """Each worker's name (None if it has none) by its id as text, deleted workers too; of
+    ``tenant``'s workers only when given (another's is left out, as a missing one)."""
+    query = select(Worker.id, Worker.name).where(Worker.id.in_(set(wanted)))
+    if tenant is not None:
+        query = query.where(Worker.tenant == tenant)
+    return {str(worker_id): name for worker_id, name in session.execute(query)}
 
 
-def live_named(session: Session, name: str) -> uuid.UUID | None:
-    """The live worker with this name."""
-    found: uuid.UUID | None = session.scalar(select(Worker.id).where(Worker.name == name, LIVE))
+def tenant_of(session: Session, wid: uuid.UUID) -> str | None:
+    """The tenant of the worker with this id (None: no such worker)."""
+    found: str | None = session.scalar(select(Worker.tenant).where(Worker.id == wid))
     return found
 
 
-def by_short_id(session: Session, prefix: str, *, deleted: bool) -> uuid.UUID | None:
-    """The live worker (any worker, with ``deleted``) whose id starts with ``prefix``."""
-    found = records.by_prefix(session, Worker.id, prefix, "worker", *(() if deleted else (LIVE,)))
+def live_named(session: Session, tenant: str, name: str) -> uuid.UUID | None:
+    """The tenant's live worker with this name."""
+    query = select(Worker.id).where(Worker.tenant == tenant, Worker.name == name, LIVE)
+    found: uuid.UUID | None = session.scalar(query)
+    return found
+
+
+def by_short_id(session: Session, tenant: str, prefix: str, *, deleted: bool) -> uuid.UUID | None:
+    """The tenant's live worker (any worker, with ``deleted``) whose id starts with
+    ``prefix``."""
+    where = (Worker.tenant == tenant, *(() if deleted else (LIVE,)))
+    found = records.by_prefix(session, Worker.id, prefix, "worker", *where)
     return None if found is None else uuid.UUID(str(found))
 
 
-def deleted_named(session: Session, name: str) -> list[uuid.UUID]:
-    """The deleted workers that had this name."""
-    query = select(Worker.id).where(Worker.name == name, Worker.status == Status.DELETED.value)
+def deleted_named(session: Session, tenant: str, name: str) -> list[uuid.UUID]:
+    """The tenant's deleted workers that had this name."""
+    query = select(Worker.id).where(
+        Worker.tenant == tenant, Worker.name == name, Worker.status == Status.DELETED.value
+    )
     return list(session.scalars(query).all())
 
 
@@ -161,6 +184,7 @@ def insert_worker(
     session: Session,
     wid: uuid.UUID,
     *,
+    tenant: str,
     name: str | None,
     topic: str,
     group: str | None,
@@ -168,10 +192,11 @@ def insert_worker(
     settings: Mapping[str, Any],
     queue: str,
 ) -> Worker:
-    """A new worker in ``created`` at version 1, subscribed through ``queue`` (its first
-    version is the caller's to add)."""
+    """A new worker of ``tenant`` in ``created`` at version 1, subscribed to ``topic`` (a
+    route topic) through ``queue`` (its first version is the caller's to add)."""
     worker = Worker(
         id=wid,
+        tenant=tenant,
         name=name,
         topic=topic,
         group=group,
@@ -182,7 +207,7 @@ def insert_worker(
     )
     session.add(worker)
     session.flush()
-    session.add(Subscription(topic=topic, queue=queue, worker_id=wid))
+    session.add(Subscription(tenant=tenant, topic=topic, queue=queue, worker_id=wid))
     return worker
 
 
@@ -198,10 +223,13 @@ def insert_version(
     url: str | None,
     note: str | None,
 ) -> None:
-    """A new code version row (versions are never rewritten)."""
+    """A new code version row (versions are never rewritten), in its worker's tenant."""
+    worker = session.get(Worker, wid)
+    assert worker is not None
     session.add(
         WorkerVersion(
             worker_id=wid,
+            tenant=worker.tenant,
             version=version,
             source_kind=source_kind,
             url=url,
@@ -235,8 +263,9 @@ class LiveRow(NamedTuple):
     group: str | None
 
 
-def live(session: Session) -> list[LiveRow]:
-    """What the status views need of every live worker, oldest first."""
+def live(session: Session, tenant: str | None = None) -> list[LiveRow]:
+    """What the status views need of every live worker (of ``tenant`` unless None), oldest
+    first."""
     query = select(
         Worker.id,
         Worker.name,
@@ -246,6 +275,8 @@ def live(session: Session) -> list[LiveRow]:
         Worker.status_since,
         Worker.group,
     )
+    if tenant is not None:
+        query = query.where(Worker.tenant == tenant)
     rows = session.execute(query.where(LIVE).order_by(Worker.created_at, Worker.id)).all()
     return [LiveRow(*row) for row in rows]
 

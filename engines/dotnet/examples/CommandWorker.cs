@@ -1,7 +1,7 @@
 // An example C# worker for WorkManager: a command worker over an enum (the wire name of a
 // command is the member's identifier in lower case). Create it as source:
 //   wm worker create orders --topic orders.in --mime text/x-csharp --code-file CommandWorker.cs
-// or compile it against the DevKit into a DLL and ship it in a nupkg (see the README).
+// or compile it against the DevKit into a DLL and ship it in a nupkg (see docs/guides/dotnet-workers.md).
 using System;
 using System.Text.Json.Nodes;
 using System.Threading.Tasks;

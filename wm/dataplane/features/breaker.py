@@ -1,8 +1,10 @@
 """The circuit breaker (issue 14): a worker whose deliveries keep failing pauses itself.
 
 ``failure_threshold`` consecutive failed attempts (0 turns the breaker off) trip it; what
-that does is the worker's ``recovery`` strategy (seed 004's decision tree,
-:data:`~wm.workersettings.STRATEGIES`):
+that does is the worker's recovery strategy for the kind of the failure that tripped it
+(seed 004's decision tree: ``recovery_on_crash`` default ``replace``,
+``recovery_on_timeout`` and ``recovery_on_error`` default ``retry``; ``recovery`` given sets
+the ones not given; :data:`~wm.workersettings.STRATEGIES`, ``wm.dataplane.strategies``):
 
 - ``retry`` (the default) opens the breaker: ``running → pending``, every node stops
   consuming the queue, the attempt that tripped it goes back to the queue, and nothing is
@@ -16,7 +18,9 @@ that does is the worker's ``recovery`` strategy (seed 004's decision tree,
   lifecycle event ``recovery`` once per run of failures (its health shows the failures);
 - ``replace`` unloads its engine in every process, so the next delivery loads the pinned
   version afresh (a new sandbox, helper or context), once per run of failures, and goes on
-  consuming.
+  consuming;
+- ``remove`` takes it out of service: ``running → failed``, the failing delivery kept
+  queued for its next start.
 
 The count lives in Redis (``wm.state.breaker``) and is read in the delivery's first round
 trip, so a success costs nothing more unless there were failures to forget. A write refused
@@ -28,12 +32,9 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
-
-from sqlalchemy.orm import Session
 
 from wm.config import Settings
-from wm.dataplane import enginecontrol, outbox
+from wm.dataplane import outbox, strategies
 from wm.dataplane.bus import Bus
 from wm.dataplane.delivery import Delivery, reported_type
 from wm.dataplane.observe import notify
@@ -41,19 +42,26 @@ from wm.dataplane.pending import RETRY_TASK
 from wm.dataplane.pipeline import Feature
 from wm.dataplane.queues import DEFAULT_QUEUE
 from wm.dataplane.verdicts import Done, Requeue, Verdict
-from wm.errors import FenceRejected
+from wm.errors import FenceRejected, WorkerCrashed, WorkerTimeout
 from wm.lifecycle import Status
 from wm.state.breaker import Breaker as Counts
 from wm.state.breaker import failures_key
 from wm.state.directory import WorkerMeta
-from wm.store import records
 from wm.workersettings import PAUSING
 
 logger = logging.getLogger(__name__)
 
 
 class Breaker(Feature):
-    owns = ("failure_threshold", "breaker_base_delay_s", "breaker_max_delay_s", "recovery")
+    owns = (
+        "failure_threshold",
+        "breaker_base_delay_s",
+        "breaker_max_delay_s",
+        "recovery",
+        "recovery_on_crash",
+        "recovery_on_timeout",
+        "recovery_on_error",
+    )
 
     def facts(self, worker_id: str) -> Sequence[str]:
         return (failures_key(worker_id),)
@@ -64,10 +72,12 @@ class Breaker(Feature):
         meta, settings = delivery.meta, delivery.rt.settings
         threshold = delivery.worker_settings.failure_threshold
         is_open, trips = Counts(settings).failed(meta.id, threshold)
+        kind = failure_kind(error)
         if trips:
             notify("breaker_opened", meta)
-            trip(settings, delivery.rt.bus, meta, trips, f"{reported_type(error)}: {error}")
-        if is_open and delivery.worker_settings.recovery in PAUSING:
+            last_error = f"{reported_type(error)}: {error}"
+            trip(settings, delivery.rt.bus, meta, trips, last_error, kind)
+        if is_open and delivery.worker_settings.strategy_for(kind) in PAUSING:
             # kept for after the back-off (or the next start): nothing is retried or parked
             return Requeue(f"worker {meta.id} paused by its circuit breaker")
         return None
@@ -77,37 +87,26 @@ class Breaker(Feature):
             Counts(delivery.rt.settings).succeeded(delivery.meta.id)  # closed: count anew
 
 
-def trip(settings: Settings, bus: Bus, meta: WorkerMeta, trips: int, last_error: str) -> None:
-    """The worker reached its ``failure_threshold``: apply its recovery strategy."""
-    how = meta.worker_settings.recovery
-    if how == "retry":
+def trip(
+    settings: Settings, bus: Bus, meta: WorkerMeta, trips: int, last_error: str, kind: str = "error"
+) -> None:
+    """The worker reached its ``failure_threshold``: apply its recovery strategy for the kind
+    of failure that tripped it (``wm.dataplane.strategies``)."""
+    if meta.worker_settings.strategy_for(kind) == "retry":
         open_breaker(settings, bus, meta, trips, last_error)
         return
     threshold = meta.worker_settings.failure_threshold
-    failures = f"{threshold} consecutive failed deliveries (last: {last_error})"
-    wid = uuid.UUID(meta.id)
-    if how == "stop":
-        reason = f"recovery 'stop' after {failures}; start it again once fixed"
-        if outbox.leave_running(settings, bus, wid, Status.STOPPED, reason, actor="breaker"):
-            enginecontrol.send(settings, enginecontrol.UNLOAD, meta.id)
-            logger.warning("worker %s stopped by its recovery strategy", meta.id)
-        return
-    if how == "replace":
-        enginecontrol.send(settings, enginecontrol.UNLOAD, meta.id)
-        notify("replaced", meta)
-        action = "its engine is loaded afresh from the pinned version on every node"
-    else:
-        action = "it goes on consuming, degraded"
-    reason = f"recovery {how!r} after {failures}: {action}"
-    logger.warning("worker %s: %s", meta.id, reason)
-    data = {"strategy": how, "failures": threshold, "last_error": last_error}
-    records.transaction(settings, lambda s: _recovery_event(s, wid, data, reason))
-    outbox.flush(settings, bus)
+    failures = f"{threshold} consecutive failed deliveries"
+    strategies.apply(settings, bus, meta, kind, failures, threshold, last_error, "breaker")
 
 
-def _recovery_event(session: Session, wid: uuid.UUID, data: dict[str, Any], reason: str) -> None:
-    worker = records.lock_worker(session, wid)
-    records.add_outbox(session, "recovery", worker, data, reason=reason)
+def failure_kind(error: Exception) -> str:
+    """Seed 004's kinds of a failed delivery: its process ended (``crash``: a sandbox or
+    helper that died, or runs that kept ending with their pool process), it outlived its
+    time limit (``timeout``), or anything else (``error``)."""
+    if isinstance(error, WorkerCrashed) or getattr(error, "process_exited", False):
+        return "crash"
+    return "timeout" if isinstance(error, WorkerTimeout) else "error"
 
 
 def open_breaker(

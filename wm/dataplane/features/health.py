@@ -19,6 +19,7 @@ class Health(Feature):
         "health_max_consecutive_failures",
         "probe_interval_s",
         "max_probe_failures",
+        "recovery_on_health",
     )
 
     def recording(self, delivery: Delivery, pipe: StatePipeline) -> None:

@@ -16,5 +16,6 @@ class Tracing(Feature):
             "workmanager.worker_id": meta.id,
             "workmanager.worker": meta.name or "",
             "workmanager.attempt": delivery.attempt,
+            "workmanager.tenant": meta.tenant,
         }
         return tracing.delivering(delivery.event, attributes)
