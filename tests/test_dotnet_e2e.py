@@ -324,7 +324,8 @@ def test_a_throwing_worker_is_retried_then_dead_lettered_with_its_dotnet_excepti
 
     event = make_event("boom", "/tests", {"n": 1})
     manager.publish(event)
-    [letter] = eventually(lambda: DeadLetters(fast).list())
+    # the first attempt starts the runtime and compiles: tens of seconds on a loaded machine
+    [letter] = eventually(lambda: DeadLetters(fast).list(), timeout_s=120)
     assert letter.attempts == 3 and letter.event_id == event.get_id()
     assert letter.error_type == "WorkerExecutionError"
     assert "threw System.InvalidOperationException: boom" in letter.error_message
