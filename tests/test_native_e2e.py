@@ -71,7 +71,14 @@ def test_failures_retry_then_dead_letter_and_a_crash_in_isolation_spares_the_nod
     fast = pg_settings.replace(reconcile_interval_s=1.0)
     manager = WorkManager(fast)
     done = manager.subscribe("crashy.processed", "sink")
-    settings = {"max_retries": 1, "retry_base_delay_ms": 20, "isolation": "subprocess"}
+    settings = {
+        "max_retries": 1,
+        "retry_base_delay_ms": 20,
+        "isolation": "subprocess",
+        # two crashes in two attempts make the worker unhealthy, which pauses its queue until
+        # a probe passes: probed every second, the next event is not held for the default 30 s
+        "probe_interval_s": 1,
+    }
     crashy = manager.create_worker(
         code=native_zips["misbehave"].read_bytes(),
         mime_type=NATIVE,
