@@ -69,7 +69,8 @@ def test_with_the_defaults_failing_deliveries_pause_the_worker_until_its_probe_p
     eventually(lambda: manager.get_worker(worker.id).paused == UNHEALTHY, timeout_s=45)
     info = manager.get_worker(worker.id)
     assert (info.status, info.health) == ("running", UNHEALTHY)  # health is no status
-    assert info.updated_at > created
+    # the verdict is kept in Redis first, then the change is recorded in the store
+    eventually(lambda: manager.get_worker(worker.id).updated_at > created, timeout_s=15)
     node.wait_for(f"Canceling queue hd::{worker.id}", timeout_s=15)
     later = [make_event("hd", "/t", {"n": n}) for n in (1, 2, 3)]
     for event in later:

@@ -123,7 +123,8 @@ def test_an_event_that_keeps_crashing_in_process_code_is_parked(
         code=native_zips["misbehave"].read_bytes(),
         mime_type=NATIVE,
         topic="inproc",
-        settings={"max_retries": 1},
+        # probed every second: the pause its crashes may start ends before the next drain
+        settings={"max_retries": 1, "probe_interval_s": 1},
     )
     node = start_node(fast)
     node.consuming(f"inproc::{worker.id}")
