@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -129,6 +130,32 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``alone`` (one that times how the product shares the machine) runs
+    while no other xdist worker runs a test; the others share it. Two ``flock`` files: an
+    ``alone`` test holds the gate while it waits, so the other worker's next test waits at the
+    gate instead of keeping the machine from it."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing runs beside it
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    base = Path(tempfile.gettempdir()) / f"wm-tests-{run}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.share", "a") as share:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(share, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(share, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

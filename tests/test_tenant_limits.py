@@ -313,6 +313,7 @@ def _median(latencies: list[float]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_noisy_neighbour_does_not_delay_another_tenant_beyond_its_share(
     pg_settings: Settings, start_node: Any
 ) -> None:
