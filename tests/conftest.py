@@ -144,18 +144,13 @@ def _machine_share(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     alone = request.node.get_closest_marker("alone") is not None
     base = Path(tempfile.gettempdir()) / f"wm-tests-{run}"
+    # closing a file releases its lock
     with open(f"{base}.gate", "a") as gate, open(f"{base}.share", "a") as share:
         fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(share, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            if not alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(share, fcntl.LOCK_UN)
+        fcntl.flock(share, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

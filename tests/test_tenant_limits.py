@@ -337,8 +337,7 @@ def test_a_noisy_neighbour_does_not_delay_another_tenant_beyond_its_share(
 
     reports = []
     for trial in range(1, FLOOD_TRIALS + 1):  # a CPU stall of a shared machine is no unfairness
-        # b idle, then flooded, side by side: what else the machine runs (the other xdist
-        # worker's tests) weighs on both alike
+        # b idle right before each flood: a drift of the shared machine weighs on both alike
         eventually(lambda: _backlog(a) == 0, timeout_s=180)
         idle = _trickle(b, receiver, 1000 * trial + 500, TRICKLE)
         busy, report = _flooded(a, b, receiver, idle, first=1000 * trial)
