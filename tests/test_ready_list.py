@@ -24,8 +24,16 @@ from tests.conftest import AMQP_URL, BROKER_DB, STATE_DB, flush_redis, make_sett
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, make_event
 from wm.dataplane.app import celery_settings, make_app
-from wm.dataplane.queues import EXCHANGE, READY_LIST, is_worker_queue, subscription_queue
+from wm.dataplane.batches import ready_batch
+from wm.dataplane.queues import (
+    DELIVER_TASK,
+    EXCHANGE,
+    READY_LIST,
+    is_worker_queue,
+    subscription_queue,
+)
 from wm.dataplane.transport import PUT_MESSAGES
+from wm.events import encode
 
 
 @pytest.fixture
@@ -132,6 +140,57 @@ def test_a_publish_batch_pushes_each_queue_in_order_and_lists_it_once(
     assert sorted(broker.lrange(READY_LIST, 0, -1)) == sorted(
         q.encode() for q in (first, second, busy)
     )
+
+
+def test_a_task_held_directly_is_the_message_kombu_would_push(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """``publish_many`` holds most task messages with ``ReadyBatch.put_task``, built without
+    kombu's layers: each is the message ``Producer.publish`` pushes (but its delivery tag),
+    and in a batch it follows, in the queue's order, a publish that declared the queue."""
+    queue = worker_queue()
+    app = make_app(broker_settings)
+    payload = encode(make_event("t", "/src", {"é": [1, None]}, id="1"))
+    message = app.amqp.as_task_v2(
+        str(uuid.uuid4()), DELIVER_TASK, ["w", payload], {"seq": 3}, shadow="deliver t → w"
+    )
+    with app.producer_or_acquire() as producer:
+        producer.publish(  # as Deliveries.send publishes a queue's first message
+            message.body,
+            exchange=EXCHANGE.name,
+            routing_key=queue,
+            declare=[subscription_queue(queue)],
+            serializer="json",
+            delivery_mode=2,
+            headers=message.headers,
+            **message.properties,
+        )
+        with producer.batch(max_size=10):
+            held = ready_batch(producer)
+            assert held is not None and held.takes(queue)
+            held.put_task(queue, message.body, message.headers, message.properties)
+            held.put_task(queue, [["w", "last"], {}, {}], {}, {})
+    pushed = [json.loads(item) for item in reversed(broker.lrange(queue, 0, -1))]
+    assert len(pushed) == 3
+    tags = [item["properties"].pop("delivery_tag") for item in pushed]
+    assert len(set(tags)) == 3
+    assert pushed[1] == pushed[0]
+    assert body_of(json.dumps(pushed[2]).encode())[0] == ["w", "last"]
+    reader = Reader(broker_settings, [queue])
+    try:
+        assert [body[0] for body in reader.read(3)] == [["w", payload]] * 2 + [["w", "last"]]
+    finally:
+        reader.close()
+
+
+def test_a_producer_without_a_batch_or_on_rabbitmq_has_no_ready_batch(
+    broker_settings: Settings,
+) -> None:
+    with make_app(broker_settings).producer_or_acquire() as producer:
+        assert ready_batch(producer) is None
+    amqp = broker_settings.replace(broker_url=AMQP_URL)
+    with make_app(amqp).producer_or_acquire() as producer, producer.batch(max_size=2):
+        assert ready_batch(producer) is None
 
 
 def test_busy_queues_are_served_in_turn_and_the_list_empties(

