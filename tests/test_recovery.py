@@ -6,17 +6,21 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
 from typing import Any
 
 import pytest
 import redis
 import sqlalchemy as sa
+from kombu import Connection
 from sqlalchemy import update
 
 from tests.cli_env import one_error_line, wm, wm_json
+from tests.conftest import AMQP_URL
 from tests.helpers import STUB, stub
 from wm import Settings, WorkManager, store
 from wm.dataplane.app import make_app
+from wm.dataplane.queues import worker_queue_name
 from wm.dataplane.recovery import DONE_KEY, EPOCH_KEY, LEADER_KEY, Takeover
 from wm.errors import RecoveryRunning
 from wm.store.models import WorkerVersion
@@ -55,6 +59,35 @@ def test_a_worker_recovery_cannot_bring_back_is_logged_and_the_others_recover(
     assert line.startswith(f"recovery: worker 'bad' ({bad.id}): its code cannot be loaded")
     assert state.hlen("wm:topic:{in}:routes") == 2
     assert state.get(DONE_KEY) and not state.exists(LEADER_KEY)
+
+
+def test_a_queue_the_broker_refuses_fails_its_worker_alone(amqp_settings: Settings) -> None:
+    """Recovery declares every queue on one connection; RabbitMQ closes the channel of a
+    declaration it refuses (a queue that exists with other arguments), and the queues after
+    it are still declared, on a new channel."""
+    manager = WorkManager(amqp_settings)
+    run = uuid.uuid4().hex[:8]  # the vhost outlives the test
+    refused = manager.create_worker(code=stub(), mime_type=STUB, topic=f"a{run}", name="a")
+    other = manager.create_worker(code=stub(), mime_type=STUB, topic=f"b{run}", name="b")
+    queues = [worker_queue_name(f"a{run}", refused.id), worker_queue_name(f"b{run}", other.id)]
+    assert sorted(queues) == queues  # declared in this order: the refused one first
+    with Connection(AMQP_URL) as conn:
+        channel = conn.channel()
+        for queue in queues:
+            channel.queue_delete(queue)
+        channel.queue_declare(queues[0], durable=True, arguments={"x-max-length": 5})
+    try:
+        report = manager.recover()
+        [failure] = report.failures
+        assert failure.worker_id == refused.id
+        assert "its queue could not be declared: ConfigurationError" in failure.reason
+        assert report.queues_declared == 1
+        with Connection(AMQP_URL) as conn:  # passive: raises if it was not declared
+            conn.channel().queue_declare(queues[1], passive=True)
+    finally:
+        with Connection(AMQP_URL) as conn:
+            for queue in queues:
+                conn.channel().queue_delete(queue)
 
 
 def test_recover_is_refused_while_another_holds_the_lease(pg_settings: Settings) -> None:

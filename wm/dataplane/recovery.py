@@ -36,7 +36,7 @@ from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
 from wm.dataplane.routes import route_of
 from wm.engine import engine_class
-from wm.errors import EngineLoadError, RecoveryRunning, Unavailable
+from wm.errors import EngineLoadError, RecoveryRunning
 from wm.lifecycle import Status
 from wm.names import DEFAULT_TENANT, split_route_topic
 from wm.state.connection import redis_errors, redis_for, text
@@ -140,7 +140,11 @@ def _rebuild(settings: Settings, app: Celery, holder: str, tenant: str | None) -
     by_queue: dict[str, list[_Owner]] = defaultdict(list)
     for owner in owners:
         by_queue[owner.queue].append(owner)
-    declared = {q for q in sorted(by_queue) if _declare(bus, q, by_queue[q], failures)}
+    refused = bus.declare_queues(sorted(by_queue))  # the broker away: the whole recovery
+    for queue, exc in refused.items():  # is retried (BrokerUnavailable)
+        reason = f"its queue could not be declared: {type(exc).__name__}: {exc}"
+        failures += [_failed(owner, reason) for owner in by_queue[queue]]
+    declared = set(by_queue) - set(refused)
     running = {o.worker_id: o for o in owners if o.running}
     failures += _check_code(settings, list(running.values()))
     events: list[str] = []
@@ -183,19 +187,6 @@ def _owners(settings: Settings) -> list[_Owner]:
             )
             for queue, tenant, w in rows
         ]
-
-
-def _declare(bus: Bus, queue: str, owners: list[_Owner], failures: list[RecoveryFailure]) -> int:
-    """Declare ``queue``; 1 if done, 0 (each owner failed, logged) if the broker refused it."""
-    try:
-        bus.declare_queue(queue)
-    except Unavailable:
-        raise  # the broker is away: no queue can be declared, the whole recovery is retried
-    except Exception as exc:  # this queue alone (e.g. declared elsewhere with other arguments)
-        reason = f"its queue could not be declared: {type(exc).__name__}: {exc}"
-        failures += [_failed(owner, reason) for owner in owners]
-        return 0
-    return 1
 
 
 def _check_code(settings: Settings, running: list[_Owner]) -> list[RecoveryFailure]:
