@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import drain, eventually, free_port, scrape, wm_cli
+from tests.helpers import STUB, drain, eventually, free_port, scrape, stub, wm_cli
 from wm import Settings, WorkManager, make_event
 from wm.errors import InvalidArgument
 from wm.state.affinity import Affinity
@@ -183,3 +183,17 @@ def test_an_idle_session_may_rebind_and_bad_settings_are_refused(
     assert eventually(counted, timeout_s=5) == (1.0, 2.0)
     manager.delete_worker(worker.id)
     assert affinity.bound(str(worker.id), "idle") is None  # a deleted worker's bindings go
+
+
+def test_deleting_a_worker_forgets_its_bindings_among_many_keys(pg_settings: Settings) -> None:
+    """The delete scans the state store for the worker's bindings (in slices of 500 keys:
+    one round trip per key scanned would make a delete slow in a large store)."""
+    manager = WorkManager(pg_settings)
+    kept = manager.create_worker(code=stub(), mime_type=STUB, topic="a", name="k")
+    gone = manager.create_worker(code=stub(), mime_type=STUB, topic="a", name="g")
+    affinity = Affinity(pg_settings)
+    for n in range(1200):
+        affinity.claim(gone.id if n % 2 else kept.id, f"s{n}", "node/1", 60)
+    manager.delete_worker(gone.id)
+    assert [affinity.bound(gone.id, f"s{n}") for n in range(1, 1200, 2)] == [None] * 600
+    assert {affinity.bound(kept.id, f"s{n}") for n in range(0, 1200, 2)} == {"node/1"}

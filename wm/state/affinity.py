@@ -144,7 +144,8 @@ class Affinity:
         """A deleted worker's bindings."""
         with redis_errors(self.settings):
             client = self._redis()
-            keys = [text(k) for k in client.scan_iter(match=f"wm:aff:{{{worker_id}}}:*")]
+            found = client.scan_iter(match=f"wm:aff:{{{worker_id}}}:*", count=500)
+            keys = [text(k) for k in found]
             for start in range(0, len(keys), 500):
                 client.delete(*keys[start : start + 500])
 
