@@ -279,9 +279,14 @@ def test_a_route_lost_behind_workmanagers_back_is_repaired(fast: Settings, start
     node = start_node(fast)
     node.consuming(f"in::{worker.id}")
     state = redis.Redis.from_url(fast.redis_url)
-    state.hdel("wm:topic:{in}:routes", f"in::{worker.id}")
-    state.hset("wm:topic:{in}:routes", "in::gone", "")  # a route whose subscription does not exist
-    assert manager.bus.routes("in") == [Route("in::gone", None)]
+    # In one transaction: the node's reconcile (every second) may repair the table at any
+    # moment, but not between these commands.
+    with state.pipeline(transaction=True) as pipe:
+        pipe.hdel("wm:topic:{in}:routes", f"in::{worker.id}")
+        pipe.hset("wm:topic:{in}:routes", "in::gone", "")  # its subscription does not exist
+        pipe.hgetall("wm:topic:{in}:routes")
+        *_, broken = pipe.execute()
+    assert broken == {b"in::gone": b""}
     eventually(lambda: manager.bus.routes("in") == [Route(f"in::{worker.id}", str(worker.id))])
     publish_numbered(manager, "in", 1)
     assert len(drain(fast, sink, 1)) == 1
