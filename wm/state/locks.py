@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import threading
@@ -502,11 +503,14 @@ class GroupLocks:
         while True:
             remaining = deadline - time.monotonic()
             if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever
+                _sleep_ms(math.ceil(max(0.0, remaining) * 1000))
                 return self._attempt(group, owner, read, item)
             with redis_errors(self._settings):
                 woken = self._redis.blpop([self._wake_key(group, item)], timeout=remaining)
             if woken is None:
-                _sleep_ms(int(max(0.0, deadline - time.monotonic()) * 1000))
+                # rounded up: BLPOP may time out up to a millisecond early, and the retry
+                # must not come before its delay
+                _sleep_ms(math.ceil(max(0.0, deadline - time.monotonic()) * 1000))
                 return self._attempt(group, owner, read, item)
             reply = self._attempt(group, owner, read, item)
             if reply.status != _HELD:
