@@ -69,7 +69,6 @@ class Deliveries:
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.app, self.settings = app, settings
         self.origin = anon_nodename()
-        self._queues: dict[str, Any] = {}  # declared_queue's, without hashing the settings
         self._producer: Any = None
         self._held: ReadyBatch | None = None  # the producer's ready-list batch
         self._direct: set[str] = set()  # queues whose messages it holds directly
@@ -103,22 +102,23 @@ class Deliveries:
         if self._held is not None and queue in self._direct:
             self._held.put_task(queue, message.body, message.headers, message.properties)
             return
-        declared = self._queues.get(queue)
-        if declared is None:
-            declared = self._queues[queue] = declared_queue(queue, self.settings)
-        declare = undeclared(producer, declared)
+        self._publish(producer, queue, message)
+        if self._held is not None and self._held.takes(queue):  # declared now
+            self._direct.add(queue)
+
+    def _publish(self, producer: Any, queue: str, message: Any) -> None:
+        """Publish ``message`` through kombu, declaring ``queue`` on the producer's
+        connection first if it has not yet."""
         producer.publish(
             message.body,
             exchange=EXCHANGE.name,
             routing_key=queue,
-            declare=declare,
+            declare=undeclared(producer, declared_queue(queue, self.settings)),
             serializer="json",
             delivery_mode=2,
             headers=message.headers,
             **message.properties,
         )
-        if self._held is not None and self._held.takes(queue):  # declared now
-            self._direct.add(queue)
 
 
 def ready_batch(producer: Any) -> ReadyBatch | None:

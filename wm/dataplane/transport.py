@@ -608,14 +608,16 @@ class ReadyBatch(kombu_redis.PublishBatch):
         self._tagged += 1
         keys = [channel._q_for_pri(queue, channel._get_message_priority(message, False))]
         self.put([*keys, channel.ready_key], queue, json.dumps(message))
-        if self._buffered >= self.max_size:
-            self.flush()
+        self._flush_if_full()
 
     def publish(self, message: Any, **kwargs: Any) -> Any:
         result = super().publish(message, **kwargs)
+        self._flush_if_full()
+        return result
+
+    def _flush_if_full(self) -> None:
         if self._buffered >= self.max_size:
             self.flush()
-        return result
 
     def flush(self) -> None:
         """Add the held messages to the pipeline and execute it (a pipeline sends EVAL, not

@@ -502,16 +502,14 @@ class GroupLocks:
         deadline = time.monotonic() + delay_ms / 1000
         while True:
             remaining = deadline - time.monotonic()
-            if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever
+            if remaining < _MIN_BLOCK_S:  # BLPOP's timeout 0 would block for ever; the
+                # rest is rounded up, so the retry never comes before its delay
                 _sleep_ms(math.ceil(max(0.0, remaining) * 1000))
                 return self._attempt(group, owner, read, item)
             with redis_errors(self._settings):
                 woken = self._redis.blpop([self._wake_key(group, item)], timeout=remaining)
-            if woken is None:
-                # rounded up: BLPOP may time out up to a millisecond early, and the retry
-                # must not come before its delay
-                _sleep_ms(math.ceil(max(0.0, deadline - time.monotonic()) * 1000))
-                return self._attempt(group, owner, read, item)
+            if woken is None:  # timed out, maybe a little early: the rest as above
+                continue
             reply = self._attempt(group, owner, read, item)
             if reply.status != _HELD:
                 return reply
