@@ -48,6 +48,9 @@ NEEDS = {
     ("GET", "/v1/workers/{ref}"): Role.VIEWER,
     ("GET", "/v1/workers/{ref}/versions"): Role.VIEWER,
     ("GET", "/v1/workers/{ref}/transitions"): Role.VIEWER,
+    ("GET", "/v1/workers/{ref}/details"): Role.VIEWER,
+    ("GET", "/v1/workers/{ref}/sessions/{session}"): Role.VIEWER,
+    ("GET", "/v1/workers/{ref}/code"): Role.OPERATOR,
     ("GET", "/v1/deadletters"): Role.VIEWER,
     ("GET", "/v1/deadletters/{letter_id}"): Role.VIEWER,
     ("POST", "/v1/workers"): Role.OPERATOR,
@@ -180,7 +183,13 @@ def test_every_call_needs_a_token_in_force_and_a_role_high_enough(api: Api) -> N
     forged = api.tokens[Role.ADMIN][:-4] + "AAAA"
     for (method, path), needed in sorted(NEEDS.items()):
         target = path.format(
-            ref="nobody", letter_id="nothing", schedule_id="nothing", topic="t", name="n", token="x"
+            ref="nobody",
+            letter_id="nothing",
+            schedule_id="nothing",
+            topic="t",
+            name="n",
+            token="x",
+            session="s",
         )
         for secret in (None, "not-a-token", forged, revoked, expiring):
             with api.client(token=secret) as client:

@@ -33,10 +33,9 @@ from wm.workersettings import with_group_mode
 if TYPE_CHECKING:
     from wm.control.deadletters import DeadLetters
     from wm.control.lifecycle import Lifecycle
-    from wm.control.overview import Overview
     from wm.control.subscriptions import Subscriptions
-    from wm.control.workerdetails import WorkerDetails
     from wm.dataplane.bus import Bus
+    from wm.views import Overview, WorkerDetails
 
 
 class WorkManager:

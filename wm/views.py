@@ -1,16 +1,20 @@
 """Immutable views of workers, versions, transitions, dead letters, recoveries, admin API
-tokens and audit entries returned by the API (never ORM rows; ``wm.store`` builds them from
-rows)."""
+tokens, audit entries and the status read models returned by the API (never ORM rows;
+``wm.store`` builds them from rows). :func:`from_json` reads one back from the JSON its
+``to_json`` (or the HTTP API) wrote, for the command line's reads through the API."""
 
 from __future__ import annotations
 
+import functools
 import json
+import types
+import typing
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Any, overload
+from enum import Enum, StrEnum
+from typing import Any, TypeVar, overload
 
 from wm.names import DEFAULT_TENANT
 from wm.tenantlimits import TenantLimits
@@ -249,6 +253,132 @@ class AuditInfo:
         return _jsonable(asdict(self))
 
 
+# -- read models: the cluster at a glance, one worker in detail ------------------------------
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    worker_id: str
+    name: str | None
+    topic: str
+    queue: str
+    depth: int
+
+
+@dataclass(frozen=True)
+class BreakerInfo:
+    worker_id: str
+    name: str | None
+    status: str
+    state: str
+    #: What reaching the threshold does (the worker's ``recovery`` setting).
+    strategy: str
+    consecutive_failures: int
+    threshold: int
+    #: Times it opened in a row (sets the next back-off); 0 once a delivery succeeds.
+    trips: int
+    #: When an open breaker half-opens (its back-off ends); None in any other state.
+    retry_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    #: Seconds left of the recovery leader lease while a starting node recovers, else None.
+    leader_lease_s: float | None
+    #: The node that maintains the cluster (routing table, sweeps, health) when known.
+    maintaining_node: str | None
+    #: Breakers of live workers that are not closed, or that count failures in a row.
+    breakers: list[BreakerInfo]
+
+
+@dataclass(frozen=True)
+class Overview:
+    at: datetime
+    #: Nodes that answered the ping, by name; None when the broker is unavailable.
+    nodes: list[str] | None
+    #: Live workers (not deleted), and how many are in each status and health (and
+    #: ``paused``: running but paused while unhealthy, when any is).
+    workers: int
+    by_status: dict[str, int]
+    by_health: dict[str, int] | None
+    #: Messages waiting in every worker queue, and the deepest non-empty queues.
+    queued: int | None
+    deepest_queues: list[QueueDepth] | None
+    #: Dead letters not replayed, per topic.
+    dead_letters: dict[str, int]
+    recovery: Recovery | None
+    #: Service → why the parts that need it are None.
+    unavailable: dict[str, str]
+    #: Every tenant (with a tenant: its own) with its limits and, where it has a delivery
+    #: limit, its use.
+    tenants: list[TenantUse] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = jsonable(asdict(self))
+        return data
+
+
+@dataclass(frozen=True)
+class TenantUse:
+    """A tenant's limits and use: deliveries running now and begun in the last whole second,
+    across the cluster; None where the tenant has no ``max_concurrency`` or ``rate_limit``
+    (only a limited tenant's deliveries are counted: the others pay nothing), or Redis does
+    not answer."""
+
+    name: str
+    workers: int
+    limits: TenantLimits
+    in_flight: int | None = None
+    rate: int | None = None
+
+
+@dataclass(frozen=True)
+class DeliveryCounts:
+    """Delivery attempts of a worker counted since ``since`` (Redis keeps them per clock
+    minute, so a window starts at a minute's start)."""
+
+    since: datetime
+    ok: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class LastError:
+    at: datetime
+    #: Where it was recorded: ``dead letter``, ``transition`` or ``probe``.
+    source: str
+    message: str
+    error_type: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerDetails:
+    worker: WorkerInfo
+    queue: str
+    #: Messages waiting in the queue; None when the broker is unavailable.
+    queue_depth: int | None
+    #: Dead letters of the worker not replayed.
+    dead_letters: int
+    last_error: LastError | None
+    #: Deliveries since the previous clock minute began, and within the health window.
+    deliveries_last_minute: DeliveryCounts | None
+    deliveries_window: DeliveryCounts | None
+    breaker: BreakerInfo | None
+    unavailable: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The worker's own fields, then these."""
+        extras = jsonable({k: v for k, v in asdict(self).items() if k != "worker"})
+        return {**self.worker.to_json(), **extras}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WorkerDetails:
+        """What :meth:`to_json` wrote, the worker's fields among the others."""
+        own = {f.name for f in fields(cls)}
+        worker = from_json(WorkerInfo, {k: v for k, v in data.items() if k not in own})
+        return from_json(cls, {**data, "worker": worker})
+
+
 @overload
 def aware(at: datetime) -> datetime: ...
 @overload
@@ -269,6 +399,44 @@ def jsonable(value: Any) -> Any:
         return aware(value).isoformat()
     if isinstance(value, uuid.UUID):
         return str(value)
+    return value
+
+
+V = TypeVar("V")
+
+
+def from_json(kind: type[V], data: Mapping[str, Any]) -> V:
+    """A view of ``kind`` (a dataclass of this module) from the JSON its ``to_json`` wrote:
+    times, ids, roles and nested views as their types; a field the JSON lacks keeps its
+    default (an older server's answer), and one it has beyond them is ignored (a newer
+    one's)."""
+    hints = _hints(kind)  # type: ignore[arg-type]
+    names = [f.name for f in fields(kind) if f.name in data]  # type: ignore[arg-type]
+    return kind(**{name: _typed(hints[name], data[name]) for name in names})
+
+
+@functools.cache
+def _hints(kind: type) -> dict[str, Any]:
+    return typing.get_type_hints(kind)
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    if value is None or hint is Any:
+        return value
+    if isinstance(hint, types.UnionType):
+        kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+        return _typed(kinds[0], value) if len(kinds) == 1 else value
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return [_typed(item, v) for v in value]
+    if hint is datetime:
+        return datetime.fromisoformat(value)
+    if hint is uuid.UUID:
+        return uuid.UUID(value)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return hint(value)
+    if isinstance(hint, type) and is_dataclass(hint):
+        return value if isinstance(value, hint) else from_json(hint, value)
     return value
 
 

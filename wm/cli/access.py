@@ -142,7 +142,7 @@ def create_token(
 def list_tokens(out: Output, include_revoked: bool) -> int:
     """List every tenant's tokens, oldest first (never their secrets); a deployment-wide
     one's tenant is *."""
-    found = out.manager.tokens.list(include_revoked=include_revoked)
+    found = out.reader.tokens.list(include_revoked=include_revoked)
     if out.as_json:
         out.json([t.to_json() for t in found])
         return 0
@@ -201,11 +201,11 @@ def revoke_token(out: Output, reference: str) -> int:
 @pass_output
 def audit(out: Output, reference: str | None, since: datetime | None, limit: int) -> int:
     """The admin API's mutating calls, newest last."""
-    entries = out.manager.audit.list(token=reference, since=since, limit=limit)
+    entries = out.reader.audit.list(token=reference, since=since, limit=limit)
     if out.as_json:
         out.json([e.to_json() for e in entries])
         return 0
-    names = out.manager.worker_names(  # the command line's audit log is every tenant's
+    names = out.reader.worker_names(  # the command line's audit log is every tenant's
         {m for e in entries for m in WORKER_REF.findall(e.action or "")}, all_tenants=True
     )
     out.table(

@@ -12,7 +12,14 @@ import click
 
 from wm.cli.arguments import POSITIVE_INT, Command, Group, pass_output
 from wm.cli.output import Output
-from wm.config import current_values, deployment_name, masked, misspelt, settings_table
+from wm.config import (
+    SECRET,
+    current_values,
+    deployment_name,
+    masked,
+    misspelt,
+    settings_table,
+)
 from wm.errors import InvalidArgument, MissingDependency, WorkManagerError
 from wm.extras import install_hint
 
@@ -120,10 +127,10 @@ def _config_wrap(out: Output, variables: list[str]) -> tuple[str, ...]:
 
 
 def _current_values(out: Output) -> dict[str, str]:
-    """Each variable's value in effect, shown like its default; passwords in URLs masked; the
-    deployment's name also when it is derived."""
+    """Each variable's value in effect, shown like its default; passwords in URLs and
+    secrets masked; the deployment's name also when it is derived."""
     values = {
-        env: masked(shown) if "://" in shown else shown
+        env: "**" if env in SECRET and shown else masked(shown) if "://" in shown else shown
         for env, shown in current_values(out.settings).items()
     }
     if not out.settings.deployment:

@@ -24,6 +24,7 @@ from wm.cli.output import Output, labelled
 from wm.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from wm.cli.remote import Reader
     from wm.views import DeadLetterInfo
 
 #: Dead letters ``wm dlq list`` shows, and a filtered ``replay`` sends, unless told otherwise.
@@ -72,17 +73,12 @@ class Filters:
             f"{flag} {shlex.quote(value)}" for flag, value in pairs if value is not None
         )
 
-    def resolved(self, out: Output) -> Filters:
-        """The same filters with the worker's id (its name or short id looked up once)."""
+    def resolved(self, reader: Reader) -> Filters:
+        """The same filters with the worker's id (its name or short id looked up once) -- a
+        deleted worker's name too, since the tables show it and its letters outlive it."""
         if self.worker is None:
             return self
-        return replace(self, worker=_worker_id(out, self.worker))
-
-
-def _worker_id(out: Output, reference: str) -> str:
-    """The id of a worker given by id, short id or name -- a deleted worker's name too, since
-    the tables show it and its letters outlive it."""
-    return out.manager.worker_id_of(reference, deleted_names=True)
+        return replace(self, worker=reader.worker_id_of(self.worker, deleted_names=True))
 
 
 def _filter_options(function: Any) -> Any:
@@ -128,15 +124,15 @@ def list_letters(
     limit: int,
 ) -> int:
     """List dead letters not yet replayed, oldest failure first."""
-    filters = Filters(topic, worker_ref, error_type).resolved(out)
-    letters = out.manager.dead_letters.list(
+    filters = Filters(topic, worker_ref, error_type).resolved(out.reader)
+    letters = out.reader.dead_letters.list(
         topic=filters.topic,
         worker_id=filters.worker,
         error_type=filters.error_type,
         include_replayed=include_replayed,
         limit=limit,
     )
-    names = out.manager.worker_names(letter.worker_id for letter in letters)
+    names = out.reader.worker_names(letter.worker_id for letter in letters)
     if out.as_json:
         out.json([_with_name(d.to_json(envelope=False), _name(names, d)) for d in letters])
         return 0
@@ -217,8 +213,8 @@ def _with_name(fields: dict[str, Any], name: str | None) -> dict[str, Any]:
 @pass_output
 def show_letter(out: Output, letter_id: str) -> int:
     """Show one dead letter and its event."""
-    letter = out.manager.dead_letters.get(letter_id)
-    name = _name(out.manager.worker_names([letter.worker_id]), letter)
+    letter = out.reader.dead_letters.get(letter_id)
+    name = _name(out.reader.worker_names([letter.worker_id]), letter)
     fields = _with_name(letter.to_json(), name)
     if out.as_json:
         out.json(fields)
@@ -321,7 +317,7 @@ def replay_letters(
 
 def _matching(out: Output, filters: Filters, limit: int) -> list[str]:
     """The ids of the letters not yet replayed that ``filters`` select, oldest first."""
-    resolved = filters.resolved(out)
+    resolved = filters.resolved(out.manager)
     ids = [
         letter.id
         for letter in out.manager.dead_letters.list(
@@ -386,7 +382,7 @@ def purge_letters(
     """
     filters = Filters(topic, worker_ref, error_type)
     _selection(ids, filters)
-    resolved = filters.resolved(out)
+    resolved = filters.resolved(out.manager)
     total = len(ids) or _count(out, resolved)
     if not ids and not yes:
         raise InvalidArgument(

@@ -338,11 +338,11 @@ def consume(
 @pass_output
 def subscriptions(out: Output, topic: str | None) -> int:
     """List subscriptions (workers' and plain) with their queue depth."""
-    found = out.manager.list_subscriptions(topic)
+    found = out.reader.list_subscriptions(topic)
     if out.as_json:
         out.json(found)
         return 0
-    names = out.manager.worker_names(s["worker_id"] for s in found)
+    names = out.reader.worker_names(s["worker_id"] for s in found)
     out.table(
         ["TOPIC", "QUEUE", "WORKER", "DEPTH"],
         (

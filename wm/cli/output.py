@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from wm.cli.remote import Reader
     from wm.config import Settings
     from wm.manager import WorkManager
 
@@ -61,9 +62,31 @@ class Output:
 
     @cached_property
     def manager(self) -> WorkManager:
+        """The facade on the database, broker and Redis. With ``WM_API_URL`` set, a command
+        that does not go through the API needs ``WM_DATABASE_URL`` too: without it, it would
+        change an empty local store instead of the deployment the reads show."""
+        from wm.config import given
+        from wm.errors import ConfigurationError
         from wm.manager import WorkManager
 
+        if self.settings.api_url and not given("WM_DATABASE_URL"):
+            raise ConfigurationError(
+                f"this command does not go through the admin API (WM_API_URL="
+                f"{self.settings.api_url}): it reads and changes the deployment itself, and "
+                "WM_DATABASE_URL is not set. Set WM_DATABASE_URL (WM_BROKER_URL, WM_REDIS_URL) "
+                "to the deployment's, or run it where they are set"
+            )
         return WorkManager(self.settings, actor="cli", tenant=self.tenant)
+
+    @cached_property
+    def reader(self) -> Reader:
+        """What the read commands ask: the admin API when ``WM_API_URL`` is set
+        (``wm.cli.remote``), else :attr:`manager`."""
+        if self.settings.api_url:
+            from wm.cli.remote import ApiReader
+
+            return ApiReader(self.settings, self.tenant)
+        return self.manager
 
     # -- consoles ----------------------------------------------------------------------------
 

@@ -120,11 +120,11 @@ def _time(at: datetime | None) -> str:
 @pass_output
 def list_schedules(out: Output, worker_ref: str | None) -> int:
     """List the schedules of live workers, oldest first."""
-    found = out.manager.list_schedules(worker_ref)
+    found = out.reader.list_schedules(worker_ref)
     if out.as_json:
         out.json([s.to_json() for s in found])
         return 0
-    names = out.manager.worker_names([s.worker_id for s in found])
+    names = out.reader.worker_names([s.worker_id for s in found])
     out.table(
         ["ID", "WORKER", "WHEN", "TYPE", "MISSED", "LAST", "NEXT"],
         (_row(s, names) for s in found),

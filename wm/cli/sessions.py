@@ -20,7 +20,7 @@ def session() -> None:
 @pass_output
 def show_session(out: Output, worker_ref: str, session_id: str) -> int:
     """The instance (host:pid) SESSION of WORKER is bound to, and for how long."""
-    info = out.manager.session(worker_ref, session_id)
+    info = out.reader.session(worker_ref, session_id)
     if out.as_json:
         out.json(info.to_json())
     elif info.instance is None:

@@ -17,7 +17,7 @@ from wm.cli.arguments import POSITIVE_FLOAT, Command, pass_output
 from wm.cli.output import Output, duration, labelled, unavailable, unavailable_reasons
 
 if TYPE_CHECKING:
-    from wm.control.overview import BreakerInfo, Overview
+    from wm.views import BreakerInfo, Overview
 
 #: Seconds the nodes have to answer the ping: the API's default
 #: (``wm.control.overview.PING_TIMEOUT_S``), not imported so that help starts fast.
@@ -39,7 +39,7 @@ def status(out: Output, ping_timeout: float) -> int:
     Parts whose service (broker, Redis) does not answer are marked unavailable; an
     unreachable database is an error.
     """
-    found = out.manager.status(ping_timeout_s=ping_timeout)
+    found = out.reader.status(ping_timeout_s=ping_timeout)
     if out.as_json:
         out.json(found.to_json())
         return 0

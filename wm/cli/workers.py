@@ -23,8 +23,7 @@ from wm.lifecycle import Status
 from wm.names import DEFAULT_TENANT
 
 if TYPE_CHECKING:
-    from wm.control.workerdetails import DeliveryCounts, LastError, WorkerDetails
-    from wm.views import WorkerInfo
+    from wm.views import DeliveryCounts, LastError, WorkerDetails, WorkerInfo
 
 
 @click.group(cls=Group)
@@ -192,7 +191,7 @@ def _health(info: WorkerInfo) -> str:
 @pass_output
 def list_workers(out: Output, topic: str | None, group: str | None, status: str | None) -> int:
     """List workers (not deleted), oldest first."""
-    found = out.manager.list_workers(topic=topic, group=group, status=status)
+    found = out.reader.list_workers(topic=topic, group=group, status=status)
     if out.as_json:
         out.json([info.to_json() for info in found])
         return 0
@@ -201,7 +200,7 @@ def list_workers(out: Output, topic: str | None, group: str | None, status: str 
         [i.id, i.name, i.topic, i.group, i.status, _health(i), i.current_version, i.mime_type]
         for i in found
     ]
-    if out.manager.tenant != DEFAULT_TENANT:  # the default tenant's listing is as before
+    if out.reader.tenant != DEFAULT_TENANT:  # the default tenant's listing is as before
         headers.insert(0, "TENANT")
         rows = [[i.tenant, *row] for i, row in zip(found, rows, strict=True)]
     out.table(headers, rows, empty="no workers")
@@ -213,7 +212,7 @@ def list_workers(out: Output, topic: str | None, group: str | None, status: str 
 @pass_output
 def show(out: Output, worker_ref: str) -> int:
     """Show one worker, its queue depth, dead letters, last error and recent deliveries."""
-    details = out.manager.worker_details(worker_ref)
+    details = out.reader.worker_details(worker_ref)
     _print_worker(out, details.worker, details)
     return 0
 
@@ -294,12 +293,12 @@ def rollback_worker(out: Output, worker_ref: str, version: int) -> int:
 @pass_output
 def history(out: Output, worker_ref: str) -> int:
     """List the worker's code versions (a deleted worker's too)."""
-    versions = out.manager.get_worker_history(worker_ref)
+    versions = out.reader.get_worker_history(worker_ref)
     if out.as_json:
         out.json([v.to_json() for v in versions])
         return 0
     # by id: found when deleted too; its current version only, so no health from Redis
-    info = out.manager.get_worker(versions[0].worker_id, health=False)
+    info = out.reader.get_worker(versions[0].worker_id, health=False)
     out.table(
         ["VERSION", "CURRENT", "SOURCE", "SIZE", "SHA256", "CREATED", "NOTE"],
         (
@@ -325,7 +324,7 @@ def history(out: Output, worker_ref: str) -> int:
 @pass_output
 def transitions(out: Output, worker_ref: str) -> int:
     """List the worker's state changes, oldest first (a deleted worker's too)."""
-    found = out.manager.get_worker_transitions(worker_ref)
+    found = out.reader.get_worker_transitions(worker_ref)
     if out.as_json:
         out.json([t.to_json() for t in found])
         return 0
@@ -359,9 +358,9 @@ def _duration(ms: int | None) -> str | None:
 @pass_output
 def show_code(out: Output, worker_ref: str, version: int | None) -> int:
     """Write a version's code to standard output."""
-    info = out.manager.get_worker(worker_ref, health=False)  # its id and version: no Redis
+    info = out.reader.get_worker(worker_ref, health=False)  # its id and version: no Redis
     version = version or info.current_version
-    code = out.manager.get_code(info.id, version)
+    code = out.reader.get_code(info.id, version)
     if out.as_json:
         out.json(
             {

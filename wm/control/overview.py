@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -38,8 +38,15 @@ from wm.state.tenantlimits import TenantGate
 from wm.store import deadletters as dead_letters
 from wm.store import tenants as tenant_rows
 from wm.store import workers as rows
-from wm.tenantlimits import TenantLimits
-from wm.views import TenantInfo, aware, jsonable
+from wm.views import (
+    BreakerInfo,
+    Overview,
+    QueueDepth,
+    Recovery,
+    TenantInfo,
+    TenantUse,
+    aware,
+)
 from wm.workersettings import STRATEGIES, WorkerSettings
 
 T = TypeVar("T")
@@ -56,82 +63,6 @@ BROKER, REDIS = "broker", "redis"
 #: from reopening (``half-open``), past its threshold under a strategy that does not pause
 #: (``tripped``: degrade, replace, stop), ``closed``, or ``off`` (``failure_threshold`` 0).
 OPEN, HALF_OPEN, TRIPPED, CLOSED, OFF = "open", "half-open", "tripped", "closed", "off"
-
-
-@dataclass(frozen=True)
-class QueueDepth:
-    worker_id: str
-    name: str | None
-    topic: str
-    queue: str
-    depth: int
-
-
-@dataclass(frozen=True)
-class BreakerInfo:
-    worker_id: str
-    name: str | None
-    status: str
-    state: str
-    #: What reaching the threshold does (the worker's ``recovery`` setting).
-    strategy: str
-    consecutive_failures: int
-    threshold: int
-    #: Times it opened in a row (sets the next back-off); 0 once a delivery succeeds.
-    trips: int
-    #: When an open breaker half-opens (its back-off ends); None in any other state.
-    retry_at: datetime | None = None
-
-
-@dataclass(frozen=True)
-class Recovery:
-    #: Seconds left of the recovery leader lease while a starting node recovers, else None.
-    leader_lease_s: float | None
-    #: The node that maintains the cluster (routing table, sweeps, health) when known.
-    maintaining_node: str | None
-    #: Breakers of live workers that are not closed, or that count failures in a row.
-    breakers: list[BreakerInfo]
-
-
-@dataclass(frozen=True)
-class Overview:
-    at: datetime
-    #: Nodes that answered the ping, by name; None when the broker is unavailable.
-    nodes: list[str] | None
-    #: Live workers (not deleted), and how many are in each status and health (and
-    #: ``paused``: running but paused while unhealthy, when any is).
-    workers: int
-    by_status: dict[str, int]
-    by_health: dict[str, int] | None
-    #: Messages waiting in every worker queue, and the deepest non-empty queues.
-    queued: int | None
-    deepest_queues: list[QueueDepth] | None
-    #: Dead letters not replayed, per topic.
-    dead_letters: dict[str, int]
-    recovery: Recovery | None
-    #: Service → why the parts that need it are None.
-    unavailable: dict[str, str]
-    #: Every tenant (with a tenant: its own) with its limits and, where it has a delivery
-    #: limit, its use.
-    tenants: list[TenantUse] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = jsonable(asdict(self))
-        return data
-
-
-@dataclass(frozen=True)
-class TenantUse:
-    """A tenant's limits and use: deliveries running now and begun in the last whole second,
-    across the cluster; None where the tenant has no ``max_concurrency`` or ``rate_limit``
-    (only a limited tenant's deliveries are counted: the others pay nothing), or Redis does
-    not answer."""
-
-    name: str
-    workers: int
-    limits: TenantLimits
-    in_flight: int | None = None
-    rate: int | None = None
 
 
 def tenant_uses(settings: Settings, tenants: list[TenantInfo]) -> list[TenantUse]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,7 +26,6 @@ from wm.config import Settings
 from wm.control.overview import (
     BROKER,
     REDIS,
-    BreakerInfo,
     LiveWorker,
     breaker_info,
     connect,
@@ -41,52 +40,12 @@ from wm.state.connection import redis_errors, redis_for, text
 from wm.state.health import WINDOW_MIN, ProbeFacts, counts_key, probe_key
 from wm.store import deadletters as dead_letters
 from wm.store import workers as rows
-from wm.views import WorkerInfo, aware, jsonable
+from wm.views import BreakerInfo, DeliveryCounts, LastError, WorkerDetails, WorkerInfo, aware
 
 #: Transitions whose reason is an error worth showing as a worker's last one: these moves,
 #: and the breaker's.
 _FAILING = (Status.FAILED.value, Status.KILLED.value)
 _BREAKER_MOVES = (Status.PENDING.value, Status.STOPPED.value)
-
-
-@dataclass(frozen=True)
-class DeliveryCounts:
-    """Delivery attempts of a worker counted since ``since`` (Redis keeps them per clock
-    minute, so a window starts at a minute's start)."""
-
-    since: datetime
-    ok: int
-    failed: int
-
-
-@dataclass(frozen=True)
-class LastError:
-    at: datetime
-    #: Where it was recorded: ``dead letter``, ``transition`` or ``probe``.
-    source: str
-    message: str
-    error_type: str | None = None
-
-
-@dataclass(frozen=True)
-class WorkerDetails:
-    worker: WorkerInfo
-    queue: str
-    #: Messages waiting in the queue; None when the broker is unavailable.
-    queue_depth: int | None
-    #: Dead letters of the worker not replayed.
-    dead_letters: int
-    last_error: LastError | None
-    #: Deliveries since the previous clock minute began, and within the health window.
-    deliveries_last_minute: DeliveryCounts | None
-    deliveries_window: DeliveryCounts | None
-    breaker: BreakerInfo | None
-    unavailable: dict[str, str]
-
-    def to_json(self) -> dict[str, Any]:
-        """The worker's own fields, then these."""
-        extras = jsonable({k: v for k, v in asdict(self).items() if k != "worker"})
-        return {**self.worker.to_json(), **extras}
 
 
 def worker_details(settings: Settings, bus: Bus, info: WorkerInfo) -> WorkerDetails:

@@ -70,7 +70,6 @@ from starlette.exceptions import HTTPException
 from wm import store
 from wm.config import Settings
 from wm.control import tenants
-from wm.control.overview import Overview
 from wm.engine import engine_class
 from wm.errors import (
     CodeSourceError,
@@ -91,9 +90,11 @@ from wm.text import storable, storable_data
 from wm.views import (
     AuditInfo,
     DeadLetterInfo,
+    Overview,
     RecoveryReport,
     Role,
     ScheduleInfo,
+    SessionInfo,
     TokenInfo,
     TransitionInfo,
     VersionInfo,
@@ -648,6 +649,40 @@ def transitions(svc: Svc, ref: Ref) -> list[TransitionInfo]:
     return svc.manager.get_worker_transitions(ref)
 
 
+@WORKERS.get("/{ref}/details", dependencies=[VIEWER], responses=_errors(404))
+def details(svc: Svc, ref: Ref) -> dict[str, Any]:
+    """The worker (its fields as ``GET /v1/workers/{ref}`` has them) with what ``wm worker
+    show`` adds: ``queue``, ``queue_depth``, ``dead_letters``, ``last_error``,
+    ``deliveries_last_minute``, ``deliveries_window``, ``breaker``; a part whose service does
+    not answer is null and named in ``unavailable``."""
+    return svc.manager.worker_details(ref).to_json()
+
+
+@WORKERS.get(
+    "/{ref}/code",
+    dependencies=[OPERATOR],
+    responses={**_errors(404), 200: {"content": {"application/octet-stream": {}}}},
+    response_class=Response,
+)
+def code(
+    svc: Svc,
+    ref: Ref,
+    version: Annotated[int | None, Query(ge=1, description="default: the current one")] = None,
+) -> Response:
+    """A version's code as it was deployed (operators: code may hold what viewers should not
+    read)."""
+    info = svc.manager.get_worker(ref, health=False)
+    found = svc.manager.get_code(info.id, version or info.current_version)
+    return Response(found, media_type="application/octet-stream")
+
+
+@WORKERS.get("/{ref}/sessions/{session}", dependencies=[VIEWER], responses=_errors(404))
+def session(svc: Svc, ref: Ref, session: Annotated[str, Path(min_length=1)]) -> SessionInfo:
+    """The engine instance (``host:pid``) a session of the worker is bound to, and the seconds
+    its binding has left; both null when it is unbound."""
+    return svc.manager.session(ref, session)
+
+
 # -- events --------------------------------------------------------------------------------
 
 EVENTS = APIRouter(prefix="/v1/events", tags=["events"], route_class=_Guarded)
@@ -855,10 +890,11 @@ class TokenCreated(BaseModel):
 
 
 @TOKENS.get("", dependencies=[ADMIN])
-def list_tokens(svc: Svc) -> list[TokenInfo]:
-    """The tenant's tokens in force (admins only; deployment-wide tokens are managed with
-    ``wm token``, on the deployment's own machine)."""
-    return svc.manager.tokens.list(own_tenant=True)
+def list_tokens(svc: Svc, include_revoked: bool = False) -> list[TokenInfo]:
+    """The tenant's tokens in force, and with ``include_revoked`` the revoked and expired
+    ones too (admins only; deployment-wide tokens are managed with ``wm token``, on the
+    deployment's own machine)."""
+    return svc.manager.tokens.list(include_revoked=include_revoked, own_tenant=True)
 
 
 @TOKENS.post("", status_code=201, dependencies=[ADMIN], responses=_errors(409))

@@ -25,11 +25,12 @@ from typing import Any
 
 from wm import store
 from wm.config import Settings
-from wm.control.overview import QueueDepth, worker_queue_depths
+from wm.control.overview import worker_queue_depths
 from wm.dataplane.app import make_app
 from wm.errors import WorkManagerError
 from wm.names import split_route_topic
 from wm.store import workers as rows
+from wm.views import QueueDepth
 
 #: Seconds a scrape reuses the queue depths it read.
 TTL_S = 5.0
