@@ -88,6 +88,7 @@ def test_the_phase_times_every_command_against_its_target(database: str) -> None
     assert len(rows) == len(commands.read_commands(commands.Store(*[0] * 8, "w", "l", "t", "s")))
     for row in rows:
         assert 0 < row["median_s"] <= row["max_s"] and row["cpu_s"] > 0, row
+        assert 0 < row["api_median_s"] <= row["api_max_s"], row
         assert row["target_s"] == (0.1 if row["command"] == "wm --help" else 0.5)
     # the table is for people: on standard error, every command on a line of its own
     for row in rows:

@@ -9,6 +9,9 @@ Then each read command runs as a new process, the way a person runs it, ``repeat
 (after one unmeasured run that warms the file cache); the table gives each one's median and
 worst wall-clock time against :data:`TARGET_S` (:data:`HELP_TARGET_S` for ``wm --help``),
 and its CPU time, with one Celery node running (the one ``wm status`` finds) and no traffic.
+Then each runs again with ``WM_API_URL`` naming a ``wm api`` the phase starts on the same
+store (an admin token in ``WM_API_TOKEN``): the commands the API serves ask it
+(``wm.cli.remote``), the others read the store themselves as before.
 The load average is printed with them: on a busy machine the wall clock waits for a core.
 """
 
@@ -34,6 +37,7 @@ from wm import store
 from wm.config import Settings, current_values
 from wm.control.access import Tokens
 from wm.events import make_event
+from wm.local.embedded import LOOPBACK, free_port
 from wm.local.up import celery_node
 from wm.manager import WorkManager
 from wm.store import access
@@ -42,6 +46,8 @@ from wm.store.models import DeadLetter, WorkerTransition
 #: The targets of issue 29, in seconds: any read command, and ``wm --help``.
 TARGET_S = 0.5
 HELP_TARGET_S = 0.1
+#: Seconds ``wm api`` has to answer before the phase gives up.
+API_START_S = 60.0
 #: The stub engine's MIME type: workers that need no runtime.
 STUB = "application/x-wm-stub"
 #: Of each worker: code versions, dead letters; of the store: subscriptions, tokens, audit
@@ -66,6 +72,9 @@ class Timing:
     #: The process's own CPU time (user and system), median: what the wall clock comes down
     #: to on an idle machine, less its waits for the database, Redis and the broker.
     cpu_s: float
+    #: The median with ``WM_API_URL`` set (and its worst).
+    api_median_s: float
+    api_max_s: float
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -74,6 +83,8 @@ class Timing:
             "max_s": round(self.max_s, 4),
             "target_s": self.target_s,
             "cpu_s": round(self.cpu_s, 4),
+            "api_median_s": round(self.api_median_s, 4),
+            "api_max_s": round(self.api_max_s, 4),
         }
 
 
@@ -257,16 +268,56 @@ def _children_cpu_s() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def measure(settings: Settings, built: Store, repeats: int) -> list[Timing]:
-    """Each read command's median and worst time over ``repeats`` new processes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_")}
-    env.update(current_values(settings))
+def measure(settings: Settings, built: Store, repeats: int, api_url: str) -> list[Timing]:
+    """Each read command's median and worst time over ``repeats`` new processes, reading
+    the store itself and through the API at ``api_url``."""
+    env = _env(settings)
+    secret = Tokens(settings).create(f"bench-{uuid.uuid4().hex[:8]}", "admin")[1]
+    store.dispose_engines()
+    through_api = {**env, "WM_API_URL": api_url, "WM_API_TOKEN": secret}
     timings = []
     for args in read_commands(built):
-        median_s, max_s, cpu_s = _time([sys.executable, "-m", "wm.cli", *args], env, repeats)
+        argv = [sys.executable, "-m", "wm.cli", *args]
+        median_s, max_s, cpu_s = _time(argv, env, repeats)
+        api_median_s, api_max_s, _ = _time(argv, through_api, repeats)
         target = HELP_TARGET_S if args == ["--help"] else TARGET_S
-        timings.append(Timing("wm " + " ".join(args), median_s, max_s, target, cpu_s))
+        timings.append(
+            Timing("wm " + " ".join(args), median_s, max_s, target, cpu_s, api_median_s, api_max_s)
+        )
     return timings
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WM_")}
+    env.update(current_values(settings))
+    return env
+
+
+@contextlib.contextmanager
+def admin_api(settings: Settings, scratch: str) -> Iterator[str]:
+    """A ``wm api`` on ``settings`` on a free loopback port, until the block ends; its URL."""
+    import urllib.request
+
+    url = f"http://{LOOPBACK}:{free_port()}"
+    argv = [sys.executable, "-m", "wm.cli", "api", "--port", url.rpartition(":")[2]]
+    with open(Path(scratch) / "api.log", "wb") as log:
+        server = subprocess.Popen(argv, env=_env(settings), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + API_START_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"wm api ended (exit {server.returncode}); see {log.name}")
+            try:
+                with urllib.request.urlopen(f"{url}/health/live", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"wm api did not answer in {API_START_S} s") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def report(
@@ -278,9 +329,12 @@ def report(
         store.upgrade(phase)
         built = build(phase, workers)
         store.dispose_engines()
-        with celery_node(Path(scratch), phase, 1, pool="threads"):  # answers wm status' ping
+        with (
+            celery_node(Path(scratch), phase, 1, pool="threads"),  # answers wm status' ping
+            admin_api(phase, scratch) as api_url,
+        ):
             load = os.getloadavg()[0]
-            timings = measure(phase, built, repeats)
+            timings = measure(phase, built, repeats, api_url)
             load = max(load, os.getloadavg()[0])
     kind = "PostgreSQL" if server_url else "SQLite"
     _table(timings, kind, built, repeats, load)
@@ -296,10 +350,17 @@ def report(
 def _table(timings: list[Timing], kind: str, built: Store, repeats: int, load: float) -> None:
     print(f"\nRead commands (median and worst of {repeats} runs, each a new process; {kind})")
     print(f"store: {built.describe()} (seed {SEED}); load average up to {load:.2f}")
-    print(f"{'command':<52} {'median s':>9} {'max s':>7} {'cpu s':>6} {'target s':>9}")
+    print("direct: the command reads the store itself; API: with WM_API_URL set (wm api)")
+    print(
+        f"{'command':<46} {'direct s':>9} {'max s':>6} {'cpu s':>6} {'API s':>6} {'max s':>6} "
+        f"{'target s':>8}"
+    )
     for t in timings:
-        over = "  over" if t.median_s > t.target_s else ""
+        over = [
+            side for side, s in (("direct", t.median_s), ("API", t.api_median_s)) if s > t.target_s
+        ]
         print(
-            f"{t.command:<52} {t.median_s:>9.3f} {t.max_s:>7.3f} {t.cpu_s:>6.3f} "
-            f"{t.target_s:>9.2f}{over}"
+            f"{t.command:<46} {t.median_s:>9.3f} {t.max_s:>6.3f} {t.cpu_s:>6.3f} "
+            f"{t.api_median_s:>6.3f} {t.api_max_s:>6.3f} {t.target_s:>8.2f}"
+            + (f"  over: {', '.join(over)}" if over else "")
         )
