@@ -213,10 +213,14 @@ class ApiReader:
             ) from None
 
 
-class _Letters:
+class _Part:
+    """A part of the facade (``dead_letters``, ``tokens``, ``audit``), through the API."""
+
     def __init__(self, reader: ApiReader) -> None:
         self.reader = reader
 
+
+class _Letters(_Part):
     def list(
         self,
         *,
@@ -243,10 +247,7 @@ class _Letters:
         return from_json(DeadLetterInfo, {**letter, "envelope": text})
 
 
-class _Tokens:
-    def __init__(self, reader: ApiReader) -> None:
-        self.reader = reader
-
+class _Tokens(_Part):
     def list(
         self, *, include_revoked: bool = False, own_tenant: bool = False
     ) -> builtins.list[TokenInfo]:
@@ -254,10 +255,7 @@ class _Tokens:
         return [from_json(TokenInfo, t) for t in found]
 
 
-class _Audit:
-    def __init__(self, reader: ApiReader) -> None:
-        self.reader = reader
-
+class _Audit(_Part):
     def list(
         self,
         *,
