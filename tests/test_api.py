@@ -70,6 +70,8 @@ NEEDS = {
     ("POST", "/v1/schedules"): Role.OPERATOR,
     ("DELETE", "/v1/schedules/{schedule_id}"): Role.OPERATOR,
     ("GET", "/v1/subscriptions"): Role.VIEWER,
+    ("GET", "/v1/subscriptions/{topic}/{name}/messages"): Role.VIEWER,
+    ("GET", "/v1/tenants"): Role.ADMIN,
     ("PUT", "/v1/subscriptions/{topic}/{name}"): Role.OPERATOR,
     ("DELETE", "/v1/subscriptions/{topic}/{name}"): Role.OPERATOR,
     ("GET", "/v1/tokens"): Role.ADMIN,

@@ -17,7 +17,9 @@ from tests.helpers import STUB, free_port, stub
 from tests.test_api import start_api, stop
 from tests.test_cli_dlq import park
 from wm import Settings, WorkManager, store
+from wm.control import tenants
 from wm.control.access import Tokens
+from wm.events import make_event
 from wm.views import Role
 
 
@@ -51,6 +53,8 @@ def world(pg_settings: Settings) -> Iterator[World]:
     gone = str(manager.create_worker(code=stub(), mime_type=STUB, topic="orders", name="gone").id)
     manager.add_schedule(kept, event_type="tick", every_s=60)
     manager.subscribe("orders", "inbox")
+    for n in range(3):  # no node runs: they wait in the inbox (and the workers' queues)
+        manager.publish(make_event("orders", "/tests", {"n": n}))
     letter = park(pg_settings, kept, "WorkerTimeout", "timed out", 0)
     park(pg_settings, gone, "WorkerTimeout", "timed out", 1)
     manager.delete_worker(gone)
@@ -81,6 +85,7 @@ def reads(world: World) -> list[tuple[str, ...]]:
         ("token", "list"),
         ("audit",),
         ("status",),
+        ("tenant", "list"),
     ]
 
 
@@ -107,6 +112,14 @@ def test_each_read_answers_through_the_api_as_it_does_directly(world: World) -> 
         assert wm(world.remote(), *command).out == wm(world.direct, *command).out, command
     raw = wm(world.remote(), "worker", "code", "kept", "--version", "1").raw
     assert raw == wm(world.direct, "worker", "code", "kept", "--version", "1").raw == stub()
+    # a look into a subscription (--json: one event a line), which leaves the messages queued
+    for flags in [(), ("--json",), ("--json", "--count", "2")]:
+        peek = ("consume", "orders", "--name", "inbox", "--peek", *flags)
+        remote_lines = wm(world.remote(), *peek).out.splitlines()
+        assert remote_lines == wm(world.direct, *peek).out.splitlines()
+        assert len(remote_lines) == (2 if "--count" in flags else 3), remote_lines
+    taken = wm(world.direct, "--json", "consume", "orders", "--name", "inbox").out.splitlines()
+    assert [json.loads(line)["data"] for line in taken] == [{"n": 0}, {"n": 1}, {"n": 2}]
 
 
 def test_a_refusal_reads_as_the_direct_one_and_names_what_to_fix(world: World) -> None:
@@ -145,3 +158,14 @@ def test_config_masks_the_token(world: World) -> None:
     assert shown["WM_API_TOKEN"]["current"] == "**"
     assert world.tokens[Role.ADMIN] not in json.dumps(shown)
     assert shown["WM_API_URL"]["current"].rstrip("/") == world.url
+
+
+def test_a_tenants_token_lists_its_own_tenant_only(world: World) -> None:
+    tenants.create(world.settings, "acme")
+    _, acme = Tokens(world.settings).create("acme-admin", Role.ADMIN, tenant="acme")
+    store.dispose_engines()
+    listed = wm_json(world.remote(WM_API_TOKEN=acme), "tenant", "list")
+    assert [t["name"] for t in listed] == ["acme"]
+    assert {t["name"] for t in wm_json(world.direct, "tenant", "list")} == {"acme", "default"}
+    # it reads its own tenant's workers: none, not the default tenant's
+    assert wm_json(world.remote(WM_API_TOKEN=acme), "worker", "list") == []

@@ -325,7 +325,8 @@ def consume(
     from wm.cli.tail import print_event
 
     read = 0
-    for body in out.manager.consume(topic, name, count=count, idle_s=timeout_s, peek=peek):
+    source = out.reader if peek else out.manager  # taking them is on the broker itself
+    for body in source.consume(topic, name, count=count, idle_s=timeout_s, peek=peek):
         print_event(out, body, False)
         read += 1
     if not read:

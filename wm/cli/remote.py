@@ -18,7 +18,7 @@ from __future__ import annotations
 import builtins
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote, urlencode
@@ -32,6 +32,7 @@ from wm.views import (
     Overview,
     ScheduleInfo,
     SessionInfo,
+    TenantInfo,
     TokenInfo,
     TransitionInfo,
     VersionInfo,
@@ -106,6 +107,16 @@ class Reader(Protocol):
     def session(self, worker_id: uuid.UUID | str, session: str) -> SessionInfo: ...
     def list_schedules(self, worker_id: uuid.UUID | str | None = None) -> list[ScheduleInfo]: ...
     def list_subscriptions(self, topic: str | None = None) -> list[dict[str, Any]]: ...
+    def consume(
+        self,
+        topic: str,
+        name: str,
+        *,
+        count: int | None = None,
+        idle_s: float | None = None,
+        peek: bool = False,
+    ) -> Iterator[str | bytes]: ...
+    def list_tenants(self) -> list[TenantInfo]: ...
     def status(
         self, *, ping_timeout_s: float | None = None, own_tenant: bool = False
     ) -> Overview: ...
@@ -176,6 +187,26 @@ class ApiReader:
     def list_subscriptions(self, topic: str | None = None) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = self.get("/v1/subscriptions", topic=topic)
         return found
+
+    def consume(
+        self,
+        topic: str,
+        name: str,
+        *,
+        count: int | None = None,
+        idle_s: float | None = None,
+        peek: bool = False,
+    ) -> Iterator[str | bytes]:
+        """With ``peek`` only (the messages waiting, none taken; at most ``MAX_PEEK``
+        without a ``count``): taking them is the command's own, on the broker."""
+        if not peek:
+            raise ValueError("through the API a subscription is only peeked at")
+        path = f"/v1/subscriptions/{quote(topic, safe='')}/{quote(name, safe='')}/messages"
+        found: list[str] = self.get(path, count=count)
+        return iter(found)
+
+    def list_tenants(self) -> list[TenantInfo]:
+        return [from_json(TenantInfo, t) for t in self.get("/v1/tenants")]
 
     def status(self, *, ping_timeout_s: float | None = None, own_tenant: bool = False) -> Overview:
         """The token's tenant's part of the cluster (the nodes are everyone's)."""

@@ -79,9 +79,12 @@ def _limits_line(limits: TenantLimits) -> str:
 @pass_output
 def list_tenants(out: Output) -> int:
     """List tenants by name, with their live workers and limits ('-': unlimited)."""
-    from wm.control import tenants
+    if out.settings.api_url:
+        found = out.reader.list_tenants()
+    else:  # not through WorkManager, which checks the tenant WM_TENANT names
+        from wm.control import tenants
 
-    found = tenants.listing(out.settings)
+        found = tenants.listing(out.settings)
     if out.as_json:
         out.json([t.to_json() for t in found])
         return 0

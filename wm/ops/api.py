@@ -12,7 +12,8 @@ Every call works in one tenant: a tenant's token works in its own, and naming an
 ``WM-Tenant`` is a 403 that reads the same whether that tenant exists or not; a
 deployment-wide admin token works in the tenant ``WM-Tenant`` names (the default one without
 it). Another tenant's objects answer exactly as missing ones. Tenants are managed with
-``wm tenant`` (the API has no tenant routes).
+``wm tenant``; the API only lists them (``GET /v1/tenants``, admins: a tenant's token sees its
+own).
 
 Only ``GET /health/live`` (it says the server is up and nothing else) and the API's own
 description (``/openapi.json``, and its pages ``/docs`` and ``/redoc`` with the files they
@@ -95,6 +96,7 @@ from wm.views import (
     Role,
     ScheduleInfo,
     SessionInfo,
+    TenantInfo,
     TokenInfo,
     TransitionInfo,
     VersionInfo,
@@ -110,6 +112,8 @@ LISTEN_BACKLOG = 2048
 #: The most dead letters one replay call sends, and the fastest rate it may ask for.
 MAX_REPLAY = 10_000
 MAX_REPLAY_RATE = 1000.0
+#: The most messages one look into a subscription shows.
+MAX_PEEK = 1000
 #: Status code of each group of errors (``wm.errors.GROUPS``), kept by the gate, which the
 #: console shares.
 ERROR_STATUS = gate.ERROR_STATUS
@@ -850,6 +854,20 @@ def list_subscriptions(svc: Svc, topic: str | None = None) -> list[SubscriptionO
     return [SubscriptionOut(**found) for found in svc.manager.list_subscriptions(topic)]
 
 
+@SUBSCRIPTIONS.get("/{topic}/{name}/messages", dependencies=[VIEWER], responses=_errors(404))
+def peek(
+    svc: Svc,
+    topic: Topic,
+    name: SubscriptionName,
+    count: Annotated[int, Query(ge=1, le=MAX_PEEK)] = MAX_PEEK,
+) -> list[str]:
+    """The messages waiting in a plain subscription, oldest first, each as the text it
+    holds (a CloudEvent in JSON), none taken: they stay queued in their order (``wm consume
+    --peek``). Reading them off the queue is a client's own (``wm consume``, kombu)."""
+    bodies = svc.manager.consume(topic, name, count=count, peek=True)
+    return [b if isinstance(b, str) else b.decode("utf-8", "replace") for b in bodies]
+
+
 @SUBSCRIPTIONS.put("/{topic}/{name}", dependencies=[OPERATOR])
 def subscribe(svc: Svc, topic: Topic, name: SubscriptionName) -> Subscribed:
     """Feed the topic into a named durable queue any kombu client can read (``wm
@@ -960,6 +978,16 @@ def recover(svc: Svc) -> RecoveryReport:
     routes, queues, workers and events only. ``failures`` names each worker it could not
     bring back, and why; 409 while a recovery runs elsewhere."""
     return svc.manager.recover(own_tenant=True)
+
+
+@OPERATIONS.get("/v1/tenants", tags=["tenants"], dependencies=[ADMIN])
+def list_tenants(
+    svc: Svc, token: Annotated[TokenInfo, Depends(_authenticated)]
+) -> list[TenantInfo]:
+    """Tenants by name, with their live workers and limits (``wm tenant list``): every one
+    for a deployment-wide admin token, its own for a tenant's. Tenants are made, changed and
+    deleted with ``wm tenant``, on the deployment's own machine."""
+    return [t for t in svc.manager.list_tenants() if token.tenant in (None, t.name)]
 
 
 @OPERATIONS.get("/v1/whoami", tags=["tokens"])
