@@ -143,8 +143,16 @@ def test_a_change_without_the_deployments_database_is_refused_not_made_elsewhere
     world: World,
 ) -> None:
     remote = world.remote()
-    refused = one_error_line(wm(remote, "worker", "suspend", "kept", expect=1))
-    assert "WM_DATABASE_URL" in refused and "WM_API_URL" in refused
+    for command in [
+        ("worker", "suspend", "kept"),
+        ("tenant", "create", "elsewhere"),
+        ("db", "current"),
+        ("db", "upgrade"),
+        ("consume", "orders", "--name", "inbox"),
+    ]:
+        refused = one_error_line(wm(remote, *command, expect=1))
+        assert "WM_DATABASE_URL is not set" in refused and world.url in refused, command
+    assert "elsewhere" not in {t["name"] for t in wm_json(world.direct, "tenant", "list")}
     assert wm_json(world.direct, "worker", "show", "kept")["status"] == "running"
     # with the deployment's database given too, the change is made there
     both = {**remote, "WM_DATABASE_URL": world.settings.database_url}

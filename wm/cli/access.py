@@ -78,7 +78,7 @@ def api(
     if out.as_json:
         raise UsageError("wm api prints no JSON; for JSON log lines set WM_LOG_FORMAT=json")
     changes = {"api_bind": bind, "api_port": port, "api_tls_cert": tls_cert, "api_tls_key": tls_key}
-    settings = out.settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    settings = out.store_settings.replace(**{k: v for k, v in changes.items() if v is not None})
     component("wm.ops.api", extra="api").serve(settings, insecure=insecure)
     return 0
 

@@ -55,8 +55,8 @@ def db_upgrade(out: Output) -> int:
     """Apply every pending migration."""
     from wm import store
 
-    store.upgrade(out.settings)
-    revision = store.current_revision(out.settings)
+    store.upgrade(out.store_settings)
+    revision = store.current_revision(out.store_settings)
     if out.as_json:
         out.json({"current": revision})
     else:
@@ -70,8 +70,8 @@ def db_current(out: Output) -> int:
     """Print the current and the head revision."""
     from wm import store
 
-    current = store.current_revision(out.settings)
-    head = store.head_revision(out.settings)
+    current = store.current_revision(out.store_settings)
+    head = store.head_revision(out.store_settings)
     if out.as_json:
         out.json({"current": current, "head": head, "up_to_date": current == head})
         return 0

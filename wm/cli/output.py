@@ -61,22 +61,28 @@ class Output:
         return Settings.from_env()
 
     @cached_property
-    def manager(self) -> WorkManager:
-        """The facade on the database, broker and Redis. With ``WM_API_URL`` set, a command
-        that does not go through the API needs ``WM_DATABASE_URL`` too: without it, it would
-        change an empty local store instead of the deployment the reads show."""
+    def store_settings(self) -> Settings:
+        """The settings of a command that works on the database, broker and Redis itself.
+        With ``WM_API_URL`` set it needs ``WM_DATABASE_URL`` too: without it, it would read
+        or change an empty local store instead of the deployment the API shows."""
         from wm.config import given
         from wm.errors import ConfigurationError
-        from wm.manager import WorkManager
 
         if self.settings.api_url and not given("WM_DATABASE_URL"):
             raise ConfigurationError(
                 f"this command does not go through the admin API (WM_API_URL="
-                f"{self.settings.api_url}): it reads and changes the deployment itself, and "
+                f"{self.settings.api_url}): it works on the deployment's database itself, and "
                 "WM_DATABASE_URL is not set. Set WM_DATABASE_URL (WM_BROKER_URL, WM_REDIS_URL) "
                 "to the deployment's, or run it where they are set"
             )
-        return WorkManager(self.settings, actor="cli", tenant=self.tenant)
+        return self.settings
+
+    @cached_property
+    def manager(self) -> WorkManager:
+        """The facade on the database, broker and Redis (:attr:`store_settings`)."""
+        from wm.manager import WorkManager
+
+        return WorkManager(self.store_settings, actor="cli", tenant=self.tenant)
 
     @cached_property
     def reader(self) -> Reader:

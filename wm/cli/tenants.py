@@ -47,7 +47,7 @@ def create_tenant(out: Output, name: str, **limits: str | None) -> int:
     """Create tenant NAME (1-63 of a-z, 0-9 and -, starting with a letter or digit)."""
     from wm.control import tenants
 
-    info = tenants.create(out.settings, name, _given(limits))
+    info = tenants.create(out.store_settings, name, _given(limits))
     if out.as_json:
         out.json(info.to_json())
     else:
@@ -63,7 +63,7 @@ def set_limits(out: Output, name: str, **limits: str | None) -> int:
     """Set limits of tenant NAME; those not given are kept."""
     from wm.control import tenants
 
-    info = tenants.set_limits(out.settings, name, _given(limits))
+    info = tenants.set_limits(out.store_settings, name, _given(limits))
     if out.as_json:
         out.json(info.to_json())
     else:
@@ -84,7 +84,7 @@ def list_tenants(out: Output) -> int:
     else:  # not through WorkManager, which checks the tenant WM_TENANT names
         from wm.control import tenants
 
-        found = tenants.listing(out.settings)
+        found = tenants.listing(out.store_settings)
     if out.as_json:
         out.json([t.to_json() for t in found])
         return 0
@@ -104,7 +104,7 @@ def delete_tenant(out: Output, name: str) -> int:
     force (each is named); the default tenant is never deleted."""
     from wm.control import tenants
 
-    tenants.delete(out.settings, name)
+    tenants.delete(out.store_settings, name)
     if out.as_json:
         out.json({"deleted": name})
     else:
