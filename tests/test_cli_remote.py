@@ -5,8 +5,11 @@ changes anything running against a store it was not pointed at."""
 from __future__ import annotations
 
 import json
+import ssl
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,3 +180,27 @@ def test_a_tenants_token_lists_its_own_tenant_only(world: World) -> None:
     assert {t["name"] for t in wm_json(world.direct, "tenant", "list")} == {"acme", "default"}
     # it reads its own tenant's workers: none, not the default tenant's
     assert wm_json(world.remote(WM_API_TOKEN=acme), "worker", "list") == []
+
+
+def test_an_https_api_is_trusted_through_the_systems_cas_or_ssl_cert_file(
+    world: World, tmp_path: Path
+) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    trusted = ssl.create_default_context(cafile=str(cert))
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    url, process = start_api(world.settings, *tls, scheme="https", verify=trusted)
+    try:
+        untrusted = one_error_line(wm(world.remote(WM_API_URL=url), "worker", "list", expect=1))
+        assert f"WM_API_URL={url} has a certificate this machine does not trust" in untrusted
+        assert "self-signed certificate" in untrusted and "SSL_CERT_FILE" in untrusted
+        answered = wm_json(world.remote(WM_API_URL=url, SSL_CERT_FILE=str(cert)), "worker", "list")
+        assert [w["name"] for w in answered] == ["kept"]
+    finally:
+        stop(process)

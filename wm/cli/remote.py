@@ -161,7 +161,8 @@ class ApiReader:
         return {i: names[i] for i in wanted if i in names}
 
     def worker_id_of(self, reference: str, *, deleted_names: bool = False) -> str:
-        """``reference`` as it is: the API resolves an id, a short id or a live name."""
+        """``reference`` as it is: the API resolves an id, a short id or a live name (not a
+        deleted worker's name: its id, which the tables show, works)."""
         return reference
 
     def get_worker_history(self, worker_id: uuid.UUID | str) -> list[VersionInfo]:
@@ -197,8 +198,9 @@ class ApiReader:
         idle_s: float | None = None,
         peek: bool = False,
     ) -> Iterator[str | bytes]:
-        """With ``peek`` only (the messages waiting, none taken; at most ``MAX_PEEK``
-        without a ``count``): taking them is the command's own, on the broker."""
+        """With ``peek`` only (the messages waiting, none taken; without a ``count`` as
+        many as the API shows at once, 1,000): taking them is the command's own, on the
+        broker."""
         if not peek:
             raise ValueError("through the API a subscription is only peeked at")
         path = f"/v1/subscriptions/{quote(topic, safe='')}/{quote(name, safe='')}/messages"
@@ -219,6 +221,7 @@ class ApiReader:
         return json.loads(self.get_bytes(path, **query))
 
     def get_bytes(self, path: str, **query: Any) -> bytes:
+        import ssl
         import urllib.error
         import urllib.request
 
@@ -238,6 +241,12 @@ class ApiReader:
             raise _refusal(exc.code, exc.read(), self.url) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                raise Unavailable(
+                    f"the admin API at WM_API_URL={self.url} has a certificate this machine "
+                    f"does not trust ({reason.verify_message}); for a private CA, point "
+                    "SSL_CERT_FILE at its bundle"
+                ) from None
             raise Unavailable(
                 f"the admin API at WM_API_URL={self.url} does not answer ({reason}); start it "
                 "(`wm api`) or unset WM_API_URL to read the database, broker and Redis directly"
