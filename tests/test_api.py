@@ -72,6 +72,7 @@ NEEDS = {
     ("GET", "/v1/subscriptions"): Role.VIEWER,
     ("GET", "/v1/subscriptions/{topic}/{name}/messages"): Role.VIEWER,
     ("GET", "/v1/tenants"): Role.ADMIN,
+    ("GET", "/v1/database"): Role.VIEWER,
     ("PUT", "/v1/subscriptions/{topic}/{name}"): Role.OPERATOR,
     ("DELETE", "/v1/subscriptions/{topic}/{name}"): Role.OPERATOR,
     ("GET", "/v1/tokens"): Role.ADMIN,

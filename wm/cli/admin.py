@@ -67,11 +67,17 @@ def db_upgrade(out: Output) -> int:
 @db.command("current")
 @pass_output
 def db_current(out: Output) -> int:
-    """Print the current and the head revision."""
-    from wm import store
+    """Print the current and the head revision (through the admin API when WM_API_URL is
+    set: the head of the API's code)."""
+    if out.settings.api_url:  # not out.reader: a WorkManager needs a migrated database
+        from wm.cli.remote import ApiReader
 
-    current = store.current_revision(out.store_settings)
-    head = store.head_revision(out.store_settings)
+        current, head = ApiReader(out.settings, out.tenant).revisions()
+    else:
+        from wm import store
+
+        current = store.current_revision(out.settings)
+        head = store.head_revision(out.settings)
     if out.as_json:
         out.json({"current": current, "head": head, "up_to_date": current == head})
         return 0

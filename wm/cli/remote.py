@@ -210,6 +210,11 @@ class ApiReader:
     def list_tenants(self) -> list[TenantInfo]:
         return [from_json(TenantInfo, t) for t in self.get("/v1/tenants")]
 
+    def revisions(self) -> tuple[str | None, str | None]:
+        """The database's migration revision, and the newest of the API's code."""
+        found = self.get("/v1/database")
+        return found["current"], found["head"]
+
     def status(self, *, ping_timeout_s: float | None = None, own_tenant: bool = False) -> Overview:
         """The token's tenant's part of the cluster (the nodes are everyone's)."""
         return from_json(Overview, self.get("/v1/status"))

@@ -320,6 +320,12 @@ class Health(BaseModel):
     version: str
 
 
+class Revisions(BaseModel):
+    current: str | None = Field(description="the database's migration, null: never migrated")
+    head: str | None = Field(description="the newest migration of the API's own code")
+    up_to_date: bool
+
+
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": Problem} for code in codes}
 
@@ -988,6 +994,15 @@ def list_tenants(
     for a deployment-wide admin token, its own for a tenant's. Tenants are made, changed and
     deleted with ``wm tenant``, on the deployment's own machine."""
     return [t for t in svc.manager.list_tenants() if token.tenant in (None, t.name)]
+
+
+@OPERATIONS.get("/v1/database", tags=["health"], dependencies=[VIEWER], responses=_errors(503))
+def database(svc: Svc) -> Revisions:
+    """The database's migration revision and the newest one the API's code has
+    (``wm db current``); migrating is ``wm db upgrade``'s, on the deployment's own machine."""
+    current = store.current_revision(svc.settings)
+    head = store.head_revision(svc.settings)
+    return Revisions(current=current, head=head, up_to_date=current == head)
 
 
 @OPERATIONS.get("/v1/whoami", tags=["tokens"])
