@@ -127,7 +127,12 @@ def test_each_read_answers_through_the_api_as_it_does_directly(world: World) -> 
 
 
 def test_a_refusal_reads_as_the_direct_one_and_names_what_to_fix(world: World) -> None:
-    for command in [("worker", "show", "nosuch"), ("dlq", "show", "nosuch")]:
+    nobody = "0b0b0b0b-0000-4000-8000-000000000000"  # no worker has it
+    for command in [
+        ("worker", "show", "nosuch"),
+        ("dlq", "show", "nosuch"),
+        ("session", "show", nobody, "s1"),
+    ]:
         remote = one_error_line(wm(world.remote(), *command, expect=1))
         assert remote == one_error_line(wm(world.direct, *command, expect=1))
     refused = one_error_line(

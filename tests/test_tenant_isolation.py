@@ -71,6 +71,8 @@ NO_REFERENCE = {
     ("GET", "/v1/subscriptions"),
     ("GET", "/v1/tokens"),
     ("POST", "/v1/tokens"),
+    ("GET", "/v1/tenants"),
+    ("GET", "/v1/database"),
 }
 #: Routes whose path names a thing in the caller's own tenant, which they make or remove:
 #: A's call with B's topic makes (removes) A's own subscription, and B's stays as it was.

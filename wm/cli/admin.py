@@ -69,10 +69,8 @@ def db_upgrade(out: Output) -> int:
 def db_current(out: Output) -> int:
     """Print the current and the head revision (through the admin API when WM_API_URL is
     set: the head of the API's code)."""
-    if out.settings.api_url:  # not out.reader: a WorkManager needs a migrated database
-        from wm.cli.remote import ApiReader
-
-        current, head = ApiReader(out.settings, out.tenant).revisions()
+    if out.remote:  # not out.reader: a WorkManager needs a migrated database
+        current, head = out.remote.revisions()
     else:
         from wm import store
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from wm.cli.remote import Reader
+    from wm.cli.remote import ApiReader, Reader
     from wm.config import Settings
     from wm.manager import WorkManager
 
@@ -85,14 +85,18 @@ class Output:
         return WorkManager(self.store_settings, actor="cli", tenant=self.tenant)
 
     @cached_property
-    def reader(self) -> Reader:
-        """What the read commands ask: the admin API when ``WM_API_URL`` is set
-        (``wm.cli.remote``), else :attr:`manager`."""
-        if self.settings.api_url:
-            from wm.cli.remote import ApiReader
+    def remote(self) -> ApiReader | None:
+        """The admin API when ``WM_API_URL`` is set (``wm.cli.remote``), else None."""
+        if not self.settings.api_url:
+            return None
+        from wm.cli.remote import ApiReader
 
-            return ApiReader(self.settings, self.tenant)
-        return self.manager
+        return ApiReader(self.settings, self.tenant)
+
+    @property
+    def reader(self) -> Reader:
+        """What the read commands ask: :attr:`remote`, else :attr:`manager`."""
+        return self.remote or self.manager
 
     # -- consoles ----------------------------------------------------------------------------
 

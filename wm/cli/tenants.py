@@ -79,8 +79,8 @@ def _limits_line(limits: TenantLimits) -> str:
 @pass_output
 def list_tenants(out: Output) -> int:
     """List tenants by name, with their live workers and limits ('-': unlimited)."""
-    if out.settings.api_url:
-        found = out.reader.list_tenants()
+    if out.remote:
+        found = out.remote.list_tenants()
     else:  # not through WorkManager, which checks the tenant WM_TENANT names
         from wm.control import tenants
 

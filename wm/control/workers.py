@@ -146,7 +146,7 @@ class Workers:
         """Where the worker's session is bound (docs/guides/session-affinity.md)."""
         from wm.state.affinity import Affinity
 
-        wid = self.resolve(reference)
+        wid = self.stored(reference).id  # a missing id is not found here, as another tenant's
         instance, left_s = Affinity(self.settings).binding(str(wid), _session(session))
         return SessionInfo(wid, session, instance, left_s)
 
@@ -155,7 +155,7 @@ class Workers:
         (and starts from that instance's memory). False when it had none."""
         from wm.state.affinity import Affinity
 
-        wid = self.resolve(reference)
+        wid = self.stored(reference).id
         return Affinity(self.settings).unbind(str(wid), _session(session))
 
     def with_health(self, infos: builtins.list[WorkerInfo]) -> builtins.list[WorkerInfo]:
