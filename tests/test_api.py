@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode, checks
 
 from tests.conftest import env_of
-from tests.helpers import STUB, drain, eventually, free_port, stub, wm_cli
+from tests.helpers import STUB, drain, eventually, free_port, self_signed, stub, wm_cli
 from wm import Settings, WorkManager, store
 from wm.control.access import Tokens
 from wm.dataplane.recovery import LEADER_KEY
@@ -699,14 +699,7 @@ def test_the_server_refuses_clear_text_beyond_loopback(
     url, process = start_api(pg_settings, "--bind", "0.0.0.0", "--insecure")
     stop(process)
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     trusted = ssl.create_default_context(cafile=str(cert))
     url, process = start_api(
         pg_settings,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from tests.cli_env import one_error_line, wm, wm_json
 from tests.conftest import env_of
-from tests.helpers import STUB, free_port, stub
+from tests.helpers import STUB, free_port, self_signed, stub
 from tests.test_api import start_api, stop
 from tests.test_cli_dlq import park
 from wm import Settings, WorkManager, store
@@ -190,14 +189,7 @@ def test_a_tenants_token_lists_its_own_tenant_only(world: World) -> None:
 def test_an_https_api_is_trusted_through_the_systems_cas_or_ssl_cert_file(
     world: World, tmp_path: Path
 ) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     trusted = ssl.create_default_context(cafile=str(cert))
     tls = ("--tls-cert", str(cert), "--tls-key", str(key))
     url, process = start_api(world.settings, *tls, scheme="https", verify=trusted)

@@ -20,7 +20,7 @@ import json
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlencode
 
 from wm.config import Settings
@@ -41,43 +41,14 @@ from wm.views import (
     from_json,
 )
 
+if TYPE_CHECKING:
+    from wm.control.access import Audit, Tokens
+    from wm.control.deadletters import DeadLetters
+
 #: Seconds a call may take before the command gives up on the API.
 TIMEOUT_S = 30.0
 #: The request header naming the tenant a call works in (``wm.ops.gate.TENANT_HEADER``).
 TENANT_HEADER = "WM-Tenant"
-
-V = TypeVar("V")
-
-
-class LetterReader(Protocol):
-    def list(
-        self,
-        *,
-        topic: str | None = None,
-        worker_id: str | None = None,
-        error_type: str | None = None,
-        include_replayed: bool = False,
-        limit: int = 100,
-    ) -> builtins.list[DeadLetterInfo]: ...
-
-    def get(self, letter_id: str) -> DeadLetterInfo: ...
-
-
-class TokenReader(Protocol):
-    def list(
-        self, *, include_revoked: bool = False, own_tenant: bool = False
-    ) -> builtins.list[TokenInfo]: ...
-
-
-class AuditReader(Protocol):
-    def list(
-        self,
-        *,
-        token: str | None = None,
-        since: datetime | None = None,
-        limit: int = 100,
-        tenant: str | None = None,
-    ) -> builtins.list[AuditInfo]: ...
 
 
 class Reader(Protocol):
@@ -86,11 +57,11 @@ class Reader(Protocol):
     @property
     def tenant(self) -> str: ...
     @property
-    def dead_letters(self) -> LetterReader: ...
+    def dead_letters(self) -> DeadLetters | _Letters: ...
     @property
-    def tokens(self) -> TokenReader: ...
+    def tokens(self) -> Tokens | _Tokens: ...
     @property
-    def audit(self) -> AuditReader: ...
+    def audit(self) -> Audit | _Audit: ...
 
     def list_workers(
         self, *, topic: str | None = None, group: str | None = None, status: str | None = None
