@@ -59,6 +59,10 @@ DEFAULT_TENANT = "default"
 MAX_TENANT_CHARS = 63
 #: A tenant name, as a regular expression (the API's header declares it).
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+#: The admin API's request header naming the tenant a call works in (absent: the token's
+#: tenant, or the default one for a deployment-wide token); ``wm``'s reads through the API
+#: send it.
+TENANT_HEADER = "WM-Tenant"
 _TENANT = re.compile(TENANT_PATTERN)
 
 

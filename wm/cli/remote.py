@@ -25,7 +25,7 @@ from urllib.parse import quote, urlencode
 
 from wm.config import Settings
 from wm.errors import Conflict, NotFound, Refused, Unavailable, WorkManagerError
-from wm.names import DEFAULT_TENANT
+from wm.names import DEFAULT_TENANT, TENANT_HEADER
 from wm.views import (
     AuditInfo,
     DeadLetterInfo,
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
 #: Seconds a call may take before the command gives up on the API.
 TIMEOUT_S = 30.0
-#: The request header naming the tenant a call works in (``wm.ops.gate.TENANT_HEADER``).
-TENANT_HEADER = "WM-Tenant"
 
 
 class Reader(Protocol):

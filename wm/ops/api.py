@@ -85,7 +85,7 @@ from wm.errors import (
 from wm.events import CloudEvent, decode
 from wm.lifecycle import Status
 from wm.manager import WorkManager
-from wm.names import DEFAULT_TENANT, TENANT_PATTERN, check_name
+from wm.names import DEFAULT_TENANT, TENANT_HEADER, TENANT_PATTERN, check_name
 from wm.ops import accesslog, apidocs, console, gate, health
 from wm.text import storable, storable_data
 from wm.views import (
@@ -357,11 +357,6 @@ class Services:
             with self._lock:
                 found = self._tenants.setdefault(tenant, Services(self.settings, manager))
         return found
-
-
-#: The request header naming the tenant a call works in (absent: the token's tenant, or the
-#: default one for a deployment-wide token).
-TENANT_HEADER = gate.TENANT_HEADER
 
 
 def _services(

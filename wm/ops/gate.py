@@ -49,7 +49,7 @@ from wm.errors import (
     Unavailable,
     WorkManagerError,
 )
-from wm.names import DEFAULT_TENANT, TENANT_PATTERN
+from wm.names import DEFAULT_TENANT, TENANT_HEADER, TENANT_PATTERN
 from wm.text import storable
 from wm.views import Role, TokenInfo
 
@@ -62,8 +62,6 @@ SERVICES: dict[type[Unavailable], str] = {
     StoreUnavailable: "the database",
     BrokerUnavailable: "the broker or Redis",
 }
-#: The request header naming the tenant a call works in.
-TENANT_HEADER = "WM-Tenant"
 _TENANT_NAME = re.compile(TENANT_PATTERN)
 #: Status code of each group of errors (``wm.errors.GROUPS``); 422 ones are shaped like
 #: FastAPI's validation errors. A failed delivery ends an attempt on a node, not a call: 400
