@@ -131,11 +131,12 @@ def test_the_drain_phase_times_every_scenario_against_the_plain_reference(
         "group",
     ]
     # WorkManager adds its own Redis work to what Celery does for a plain task; on RabbitMQ
-    # the state store sees nothing of a plain task
+    # the state store sees nothing of a plain task, only the idle node's own ticks (heartbeat,
+    # supervision), which every row counts and a slow machine stretches over more of them
     plain_commands = float(rows[drain.PLAIN]["commands"])
     assert all(float(rows[name]["commands"]) > plain_commands for name in workers)
     if not rig.redis_broker:
-        assert plain_commands < 1, out
+        assert plain_commands < float(rows["no output"]["commands"]) / 2, out
     figures = drain.figures(results, notes, 30, 2, 2)
     assert [row["scenario"] for row in figures["scenarios"]] == list(rows)
     assert set(figures["batched_vs_dramatiq"]) == ({"full", "window"} if batched else set())
