@@ -23,6 +23,7 @@ from kombu import Consumer, Producer
 from tests.conftest import AMQP_URL, BROKER_DB, STATE_DB, flush_redis, make_settings
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager, make_event
+from wm.dataplane import placement
 from wm.dataplane.app import celery_settings, make_app
 from wm.dataplane.batches import ready_batch
 from wm.dataplane.queues import (
@@ -290,6 +291,67 @@ def test_an_unacknowledged_message_restored_is_listed_again(
         reader.messages[1].ack()
     finally:
         reader.close()
+
+
+@pytest.fixture
+def placed() -> Iterator[tuple[str, str]]:
+    """This process places as node ``me`` of the live nodes ``me`` and ``other`` (a spill of
+    20); yields their names."""
+    view = placement.VIEW
+    saved = view.node, view.spill, view.nodes
+    view.node, view.spill, view.nodes = "me", 20, ("me", "other")
+    yield "me", "other"
+    view.node, view.spill, view.nodes = saved
+
+
+def placed_queue(topic: str, node: str, nodes: tuple[str, ...]) -> str:
+    """A worker queue of ``topic`` that placement puts on ``node``."""
+    while True:
+        queue = worker_queue(topic)
+        if placement.owner(queue, nodes) == node:
+            return queue
+
+
+def test_a_name_in_the_inbox_of_a_queue_the_node_does_not_consume_leaves_the_inbox(
+    broker_settings: Settings, broker: redis.Redis, placed: tuple[str, str]
+) -> None:
+    """A queue placed on this node that it does not consume (its worker stopped): its
+    messages go back in order and its name leaves the inbox, where it would be popped again
+    at every take for as long as the node runs."""
+    me, _ = placed
+    busy, stopped = (placed_queue(topic, me, placed) for topic in ("busy", "stopped"))
+    inbox = placement.inbox_key(READY_LIST, me)
+    publish(broker_settings, stopped, 3)
+    publish(broker_settings, busy, 3)
+    for queue in (stopped, busy):  # where another node's take puts a name placed here
+        broker.lrem(READY_LIST, 0, queue)
+        broker.lpush(inbox, queue)
+    reader = Reader(broker_settings, [busy])
+    try:
+        assert [body["n"] for body in reader.read(3)] == [0, 1, 2]
+        assert reader.read(4, timeout_s=1) == reader.received[:3]
+        for message in reader.messages:
+            message.ack()
+    finally:
+        reader.close()
+    assert broker.lrange(inbox, 0, -1) == [] and broker.llen(READY_LIST) == 0
+    assert [body_of(item)["n"] for item in broker.lrange(stopped, 0, -1)] == [2, 1, 0]
+
+
+def test_the_repair_leaves_a_name_held_in_a_live_nodes_inbox_listed_once(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A name in the inbox of a member of placement is listed; one in the inbox of a node
+    that is no member (gone) is not, and the repair lists it."""
+    held, orphaned = worker_queue("held"), worker_queue("orphaned")
+    broker.zadd(placement.members_key(READY_LIST), {"other": time.time() * 1000 + 60_000})
+    for queue, node in ((held, "other"), (orphaned, "gone")):
+        publish(broker_settings, queue, 2)
+        broker.lrem(READY_LIST, 0, queue)
+        broker.lpush(placement.inbox_key(READY_LIST, node), queue)
+    with make_app(broker_settings).connection_for_write() as conn:
+        assert conn.default_channel.repair_ready([held, orphaned]) == 1
+    assert broker.lrange(READY_LIST, 0, -1) == [orphaned.encode()]
 
 
 def test_raw_bytes_pushed_past_the_transport_reach_the_reader_after_a_repair(

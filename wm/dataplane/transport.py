@@ -61,7 +61,7 @@ from kombu.utils.json import dumps, loads
 
 from wm.dataplane import fairshare
 from wm.dataplane.liveness import HOLD, QoS, hold_args
-from wm.dataplane.placement import PLACE, my_inbox, place_args
+from wm.dataplane.placement import INBOX, MEMBERS, PLACE, my_inbox, place_args
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
 from wm.state.connection import refuse_cluster_broker
 
@@ -199,17 +199,25 @@ for i = 2, #KEYS do
 end
 return 0
 """
-# KEYS: the ready list. ARGV: the number L of levels, the L suffixes of a level's list, then
-# queues. Lists each queue that holds messages and is not listed (a node may have died
-# holding its name). A name a node holds at this moment is listed twice.
+# KEYS: the ready list. ARGV: the placement members' and inboxes' suffixes (placement.MEMBERS,
+# placement.INBOX), the number L of levels, the L suffixes of a level's list, then queues.
+# Lists each queue that holds messages and is listed neither in the ready list nor in the
+# inbox of a member of placement (a node may have died holding its name). A name a node
+# holds at this moment is listed twice.
 _REPAIR = """
 local listed = {}
-for _, queue in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do listed[queue] = true end
-local levels, fixed = tonumber(ARGV[1]), 0
-for i = levels + 2, #ARGV do
+local function read(list)
+  for _, queue in ipairs(redis.call('LRANGE', list, 0, -1)) do listed[queue] = true end
+end
+read(KEYS[1])
+for _, node in ipairs(redis.call('ZRANGE', KEYS[1] .. ARGV[1], 0, -1)) do
+  read(KEYS[1] .. ARGV[2] .. node)
+end
+local levels, fixed = tonumber(ARGV[3]), 0
+for i = levels + 4, #ARGV do
   local queue = ARGV[i]
   if not listed[queue] then
-    for l = 2, levels + 1 do
+    for l = 4, levels + 3 do
       if redis.call('LLEN', queue .. ARGV[l]) > 0 then
         redis.call('LPUSH', KEYS[1], queue)
         listed[queue] = true
@@ -324,8 +332,9 @@ class Channel(kombu_redis.Channel):
             pipe.execute()
 
     def repair_ready(self, queues: Iterable[str]) -> int:
-        """List every one of ``queues`` that holds messages but is not in the ready list;
-        returns how many. Costs Redis one LLEN per queue and one read of the ready list."""
+        """List every one of ``queues`` that holds messages but is not in the ready list (nor
+        in a placement member's inbox); returns how many. Costs Redis one LLEN per queue and
+        one read of the ready list and of each inbox."""
         queues = sorted(queue for queue in set(queues) if self._ready_for(queue))
         suffixes = self._levels("")
         script = self._script(_REPAIR)
@@ -333,7 +342,7 @@ class Channel(kombu_redis.Channel):
         with self.conn_or_acquire() as client:
             for start in range(0, len(queues), REPAIR_QUEUES_PER_CALL):
                 chunk = queues[start : start + REPAIR_QUEUES_PER_CALL]
-                args = [len(suffixes), *suffixes, *chunk]
+                args = [MEMBERS, INBOX, len(suffixes), *suffixes, *chunk]
                 fixed += int(script(keys=[self.ready_key], args=args, client=client))
         return fixed
 
@@ -445,9 +454,14 @@ class Channel(kombu_redis.Channel):
             queue = queue.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
         elif queue not in self.active_queues:
-            # Not this node's to take (a stopped worker's): back where it was, unlisted.
+            # Not this node's to take (a stopped worker's): back where it was, unlisted, in
+            # the shared list and in this node's inbox (the take may have listed it there
+            # again: left in, the next take would pop it again, and again)
             with self.conn_or_acquire() as client, client.pipeline() as pipe:
                 pipe.rpush(key, item).lrem(self.ready_key, 0, queue)
+                inbox = my_inbox(self)
+                if inbox:
+                    pipe.lrem(inbox, 0, queue)
                 if tag:
                     self.qos._remove_from_indices(bytes_to_str(tag), pipe)
                 pipe.execute()
