@@ -83,9 +83,9 @@ def test_threads_of_one_process_load_a_worker_once(
     loads: list[int] = []
     read = directory.code
 
-    def code_of(worker: str, version: int) -> bytes:
+    def code_of(worker: str, version: int, sha256: str | None = None) -> bytes:
         loads.append(version)
-        return read(worker, version)
+        return read(worker, version, sha256)
 
     monkeypatch.setattr(directory, "code", code_of)
     cache = EngineCache(settings, directory)

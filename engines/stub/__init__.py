@@ -9,8 +9,10 @@ The code is a JSON object::
      "fail_runs": 2,                 # ...only an event's first 2 runs (counted in "trace")
      "outputs": 1,                   # how many output events per input
      "trace": "/tmp/runs.jsonl",     # append one line per execution begun to this file
-     "sick_while": "/tmp/sick"}      # while this file exists, deliveries fail and the
+     "sick_while": "/tmp/sick",      # while this file exists, deliveries fail and the
                                      # health probe fails (the code has a probe only then)
+     "label": "worker 17"}           # ignored: tells workers' code apart (a benchmark's
+                                     # thousand workers, each with code of its own)
 
 Each output's data records the input data, the worker version and the process id and
 start/end times (outside the default tenant also the worker's tenant and the event's), so
@@ -40,6 +42,7 @@ _KEYS = {
     "outputs": int,
     "trace": str,
     "sick_while": str,
+    "label": str,
 }
 
 

@@ -1,5 +1,6 @@
-"""``wm bench --scale-workers W``: W stub workers over T topics on N nodes, against one worker
-on the same N nodes, in one run (issue 12's case is 1,000 workers, 100 topics, 3 nodes).
+"""``wm bench --scale-workers W``: W stub workers (each with code of its own) over T topics on
+N nodes, against one worker on the same N nodes, in one run (issue 12's case is 1,000
+workers, 100 topics, 3 nodes).
 
 The N nodes are bench nodes (``wm.bench.nodes``, ``celery -A wm.bench.benchnode``), launched
 at once and told apart by their names (``<prefix>@<host>.0``, ``.1``, …); they share the
@@ -36,6 +37,7 @@ Everything the phase made (workers, queues, on RabbitMQ the exchanges) is delete
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -269,8 +271,13 @@ class _Phase:
         """The W workers, running, and the one, stopped; then the cost of the bench's own
         polling is measured."""
         workers, clock = self.report.workers, time.monotonic()
-        self.many = [str(self.rig.worker(f"t{n % self.topics}", b"{}").id) for n in range(workers)]
-        self.one = str(self.rig.worker("one", b"{}").id)
+        # each with code of its own, as in a deployment: no cache of code shared by content
+        # serves one worker's loads with another's
+        self.many = [
+            str(self.rig.worker(f"t{n % self.topics}", _code(f"worker {n}")).id)
+            for n in range(workers)
+        ]
+        self.one = str(self.rig.worker("one", _code("one")).id)
         self.rig.manager.stop_worker(self.one)
         _say(f"{workers} workers created in {time.monotonic() - clock:.0f} s")
         self.counters.calibrate(self.ledger, self.many)
@@ -500,3 +507,8 @@ def _say(text: str) -> None:
 
 def _verdict(met: bool, target: str) -> str:
     return f"  target {target} " + ("met" if met else "MISSED")
+
+
+def _code(label: str) -> bytes:
+    """A stub worker's code that does nothing, distinct by its ``label``."""
+    return json.dumps({"label": label}).encode()

@@ -69,13 +69,19 @@ class EngineCache:
         self._used: set[str] = set()
         #: What the loaded engines are charged, together (kept as charges change).
         self._charged = 0
+        #: Workers whose engines may keep processes (their class says so): the gauge of
+        #: sandboxes, read after every load, asks these alone (asking each of a thousand
+        #: loaded engines made a load's cost grow with the cache).
+        self._keeping: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._engines)
 
     def processes(self) -> int:
         """Processes the loaded engines keep (sandboxes, helpers)."""
-        return sum(len(loaded.engine.processes()) for loaded in list(self._engines.values()))
+        with self._lock:
+            keeping = [self._engines[worker_id].engine for worker_id in self._keeping]
+        return sum(len(engine.processes()) for engine in keeping)
 
     @property
     def charged_bytes(self) -> int:
@@ -114,13 +120,15 @@ class EngineCache:
             cached.engine if cached is not None else engine_class(meta.mime_type)(self.settings)
         )
         before = resident_bytes()
-        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
+        engine.load(_code(self.directory, meta, version), _spec(meta, version))
         loaded = _Loaded(version, engine, max(0, resident_bytes() - before))
         loaded.sample()
         with self._lock:
             replaced = self._engines.get(meta.id)
             self._charged += loaded.charge - (replaced.charge if replaced else 0)
             self._engines[meta.id] = loaded
+            if type(engine).processes is not Engine.processes:
+                self._keeping.add(meta.id)
             evicted = self._handing_out(meta.id)
         self._close(evicted, meta, loaded=True)
         return engine
@@ -149,7 +157,7 @@ class EngineCache:
 
     def _load(self, meta: WorkerMeta, version: int) -> Engine:
         engine = engine_class(meta.mime_type)(self.settings)
-        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
+        engine.load(_code(self.directory, meta, version), _spec(meta, version))
         return engine
 
     def _evict(self) -> list[Engine]:
@@ -166,6 +174,7 @@ class EngineCache:
             )
             evicted.append(loaded.engine)
             self._used.discard(worker_id)
+            self._keeping.discard(worker_id)
             total -= loaded.charge
         self._charged = total
         return evicted
@@ -179,6 +188,7 @@ class EngineCache:
         """Take the worker's engine out of the cache (the caller closes it)."""
         with self._lock:
             cached = self._engines.pop(worker_id, None)
+            self._keeping.discard(worker_id)
             if cached is not None:
                 self._charged -= cached.charge
         return cached.engine if cached is not None else None
@@ -188,6 +198,7 @@ class EngineCache:
             for loaded in self._engines.values():
                 loaded.engine.close()
             self._engines.clear()
+            self._keeping.clear()
             self._charged = 0
 
 
@@ -198,6 +209,11 @@ def cache_budget_bytes(settings: Settings) -> int:
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     processes = settings.node_concurrency or os.cpu_count() or 1
     return physical // 2 // processes
+
+
+def _code(directory: Directory, meta: WorkerMeta, version: int) -> bytes:
+    """The code of ``version``; the current one's by its SHA-256 (cached in Redis)."""
+    return directory.code(meta.id, version, meta.sha256 if version == meta.version else None)
 
 
 def _spec(meta: WorkerMeta, version: int) -> WorkerSpec:

@@ -44,6 +44,7 @@ from wm.dataplane.routes import route_of
 from wm.engine import check_engines
 from wm.errors import RecoveryRunning, Unavailable
 from wm.lifecycle import Status
+from wm.state.directory import Directory
 from wm.state.health import UNHEALTHY, WorkerHealth
 from wm.state.ledger import Ledger
 from wm.store.models import Subscription, Worker
@@ -229,6 +230,8 @@ class Reconciler(bootsteps.StartStopStep):
     def _tick(self, parent: Any, starting: bool = False) -> None:
         try:
             running = running_queues(self.settings)
+            if starting:
+                warm(self.settings, running.values())
             reconcile(parent, running)
             STATE.consuming, STATE.queues = True, len(set(running))
             if self.watching is None:  # a member once it consumes (the first reconcile may
@@ -243,6 +246,22 @@ class Reconciler(bootsteps.StartStopStep):
             logger.exception(
                 "reconcile failed; next try in %ss", self.settings.reconcile_interval_s
             )
+
+
+def warm(settings: Settings, worker_ids: Iterable[str]) -> None:
+    """Before a starting node consumes: the facts and code of the running workers, cached in
+    a few queries (``Directory.warm``) rather than by each pool process on its first
+    delivery to each, one query for the facts and one for the code. Best effort: a failure
+    is logged, and the deliveries read what they need as before."""
+    started = time.monotonic()
+    try:
+        read = Directory(settings).warm(set(worker_ids))
+    except Exception:
+        logger.warning("could not cache the running workers' facts ahead", exc_info=True)
+        return
+    if read:
+        elapsed = time.monotonic() - started
+        logger.info("cached the facts and code of %d worker(s) in %.2f s", read, elapsed)
 
 
 def start_heartbeat(settings: Settings, app: Celery, hostname: str) -> Heartbeat | None:

@@ -9,18 +9,20 @@ share's members, each of whose own entry says whether it runs.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select, tuple_
 
 from wm import store
 from wm.config import Settings
 from wm.errors import VersionNotFound
 from wm.names import split_route_topic
-from wm.state.connection import StateRedis, redis_errors, redis_for
+from wm.state.connection import StateRedis, queue_eval, redis_errors, redis_for
 from wm.store import shares
 from wm.store import tenants as tenant_rows
 from wm.store.models import Tenant, Worker, WorkerVersion
@@ -30,6 +32,21 @@ from wm.workersettings import WorkerSettings
 _KEY = "wm:worker:"
 #: A cached entry expires even if an invalidation was lost (e.g. Redis briefly down).
 _CACHE_TTL_S = 60
+#: Code by its SHA-256 (``wm:code:<sha256>``), for the pool processes loading it after the
+#: first: versions never change, so an entry is never stale; it lapses after the TTL, and
+#: code larger than the cap is always read from the database.
+_CODE = "wm:code:"
+_CODE_CACHE_TTL_S = 600
+_CODE_CACHE_MAX_BYTES = 1 << 20
+#: Workers whose facts one query of :meth:`Directory.warm` reads.
+_WARM_PER_QUERY = 500
+#: Versions whose code one query of :meth:`Directory.warm` reads (each up to the cap).
+_WARM_CODE_PER_QUERY = 50
+#: A worker's row with its current version's SHA-256.
+_FACTS = select(Worker, WorkerVersion.sha256).join(
+    WorkerVersion,
+    (WorkerVersion.worker_id == Worker.id) & (WorkerVersion.version == Worker.current_version),
+)
 #: Bumped by every invalidation, so a read that raced a change is not cached.
 _GENERATION = "wm:worker-generation:"
 # KEYS: generation, cache. ARGV: generation seen before the read ('' = none), value, ttl.
@@ -175,38 +192,101 @@ class Directory:
         except ValueError:
             return None
         with store.session_scope(self.settings) as session:
-            row = session.execute(
-                select(Worker, WorkerVersion.sha256)
-                .join(
-                    WorkerVersion,
-                    (WorkerVersion.worker_id == Worker.id)
-                    & (WorkerVersion.version == Worker.current_version),
-                )
-                .where(Worker.id == wid)
-            ).one_or_none()
+            row = session.execute(_FACTS.where(Worker.id == wid)).one_or_none()
             if row is None:
                 return None
             worker, sha256 = row
             limits = tenant_rows.limits_of(session.get(Tenant, worker.tenant)).delivery()
-            return WorkerMeta(
-                str(worker.id),
-                worker.topic,
-                worker.group,
-                worker.mime_type,
-                worker.status,
-                worker.current_version,
-                sha256,
-                dict(worker.settings or {}),
-                worker.name,
-                limits,
-            )
+            return _meta(worker, sha256, limits)
 
-    def code(self, worker_id: str, version: int) -> bytes:
+    def warm(self, worker_ids: Collection[str]) -> int:
+        """Cache the facts and code of those of ``worker_ids`` whose facts are not cached, read
+        from the database in a few queries: a node starting under a backlog for many workers
+        does it once, not each pool process one query per worker and for its code another.
+        Entries are written only where no change was announced since (as :meth:`get_with`
+        caches); returns how many workers' facts were read."""
+        read = 0
+        ids = sorted(worker_ids)  # a shared group's id among them matches no worker's row
+        for start in range(0, len(ids), _WARM_PER_QUERY):
+            read += self._warm(ids[start : start + _WARM_PER_QUERY])
+        return read
+
+    def _warm(self, worker_ids: list[str]) -> int:
+        with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                for key in _keys(worker_id):
+                    pipe.get(key)
+            found = pipe.execute()
+        seen = {
+            worker_id: generation
+            for worker_id, cached, generation in zip(
+                worker_ids, found[::2], found[1::2], strict=True
+            )
+            if cached is None
+        }
+        if not seen:
+            return 0
+        with store.session_scope(self.settings) as session:
+            rows = session.execute(
+                _FACTS.where(Worker.id.in_([uuid.UUID(worker_id) for worker_id in seen]))
+            ).all()
+            tenants = {worker.tenant for worker, _ in rows}
+            limits = {
+                name: tenant_rows.limits_of(session.get(Tenant, name)).delivery()
+                for name in tenants
+            }
+            metas = [_meta(worker, sha256, limits[worker.tenant]) for worker, sha256 in rows]
+            self._warm_code(session, metas)
+        with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
+            for meta in metas:
+                cache, generation = _keys(meta.id)
+                args = (seen[meta.id] or b"", meta.to_json(), _CACHE_TTL_S)
+                queue_eval(pipe, _CACHE_IF_UNCHANGED, [generation, cache], *args)
+            pipe.execute()
+        return len(metas)
+
+    def _warm_code(self, session: Any, metas: list[WorkerMeta]) -> None:
+        """Cache the current code of ``metas`` not cached by its hash yet, up to the cache's
+        cap, a few versions per query (each may be up to the cap)."""
+        shas = sorted({meta.sha256 for meta in metas})
+        with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
+            for sha256 in shas:
+                pipe.exists(_CODE + sha256)
+            missing = {sha for sha, cached in zip(shas, pipe.execute(), strict=True) if not cached}
+        wanted = [(uuid.UUID(meta.id), meta.version) for meta in metas if meta.sha256 in missing]
+        for start in range(0, len(wanted), _WARM_CODE_PER_QUERY):
+            rows = session.execute(
+                select(WorkerVersion.sha256, WorkerVersion.code).where(
+                    tuple_(WorkerVersion.worker_id, WorkerVersion.version).in_(
+                        wanted[start : start + _WARM_CODE_PER_QUERY]
+                    ),
+                    func.length(WorkerVersion.code) <= _CODE_CACHE_MAX_BYTES,
+                )
+            ).all()
+            with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
+                for sha256, code in rows:
+                    pipe.set(_CODE + sha256, bytes(code), ex=_CODE_CACHE_TTL_S)
+                pipe.execute()
+
+    def code(self, worker_id: str, version: int, sha256: str | None = None) -> bytes:
+        """The code of a version; with its ``sha256``, from the content-addressed cache when
+        another process loaded it lately (a node fleet starting with many workers loads each
+        once per pool process: from PostgreSQL, that was most of a first delivery)."""
+        cached: Any = None
+        if sha256 is not None:
+            with redis_errors(self.settings):
+                cached = self.redis.get(_CODE + sha256)
+        if isinstance(cached, bytes) and hashlib.sha256(cached).hexdigest() == sha256:
+            return cached
         with store.session_scope(self.settings) as session:
             row = session.get(WorkerVersion, (uuid.UUID(worker_id), version))
             if row is None:
                 raise VersionNotFound(f"worker {worker_id} has no version {version}")
-            return bytes(row.code)
+            code = bytes(row.code)
+        if sha256 == row.sha256 and len(code) <= _CODE_CACHE_MAX_BYTES:
+            with redis_errors(self.settings):
+                self.redis.set(_CODE + sha256, code, ex=_CODE_CACHE_TTL_S)
+        return code
 
     def invalidate(self, worker_id: str | None = None) -> None:
         """Forget one worker or share (after a change) or all of them (reconcile)."""
@@ -232,3 +312,19 @@ def _keys(worker_id: str) -> tuple[str, str]:
     ``wm:worker-generation:{<id>}``: hash-tagged with its id, as its outcomes and pending
     ledger are, so one MGET reads them with an outcome on a Redis Cluster too."""
     return f"{_KEY}{{{worker_id}}}", f"{_GENERATION}{{{worker_id}}}"
+
+
+def _meta(worker: Worker, sha256: str, limits: dict[str, Any] | None) -> WorkerMeta:
+    return WorkerMeta(
+        str(worker.id),
+        worker.topic,
+        worker.group,
+        worker.mime_type,
+        worker.status,
+        worker.current_version,
+        sha256,
+        dict(worker.settings or {}),
+        worker.name,
+        limits,
+    )
+
