@@ -12,7 +12,7 @@ import redis
 from tests.helpers import STUB, stub
 from wm import Settings, WorkManager
 from wm.state import directory as directory_module
-from wm.state.directory import Directory, WorkerMeta
+from wm.state.directory import Directory, WorkerMeta, cached_code, code_key
 
 
 def test_a_read_that_raced_a_change_is_not_cached(settings: Settings) -> None:
@@ -36,24 +36,22 @@ def test_a_read_that_raced_a_change_is_not_cached(settings: Settings) -> None:
     assert state.get(f"wm:worker:{{{wid}}}") is not None
 
 
-def test_code_is_read_once_from_the_database_then_by_its_hash_and_never_wrong(
+def test_code_is_read_once_from_the_database_then_from_redis_and_never_wrong(
     settings: Settings,
 ) -> None:
-    """The pool processes after the first read a version's code from Redis, by its SHA-256;
-    an entry that does not hash to its key is not trusted, code over the cap never cached."""
+    """The pool processes after the first read the current version's code from Redis, beside
+    the worker's facts; an entry that is not the code of the facts' SHA-256 (tampered with,
+    or an older version's) is not used, and code over the cap is never cached."""
     manager = WorkManager(settings)
     code = stub(output_type="cached.out")
     worker = manager.create_worker(code=code, mime_type=STUB, topic="t")
     wid, sha256 = str(worker.id), hashlib.sha256(code).hexdigest()
     state, directory = redis.Redis.from_url(settings.redis_url), Directory(settings)
-    key = f"wm:code:{sha256}"
+    key = code_key(wid)
+    assert key == f"wm:worker:{{{wid}}}:code"  # the worker's hash tag: one MGET with its facts
     assert state.get(key) is None
     assert directory.code(wid, 1, sha256) == code
-    assert state.get(key) == code and 0 < state.ttl(key) <= 600
-
-    state.set(key, b"not this code")  # a wrong entry: the database answers and mends it
-    assert directory.code(wid, 1, sha256) == code
-    assert state.get(key) == code
+    assert state.get(key) == sha256.encode() + code and 0 < state.ttl(key) <= 600
 
     def no_database() -> None:
         raise AssertionError("the database was read")
@@ -62,11 +60,17 @@ def test_code_is_read_once_from_the_database_then_by_its_hash_and_never_wrong(
         patch.setattr(directory_module.store, "session_scope", no_database)
         assert Directory(settings).code(wid, 1, sha256) == code  # from Redis alone
 
+    for wrong in (sha256.encode() + b"not this code", b"0" * 64 + code, b"short"):
+        state.set(key, wrong)  # the database answers, and mends the entry
+        assert cached_code(wrong, sha256) is None
+        assert directory.code(wid, 1, sha256) == code
+        assert state.get(key) == sha256.encode() + code
+
     big = stub(output_type="x" * (1 << 20))
     version = manager.load_code_from_content(wid, big).current_version
     big_sha = hashlib.sha256(big).hexdigest()
     assert directory.code(wid, version, big_sha) == big
-    assert state.get(f"wm:code:{big_sha}") is None
+    assert state.get(key) == sha256.encode() + code  # left as it was: never used again
 
 
 def test_warming_caches_the_facts_and_code_of_many_workers_in_a_few_queries(
@@ -108,8 +112,9 @@ def test_warming_caches_the_facts_and_code_of_many_workers_in_a_few_queries(
         assert directory.warm([*ids, str(uuid.uuid4())]) == len(ids) - 1
     assert queries == ["session"]
     for wid, code in zip(ids, codes, strict=True):
-        entry = state.get(f"wm:worker:{{{wid}}}")
-        assert entry is None if wid == raced else WorkerMeta(**json.loads(entry)) == expected[wid]
-        warmed = state.get(f"wm:code:{hashlib.sha256(code).hexdigest()}")
-        assert warmed == (None if wid == cached else code)  # its facts cached: left alone
+        facts = state.get(f"wm:worker:{{{wid}}}")
+        assert facts is None if wid == raced else WorkerMeta(**json.loads(facts)) == expected[wid]
+        entry = hashlib.sha256(code).hexdigest().encode() + code
+        warmed = state.get(code_key(wid))
+        assert warmed == (None if wid == cached else entry)  # its facts cached: left alone
     assert directory.warm(ids) == 1  # only the one not cached

@@ -13,7 +13,7 @@ from tests.workers import child_pids, code
 from wm import Settings, WorkManager, make_event
 from wm.dataplane.enginecache import EngineCache, cache_budget_bytes
 from wm.engine import resident_bytes
-from wm.state.directory import Directory, WorkerMeta
+from wm.state.directory import Directory, WorkerMeta, code_key
 
 PYTHON = "text/x-python"
 
@@ -148,3 +148,29 @@ def _is_sandbox(pid: int) -> bool:
             return BOOTSTRAP.encode() in handle.read().split(b"\0")
     except OSError:
         return False
+
+
+def test_a_first_load_takes_the_code_the_delivery_read_beside_the_facts(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code a delivery's MGET found (its process had not loaded the worker) is loaded
+    without another trip; an entry that is not the facts' code is replaced by the stored one."""
+    directory = Directory(settings)
+    [meta, other] = _metas(settings, 2, STUB, stub(output_type="read.out"))
+    source = stub(output_type="read.out")
+    entry = meta.sha256.encode() + source
+    asked: list[str] = []
+    stored = directory.stored_code
+
+    def from_database(worker_id: str, version: int, sha256: str | None = None) -> bytes:
+        asked.append(worker_id)
+        return stored(worker_id, version, sha256)
+
+    monkeypatch.setattr(directory, "code", lambda *args: pytest.fail("read the cache again"))
+    monkeypatch.setattr(directory, "stored_code", from_database)
+    cache = EngineCache(settings, directory)
+    engine, _ = cache.engine(meta, meta.version, {code_key(meta.id): entry})
+    assert asked == [] and cache.loaded(meta.id) is engine
+    cache.engine(other, other.version, {code_key(other.id): other.sha256.encode() + b"{}"})
+    assert asked == [other.id]
+    cache.close()

@@ -80,7 +80,8 @@ class Delivery:
     #: The broker delivers this message again (its consumer died without acknowledging it).
     redelivered: bool = False
     #: What the first round trip read beside the worker's facts: the event's recorded
-    #: outcome and the features' keys (``Feature.facts``), by key, as stored.
+    #: outcome, the features' keys (``Feature.facts``) and, when this process had not loaded
+    #: the worker, its cached code, by key, as stored.
     facts: Mapping[str, Any] = field(default_factory=dict)
     lease: Lease | None = None
     #: The outcome found recorded once the run began (read under the group lock).
@@ -200,7 +201,7 @@ class Delivery:
 
     def load_engine(self) -> tuple[Engine, bool]:
         """(engine, temporary): a pinned old version gets a temporary engine to close after."""
-        return self.rt.engines.engine(self.meta, self.version)
+        return self.rt.engines.engine(self.meta, self.version, self.facts)
 
     def process(self, engine: Engine, recording: Callable[[StatePipeline], None]) -> None:
         """Run the code, record its outcome (fence-checked in the record's script, or just

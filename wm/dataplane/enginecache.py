@@ -7,13 +7,15 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from wm.config import Settings
 from wm.dataplane.observe import notify
 from wm.engine import Engine, WorkerSpec, engine_class, resident_bytes, tree_resident_bytes
 from wm.names import bare_group, split_route_topic
-from wm.state.directory import Directory, WorkerMeta
+from wm.state.directory import Directory, WorkerMeta, cached_code, code_key
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +90,12 @@ class EngineCache:
         """What the loaded engines are charged, together (as last sampled)."""
         return self._charged
 
-    def engine(self, meta: WorkerMeta, version: int) -> tuple[Engine, bool]:
-        """(engine, temporary): a pinned old version gets a temporary engine to close after."""
+    def engine(
+        self, meta: WorkerMeta, version: int, read: Mapping[str, Any] | None = None
+    ) -> tuple[Engine, bool]:
+        """(engine, temporary): a pinned old version gets a temporary engine to close after.
+        ``read``: what the delivery's first round trip read, by key (the worker's cached code
+        among it when this process had not loaded the worker)."""
         if version != meta.version:
             return self._load(meta, version), True
         hit = self._hit(meta, version)
@@ -98,7 +104,7 @@ class EngineCache:
         with self._lock:
             loading = self._loading.setdefault(meta.id, threading.Lock())
         with loading:  # the threads that miss together wait for one load, not one each
-            return self._load_cached(meta, version), False
+            return self._load_cached(meta, version, read or {}), False
 
     def _hit(self, meta: WorkerMeta, version: int) -> Engine | None:
         """The cached engine of ``version``, handed out; None when there is none."""
@@ -110,7 +116,7 @@ class EngineCache:
         self._close(evicted, meta)
         return cached.engine
 
-    def _load_cached(self, meta: WorkerMeta, version: int) -> Engine:
+    def _load_cached(self, meta: WorkerMeta, version: int, read: Mapping[str, Any]) -> Engine:
         hit = self._hit(meta, version)  # loaded while this one waited
         if hit is not None:
             return hit
@@ -120,7 +126,7 @@ class EngineCache:
             cached.engine if cached is not None else engine_class(meta.mime_type)(self.settings)
         )
         before = resident_bytes()
-        engine.load(_code(self.directory, meta, version), _spec(meta, version))
+        engine.load(_current_code(self.directory, meta, read), _spec(meta, version))
         loaded = _Loaded(version, engine, max(0, resident_bytes() - before))
         loaded.sample()
         with self._lock:
@@ -157,7 +163,7 @@ class EngineCache:
 
     def _load(self, meta: WorkerMeta, version: int) -> Engine:
         engine = engine_class(meta.mime_type)(self.settings)
-        engine.load(_code(self.directory, meta, version), _spec(meta, version))
+        engine.load(self.directory.code(meta.id, version), _spec(meta, version))
         return engine
 
     def _evict(self) -> list[Engine]:
@@ -211,9 +217,14 @@ def cache_budget_bytes(settings: Settings) -> int:
     return physical // 2 // processes
 
 
-def _code(directory: Directory, meta: WorkerMeta, version: int) -> bytes:
-    """The code of ``version``; the current one's by its SHA-256 (cached in Redis)."""
-    return directory.code(meta.id, version, meta.sha256 if version == meta.version else None)
+def _current_code(directory: Directory, meta: WorkerMeta, read: Mapping[str, Any]) -> bytes:
+    """The worker's current code: as the delivery read it beside the facts, or cached, or
+    from the database."""
+    key = code_key(meta.id)
+    if key not in read:
+        return directory.code(meta.id, meta.version, meta.sha256)
+    code = cached_code(read[key], meta.sha256)
+    return code if code is not None else directory.stored_code(meta.id, meta.version, meta.sha256)
 
 
 def _spec(meta: WorkerMeta, version: int) -> WorkerSpec:

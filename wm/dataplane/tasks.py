@@ -53,7 +53,7 @@ from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
 from wm.names import DEFAULT_TENANT
 from wm.state import settled
-from wm.state.directory import WorkerMeta
+from wm.state.directory import WorkerMeta, code_key
 from wm.state.requeues import Requeues
 from wm.store.shares import Share
 
@@ -306,6 +306,8 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         _park(rt, message.failure(exc, rt.directory.get(worker_id)))
     guard.check_queue(event, message.queue, worker_id)  # before any store is touched
     keys = [rt.outcomes.key(worker_id, key_of(event)), *PIPELINE.fact_keys(worker_id)]
+    if rt.engines.loaded(worker_id) is None:  # its first here: its code in the same trip
+        keys.append(code_key(worker_id))
     found, values = rt.directory.find(worker_id, *keys)
     facts, share = dict(zip(keys, values, strict=True)), None
     if isinstance(found, Share):

@@ -32,12 +32,15 @@ from wm.workersettings import WorkerSettings
 _KEY = "wm:worker:"
 #: A cached entry expires even if an invalidation was lost (e.g. Redis briefly down).
 _CACHE_TTL_S = 60
-#: Code by its SHA-256 (``wm:code:<sha256>``), for the pool processes loading it after the
-#: first: versions never change, so an entry is never stale; it lapses after the TTL, and
-#: code larger than the cap is always read from the database.
-_CODE = "wm:code:"
+#: A worker's current code (``wm:worker:{<id>}:code``: its SHA-256 in hex, then the code),
+#: for the pool processes loading it after the first: beside the worker's facts (its hash
+#: tag), so a delivery whose process has not loaded the worker reads it in the same MGET.
+#: Checked against the facts' SHA-256, so an entry left from an older version is never used;
+#: it lapses after the TTL, and code larger than the cap is always read from the database.
+_CODE_SUFFIX = ":code"
 _CODE_CACHE_TTL_S = 600
 _CODE_CACHE_MAX_BYTES = 1 << 20
+_SHA256_HEX = 64
 #: Workers whose facts one query of :meth:`Directory.warm` reads.
 _WARM_PER_QUERY = 500
 #: Versions whose code one query of :meth:`Directory.warm` reads (each up to the cap).
@@ -246,17 +249,20 @@ class Directory:
         return len(metas)
 
     def _warm_code(self, session: Any, metas: list[WorkerMeta]) -> None:
-        """Cache the current code of ``metas`` not cached by its hash yet, up to the cache's
-        cap, a few versions per query (each may be up to the cap)."""
-        shas = sorted({meta.sha256 for meta in metas})
+        """Cache the current code of ``metas`` not cached yet, up to the cache's cap, a few
+        versions per query (each may be up to the cap)."""
         with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
-            for sha256 in shas:
-                pipe.exists(_CODE + sha256)
-            missing = {sha for sha, cached in zip(shas, pipe.execute(), strict=True) if not cached}
-        wanted = [(uuid.UUID(meta.id), meta.version) for meta in metas if meta.sha256 in missing]
+            for meta in metas:
+                pipe.exists(code_key(meta.id))
+            cached = pipe.execute()
+        wanted = [
+            (uuid.UUID(meta.id), meta.version)
+            for meta, found in zip(metas, cached, strict=True)
+            if not found
+        ]
         for start in range(0, len(wanted), _WARM_CODE_PER_QUERY):
             rows = session.execute(
-                select(WorkerVersion.sha256, WorkerVersion.code).where(
+                select(WorkerVersion.worker_id, WorkerVersion.sha256, WorkerVersion.code).where(
                     tuple_(WorkerVersion.worker_id, WorkerVersion.version).in_(
                         wanted[start : start + _WARM_CODE_PER_QUERY]
                     ),
@@ -264,20 +270,25 @@ class Directory:
                 )
             ).all()
             with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
-                for sha256, code in rows:
-                    pipe.set(_CODE + sha256, bytes(code), ex=_CODE_CACHE_TTL_S)
+                for worker_id, sha256, code in rows:
+                    entry = sha256.encode() + bytes(code)
+                    pipe.set(code_key(str(worker_id)), entry, ex=_CODE_CACHE_TTL_S)
                 pipe.execute()
 
     def code(self, worker_id: str, version: int, sha256: str | None = None) -> bytes:
-        """The code of a version; with its ``sha256``, from the content-addressed cache when
-        another process loaded it lately (a node fleet starting with many workers loads each
-        once per pool process: from PostgreSQL, that was most of a first delivery)."""
-        cached: Any = None
+        """The code of a version; the current one's (its ``sha256`` given) from the cache
+        when another process loaded it lately (a node fleet starting with many workers loads
+        each once per pool process: from the database, that was most of a first delivery)."""
         if sha256 is not None:
             with redis_errors(self.settings):
-                cached = self.redis.get(_CODE + sha256)
-        if isinstance(cached, bytes) and hashlib.sha256(cached).hexdigest() == sha256:
-            return cached
+                code = cached_code(self.redis.get(code_key(worker_id)), sha256)
+            if code is not None:
+                return code
+        return self.stored_code(worker_id, version, sha256)
+
+    def stored_code(self, worker_id: str, version: int, sha256: str | None = None) -> bytes:
+        """The code of a version, from the database; the current one's (``sha256`` given)
+        cached for the next process."""
         with store.session_scope(self.settings) as session:
             row = session.get(WorkerVersion, (uuid.UUID(worker_id), version))
             if row is None:
@@ -285,7 +296,8 @@ class Directory:
             code = bytes(row.code)
         if sha256 == row.sha256 and len(code) <= _CODE_CACHE_MAX_BYTES:
             with redis_errors(self.settings):
-                self.redis.set(_CODE + sha256, code, ex=_CODE_CACHE_TTL_S)
+                entry = sha256.encode() + code
+                self.redis.set(code_key(worker_id), entry, ex=_CODE_CACHE_TTL_S)
         return code
 
     def invalidate(self, worker_id: str | None = None) -> None:
@@ -300,6 +312,19 @@ class Directory:
                 pipe.incr(generation)
                 pipe.delete(cache, _share_key(worker_id))
                 pipe.execute()
+
+
+def code_key(worker_id: str) -> str:
+    """Where the worker's current code is cached, beside its facts (the same hash tag)."""
+    return f"{_KEY}{{{worker_id}}}{_CODE_SUFFIX}"
+
+
+def cached_code(entry: Any, sha256: str) -> bytes | None:
+    """The code a cache entry holds, if it is the code whose SHA-256 is ``sha256``."""
+    if not isinstance(entry, bytes) or entry[:_SHA256_HEX] != sha256.encode():
+        return None
+    code = entry[_SHA256_HEX:]
+    return code if hashlib.sha256(code).hexdigest() == sha256 else None
 
 
 def _share_key(share_id: str) -> str:
@@ -327,4 +352,3 @@ def _meta(worker: Worker, sha256: str, limits: dict[str, Any] | None) -> WorkerM
         worker.name,
         limits,
     )
-
