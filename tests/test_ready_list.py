@@ -420,3 +420,25 @@ def test_the_ready_list_is_on_by_default_and_reaches_redis_brokers_only() -> Non
     assert celery_settings(off)["broker_transport_options"]["ready_key"] is None
     amqp = Settings.from_env({"WM_BROKER_URL": AMQP_URL})
     assert "ready_key" not in celery_settings(amqp)["broker_transport_options"]
+
+
+def test_the_queues_consumed_are_kept_between_changes_and_follow_each_change(
+    broker_settings: Settings,
+) -> None:
+    """``active_queues`` (read several times per message) is built once per change of the
+    consumers, not per read, and follows every consume and cancel."""
+    first, second = worker_queue("a"), worker_queue("b")
+    reader = Reader(broker_settings, [first])
+    channel = reader.channel
+    try:
+        assert channel.active_queues == {first}
+        assert channel.active_queues is channel.active_queues  # kept, not built per read
+        later = Consumer(channel, queues=[subscription_queue(second)], accept=["json"])
+        later.consume()
+        assert channel.active_queues == {first, second}
+        reader.consumer.cancel()
+        assert channel.active_queues == {second}
+        later.cancel()
+        assert channel.active_queues == frozenset()
+    finally:
+        reader.conn.release()

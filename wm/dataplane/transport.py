@@ -244,6 +244,7 @@ class Channel(kombu_redis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._others: list[str] = []  # queues consumed that are not worker queues
+        self._active: frozenset[str] | None = None  # active_queues, until the next change
         self._workers_consumed = 0
         self._others_first = False
         self._last_tenant = ""  # the tenant of the worker queue taken from last
@@ -310,7 +311,20 @@ class Channel(kombu_redis.Channel):
         """The lists of ``queue``'s levels read, highest priority first."""
         return [self._q_for_pri(queue, pri) for pri in self.priority_steps]
 
+    @property
+    def active_queues(self) -> frozenset[str]:
+        """kombu's (the queues consumed, fanout ones left out), kept from one change of the
+        consumers to the next: kombu builds it anew on every read, several per message, and
+        a node consuming 1,000 queues spent a third of its main process doing so."""
+        found = self._active
+        if found is None:
+            fanout = self.active_fanout_queues
+            found = self._active = frozenset(q for q in self._active_queues if q not in fanout)
+        return found
+
     def _update_queue_cycle(self) -> None:
+        # kombu calls it after every consume and cancel, each change of the set above
+        self._active = None
         super()._update_queue_cycle()
         self._others = [queue for queue in self.active_queues if not self._ready_for(queue)]
         self._workers_consumed = len(self.active_queues) - len(self._others)
