@@ -29,6 +29,7 @@ from tests.conftest import BROKER_DB, FIGURE, flush_redis, make_settings, need
 from tests.helpers import STUB, drain, eventually, publish_numbered, stub
 from tests.test_redis_cluster import (
     FIRST_PORT,
+    START_TIMEOUT_S,
     _start_server,
     _stop,
     await_cluster,
@@ -125,7 +126,7 @@ def _options(port: int, directory: Path) -> list[str]:
 
 def _form_replicated(redis_cli: str, ports: list[int]) -> None:
     """``redis-cli --cluster create`` with a replica per primary, then wait until every node
-    reports the cluster ok and knows all six."""
+    reports the cluster ok, knows all six and lists a replica for every slot."""
     subprocess.run(
         [
             redis_cli,
@@ -138,9 +139,20 @@ def _form_replicated(redis_cli: str, ports: list[int]) -> None:
         capture_output=True,
         timeout=60,
     )
+    await_cluster([redis.Redis(port=port) for port in ports])
+    # "cluster ok" and every node known come before every node knows which is whose replica:
+    # CLUSTER SLOTS may still list a primary alone for a while
     nodes = [redis.Redis(port=port) for port in ports]
 
-    await_cluster(nodes)
+    def replicas_listed() -> bool:
+        slots = [entry for node in nodes for entry in node.execute_command("CLUSTER", "SLOTS")]
+        return all(len(entry) >= 4 for entry in slots)
+
+    try:
+        eventually(replicas_listed, timeout_s=START_TIMEOUT_S, interval_s=0.05)
+    finally:
+        for node in nodes:
+            node.close()
 
 
 @pytest.fixture
