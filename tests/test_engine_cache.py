@@ -155,9 +155,8 @@ def test_a_first_load_takes_the_code_the_delivery_read_beside_the_facts(
 ) -> None:
     """The code a delivery's MGET found (its process had not loaded the worker) is loaded
     without another trip; an entry that is not the facts' code is replaced by the stored one."""
-    directory = Directory(settings)
-    [meta, other] = _metas(settings, 2, STUB, stub(output_type="read.out"))
-    source = stub(output_type="read.out")
+    directory, source = Directory(settings), stub(output_type="read.out")
+    [meta, other] = _metas(settings, 2, STUB, source)
     entry = meta.sha256.encode() + source
     asked: list[str] = []
     stored = directory.stored_code
