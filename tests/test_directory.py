@@ -100,11 +100,11 @@ def test_warming_caches_the_facts_and_code_of_many_workers_in_a_few_queries(
         queries.append("session")
         return reading(*args, **kwargs)  # type: ignore[arg-type]
 
-    announce = directory_module.Directory._warm_code
+    warm_code = directory_module.Directory._warm_code
 
     def change_announced(self: Directory, session: object, metas: list[WorkerMeta]) -> None:
         state.incr(f"wm:worker-generation:{{{raced}}}")  # a change committed meanwhile
-        announce(self, session, metas)  # type: ignore[arg-type]
+        warm_code(self, session, metas)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(directory_module.store, "session_scope", counted)

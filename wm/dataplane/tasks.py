@@ -305,9 +305,7 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     except EventDecodeError as exc:
         _park(rt, message.failure(exc, rt.directory.get(worker_id)))
     guard.check_queue(event, message.queue, worker_id)  # before any store is touched
-    keys = [rt.outcomes.key(worker_id, key_of(event)), *PIPELINE.fact_keys(worker_id)]
-    if rt.engines.loaded(worker_id) is None:  # its first here: its code in the same trip
-        keys.append(code_key(worker_id))
+    keys = _first_trip_keys(rt, worker_id, event)
     found, values = rt.directory.find(worker_id, *keys)
     facts, share = dict(zip(keys, values, strict=True)), None
     if isinstance(found, Share):
@@ -337,6 +335,16 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         on_overrun=_overrun(task, request) if runtime_module.POOL_CHILD else None,
         share=share,
     )
+
+
+def _first_trip_keys(rt: Runtime, worker_id: str, event: CloudEvent) -> list[str]:
+    """What the first trip reads beside the worker's facts: the event's recorded outcome
+    (first), the features' keys and, on this process's first delivery to the worker, its
+    cached code."""
+    keys = [rt.outcomes.key(worker_id, key_of(event)), *PIPELINE.fact_keys(worker_id)]
+    if rt.engines.loaded(worker_id) is None:
+        keys.append(code_key(worker_id))
+    return keys
 
 
 def _member(share: Share, rt: Runtime, facts: dict[str, Any]) -> tuple[WorkerMeta, dict[str, Any]]:

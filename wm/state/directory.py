@@ -271,7 +271,7 @@ class Directory:
             ).all()
             with redis_errors(self.settings), self.redis.pipeline(transaction=False) as pipe:
                 for worker_id, sha256, code in rows:
-                    entry = sha256.encode() + bytes(code)
+                    entry = _code_entry(sha256, bytes(code))
                     pipe.set(code_key(str(worker_id)), entry, ex=_CODE_CACHE_TTL_S)
                 pipe.execute()
 
@@ -296,7 +296,7 @@ class Directory:
             code = bytes(row.code)
         if sha256 == row.sha256 and len(code) <= _CODE_CACHE_MAX_BYTES:
             with redis_errors(self.settings):
-                entry = sha256.encode() + code
+                entry = _code_entry(sha256, code)
                 self.redis.set(code_key(worker_id), entry, ex=_CODE_CACHE_TTL_S)
         return code
 
@@ -317,6 +317,11 @@ class Directory:
 def code_key(worker_id: str) -> str:
     """Where the worker's current code is cached, beside its facts (the same hash tag)."""
     return f"{_KEY}{{{worker_id}}}{_CODE_SUFFIX}"
+
+
+def _code_entry(sha256: str, code: bytes) -> bytes:
+    """A cache entry of ``code``, whose SHA-256 is ``sha256`` (what :func:`cached_code` reads)."""
+    return sha256.encode() + code
 
 
 def cached_code(entry: Any, sha256: str) -> bytes | None:
