@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -126,6 +127,7 @@ def test_members_leave_and_join_at_run_time_and_nothing_is_lost(
         manager.stop_worker(leaver.id, grace_s=0)
     else:
         getattr(manager, f"{leaving}_worker")(leaver.id)
+    left_at = time.time()  # committed, and the nodes' cached entries dropped
     [joiner] = _members(manager, topic, done, 1, sleep_ms=20)
     outputs += drain(settings, sink, 300 - len(outputs), timeout_s=90)
     outputs += drain(settings, sink, 1, timeout_s=1)
@@ -135,9 +137,15 @@ def test_members_leave_and_join_at_run_time_and_nothing_is_lost(
     ran = _by_member(outputs[40:])
     print(f"after the {leaving}: {dict(ran)}")
     assert ran[str(stayer.id)] > 0 and ran[str(joiner.id)] > 0, ran
-    # Only deliveries it had picked by then: as many as the node runs at once, and any that
-    # read its entry in the moment between the change's commit and the nodes' invalidation.
-    assert ran[str(leaver.id)] <= 8, ran
+    # Once it has left, a delivery reads it as gone: it can only have begun runs it had
+    # picked before, one per pool process of the node (how many ran before depends on how
+    # long the change took, not on the product).
+    late = [
+        e["data"]["started_at"] - left_at
+        for e in outputs
+        if e["source"].endswith(str(leaver.id)) and e["data"]["started_at"] > left_at
+    ]
+    assert len(late) <= 4, f"{len(late)} runs began after it left, by {late} s"
     _settled(settings, topic)
     for member in (leaver, stayer, joiner):
         manager.delete_worker(member.id)
