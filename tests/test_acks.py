@@ -62,10 +62,15 @@ def _taken(url: str, count: int) -> tuple[Connection, list[Any]]:
 
 
 def _held(broker: redis.Redis) -> int:
-    """Messages NODE holds, after checking kombu's and the holders' records agree."""
-    held = broker.scard(liveness.held_key(NODE))
-    assert broker.hlen("unacked") == broker.zcard("unacked_index") == held
-    assert broker.hlen(liveness.HOLDERS_KEY) == held
+    """Messages NODE holds, after checking kombu's and the holders' records agree (read in
+    one transaction: acknowledgements written earlier may still be running meanwhile)."""
+    with broker.pipeline(transaction=True) as pipe:
+        pipe.scard(liveness.held_key(NODE))
+        pipe.hlen("unacked")
+        pipe.zcard("unacked_index")
+        pipe.hlen(liveness.HOLDERS_KEY)
+        held, unacked, index, holders = pipe.execute()
+    assert unacked == index == holders == held
     return int(held)
 
 
