@@ -1,20 +1,25 @@
 """``wm.events.encode`` writes what the CloudEvents SDK's ``JSONFormat.write`` writes, by a
-shorter way for JSON data (``publish_many`` encodes every event): property-based, seeded by
-the test's seed (``TEST_SEED`` replays a failure)."""
+shorter way for JSON data (``publish_many`` encodes every event), and ``wm.events.decode``
+reads what its ``JSONFormat.read`` reads (every delivery decodes its event), from the one
+parse it makes: property-based, seeded by the test's seed (``TEST_SEED`` replays a
+failure)."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from cloudevents.core.exceptions import BaseCloudEventException
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_poison_properties import hostile_text, json_data, seed_with
-from wm.events import encode, make_event
+from wm.errors import EventDecodeError
+from wm.events import decode, encode, make_event
 
 moments = st.datetimes(
     min_value=datetime(1, 1, 2),
@@ -52,3 +57,50 @@ def test_data_that_is_no_json_fails_as_with_the_sdk() -> None:
         JSONFormat().write(event)
     with pytest.raises(TypeError, match="not JSON serializable"):
         encode(event)
+
+
+#: Timestamps as publishers write them: RFC 3339 with 0–9 fractional digits and any offset,
+#: and the ISO 8601 forms only dateutil reads (``24:00``, a week date, no seconds, no zone).
+timestamps = st.one_of(
+    st.builds(
+        lambda moment, digits, zone: (
+            moment.strftime("%Y-%m-%dT%H:%M:%S")
+            + (
+                f".{moment.microsecond:06d}{moment.microsecond % 1000:03d}"[: digits + 1]
+                if digits
+                else ""
+            )
+            + zone
+        ),
+        st.datetimes(min_value=datetime(1, 1, 2)),
+        st.integers(0, 9),
+        st.sampled_from(["Z", "+00:00", "-00:00", "+05:30", "-11:45", "+23:59"]),
+    ),
+    st.sampled_from(
+        ["2026-12-02T24:00:00Z", "2026-W48-3T10:00:00Z", "2026-12-02T10:00Z", "2026-12-02T10:00:00"]
+    ),
+)
+
+
+def test_decode_reads_what_the_sdk_reads(seed: int) -> None:
+    @seed_with(seed)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None)
+    @given(data, content_types, extensions, timestamps)
+    def check(value: Any, content_type: str | None, more: dict[str, str], at: str) -> None:
+        attributes = {"type": "t", "source": "/s", "id": "1", "specversion": "1.0"}
+        if content_type is not None:
+            attributes["datacontenttype"] = content_type
+        written = json.loads(encode(CloudEvent({**attributes, **more}, value)))
+        text = json.dumps({**written, "time": at})
+        try:
+            sdks = JSONFormat().read(None, text)
+        except (BaseCloudEventException, ValueError, OverflowError):  # e.g. no time zone
+            with pytest.raises(EventDecodeError):
+                decode(text)
+            return
+        ours = decode(text)
+        assert ours.get_attributes() == sdks.get_attributes()
+        assert ours.get_data() == sdks.get_data()
+        assert ours.get_time().isoformat() == sdks.get_time().isoformat()
+
+    check()
