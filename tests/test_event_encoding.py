@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.test_poison_properties import hostile_text, json_data, seed_with
 from wm.errors import EventDecodeError
-from wm.events import decode, encode, make_event
+from wm.events import decode, encode, make_event, parse_json
 
 moments = st.datetimes(
     min_value=datetime(1, 1, 2),
@@ -96,5 +96,55 @@ def test_decode_reads_what_the_sdk_reads(seed: int) -> None:
         assert ours.get_attributes() == sdks.get_attributes()
         assert ours.get_data() == sdks.get_data()
         assert ours.get_time().isoformat() == sdks.get_time().isoformat()
+
+    check()
+
+
+def _loaded(text: str | bytes) -> tuple[str, Any]:
+    """What ``json.loads`` gives for ``text``: its value, or its error's type and message."""
+    try:
+        return "value", json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return "error", (type(exc), str(exc))
+
+
+def _parsed(text: str | bytes) -> tuple[str, Any]:
+    try:
+        return "value", parse_json(text)
+    except (ValueError, RecursionError) as exc:
+        return "error", (type(exc), str(exc))
+
+
+JSON_EDGES = [
+    ' {"a": 1}',  # whitespace around: json.loads's own path
+    '{"a": 1}\n',
+    '{"a": 1} x',  # extra data
+    '{"a": 1',  # cut short
+    "",
+    "\ufeff{}",  # a byte-order mark
+    "NaN",
+    '"\\ud800"',  # a lone surrogate, escaped
+    '[1, 2.5e3, true, null, "é"]',
+    b'{"a": 1}',  # bytes: json.loads's own path
+    b"\xff",
+]
+
+
+@pytest.mark.parametrize("text", JSON_EDGES)
+def test_parse_json_is_json_loads_at_the_edges(text: str | bytes) -> None:
+    assert _parsed(text) == _loaded(text)
+
+
+def test_parse_json_is_json_loads(seed: int) -> None:
+    """Every delivery and every native or .NET answer is read by ``parse_json``: its value,
+    or its error, is ``json.loads``'s, for JSON documents and for those texts cut short."""
+
+    @seed_with(seed)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None)
+    @given(json_data, st.integers(min_value=0, max_value=40))
+    def check(value: Any, cut: int) -> None:
+        text = json.dumps(value)
+        for candidate in (text, text[: len(text) - cut], json.dumps(value, indent=1)):
+            assert _parsed(candidate) == _loaded(candidate), candidate
 
     check()

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from wm.errors import EventDecodeError, WorkerExecutionError
-from wm.events import CloudEvent
+from wm.events import CloudEvent, parse_json
 
 SEP = "\0"
 _CORE = frozenset(("id", "source", "type", "specversion", "subject", "datacontenttype", "time"))
@@ -213,7 +213,7 @@ def _time(text: str) -> datetime:
 def _data(kind: str, text: str) -> Any:
     if kind == "j":
         try:
-            return json.loads(text)
+            return parse_json(text)
         except ValueError as exc:
             raise EventDecodeError(f"the .NET worker's output data is not JSON: {exc}") from exc
     if kind == "b":

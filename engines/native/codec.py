@@ -24,6 +24,8 @@ from typing import Any, Final, NamedTuple
 
 from cloudevents.core.v1.event import CloudEvent
 
+from wm.events import parse_json
+
 __all__ = ["CodecError", "Encoder", "Response", "decode_response", "encode_event"]
 
 
@@ -67,7 +69,8 @@ DEFAULT_CACHE_SIZE: Final = 256
 _U32 = struct.Struct("<I")
 _u32 = _U32.unpack_from
 _I32 = struct.Struct("<i")
-_VT_HEAD = struct.Struct("<HH")
+_i32 = _I32.unpack_from
+_u16 = struct.Struct("<H").unpack_from
 #: The first Extension table and its vtable: 8-byte vtable of a 12-byte table whose key is
 #: at offset 4 and value at 8, then the table (soffset 8: its vtable right before it).
 _FIRST_EXTENSION = struct.Struct("<HHHHiII")
@@ -80,8 +83,10 @@ _VECTOR_TAIL: Final = (b"", b"\0\0\0", b"\0\0", b"\0")
 _U32S: Final = tuple(struct.Struct(f"<{n + 1}I") for n in range(8))
 _U16S: Final = tuple(struct.Struct(f"<{n}H") for n in range(_CE_FIELDS + 1))
 _ZEROS: Final = tuple((0,) * n for n in range(_CE_FIELDS + 1))
-#: A table's field offsets, its vtable's position and the table's size (see ``_fields``).
-_Vtable = tuple[tuple[int, ...], int, int]
+#: A vtable's field offsets and its table's size, by the vtable's bytes and the number of
+#: fields read (bounded like the Encoder's cache; see ``_fields``).
+_Layout = tuple[tuple[int, ...], int]
+_LAYOUTS: dict[tuple[bytes, int], _Layout] = {}
 _EXTENSION_NAME = re.compile(r"[a-z0-9]+")
 _RFC3339 = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
@@ -314,34 +319,45 @@ def decode_response(buf: bytes | memoryview) -> Response:
 def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[int, ...]]:
     """Check the table at ``table`` and its vtable; return the table's position and the
     offsets of its first ``count`` fields (0: absent)."""
-    return table, _fields(buf, table, count, what, None)[0]
+    return table, _fields(buf, table, count, what)
 
 
-def _fields(buf: bytes, table: int, count: int, what: str, known: _Vtable | None) -> _Vtable:
-    """The offsets of the first ``count`` fields of the table at ``table`` and its vtable's
-    position and table size, checked against the buffer. ``known``: the answer for another
-    table, reused without reading the vtable again when this one shares it (as every
-    Extension table of a well-formed buffer does)."""
+def _fields(buf: bytes, table: int, count: int, what: str) -> tuple[int, ...]:
+    """The offsets of the first ``count`` fields of the table at ``table``, checked against
+    the buffer. A vtable's reading is cached by its bytes: writers that do not share vtables
+    (the C DevKit's builder gives each Extension table its own) repeat the same few."""
     size = len(buf)
     if table + 4 > size:
         raise CodecError(f"{what}: table offset {table} is outside the {size}-byte buffer")
-    vtable = table - _I32.unpack_from(buf, table)[0]
-    if known is not None and known[1] == vtable:
-        if table + known[2] > size:
-            raise CodecError(f"{what}: table of {known[2]} bytes at {table} overruns the buffer")
-        return known
+    vtable = table - _i32(buf, table)[0]
     if vtable < 0 or vtable + 4 > size:
         raise CodecError(f"{what}: vtable offset {vtable} is outside the {size}-byte buffer")
-    vtable_size, table_size = _VT_HEAD.unpack_from(buf, vtable)
-    if vtable_size < 4 or vtable_size & 1 or vtable + vtable_size > size:
-        raise CodecError(f"{what}: vtable of {vtable_size} bytes at {vtable} is malformed")
-    if table_size < 4 or table + table_size > size:
+    vtable_size = _u16(buf, vtable)[0]
+    raw = buf[vtable : vtable + vtable_size]
+    layout = _LAYOUTS.get((raw, count))
+    if layout is None:
+        layout = _layout(raw, vtable, vtable_size, count, what)
+    fields, table_size = layout
+    if table + table_size > size:
         raise CodecError(f"{what}: table of {table_size} bytes at {table} overruns the buffer")
+    return fields
+
+
+def _layout(raw: bytes, vtable: int, vtable_size: int, count: int, what: str) -> _Layout:
+    """Read and check a vtable (``raw``: its bytes, short when it overruns the buffer)."""
+    if vtable_size < 4 or vtable_size & 1 or len(raw) < vtable_size:
+        raise CodecError(f"{what}: vtable of {vtable_size} bytes at {vtable} is malformed")
+    table_size = _u16(raw, 2)[0]
+    if table_size < 4:
+        raise CodecError(f"{what}: table of {table_size} bytes is too small")
     present = min((vtable_size - 4) >> 1, count)
-    fields = _U16S[present].unpack_from(buf, vtable + 4) + _ZEROS[count - present]
-    if max(fields, default=0) > table_size - 4:
+    fields = _U16S[present].unpack_from(raw, 4) + _ZEROS[count - present]
+    if max(fields) > table_size - 4:
         raise CodecError(f"{what}: a field lies outside its {table_size}-byte table")
-    return fields, vtable, table_size
+    if len(_LAYOUTS) >= DEFAULT_CACHE_SIZE:
+        _LAYOUTS.clear()
+    layout = _LAYOUTS[(raw, count)] = (fields, table_size)
+    return layout
 
 
 def _text(buf: bytes, at: int, what: str) -> str:
@@ -369,28 +385,41 @@ class _DecodedCloudEvent(CloudEvent):
         pass
 
 
+def _string_at(buf: bytes, where: int, what: str) -> str:
+    """The string the offset at ``where`` refers to: the checks of :func:`_text` done by
+    the reads themselves (an offset past the end fails ``unpack_from``, a missing terminator
+    the index), and :func:`_text` called only to name a defect."""
+    try:
+        start = where + _u32(buf, where)[0] + 4
+        end = start + _u32(buf, start - 4)[0]
+        if not buf[end]:
+            return buf[start:end].decode("utf-8")
+    except (struct.error, IndexError, UnicodeDecodeError):
+        pass
+    return _text(buf, where, what)
+
+
 def _event(buf: bytes, at: int) -> CloudEvent:
-    table, fields = _table(buf, at, _CE_FIELDS, "result_event")
-    if 0 in fields[:3]:
+    fields = _fields(buf, at, _CE_FIELDS, "result_event")
+    if not (fields[0] and fields[1] and fields[2]):
         missing = ("id", "source", "type")[fields.index(0)]
         raise CodecError(f"result_event: required field {missing!r} is missing")
     attributes: dict[str, Any] = {}
     for index, name, what in _READ_FIELDS:
-        if fields[index]:
-            attributes[name] = _text(buf, table + fields[index], what)
-    if "" in attributes.values():
-        empty = next(name for name, value in attributes.items() if not value)
-        raise CodecError(f"result_event: {empty!r} is empty")
+        if offset := fields[index]:
+            if not (text := _string_at(buf, at + offset, what)):
+                raise CodecError(f"result_event: {name!r} is empty")
+            attributes[name] = text
     specversion = attributes.setdefault("specversion", "1.0")
     if specversion != "1.0":
         raise CodecError(f"result_event: specversion {specversion!r} is not 1.0")
-    if fields[_TIME]:
-        attributes["time"] = _time(_text(buf, table + fields[_TIME], "result_event.time"))
-    if fields[_EXTENSIONS]:
-        _extensions_into(attributes, buf, table + fields[_EXTENSIONS])
+    if offset := fields[_TIME]:
+        attributes["time"] = _time(_string_at(buf, at + offset, "result_event.time"))
+    if offset := fields[_EXTENSIONS]:
+        _extensions_into(attributes, buf, at + offset)
         if attributes.get("dataschema") == "":
             raise CodecError("result_event: 'dataschema' is empty")
-    data = _data(buf, table + fields[_DATA], attributes) if fields[_DATA] else None
+    data = _data(buf, at + fields[_DATA], attributes) if fields[_DATA] else None
     return _DecodedCloudEvent(attributes, data)
 
 
@@ -421,26 +450,27 @@ def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
     budget = len(buf)
     shared: dict[int, str] = {}
     element = first
-    known: _Vtable | None = None
     try:
         for element in range(first, first + 4 * length, 4):
             table = element + _u32(buf, element)[0]
-            known = _fields(buf, table, 2, "table", known)
-            key_at, value_at = known[0]
+            key_at, value_at = _fields(buf, table, 2, "table")
             if not key_at:
                 raise CodecError("required field 'key' is missing")
-            key = _text(buf, table + key_at, "key")
+            key = _string_at(buf, table + key_at, "key")
             if key not in _KEYS_SEEN:
                 _check_key(key)
             if key in attributes:
                 raise CodecError(f"extension key {key!r} appears twice")
+            budget -= len(key)
             value = ""
             if value_at:
-                start = table + value_at + _u32(buf, table + value_at)[0]
-                value = shared.get(start) or _text(buf, table + value_at, "value")
-                budget -= len(value) if start not in shared else 0
-                shared[start] = value
-            budget -= len(key)
+                where = table + value_at
+                start = where + _u32(buf, where)[0]
+                if start in shared:
+                    value = shared[start]
+                else:
+                    value = shared[start] = _string_at(buf, where, "value")
+                    budget -= len(value)
             if budget < 0:
                 raise CodecError("strings overlap (more text than the buffer holds)")
             attributes[key] = value
@@ -465,7 +495,7 @@ def _data(buf: bytes, at: int, attributes: dict[str, Any]) -> Any:
         return raw
     try:
         text = raw.decode("utf-8")
-        return json.loads(text) if kind == _JSON_DATA else text
+        return parse_json(text) if kind == _JSON_DATA else text
     except UnicodeDecodeError as exc:
         raise CodecError(f"result_event.data: string is not valid UTF-8 ({exc.reason})") from exc
     except (ValueError, RecursionError) as exc:
