@@ -45,7 +45,7 @@ from wm.names import DEFAULT_TENANT, bare_group, check_name, reserved_topic, spl
 from wm.state.connection import StatePipeline
 from wm.state.directory import WorkerMeta
 from wm.state.ledger import Settlement
-from wm.state.locks import Lease
+from wm.state.locks import Heartbeat, Lease
 from wm.text import storable
 from wm.workersettings import OUTPUT_TOPICS, WorkerSettings
 
@@ -84,6 +84,11 @@ class Delivery:
     #: the worker, its cached code, by key, as stored.
     facts: Mapping[str, Any] = field(default_factory=dict)
     lease: Lease | None = None
+    #: What renews :attr:`lease` while the call runs (``wm.dataplane.features.grouplock``).
+    heartbeat: Heartbeat | None = None
+    #: Whether the outcome's record released the lease too (it had nothing to publish
+    #: under it); None: not released with the record, the group lock releases it after.
+    released: bool | None = None
     #: The outcome found recorded once the run began (read under the group lock).
     recorded: list[CloudEvent] | None = None
     #: When the engine part of the run began (``time.time()``; 0: not yet).
@@ -207,19 +212,29 @@ class Delivery:
         """Run the code, record its outcome (fence-checked in the record's script, or just
         before it on a Redis Cluster) with the features' writes (``recording``), publish
         what was recorded. An error the worker answered with is reported as
-        ``worker.error`` once published."""
+        ``worker.error`` once published. A group member with no output releases its lease
+        in the record's round trip: nothing is left to do under it."""
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
         lookups = self.rt.outputs.lookups(outputs)
+        release = fence is not None and not outputs
+        if release and self.heartbeat is not None:
+            self.heartbeat.stop()  # the lease outlasts one round trip: no renewal races it
 
         def also(pipe: StatePipeline) -> None:  # after the lookups: their results come first
             lookups(pipe)
             recording(pipe)
+            if release:
+                assert self.lease is not None
+                self.rt.locks.queue_release(pipe, self.lease)
 
         recorded, found = self.rt.outcomes.record(
             self.owner, self.operation, outputs, self.settlement(), also, fence
         )
+        if release:
+            assert self.lease is not None
+            self.released = self.rt.locks.released(self.lease, found[-1])
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
             self.publish(outputs, routes, settled=True)

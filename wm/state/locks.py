@@ -63,6 +63,7 @@ from redis.commands.core import Script
 from wm.config import Settings
 from wm.errors import BrokerUnavailable, FenceRejected, LockContention
 from wm.state.connection import (
+    StatePipeline,
     StateRedis,
     check_wait,
     queue_eval,
@@ -389,24 +390,35 @@ class GroupLocks:
     def release(self, lease: Lease) -> bool:
         """Delete the lock if this lease still holds it; ``False`` leaves someone else's lock."""
         with redis_errors(self._settings):
-            released = int(
-                self._release_script(
-                    keys=[
-                        self._record_key(lease.group, lease.item),
-                        self._wake_key(lease.group, lease.item),
-                        f"{self._record_key(lease.group, lease.item)}:last",
-                    ],
-                    args=[lease.owner, lease.fence, self._wake_ttl_ms()],
-                )
+            reply = self._release_script(
+                keys=self._release_keys(lease), args=self._release_args(lease)
             )
-        if not released:
+        return self.released(lease, reply)
+
+    def queue_release(self, pipe: StatePipeline, lease: Lease) -> None:
+        """:meth:`release`'s script queued in ``pipe``, a pipeline to the lock's server (a
+        holder with nothing left to do under the lease releases it with its last write);
+        :meth:`released` reads its reply."""
+        queue_eval(pipe, _RELEASE_LUA, self._release_keys(lease), *self._release_args(lease))
+
+    def released(self, lease: Lease, reply: Any) -> bool:
+        """Whether the release script's ``reply`` says the lock was deleted (logged if not)."""
+        if int(reply) != 1:
             logger.warning(
                 "group lock %r no longer held by %s (fence %d) at release: its lease expired",
                 lease.group,
                 lease.owner,
                 lease.fence,
             )
-        return released == 1
+            return False
+        return True
+
+    def _release_keys(self, lease: Lease) -> list[str]:
+        record = self._record_key(lease.group, lease.item)
+        return [record, self._wake_key(lease.group, lease.item), f"{record}:last"]
+
+    def _release_args(self, lease: Lease) -> list[str | int]:
+        return [lease.owner, lease.fence, self._wake_ttl_ms()]
 
     def keep_alive(self, lease: Lease, limit_s: float) -> Heartbeat:
         """A heartbeat renewing ``lease`` for at most ``limit_s``; use it as a context."""

@@ -48,11 +48,14 @@ class GroupLock(Feature):
         lease, bus = delivery.lease, delivery.rt.bus
         infra.lock_taken(bus, lease, delivery.meta.id)
         try:
-            with locks.keep_alive(lease, delivery.hold_limit_s):
+            with locks.keep_alive(lease, delivery.hold_limit_s) as delivery.heartbeat:
                 delivery.recorded = delivery.rt.outcomes.parse(raw)
                 yield
         finally:
-            if locks.release(lease):
+            released = delivery.released
+            if released is None:  # not with the outcome's record
+                released = locks.release(lease)
+            if released:
                 infra.lock_released(bus, lease, delivery.meta.id)
 
     @contextmanager
