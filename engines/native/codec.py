@@ -87,6 +87,9 @@ _ZEROS: Final = tuple((0,) * n for n in range(_CE_FIELDS + 1))
 #: fields read (bounded like the Encoder's cache; see ``_fields``).
 _Layout = tuple[tuple[int, ...], int]
 _LAYOUTS: dict[tuple[bytes, int], _Layout] = {}
+#: The largest vtable cached: this schema's take at most 22 bytes (a hostile answer's may
+#: take 64 KiB, and is read every time).
+_CACHED_VTABLE_BYTES: Final = 64
 _EXTENSION_NAME = re.compile(r"[a-z0-9]+")
 _RFC3339 = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
@@ -354,9 +357,11 @@ def _layout(raw: bytes, vtable: int, vtable_size: int, count: int, what: str) ->
     fields = _U16S[present].unpack_from(raw, 4) + _ZEROS[count - present]
     if max(fields) > table_size - 4:
         raise CodecError(f"{what}: a field lies outside its {table_size}-byte table")
-    if len(_LAYOUTS) >= DEFAULT_CACHE_SIZE:
-        _LAYOUTS.clear()
-    layout = _LAYOUTS[(raw, count)] = (fields, table_size)
+    layout = (fields, table_size)
+    if vtable_size <= _CACHED_VTABLE_BYTES:
+        if len(_LAYOUTS) >= DEFAULT_CACHE_SIZE:
+            _LAYOUTS.clear()
+        _LAYOUTS[(raw, count)] = layout
     return layout
 
 
