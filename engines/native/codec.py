@@ -307,22 +307,15 @@ def decode_response(buf: bytes | memoryview) -> Response:
     root = _u32(buf, 0)[0]
     if root + 4 > size:
         raise CodecError(f"WorkerResponse: root offset {root} is outside the {size}-byte buffer")
-    table, fields = _table(buf, root, 2, "WorkerResponse")
-    event_at, error_at = fields
+    event_at, error_at = _fields(buf, root, 2, "WorkerResponse")
     if event_at and error_at:
         raise CodecError("WorkerResponse: both result_event and error_message are set")
     if error_at:
-        return Response(None, _text(buf, table + error_at, "WorkerResponse.error_message"))
+        return Response(None, _string_at(buf, root + error_at, "WorkerResponse.error_message"))
     if not event_at:
         raise CodecError("WorkerResponse: neither result_event nor error_message is set")
-    at = table + event_at
+    at = root + event_at
     return Response(_event(buf, at + _u32(buf, at)[0]), None)
-
-
-def _table(buf: bytes, table: int, count: int, what: str) -> tuple[int, tuple[int, ...]]:
-    """Check the table at ``table`` and its vtable; return the table's position and the
-    offsets of its first ``count`` fields (0: absent)."""
-    return table, _fields(buf, table, count, what)
 
 
 def _fields(buf: bytes, table: int, count: int, what: str) -> tuple[int, ...]:

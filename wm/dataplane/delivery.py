@@ -218,23 +218,22 @@ class Delivery:
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
         lookups = self.rt.outputs.lookups(outputs)
-        release = fence is not None and not outputs
-        if release and self.heartbeat is not None:
+        # The lease to release with the record: a fenced record with nothing to publish after
+        releasing = self.lease if fence is not None and not outputs else None
+        if releasing is not None and self.heartbeat is not None:
             self.heartbeat.stop()  # the lease outlasts one round trip: no renewal races it
 
         def also(pipe: StatePipeline) -> None:  # after the lookups: their results come first
             lookups(pipe)
             recording(pipe)
-            if release:
-                assert self.lease is not None
-                self.rt.locks.queue_release(pipe, self.lease)
+            if releasing is not None:
+                self.rt.locks.queue_release(pipe, releasing)
 
         recorded, found = self.rt.outcomes.record(
             self.owner, self.operation, outputs, self.settlement(), also, fence
         )
-        if release:
-            assert self.lease is not None
-            self.released = self.rt.locks.released(self.lease, found[-1])
+        if releasing is not None:
+            self.released = self.rt.locks.released(releasing, found[-1])
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
             self.publish(outputs, routes, settled=True)
