@@ -13,6 +13,7 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from kombu.connection import Connection
 from kombu.exceptions import KombuError
+from kombu.messaging import Consumer
 
 from wm import sentinelurl
 from wm.config import Settings, deployment_name, masked
@@ -149,10 +150,28 @@ class BrokerConnection(Connection):
         return info
 
 
+class CallbackFirstConsumer(Consumer):
+    """kombu's consumer, which starts consuming only once it has a callback.
+
+    A node's task consumer gets its callback when the event loop starts, and the loop then
+    consumes every queue the consumer holds. A queue added before that (an ``add_consumer``
+    heard while a later bootstep still starts) would be consumed at once: on RabbitMQ its
+    backlog reaches the consumer at the next frame the connection reads, and kombu's
+    ``NotImplementedError: Consumer does not have any callbacks`` ends the node. Such a queue is
+    held, declared, until the loop's ``consume``."""
+
+    def consume(self, no_ack: bool | None = None) -> None:
+        if self.on_message is None and not self.callbacks:
+            return
+        super().consume(no_ack)
+
+
 class BrokerAMQP(AMQP):
-    """Celery's messaging helpers, with connections that say which broker they reach."""
+    """Celery's messaging helpers, with connections that say which broker they reach and
+    consumers that wait for their callback."""
 
     Connection = BrokerConnection
+    Consumer = CallbackFirstConsumer
 
 
 class _WaitsInTheNode(logging.Filter):

@@ -208,10 +208,9 @@ class Reconciler(bootsteps.StartStopStep):
         if self.heartbeat is None and self.beats is None:
             self.beats = tell_heartbeats(self.settings, parent)
         if parent.hub is not None:
-            # The first reconcile starts consuming: from the event loop, once the task
-            # consumer has its callback. Run here, a RabbitMQ backlog would be delivered
-            # while a later bootstep waits for the broker (opening its channel), to a consumer
-            # without callbacks, and kombu's NotImplementedError would end the node.
+            # The first reconcile runs in the event loop, once the task consumer has its
+            # callback: a queue added before would wait for the loop's consume anyway
+            # (``wm.dataplane.app.CallbackFirstConsumer``).
             self.first = parent.timer.call_after(0.0, self._tick, (parent, True), priority=10)
         else:
             self._tick(parent, starting=True)
