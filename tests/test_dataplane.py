@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+import socket
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from kombu import Queue
 
 from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
+from wm.dataplane.app import make_app
 from wm.dataplane.bus import Route
 from wm.dataplane.outputs import OutputPublisher
 from wm.dataplane.recovery import LEADER_KEY
@@ -21,6 +29,7 @@ from wm.events import (
     key_of,
 )
 from wm.state.ledger import Ledger
+from wm.state.outcomes import Outcomes
 
 FAST = {"retry_base_delay_ms": 20, "max_retries": 2}
 
@@ -304,3 +313,83 @@ def test_events_are_told_apart_by_source_and_id(fast: Settings, start_node: Any)
     outputs = drain(fast, sink, 2)
     assert sorted(e["data"]["input"]["from"] for e in outputs) == ["/sensor/a", "/sensor/b"]
     assert len({e["id"] for e in outputs}) == 2
+
+
+def test_a_task_consumer_holds_its_queues_until_it_has_a_callback(amqp_settings: Settings) -> None:
+    """On RabbitMQ a queue consumed before the node's event loop gives the task consumer its
+    callback (an ``add_consumer`` heard while bootsteps still start) would hand its backlog to
+    a consumer without callbacks at the next frame read, and kombu's NotImplementedError would
+    end the node: the consumer holds the queue until the callback is there."""
+    app = make_app(amqp_settings)
+    name = f"held.{uuid.uuid4().hex}"
+    queue = Queue(name, routing_key=name, auto_delete=True)
+    with app.connection_for_write() as conn:
+        conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue])
+        consumer = app.amqp.TaskConsumer(conn, queues=[queue])
+        consumer.consume()  # before the callback: held
+        with contextlib.suppress(socket.timeout):
+            conn.drain_events(timeout=0.5)  # a delivery here would raise NotImplementedError
+        received: list[Any] = []
+        consumer.on_message = received.append
+        consumer.consume()
+        conn.drain_events(timeout=10)
+        [message] = received
+        assert message.decode() == {"n": 1}
+        message.ack()
+
+
+@pytest.mark.slow
+def test_an_output_is_pushed_in_the_round_trip_of_its_record(
+    fast: Settings, start_node: Any
+) -> None:
+    """The broker is a database of the state store's Redis server, as by default: each
+    output's push to its plain subscriptions is written by the script that runs behind its
+    record, in the same round trip (its delivery tags say so: the script's, not kombu's), as
+    kombu's Redis transport would write it; each output reaches the subscription once."""
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("folded.done", "sink")
+    worker = manager.create_worker(
+        code=stub(output_type="folded.done"), mime_type=STUB, topic="folded"
+    )
+    node.consuming(f"folded::{worker.id}")
+    broker = redis.Redis.from_url(fast.broker_url)
+    ids = publish_numbered(manager, "folded", 10)
+    eventually(lambda: broker.llen(sink) == 10, timeout_s=30)
+    pushed = [json.loads(raw) for raw in broker.lrange(sink, 0, -1)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}-1", m["properties"]["delivery_tag"]) for m in pushed)
+    assert {m["properties"]["delivery_info"]["routing_key"] for m in pushed} == {sink}
+    outputs = drain(fast, sink, 10)
+    keys = [event_key("/tests", i) for i in ids]
+    assert sorted(e["id"] for e in outputs) == sorted(derive_id(k, str(worker.id), 0) for k in keys)
+    assert queue_empty(fast, sink)
+
+
+@pytest.mark.slow
+def test_an_outcome_recorded_during_the_run_is_the_one_published(
+    fast: Settings, start_node: Any, tmp_path: Path
+) -> None:
+    """A copy of the delivery that ran alongside recorded its outcome first (here written
+    while the code runs): the run's own outputs are not pushed, although the push runs in
+    its record's round trip; the outcome recorded first reaches the subscription, once."""
+    manager = WorkManager(fast)
+    node = start_node(fast)
+    sink = manager.subscribe("raced.done", "sink")
+    trace = tmp_path / "runs.jsonl"
+    worker = manager.create_worker(
+        code=stub(output_type="raced.done", sleep_ms=1500, trace=str(trace)),
+        mime_type=STUB,
+        topic="raced",
+    )
+    node.consuming(f"raced::{worker.id}")
+    event = make_event("raced", "/tests", {"n": 1})
+    manager.publish(event)
+    eventually(trace.exists, timeout_s=30, interval_s=0.02)  # the code runs: outcome read
+    owner, key = str(worker.id), key_of(event)
+    first = make_event("raced.done", "/first", {"copy": 1}, id=derive_id(key, owner, 0))
+    settlement = Ledger(fast).settlement(owner, key, encode(event))
+    Outcomes(fast).record(owner, key, [first], settlement)
+    [output] = drain(fast, sink, 1)
+    assert (output["source"], output["data"]) == ("/first", {"copy": 1})
+    eventually(lambda: Ledger(fast).pending(owner) == 0, timeout_s=10)
+    assert queue_empty(fast, sink)

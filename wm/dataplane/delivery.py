@@ -217,7 +217,13 @@ class Delivery:
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
-        lookups = self.rt.outputs.lookups(outputs)
+        # No lease to check before each push: the pushes fold into the record's round trip
+        folded = bool(outputs) and self.lease is None and self.rt.outputs.folds
+        body = self.rt.outcomes.encoded(outputs)
+        if folded:
+            lookups = self.rt.outputs.folded(outputs, self.outcome_key, body)
+        else:
+            lookups = self.rt.outputs.lookups(outputs)
         # The lease to release with the record: a fenced record with nothing to publish after
         releasing = self.lease if fence is not None and not outputs else None
         if releasing is not None and self.heartbeat is not None:
@@ -230,12 +236,12 @@ class Delivery:
                 self.rt.locks.queue_release(pipe, releasing)
 
         recorded, found = self.rt.outcomes.record(
-            self.owner, self.operation, outputs, self.settlement(), also, fence
+            self.owner, self.operation, outputs, self.settlement(), also, fence, body
         )
         if releasing is not None:
             self.released = self.rt.locks.released(releasing, found[-1])
         if recorded is outputs:  # the routes looked up with the record are these outputs'
-            routes = [self.rt.bus.parse_routes(flat) for flat in found[: len(outputs)]]
+            routes = self.rt.outputs.looked_up(found[: len(outputs)], folded)
             self.publish(outputs, routes, settled=True)
         else:
             self.publish(recorded, settled=True)

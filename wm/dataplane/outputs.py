@@ -11,18 +11,33 @@ event id). A plain subscription is a queue any kombu client reads, so it gets ea
 The marker is one key, ``wm:published:<topic>:<event key>``: in the broker's Redis (always a
 single server) for a Redis broker, else in the state store, where no command reads it with
 another key, so it needs no hash tag on a Redis Cluster.
+
+Where the broker is a database of the state store's own Redis server (the default: ``/0`` and
+``/1`` of one server), a delivery without a group lock folds each output's push into the
+round trip that records its outcome (:meth:`OutputPublisher.folded`): a script queued behind
+the record reads the topic's routes and, if the outcome recorded is this one, pushes to the
+plain subscriptions in the broker's database. One round trip fewer per delivery with
+outputs, and the same guarantee: the marker and the pushes in one script, after the record.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kombu.utils.json import dumps
+from redis.cluster import RedisCluster
+from redis.connection import parse_url
 
+from wm import sentinelurl
 from wm.dataplane.app import broker_errors, redis_broker
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
+from wm.dataplane.routes import DROPPED, READY, ROUTES, topic_key
 from wm.events import CloudEvent, encode, key_of, tenant_of
 from wm.names import route_topic
 from wm.state.connection import StatePipeline, pooled_client, queue_eval, redis_errors
@@ -36,6 +51,44 @@ if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
 for i = 2, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i]) end
 return 1
 """
+#: Where :data:`_PUSH_FOLDED` writes each queue's name and delivery tag into the message.
+_QUEUE, _TAG = "@wm-queue@", "@wm-tag@"
+# Run in the state store's database, queued behind an outcome's record. KEYS: the topic's
+# ready flag, routes and drop counter, the outcome, the marker (in the broker's database).
+# ARGV: the state's database, the broker's, the outcome's SHA-1, the marker's ttl s, the
+# kombu message with the placeholders, a delivery tag prefix. Returns false, having done
+# nothing (the topic's routes must be loaded, or the outcome recorded is another one), else
+# the topic's routes (HGETALL's list) with its plain subscriptions pushed to once. The writes
+# in the broker's database are pcall'd, so the state's database is always selected back
+# (before Redis 7, a script's SELECT outlives it on its connection).
+_PUSH_FOLDED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local outcome = redis.call('GET', KEYS[4])
+if not outcome or redis.sha1hex(outcome) ~= ARGV[3] then return false end
+local routes = redis.call('HGETALL', KEYS[2])
+if #routes == 0 then redis.call('INCR', KEYS[3]) return routes end
+local plain = {}
+for i = 1, #routes, 2 do if routes[i + 1] == '' then plain[#plain + 1] = routes[i] end end
+if #plain == 0 then return routes end
+local function put(text, mark, value)
+  local first, last = string.find(text, mark, 1, true)
+  return string.sub(text, 1, first - 1) .. value .. string.sub(text, last + 1)
+end
+redis.call('SELECT', ARGV[2])
+local marked = redis.pcall('SET', KEYS[5], '1', 'NX', 'EX', ARGV[4])
+local failed = type(marked) == 'table' and marked.err and marked or nil
+if type(marked) == 'table' and marked.ok then
+  for i, queue in ipairs(plain) do
+    local message = put(ARGV[5], '<queue>', cjson.encode(queue))
+    message = put(message, '<tag>', cjson.encode(ARGV[6] .. '-' .. i))
+    local pushed = redis.pcall('LPUSH', queue, message)
+    if type(pushed) == 'table' and pushed.err then failed = pushed break end
+  end
+end
+redis.call('SELECT', ARGV[1])
+if failed then return failed end
+return routes
+""".replace("<queue>", json.dumps(_QUEUE)).replace("<tag>", json.dumps(_TAG))
 
 
 class OutputPublisher:
@@ -57,6 +110,47 @@ class OutputPublisher:
                 queue_eval(pipe, script, rest[:count], *rest[count:])
 
         return queue
+
+    @functools.cached_property
+    def folds(self) -> bool:
+        """Whether outputs' pushes fold into their record's round trip: the broker is a
+        database of the state store's own Redis server (no Sentinel, no cluster)."""
+        settings = self.bus.settings
+        if not self.redis_broker or any(
+            sentinelurl.is_sentinel(url) for url in (settings.broker_url, settings.redis_url)
+        ):
+            return False
+        broker, state = _server(settings.broker_url), _server(settings.redis_url)
+        return broker[0] == state[0] and not isinstance(self.bus.redis, RedisCluster)
+
+    def folded(
+        self, outputs: list[CloudEvent], outcome: str, body: str
+    ) -> Callable[[StatePipeline], None]:
+        """Queues, for each output, the push that :attr:`folds` into the round trip of its
+        record (``outcome``, recorded as ``body``); :meth:`looked_up` reads their replies."""
+        settings = self.bus.settings
+        dbs = (_server(settings.redis_url)[1], _server(settings.broker_url)[1])
+        digest = hashlib.sha1(body.encode()).hexdigest()
+
+        def queue(pipe: StatePipeline) -> None:
+            for output in outputs:
+                topic = output_topic(output)
+                keys = [topic_key(topic, kind) for kind in (READY, ROUTES, DROPPED)]
+                keys += [outcome, f"{_MARKER}{topic}:{key_of(output)}"]
+                message = self._message_template(encode(output))
+                args = (*dbs, digest, self.ttl_s, message, uuid.uuid4().hex)
+                queue_eval(pipe, _PUSH_FOLDED, keys, *args)
+
+        return queue
+
+    def looked_up(self, replies: list[Any], folded: bool) -> list[list[Route] | None]:
+        """Each output's routes from the replies of :meth:`lookups` or :meth:`folded` (None:
+        look them up when publishing). Folded, the plain subscriptions were pushed to: only
+        the workers' routes are left."""
+        found = [self.bus.parse_routes(reply) for reply in replies]
+        if not folded:
+            return found
+        return [None if r is None else [x for x in r if x.worker_id is not None] for r in found]
 
     def publish(self, output: CloudEvent, routes: list[Route] | None = None) -> None:
         """Send ``output`` to the topic of its type: to workers (maybe again), to plain
@@ -104,6 +198,17 @@ class OutputPublisher:
             self._channel = self._connection.default_channel
         return self._channel
 
+    def _message_template(self, payload: str) -> str:
+        """The kombu message :data:`_PUSH_FOLDED` pushes, its queue and delivery tag left as
+        placeholders."""
+        channel = self._message_channel()
+        message = channel.prepare_message(
+            payload, None, CLOUDEVENT_CONTENT_TYPE, "utf-8", {}, {"delivery_mode": 2}
+        )
+        channel._inplace_augment_message(message, EXCHANGE.name, _QUEUE)
+        message["properties"]["delivery_tag"] = _TAG
+        return str(dumps(message))
+
     def _send_marked(self, payload: str, routes: list[Route], marker: str) -> None:
         with redis_errors(self.bus.settings):
             if self.bus.redis.exists(marker):
@@ -116,6 +221,13 @@ def output_topic(output: CloudEvent) -> str:
     """The route topic of an output (stamped by its delivery): its type, in the tenant of
     the worker that made it."""
     return route_topic(tenant_of(output), output.get_type())
+
+
+def _server(url: str) -> tuple[tuple[Any, ...], int]:
+    """(what names the Redis server of ``url``, its database)."""
+    found = parse_url(url)
+    db = int(found.pop("db", 0))
+    return tuple(sorted((k, str(v)) for k, v in found.items())), db
 
 
 def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:

@@ -98,6 +98,7 @@ class Outcomes:
         settlement: Settlement,
         also: Callable[[StatePipeline], None] | None = None,
         fence: WriteFence | None = None,
+        body: str | None = None,
     ) -> tuple[list[CloudEvent], list[Any]]:
         """Record the outcome and settle the delivery in the pending ledger, in one script;
         return the outcome that counts: when two copies of a delivery ran at once, the
@@ -105,10 +106,10 @@ class Outcomes:
         round trip; their results come second (on a Redis Cluster, a round trip to each
         node their keys live on, sent together). With ``fence``, the same script checks the
         group lock first and writes nothing, raising :class:`~wm.errors.FenceRejected`, when
-        the lease was lost."""
+        the lease was lost. ``body``: the outputs :meth:`encoded` already."""
         key = self.key(worker_id, event_key)
         keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
-        args = [self.encoded(outputs), self.ttl_s, settlement.member]
+        args = [self.encoded(outputs) if body is None else body, self.ttl_s, settlement.member]
         args.append(settlement.key)
         script = _RECORD
         if fence is not None:
