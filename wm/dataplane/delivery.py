@@ -217,13 +217,12 @@ class Delivery:
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
-        # No lease to check before each push: the pushes fold into the record's round trip
-        folded = bool(outputs) and self.lease is None and self.rt.outputs.folds
         body = self.rt.outcomes.encoded(outputs)
-        if folded:
-            lookups = self.rt.outputs.folded(outputs, self.outcome_key, body)
-        else:
-            lookups = self.rt.outputs.lookups(outputs)
+        # No lease to check before each push: the pushes may fold into the record's round trip
+        folding = None
+        if outputs and self.lease is None:
+            folding = self.rt.outputs.folded(outputs, self.outcome_key, body)
+        lookups = folding or self.rt.outputs.lookups(outputs)
         # The lease to release with the record: a fenced record with nothing to publish after
         releasing = self.lease if fence is not None and not outputs else None
         if releasing is not None and self.heartbeat is not None:
@@ -241,7 +240,7 @@ class Delivery:
         if releasing is not None:
             self.released = self.rt.locks.released(releasing, found[-1])
         if recorded is outputs:  # the routes looked up with the record are these outputs'
-            routes = self.rt.outputs.looked_up(found[: len(outputs)], folded)
+            routes = self.rt.outputs.looked_up(found[: len(outputs)], folding is not None)
             self.publish(outputs, routes, settled=True)
         else:
             self.publish(recorded, settled=True)

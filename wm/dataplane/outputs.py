@@ -112,24 +112,31 @@ class OutputPublisher:
         return queue
 
     @functools.cached_property
-    def folds(self) -> bool:
-        """Whether outputs' pushes fold into their record's round trip: the broker is a
-        database of the state store's own Redis server (no Sentinel, no cluster)."""
+    def _databases(self) -> tuple[int, int] | None:
+        """(the state store's database, the broker's) where outputs' pushes fold into their
+        record's round trip: the broker is a database of the state store's own Redis server
+        (no Sentinel, no cluster). None elsewhere."""
         settings = self.bus.settings
         if not self.redis_broker or any(
             sentinelurl.is_sentinel(url) for url in (settings.broker_url, settings.redis_url)
         ):
-            return False
-        broker, state = _server(settings.broker_url), _server(settings.redis_url)
-        return broker[0] == state[0] and not isinstance(self.bus.redis, RedisCluster)
+            return None
+        (broker, broker_db), (state, state_db) = map(
+            _server, (settings.broker_url, settings.redis_url)
+        )
+        if broker != state or isinstance(self.bus.redis, RedisCluster):
+            return None
+        return state_db, broker_db
 
     def folded(
         self, outputs: list[CloudEvent], outcome: str, body: str
-    ) -> Callable[[StatePipeline], None]:
-        """Queues, for each output, the push that :attr:`folds` into the round trip of its
-        record (``outcome``, recorded as ``body``); :meth:`looked_up` reads their replies."""
-        settings = self.bus.settings
-        dbs = (_server(settings.redis_url)[1], _server(settings.broker_url)[1])
+    ) -> Callable[[StatePipeline], None] | None:
+        """Queues, for each output, its push in the round trip of its record (``outcome``,
+        recorded as ``body``) where the pushes fold (else None: see :meth:`lookups`);
+        :meth:`looked_up` reads their replies."""
+        dbs = self._databases
+        if dbs is None:
+            return None
         digest = hashlib.sha1(body.encode()).hexdigest()
 
         def queue(pipe: StatePipeline) -> None:
