@@ -208,11 +208,7 @@ class OutputPublisher:
     def _message_template(self, payload: str) -> str:
         """The kombu message :data:`_PUSH_FOLDED` pushes, its queue and delivery tag left as
         placeholders."""
-        channel = self._message_channel()
-        message = channel.prepare_message(
-            payload, None, CLOUDEVENT_CONTENT_TYPE, "utf-8", {}, {"delivery_mode": 2}
-        )
-        channel._inplace_augment_message(message, EXCHANGE.name, _QUEUE)
+        message = _prepared(self._message_channel(), payload, _QUEUE)
         message["properties"]["delivery_tag"] = _TAG
         return str(dumps(message))
 
@@ -240,9 +236,16 @@ def _server(url: str) -> tuple[tuple[Any, ...], int]:
 def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:
     """The list key and the serialized message kombu's Redis transport would LPUSH for a
     plain publish of ``payload`` to ``queue`` (what ``Producer.publish`` does, step by step)."""
-    message = channel.prepare_message(
+    message = _prepared(channel, payload, queue)
+    key = channel._q_for_pri(queue, channel._get_message_priority(message, reverse=False))
+    return str(key), str(dumps(message))
+
+
+def _prepared(channel: Any, payload: str, queue: str) -> dict[str, Any]:
+    """The message kombu's Redis transport makes of a plain publish of ``payload`` to
+    ``queue`` (its priority is 0: it goes to the list named after the queue)."""
+    message: dict[str, Any] = channel.prepare_message(
         payload, None, CLOUDEVENT_CONTENT_TYPE, "utf-8", {}, {"delivery_mode": 2}
     )
     channel._inplace_augment_message(message, EXCHANGE.name, queue)
-    key = channel._q_for_pri(queue, channel._get_message_priority(message, reverse=False))
-    return str(key), str(dumps(message))
+    return message
