@@ -4,6 +4,7 @@ Python sandbox, native and .NET isolation) are tested in their own files."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
@@ -77,6 +78,24 @@ def test_a_frame_survives_any_chunking() -> None:
     buffer = frames.FrameBuffer()
     got = [frame for i in range(0, len(stream), 7) for frame in buffer.feed(stream[i : i + 7])]
     assert got == [(frames.CALL, b"x" * 1000), (frames.PROBE, b"")]
+
+
+def test_reads_ask_for_what_a_pipe_holds_and_a_large_frame_crosses_whole(
+    child: ChildProcess,
+) -> None:
+    """``os.read`` allocates what it asks for before it reads: a chunk past the pipe's
+    capacity is never filled and cost 20 µs a read at 1 MiB. A frame of many chunks (5 MiB)
+    still crosses both ways whole."""
+    read_end, write_end = os.pipe()
+    try:
+        capacity = fcntl.fcntl(read_end, fcntl.F_GETPIPE_SZ)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert capacity >= frames.READ_CHUNK_BYTES
+    payload = bytes(range(256)) * (20 * 1024)
+    child.send(frames.CALL, payload, soon())
+    assert child.receive(soon()) == (frames.ANSWER, payload)
 
 
 def test_malformed_frames_are_frame_errors() -> None:
