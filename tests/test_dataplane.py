@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import os
 import re
 import socket
 import uuid
@@ -18,6 +20,7 @@ from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.app import make_app
 from wm.dataplane.bus import Route
+from wm.dataplane.node import on_process_init
 from wm.dataplane.outputs import OutputPublisher
 from wm.dataplane.recovery import LEADER_KEY
 from wm.events import (
@@ -393,3 +396,24 @@ def test_an_outcome_recorded_during_the_run_is_the_one_published(
     assert (output["source"], output["data"]) == ("/first", {"copy": 1})
     eventually(lambda: Ledger(fast).pending(owner) == 0, timeout_s=10)
     assert queue_empty(fast, sink)
+
+
+def test_a_pool_process_freezes_what_it_inherited_out_of_the_collector_s_reach() -> None:
+    """Forked as Celery forks a pool process, then its init: a full collection no longer
+    walks (nor writes to) the objects the fork shared."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports and ends without running pytest's teardown
+        try:
+            inherited = len(gc.get_objects())
+            on_process_init()
+            counts = [inherited, gc.get_freeze_count(), len(gc.get_objects())]
+            os.write(write_end, json.dumps(counts).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        inherited, frozen, tracked = json.loads(reader.read())
+    os.waitpid(pid, 0)
+    assert frozen > inherited // 2
+    assert tracked < inherited // 10
