@@ -396,9 +396,9 @@ def on_process_init() -> None:
     """In each pool process after fork: fresh database pools and a fresh runtime; then
     what the process inherited from the node (about 120,000 objects: Celery, kombu,
     SQLAlchemy, the app) is frozen out of the garbage collector's reach. A full collection
-    walked them all, a 120 ms pause in the middle of a delivery (5 ms frozen), and wrote to
-    each, unsharing the memory pages the fork shared. The price: a cycle among those objects
-    that the process drops is never freed, which bounds the leak by what it inherited."""
+    walked them all, a 120 ms pause in the middle of a delivery (5 ms frozen). The price: a
+    cycle among those objects that the process drops is never freed, which bounds the leak
+    by what it inherited."""
     store.dispose_engines()
     runtime.reset_runtime()
     runtime.POOL_CHILD = True
