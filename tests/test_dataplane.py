@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
-import os
 import re
 import socket
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,6 @@ from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.app import make_app
 from wm.dataplane.bus import Route
-from wm.dataplane.node import on_process_init
 from wm.dataplane.outputs import OutputPublisher
 from wm.dataplane.recovery import LEADER_KEY
 from wm.events import (
@@ -398,22 +397,30 @@ def test_an_outcome_recorded_during_the_run_is_the_one_published(
     assert queue_empty(fast, sink)
 
 
+#: A node's main process in miniature: the app imported, then a fork as Celery forks a pool
+#: process, whose init runs; the child prints how many objects it inherited, froze and tracks.
+FORKED_INIT = """
+import gc, json, os
+import wm.celeryapp
+from wm.dataplane.node import on_process_init
+
+pid = os.fork()
+if pid == 0:
+    inherited = len(gc.get_objects())
+    on_process_init()
+    print(json.dumps([inherited, gc.get_freeze_count(), len(gc.get_objects())]), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
 def test_a_pool_process_freezes_what_it_inherited_out_of_the_collector_s_reach() -> None:
-    """Forked as Celery forks a pool process, then its init: a full collection no longer
-    walks (nor writes to) the objects the fork shared."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child reports and ends without running pytest's teardown
-        try:
-            inherited = len(gc.get_objects())
-            on_process_init()
-            counts = [inherited, gc.get_freeze_count(), len(gc.get_objects())]
-            os.write(write_end, json.dumps(counts).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as reader:
-        inherited, frozen, tracked = json.loads(reader.read())
-    os.waitpid(pid, 0)
+    """After its init, a pool process's full collections no longer walk (nor write to) the
+    objects the fork shared."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_INIT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    inherited, frozen, tracked = json.loads(done.stdout)
     assert frozen > inherited // 2
     assert tracked < inherited // 10
