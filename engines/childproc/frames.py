@@ -38,7 +38,7 @@ CODE = struct.Struct("<i")
 MAX_FRAME_BYTES = 300 * 1024 * 1024
 #: Bytes read from a pipe at once: a Linux pipe's default capacity, so one read takes what
 #: the pipe holds. ``os.read`` allocates this much before it reads: at 1 MiB, past malloc's
-#: mmap threshold, the allocation cost 20 µs a read, a third of a Python sandbox's round
+#: mmap threshold, the allocation cost 20 µs a read, on the host's side of every round
 #: trip; at 64 KiB, 1 µs.
 READ_CHUNK_BYTES = 64 * 1024
 
