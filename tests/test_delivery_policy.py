@@ -42,7 +42,7 @@ from sqlalchemy import update
 from tests.helpers import STUB, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event, store
 from wm.config import current_values
-from wm.dataplane import tasks
+from wm.dataplane import observe, pipeline, tasks, tracing
 from wm.dataplane.app import celery_settings
 from wm.dataplane.bus import Route
 from wm.dataplane.delivery import Delivery
@@ -635,6 +635,43 @@ def test_the_delivery_state_reads_both_formats_and_writes_the_second() -> None:
     assert DeliveryState.read(None, {}) == DeliveryState()
     with pytest.raises(InvalidArgument, match="unknown delivery state colour"):
         DeliveryState.read({"v": 2, "colour": "red"}, {})
+
+
+def test_a_delivery_enters_the_contexts_of_the_features_its_worker_uses_only(
+    monkeypatch: pytest.MonkeyPatch,
+    node: WorkController,
+    manager: WorkManager,
+    node_settings: Settings,
+) -> None:
+    """A feature with nothing to do for a delivery answers ``NOTHING``, which costs the
+    pipeline no context: a plain worker's delivery enters none, one with a group and a
+    max_events quota enters the group lock's and the quota's (no observer, no tracing)."""
+    entered: list[list[object]] = []
+    enter = pipeline.enter
+
+    def counting(stack: contextlib.ExitStack, context: Any) -> Any:
+        if context is not pipeline.NOTHING:
+            entered[-1].append(context)
+        return enter(stack, context)
+
+    monkeypatch.setattr(pipeline, "enter", counting)
+    monkeypatch.setattr(observe, "_observers", [])
+    monkeypatch.setattr(tracing, "enabled", lambda: False)
+    sink = manager.subscribe("done", "sink")
+    plain = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    grouped = manager.create_worker(
+        code=stub(output_type="done"),
+        mime_type=STUB,
+        topic="in.quota",
+        group="g",
+        settings={"max_events": 5},
+    )
+    for worker in (plain, grouped):
+        _consuming(node, worker)
+        entered.append([])
+        manager.publish(make_event(worker.topic, "/t", {"n": 1}))
+        drain(node_settings, sink, 1, timeout_s=10)
+    assert [len(contexts) for contexts in entered] == [0, 2], entered
 
 
 class Quarantine(Feature):

@@ -23,7 +23,7 @@ from typing import Any
 from wm.dataplane import tracing
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.observe import notify
-from wm.dataplane.pipeline import Feature, Pipeline
+from wm.dataplane.pipeline import Feature, Pipeline, enter
 from wm.dataplane.verdicts import DONE, Requeue, Verdict
 from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.engine import Engine
@@ -100,13 +100,13 @@ class BatchPipeline(Pipeline):
         delivery, stack = run.delivery, run.outer
         try:
             for feature in self._hooks.admit:
-                stack.enter_context(feature.admit(delivery))
+                enter(stack, feature.admit(delivery))
             recorded = delivery.recorded_outcome()
             if recorded is not None:
                 delivery.republish(recorded)
                 return False
             for feature in self._hooks.around_run:
-                stack.enter_context(feature.around_run(delivery))
+                enter(stack, feature.around_run(delivery))
             stack.enter_context(delivery.running())
             engine, temporary = delivery.load_engine()
             if temporary:
@@ -125,7 +125,7 @@ class BatchPipeline(Pipeline):
         try:
             with ExitStack() as batch:
                 for feature in self._batched:
-                    batch.enter_context(feature.around_batch(deliveries, engine))
+                    enter(batch, feature.around_batch(deliveries, engine))
                 live = [run for run in group if self._enter_call(run, engine)]
                 self._execute(live, engine)
                 self._record(live)
@@ -140,7 +140,7 @@ class BatchPipeline(Pipeline):
         delivery = run.delivery
         try:
             for feature in self._per_call:
-                run.inner.enter_context(feature.around_call(delivery, engine))
+                enter(run.inner, feature.around_call(delivery, engine))
             if delivery.recorded is not None:  # recorded meanwhile (read under the lock)
                 delivery.republish(delivery.recorded)
                 return False

@@ -35,6 +35,11 @@ def register(observer: Observer) -> None:
     _observers.append(observer)
 
 
+def observed() -> bool:
+    """Whether any observer is registered (a delivery's notices reach someone)."""
+    return bool(_observers)
+
+
 def notify(kind: str, meta: WorkerMeta, value: float = 1.0) -> None:
     for observer in _observers:
         try:

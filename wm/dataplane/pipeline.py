@@ -21,6 +21,11 @@ one of them (STYLE.md habit 16). A feature's hooks, each optional:
   the next feature judge;
 - :meth:`Feature.ended`: told the attempt's verdict (``DONE`` for a success).
 
+A context hook with nothing to do for a delivery returns :data:`NOTHING`, which the
+pipeline does not enter: most features apply to few workers, and a delivery pays for the
+contexts of those that apply to it only. A check with nothing to undo after raises from the
+hook itself and returns :data:`NOTHING`.
+
 In a batch (``wm.dataplane.batching``) two more: :meth:`Feature.around_batch`, once around
 the batch's one engine call instead of ``around_call`` for each delivery, and
 :meth:`Feature.batch_key`, which keeps deliveries of one key out of the same call.
@@ -32,13 +37,21 @@ import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.verdicts import DONE, Park, Verdict
 from wm.engine import Engine
 from wm.errors import Unavailable
 from wm.state.connection import StatePipeline
+
+#: A context hook's answer when it has nothing to do for the delivery: not entered.
+NOTHING: AbstractContextManager[Any] = contextlib.nullcontext()
+
+
+def enter(stack: ExitStack, context: AbstractContextManager[Any]) -> Any:
+    """``context`` entered on ``stack`` (what it gives), unless it is :data:`NOTHING`."""
+    return None if context is NOTHING else stack.enter_context(context)
 
 
 class Feature:
@@ -51,13 +64,13 @@ class Feature:
         return ()
 
     def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
-        return contextlib.nullcontext()
+        return NOTHING
 
     def around_run(self, delivery: Delivery) -> AbstractContextManager[object]:
-        return contextlib.nullcontext()
+        return NOTHING
 
     def around_call(self, delivery: Delivery, engine: Engine) -> AbstractContextManager[object]:
-        return contextlib.nullcontext()
+        return NOTHING
 
     def recording(self, delivery: Delivery, pipe: StatePipeline) -> None:
         return None
@@ -72,7 +85,7 @@ class Feature:
         self, deliveries: Sequence[Delivery], engine: Engine
     ) -> AbstractContextManager[object]:
         """Overridden: called once per batch call instead of :meth:`around_call`."""
-        return contextlib.nullcontext()
+        return NOTHING
 
     def batch_key(self, delivery: Delivery) -> str | None:
         """Deliveries with one key run in separate calls of a batch, in their order."""
@@ -132,7 +145,7 @@ class Pipeline:
         try:
             with ExitStack() as stack:
                 for feature in self._hooks.admit:
-                    stack.enter_context(feature.admit(delivery))
+                    enter(stack, feature.admit(delivery))
                 self._core(delivery)
         except Unavailable:  # the platform itself: back to the queue, judged by no feature
             raise
@@ -157,7 +170,7 @@ class Pipeline:
         with ExitStack() as stack:
             instead = None
             for feature in self._hooks.around_run:
-                entered = stack.enter_context(feature.around_run(delivery))
+                entered = enter(stack, feature.around_run(delivery))
                 instead = entered if isinstance(entered, Engine) else instead
             with delivery.running():
                 engine, temporary = (
@@ -172,7 +185,7 @@ class Pipeline:
     def _call(self, delivery: Delivery, engine: Engine) -> None:
         with ExitStack() as stack:
             for feature in self._hooks.around_call:
-                stack.enter_context(feature.around_call(delivery, engine))
+                enter(stack, feature.around_call(delivery, engine))
             if delivery.recorded is not None:  # recorded meanwhile (read under the lock)
                 delivery.republish(delivery.recorded)
             else:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 
 from wm.dataplane import sessions
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.observe import notify
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.engine import Engine
 from wm.errors import IdempotencyKeyMissing
 from wm.events import CloudEvent
@@ -48,14 +48,14 @@ class SessionAffinity(Feature):
         #: the instance the delivery of this thread's call runs on (for :meth:`recording`)
         self._ran = threading.local()
 
-    @contextmanager
-    def around_run(self, delivery: Delivery) -> Iterator[Engine | None]:
+    def around_run(self, delivery: Delivery) -> AbstractContextManager[object]:
         """Bound before the engine loads: the process that takes a session's first event
         binds it, and a call that runs elsewhere loads no engine here."""
         session = session_of(delivery)
-        if session is None:
-            yield None
-            return
+        return NOTHING if session is None else self._bound(delivery, session)
+
+    @contextmanager
+    def _bound(self, delivery: Delivery, session: str) -> Iterator[Engine | None]:
         rt, wid = delivery.rt, delivery.meta.id
         sessions.serve(rt)
         bound = _bind(delivery, session)
@@ -87,7 +87,7 @@ class SessionAffinity(Feature):
     def around_call(self, delivery: Delivery, engine: Engine) -> AbstractContextManager[object]:
         """A call here runs after (or before) those handed to this process, never with them."""
         if isinstance(engine, sessions.ElsewhereEngine) or session_of(delivery) is None:
-            return nullcontext()
+            return NOTHING
         return sessions.calling(delivery.meta.id)
 
 

@@ -10,11 +10,10 @@ successive calls (:meth:`Ordering.batch_key`), each after the turn of the one be
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.dataplane.verdicts import Done, Park, Verdict
 from wm.state import ordering
 from wm.state.ordering import PARTITION_EXTENSION, NotYourTurn
@@ -33,12 +32,11 @@ def _partition(delivery: Delivery) -> str | None:
 class Ordering(Feature):
     owns = ("ordering", "ordering_gap_s")
 
-    @contextmanager
-    def admit(self, delivery: Delivery) -> Iterator[None]:
+    def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
         partition = _partition(delivery)
         if partition is not None:
             self._take(delivery, partition)
-        yield
+        return NOTHING
 
     def _take(self, delivery: Delivery, partition: str) -> None:
         seq, gap_s = delivery.state.seq, delivery.worker_settings.ordering_gap_s

@@ -7,11 +7,11 @@ A member of a shared group is not paused: the group's one queue is every member'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.dataplane.verdicts import Requeue
 from wm.state.connection import text
 from wm.state.health import UNHEALTHY, state_key
@@ -23,8 +23,7 @@ class HealthPause(Feature):
     def facts(self, worker_id: str) -> Sequence[str]:
         return (state_key(worker_id),)
 
-    @contextmanager
-    def admit(self, delivery: Delivery) -> Iterator[None]:
+    def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
         meta = delivery.meta
         kept = delivery.facts.get(state_key(meta.id))
         if (
@@ -34,4 +33,4 @@ class HealthPause(Feature):
             and delivery.worker_settings.pause_when_unhealthy
         ):
             raise Requeue(f"worker {meta.id} is unhealthy: paused until it is healthy", pause=True)
-        yield
+        return NOTHING

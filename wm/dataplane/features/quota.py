@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from wm.dataplane import outbox
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.dataplane.verdicts import Requeue
 from wm.lifecycle import Status
 from wm.state import quota
@@ -25,25 +25,25 @@ from wm.state import quota
 class Quota(Feature):
     owns = ("max_events",)
 
-    @contextmanager
-    def admit(self, delivery: Delivery) -> Iterator[None]:
+    def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
         limit = delivery.worker_settings.max_events
-        if not limit:
-            yield
-            return
-        settings, worker_id = delivery.rt.settings, delivery.meta.id
-        taken = quota.take(settings, worker_id, limit)
-        if not taken:
-            reason = f"worker {worker_id} has processed its max_events; requeued"
-            raise Requeue(reason, pause=True)
-        try:
-            yield
-        except BaseException:
-            quota.give_back(settings, worker_id)
-            raise
-        if taken == limit:
-            reason = f"finished: processed its max_events ({limit})"
-            wid = uuid.UUID(worker_id)
-            outbox.leave_running(
-                settings, delivery.rt.bus, wid, Status.FINISHED, reason, actor="node"
-            )
+        return _counted(delivery, limit) if limit else NOTHING
+
+
+@contextmanager
+def _counted(delivery: Delivery, limit: int) -> Iterator[None]:
+    """One of the worker's ``limit`` slots for the attempt, given back if it fails."""
+    settings, worker_id = delivery.rt.settings, delivery.meta.id
+    taken = quota.take(settings, worker_id, limit)
+    if not taken:
+        reason = f"worker {worker_id} has processed its max_events; requeued"
+        raise Requeue(reason, pause=True)
+    try:
+        yield
+    except BaseException:
+        quota.give_back(settings, worker_id)
+        raise
+    if taken == limit:
+        reason = f"finished: processed its max_events ({limit})"
+        wid = uuid.UUID(worker_id)
+        outbox.leave_running(settings, delivery.rt.bus, wid, Status.FINISHED, reason, actor="node")

@@ -11,12 +11,11 @@ process, the message is only acknowledged."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 from wm.dataplane import enginecontrol
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.dataplane.verdicts import Settled, Verdict
 from wm.engine import resident_bytes, tree_resident_bytes
 from wm.errors import WorkerTimeout
@@ -29,8 +28,7 @@ MIB = 1024 * 1024
 class Replacement(Feature):
     owns = ("max_memory_mb",)
 
-    @contextmanager
-    def admit(self, delivery: Delivery) -> Iterator[None]:
+    def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
         if delivery.redelivered and settled.marked(delivery.rt.settings, delivery.message_key):
             reason = (
                 f"event {delivery.event.get_id()} was settled for worker {delivery.meta.id} "
@@ -38,7 +36,7 @@ class Replacement(Feature):
             )
             logger.info("%s", reason)
             raise Settled(reason)
-        yield
+        return NOTHING
 
     def failed(self, delivery: Delivery, error: Exception) -> Verdict | None:
         if isinstance(error, WorkerTimeout) and error.stray:

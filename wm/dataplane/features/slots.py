@@ -4,10 +4,10 @@ broker (see ``contention``). A group member runs alone already and takes none.""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.engine import Engine
 
 
@@ -17,6 +17,6 @@ class ConcurrencySlots(Feature):
     def around_call(self, delivery: Delivery, engine: Engine) -> AbstractContextManager[object]:
         limit = delivery.worker_settings.max_concurrency
         if not limit or delivery.meta.group:
-            return nullcontext()
+            return NOTHING
         slots = delivery.rt.slots
         return slots.hold(delivery.meta.id, delivery.holder, limit, delivery.hold_limit_s)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.observe import notify
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.observe import notify, observed
+from wm.dataplane.pipeline import NOTHING, Feature
 from wm.dataplane.verdicts import Resend, Verdict
 from wm.engine import Engine
 from wm.errors import TenantThrottled
@@ -29,20 +29,15 @@ from wm.state.locks import retry_delay_ms
 
 
 class TenantLimits(Feature):
-    @contextmanager
-    def around_run(self, delivery: Delivery) -> Iterator[None]:
+    def around_run(self, delivery: Delivery) -> AbstractContextManager[object]:
         """Every tenant's deliveries running, for ``wm_tenant_in_flight`` (nothing to do
         when no observer is registered: the health port is off)."""
-        notify("tenant_running", delivery.meta, 1.0)
-        try:
-            yield
-        finally:
-            notify("tenant_running", delivery.meta, -1.0)
+        return _running(delivery) if observed() else NOTHING
 
     def around_call(self, delivery: Delivery, engine: Engine) -> AbstractContextManager[object]:
         limits = delivery.meta.tenant_limits
         if not limits:
-            return nullcontext()
+            return NOTHING
         concurrency, rate = limits.get("max_concurrency"), limits.get("rate_limit")
         tenant, gate = delivery.meta.tenant, delivery.rt.tenant_gate
         refused = gate.admit(tenant, delivery.holder, delivery.hold_limit_s, concurrency, rate)
@@ -63,3 +58,12 @@ class TenantLimits(Feature):
         notify("tenant_throttled", delivery.meta)
         state = delivery.state.waited(time.time())
         return Resend(error.delay_s, state, error, counts=False)
+
+
+@contextmanager
+def _running(delivery: Delivery) -> Iterator[None]:
+    notify("tenant_running", delivery.meta, 1.0)
+    try:
+        yield
+    finally:
+        notify("tenant_running", delivery.meta, -1.0)

@@ -6,11 +6,13 @@ from contextlib import AbstractContextManager
 
 from wm.dataplane import tracing
 from wm.dataplane.delivery import Delivery
-from wm.dataplane.pipeline import Feature
+from wm.dataplane.pipeline import NOTHING, Feature
 
 
 class Tracing(Feature):
     def admit(self, delivery: Delivery) -> AbstractContextManager[object]:
+        if not tracing.enabled():
+            return NOTHING
         meta = delivery.meta
         attributes = {
             "workmanager.worker_id": meta.id,
