@@ -65,12 +65,13 @@ class BatchedDelivery(Delivery):
 
 @dataclass(frozen=True)
 class Boundary:
-    """What the task module lends: ``message(task, args, kwargs)`` reads a message under the
-    task's request, ``carry_out(task, delivery, verdict)`` ends it as a task run would, and
-    ``requeue(task, rt, message, verdict)`` counts a requeue (parking a looping one) and raises
-    Reject."""
+    """What the task module lends: ``message(request, args, kwargs)`` reads a message with
+    its request's attributes (as Celery's ``Context`` holds them: no request is pushed),
+    ``carry_out(task, delivery, verdict)`` ends it as a task run would, and
+    ``requeue(task, rt, message, verdict)`` counts a requeue (parking a looping one) and
+    raises Reject."""
 
-    message: Callable[[Task, tuple[Any, ...], dict[str, Any]], Any]
+    message: Callable[[dict[str, Any], tuple[Any, ...], dict[str, Any]], Any]
     carry_out: Callable[[Task, Delivery, Verdict], None]
     requeue: Callable[[Task, Runtime, Any, Requeue], None]
 
@@ -149,12 +150,7 @@ class Batcher:
         except (TypeError, ValueError):  # not a task message of this shape: parked as such
             args, kwargs, embed = (), {"body": repr(taken.body)[:200]}, {}
         request = _request(task, taken, args, kwargs, embed)
-        task.push_request(**request)
-        try:
-            read = self.boundary.message(task, tuple(args), dict(kwargs))
-        finally:
-            task.pop_request()
-        return _Follower(taken, request, read)
+        return _Follower(taken, request, self.boundary.message(request, tuple(args), dict(kwargs)))
 
     def _deliveries(
         self,
@@ -167,14 +163,17 @@ class Batcher:
         """The followers to run with the leader, and those to run alone after; the others
         are settled now (parked, requeued, or left to the node's consumer)."""
         ours = [f for f in followers if self._readable(task, rt, broker, f, leader.meta)]
-        keys = [_outcome_key(rt, leader.meta, f) for f in ours]
+        event_keys = [key_of(f.message.event) for f in ours]
+        keys = [_outcome_key(rt, leader.meta, f, k) for f, k in zip(ours, event_keys, strict=True)]
         fact_keys = self.pipeline.fact_keys(leader.meta.id)
         meta, values = rt.directory.get_with(leader.meta.id, *keys, *fact_keys)
         facts = dict(zip(fact_keys, values[len(keys) :], strict=True))
         fresh: list[_Follower] = []
         alone: list[_Follower] = []
-        for follower, key, value in zip(ours, keys, values[: len(keys)], strict=True):
+        found = zip(ours, event_keys, keys, values[: len(keys)], strict=True)
+        for follower, event_key, key, value in found:
             delivery = _batched(rt, meta or leader.meta, leader, follower, {key: value, **facts})
+            delivery.key = event_key  # derived once
             if meta is None or meta.status == Status.DELETED:
                 error = WorkerNotFound(f"worker {leader.meta.id} does not exist (deleted)")
                 self._park(task, broker, follower, delivery, error)
@@ -293,11 +292,11 @@ def _rt_of(task: Task) -> Runtime:
     return runtime(task)
 
 
-def _outcome_key(rt: Runtime, meta: WorkerMeta, follower: _Follower) -> str:
+def _outcome_key(rt: Runtime, meta: WorkerMeta, follower: _Follower, key: str) -> str:
     """The outcome key a follower's delivery reads, under the worker's settings as the
-    leader read them; the event key when it lacks its business key (its run parks it)."""
+    leader read them; its event's (``key``) when it lacks its business key (its run parks
+    it)."""
     event = follower.message.event
-    key = key_of(event)
     with contextlib.suppress(IdempotencyKeyMissing):
         key = operation_key(meta.worker_settings.idempotency_key, event, meta.id, key)
     return rt.outcomes.key(meta.id, key)

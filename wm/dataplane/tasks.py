@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from celery import Task, shared_task
@@ -81,7 +81,7 @@ def deliver(self: Task, *args: Any, **kwargs: Any) -> None:
     ``MalformedMessage``: Celery would drop it (a missing argument) or fail it for ever. One
     whose event is another tenant's than its worker's is dropped (``wm.dataplane.guard``)."""
     rt = runtime(self)
-    message = _Message(self, args, kwargs)
+    message = _Message(vars(self.request), args, kwargs)
     with logcontext.scope(worker_id=message.worker_id or None):
         try:
             _deliver(self, rt, message)
@@ -202,17 +202,20 @@ class _Message:
     """A ``wm.deliver`` message as read, before its event is decoded. One of another shape
     keeps its arguments as its bytes, and what is wrong with it (``malformed``)."""
 
-    def __init__(self, task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        request = task.request
-        self.queue = str((request.delivery_info or {}).get("routing_key") or "unknown")
+    def __init__(
+        self, request: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Read under ``request``: the attributes of the task's request (Celery's
+        ``Context``), or what they would be for a message a batch took."""
+        self.queue = str((request.get("delivery_info") or {}).get("routing_key") or "unknown")
         #: the quorum queue that gave it up at its delivery limit (its headers, which Celery
         #: keeps as the request's attributes, say so), else None
-        self.given_up_by = over_delivery_limit(vars(request))
+        self.given_up_by = over_delivery_limit(dict(request))
         #: how often it was sent again (a retry, a wait): its number among its messages
         self.resends = 0
         self.malformed: MalformedMessage | None = None
         try:
-            self.resends = _resends(request.retries)
+            self.resends = _resends(request.get("retries"))
             self.worker_id, self.payload, self.state = _arguments(args, kwargs)
         except MalformedMessage as exc:
             self.malformed, self.worker_id, self.state = exc, "", DeliveryState()
@@ -305,7 +308,8 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     except EventDecodeError as exc:
         _park(rt, message.failure(exc, rt.directory.get(worker_id)))
     guard.check_queue(event, message.queue, worker_id)  # before any store is touched
-    keys = _first_trip_keys(rt, worker_id, event)
+    event_key = key_of(event)
+    keys = _first_trip_keys(rt, worker_id, event_key)
     found, values = rt.directory.find(worker_id, *keys)
     facts, share = dict(zip(keys, values, strict=True)), None
     if isinstance(found, Share):
@@ -321,7 +325,7 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     if meta.status != Status.RUNNING:
         raise Requeue(f"worker {worker_id} is {meta.status}; message requeued", pause=True)
     request = task.request
-    return Delivery(
+    delivery = Delivery(
         rt,
         meta,
         event,
@@ -335,13 +339,15 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
         on_overrun=_overrun(task, request) if runtime_module.POOL_CHILD else None,
         share=share,
     )
+    delivery.key = event_key  # derived once
+    return delivery
 
 
-def _first_trip_keys(rt: Runtime, worker_id: str, event: CloudEvent) -> list[str]:
+def _first_trip_keys(rt: Runtime, worker_id: str, event_key: str) -> list[str]:
     """What the first trip reads beside the worker's facts: the event's recorded outcome
-    (first), the features' keys and, on this process's first delivery to the worker, its
-    cached code."""
-    keys = [rt.outcomes.key(worker_id, key_of(event)), *PIPELINE.fact_keys(worker_id)]
+    (first, under its key ``event_key``), the features' keys and, on this process's first
+    delivery to the worker, its cached code."""
+    keys = [rt.outcomes.key(worker_id, event_key), *PIPELINE.fact_keys(worker_id)]
     if rt.engines.loaded(worker_id) is None:
         keys.append(code_key(worker_id))
     return keys
