@@ -150,6 +150,54 @@ def test_data_kinds_and_attributes_reach_the_worker_and_come_back(engine_for: An
         assert output.get_attributes()["subject"] == "s-1"
 
 
+def test_text_crosses_as_utf8_whatever_its_size_and_the_call_lets_python_threads_run(
+    engine_for: Any,
+) -> None:
+    """The event crosses into .NET as UTF-8 bytes through a function pointer with the
+    interpreter's lock released; an answer longer than the caller's buffer is taken whole."""
+    engine = engine_for(
+        csharp("""
+        public sealed class Echo : WorkerBase {
+            public Echo() : base("echo", "/echo") { }
+            public override Task<CloudEvent> ProcessAsync(CloudEvent input) {
+                string text = (string)input.Data;
+                if (text == "block") System.Threading.Thread.Sleep(400);
+                var output = new CloudEvent("echo", "/echo", text);
+                output.DataContentType = "text/plain";
+                output["chars"] = text.Length.ToString();  // UTF-16 units, as .NET counts
+                return Task.FromResult(output);
+            }
+        }
+    """)
+    )
+    long_text = "é😀" * (runtime.ANSWER_BYTES // 3)  # 6 bytes a pair: over the buffer
+    for text in ("plain", "é, 中文, 😀 and \u0000", long_text):
+        [output] = engine.process(make_event("t", "/t", text, datacontenttype="text/plain"), 5)
+        assert output.get_data() == text
+        assert output.get_extension("chars") == str(len(text.encode("utf-16-le")) // 2)
+
+    ticks = 0
+    stop = threading.Event()
+
+    def tick() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.05)
+        before = ticks
+        engine.process(make_event("t", "/t", "block", datacontenttype="text/plain"), 5)
+        during = ticks - before
+    finally:
+        stop.set()
+        ticker.join()
+    assert during >= 20, f"a Python thread ticked {during} times in a 400 ms .NET call"
+
+
 def test_a_null_answer_publishes_nothing(engine_for: Any) -> None:
     engine = engine_for(
         csharp("""
@@ -614,8 +662,10 @@ def test_the_wire_refuses_what_it_cannot_carry() -> None:
     event = make_event("t", "/t", {"a": 1}, extensions={"tenant": "a\x00b"})
     with pytest.raises(EventDecodeError, match="holding a NUL character"):
         encode_event(event)
+    with pytest.raises(EventDecodeError, match=r"e-2 holds a lone surrogate \('\\udc80'\)"):
+        encode_event(make_event("t", "/t", "a\udc80", id="e-2", datacontenttype="text/plain"))
     header, data = encode_event(make_event("t", "/t", {"a": 1}, id="e-1"))
-    assert header.split("\0")[:3] == ["e-1", "/t", "t"] and json.loads(data) == {"a": 1}
+    assert header.split(b"\0")[:3] == [b"e-1", b"/t", b"t"] and json.loads(data) == {"a": 1}
     with pytest.raises(WorkerFailed, match="nope") as caught:
         decode_answer("error\0System.ArgumentException\0nope")
     assert caught.value.error_type == "System.ArgumentException"

@@ -151,7 +151,7 @@ class Sinks:
 
 
 class Runner(Protocol):
-    def call(self, header: str, data: str, timeout_s: float) -> str: ...
+    def call(self, header: bytes, data: bytes, timeout_s: float) -> str: ...
 
     def probe(self, timeout_s: float) -> str: ...
 
@@ -195,10 +195,10 @@ class Context:
         logger.info(".NET worker %s: %s loaded", self.worker.worker_id, type_name)
         return int(handle)
 
-    def call(self, header: str, data: str, timeout_s: float) -> str:
+    def call(self, header: bytes, data: bytes, timeout_s: float) -> str:
         limit_ms = int(timeout_s * 1000)
         return self._run(
-            lambda host, handle: host.Process(handle, header, data, limit_ms),
+            lambda host, handle: self.rt.process(handle, header, data, limit_ms),
             timeout_s,
             "ProcessAsync",
             f".NET worker {self.worker.worker_id}",
@@ -298,7 +298,7 @@ class Isolated:
             limits=Limits.from_settings(settings),
         )
 
-    def call(self, header: str, data: str, timeout_s: float) -> str:
+    def call(self, header: bytes, data: bytes, timeout_s: float) -> str:
         return self._ask(Request(EVENT, _helper_ms(timeout_s), header, data), timeout_s)
 
     def probe(self, timeout_s: float) -> str:

@@ -89,6 +89,13 @@ LOG_LEVELS = {
     "error": logging.ERROR,
 }
 GATEWAY_OK, GATEWAY_FAILED = 0, 1
+#: ``Host.ProcessCall``: handle, header and data (UTF-8 pointers and lengths), time limit in
+#: ms, the answer's buffer and its capacity; returns the answer's length (negative: too long).
+PROCESS_CALL = (
+    "int32_t (*)(int32_t, const char *, int32_t, const char *, int32_t, int64_t, char *, int32_t)"
+)
+#: The answer buffer of each calling thread; a longer answer takes a second call.
+ANSWER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,25 @@ class Runtime:
         self._registering = threading.Lock()
         log, gateway = self._hooks()
         host.SetHooks(log, gateway)
+        from cffi import FFI  # clr_loader's own dependency
+
+        self._ffi = FFI()
+        self._process = self._ffi.cast(PROCESS_CALL, int(host.ProcessEntry()))
+        self._answers = threading.local()
+
+    def process(self, handle: int, header: bytes, data: bytes, limit_ms: int) -> str:
+        """``Host.Process``'s answer to an event (:mod:`engines.dotnet.wire`), called
+        through the host's function pointer with the interpreter's lock released."""
+        answer = getattr(self._answers, "buffer", None)
+        if answer is None:
+            answer = self._answers.buffer = self._ffi.new("char[]", ANSWER_BYTES)
+        length = self._process(
+            handle, header, len(header), data, len(data), limit_ms, answer, ANSWER_BYTES
+        )
+        if length < 0:  # kept by the host for this thread
+            return str(self.host.TakeAnswer())
+        text: bytes = self._ffi.unpack(answer, length)
+        return text.decode()
 
     def register(self, worker_id: str, sinks: Callbacks) -> None:
         """Route the hooks of ``worker_id`` to ``sinks`` (the latest registered wins)."""

@@ -50,8 +50,8 @@ def run(
         begin(f"{NATIVE} round trip")
         found.append(_in_process_round_trip(NATIVE, code, in_process, payload, 1000))
     for mime_type, path in dotnet:
-        # the event as strings, ProcessAsync (JSON parsed and written in .NET), the answer
-        # as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
+        # the event as UTF-8 bytes, ProcessAsync (JSON parsed and written in .NET), the
+        # answer as a CloudEvent; CoreCLR's tiered JIT runs the first ~35,000 calls (~2 s) on
         # quickly compiled code before it optimizes them: the steady state is timed
         payload = {"command": "upper", "text": "a small payload"}
         begin(f"{mime_type} round trip")

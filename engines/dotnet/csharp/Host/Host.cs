@@ -1,10 +1,12 @@
 // WorkManager.DotNet.Host: the engine's side inside the runtime. Python drives it with
-// strings only: a worker object, its types, its exceptions or its tasks never reach Python,
+// strings, and an event's round trip with UTF-8 bytes through a function pointer
+// (ProcessEntry): a worker object, its types, its exceptions or its tasks never reach Python,
 // because pythonnet caches what it touches and would keep an unloaded context alive.
 using System;
 using System.Collections.Generic;
 using System.IO;
 using System.Reflection;
+using System.Runtime.InteropServices;
 using System.Text;
 using System.Text.Json.Nodes;
 using System.Threading;
@@ -297,12 +299,74 @@ namespace WorkManager.DotNet
 
         /// <summary>Starts ProcessAsync. The answer ("ok…", "none", "error…") when the task
         /// completed synchronously, else "pending\0call" to <see cref="Wait"/> for.</summary>
-        public static string Process(int handle, string header, string data, long timeoutMs)
+        static string Process(int handle, string header, string data, long timeoutMs)
         {
             Slot slot = Enter(handle);
             if (slot == null) return NoWorker(handle);
             return Start<CloudEvent>(slot, timeoutMs, "ProcessAsync",
                                      () => slot.Worker.ProcessAsync(Decode(header, data)), EventAnswer);
+        }
+
+        /// <summary><see cref="Process"/> called through a function pointer, which costs a
+        /// fraction of a call through pythonnet: the header and data as UTF-8 bytes, the
+        /// answer written as UTF-8 into the caller's buffer of <c>capacity</c> bytes. Returns
+        /// the answer's length, or minus it when it does not fit: then
+        /// <see cref="TakeAnswer"/> gives it, as a string, to the same thread.</summary>
+        [UnmanagedFunctionPointer(CallingConvention.Cdecl)]
+        public delegate int ProcessCall(int handle, IntPtr header, int headerLength, IntPtr data,
+                                        int dataLength, long timeoutMs, IntPtr answer, int capacity);
+
+        static readonly ProcessCall processCall = ProcessBytes;  // the pointer lives as long
+        [ThreadStatic] static byte[] scratch;
+        [ThreadStatic] static string spilled;
+
+        /// <summary>The address of <see cref="ProcessCall"/>'s entry.</summary>
+        public static long ProcessEntry() { return Marshal.GetFunctionPointerForDelegate(processCall).ToInt64(); }
+
+        static int ProcessBytes(int handle, IntPtr header, int headerLength, IntPtr data,
+                                int dataLength, long timeoutMs, IntPtr answer, int capacity)
+        {
+            string text;
+            try
+            {
+                text = Process(handle, Utf8(header, headerLength), Utf8(data, dataLength), timeoutMs);
+            }
+            catch (Exception e)  // nothing may unwind into the caller's native frames
+            {
+                text = Failure(e);
+            }
+            byte[] bytes = Scratch(Encoding.UTF8.GetMaxByteCount(text.Length));
+            int length = Encoding.UTF8.GetBytes(text, 0, text.Length, bytes, 0);
+            if (length > capacity)
+            {
+                spilled = text;
+                return -length;
+            }
+            Marshal.Copy(bytes, 0, answer, length);
+            return length;
+        }
+
+        /// <summary>The last answer of this thread's <see cref="ProcessCall"/> that did not
+        /// fit its buffer.</summary>
+        public static string TakeAnswer()
+        {
+            string text = spilled;
+            spilled = null;
+            return text;
+        }
+
+        static string Utf8(IntPtr bytes, int length)
+        {
+            if (length == 0) return "";
+            byte[] buffer = Scratch(length);
+            Marshal.Copy(bytes, buffer, 0, length);
+            return Encoding.UTF8.GetString(buffer, 0, length);
+        }
+
+        static byte[] Scratch(int length)
+        {
+            if (scratch == null || scratch.Length < length) scratch = new byte[Math.Max(length, 4096)];
+            return scratch;
         }
 
         /// <summary>Starts the worker's health probe. "noprobe" when it has none, else as
