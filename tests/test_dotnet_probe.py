@@ -219,7 +219,7 @@ def test_a_node_probes_dotnet_workers_and_judges_their_health(
 
 
 def test_requests_and_probe_answers_cross_the_wire() -> None:
-    event = Request(EVENT, 7000, "id\0src\0tÿpe".encode(), "data\0with nul".encode())
+    event = Request(EVENT, 7000, "id\0src\0tÿpe".encode(), b"data\0with nul")
     assert Request.decode(event.encode()) == event
     assert Request.decode(Request(PROBE, 500).encode()) == Request(PROBE, 500, b"", b"")
     with pytest.raises(WorkerExecutionError, match="unknown kind"):
