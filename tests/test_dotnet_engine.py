@@ -5,6 +5,7 @@ runtime: discovery, packages and the wire between Python and the host helper."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -196,6 +197,36 @@ def test_text_crosses_as_utf8_whatever_its_size_and_the_call_lets_python_threads
         stop.set()
         ticker.join()
     assert during >= 20, f"a Python thread ticked {during} times in a 400 ms .NET call"
+
+
+def test_a_workers_log_lines_reach_python_logging_from_its_call_and_after_an_await(
+    engine_for: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log hook takes Python's lock back inside a call that released it, on the calling
+    thread and on the thread pool's after an ``await``."""
+    engine = engine_for(
+        csharp("""
+        public sealed class Chatty : WorkerBase {
+            public Chatty() : base("chatty", "/chatty") { }
+            public override async Task<CloudEvent> ProcessAsync(CloudEvent input) {
+                Log("warning", "before " + input.Subject);
+                await Task.Delay(20);
+                Log("error", "after on thread " + Environment.CurrentManagedThreadId);
+                return null;
+            }
+        }
+    """),
+        worker("w-chatty"),
+    )
+    with caplog.at_level(logging.WARNING, logger="engines.dotnet.worker"):
+        for n in range(3):
+            assert engine.process(make_event("t", "/t", None, subject=f"s-{n}"), 5) == []
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [line for line in lines if "before" in line[1]] == [
+        (logging.WARNING, f".NET worker w-chatty: before s-{n}") for n in range(3)
+    ]
+    after = [line for line in lines if "after on thread" in line[1]]
+    assert len(after) == 3 and all(level == logging.ERROR for level, _ in after)
 
 
 def test_a_null_answer_publishes_nothing(engine_for: Any) -> None:
