@@ -4,8 +4,8 @@ through pythonnet, one collectible AssemblyLoadContext per loaded worker.
 
 Modules: ``runtime`` (discovery, start once per process after fork, the DevKit and host
 helper built from ``csharp/`` and cached by hash, the compiler), ``package`` (bare DLL or
-nupkg, best ``lib/<tfm>/``), ``wire`` (events as strings between Python and the host
-helper), ``engine`` (the engines, in-process contexts and isolated helpers), ``helper``
+nupkg, best ``lib/<tfm>/``), ``wire`` (events as UTF-8 bytes between Python and the
+host helper), ``engine`` (the engines, in-process contexts and isolated helpers), ``helper``
 (``python -m engines.dotnet.helper``: the isolation helper process).
 
 pythonnet is imported only by this package; without it the engines are reported
