@@ -1,7 +1,7 @@
 """Events between Python and the host helper (``csharp/Host/Host.cs``), as UTF-8 bytes in
-and a string out: the event crosses through the host's function pointer
-(``Host.ProcessCall``), since pythonnet's call with strings cost a quarter of a round trip,
-and the answer comes back as UTF-8 in a buffer the caller owns.
+and out: the event crosses through the host's function pointer (``Host.ProcessCall``; the
+crossing costs a third of pythonnet's call with strings), and the answer comes back as
+UTF-8 in a buffer the caller owns.
 
 Request: a header of the fields ``id, source, type, subject, datacontenttype,
 time, data kind`` then extension names and values, all joined by NUL; the data as a second

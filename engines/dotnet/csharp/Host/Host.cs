@@ -317,6 +317,7 @@ namespace WorkManager.DotNet
                                         int dataLength, long timeoutMs, IntPtr answer, int capacity);
 
         static readonly ProcessCall processCall = ProcessBytes;  // the pointer lives as long
+        const int ScratchKept = 64 * 1024;
         [ThreadStatic] static byte[] scratch;
         [ThreadStatic] static string spilled;
 
@@ -335,13 +336,14 @@ namespace WorkManager.DotNet
             {
                 text = Failure(e);
             }
-            byte[] bytes = Scratch(Encoding.UTF8.GetMaxByteCount(text.Length));
-            int length = Encoding.UTF8.GetBytes(text, 0, text.Length, bytes, 0);
+            int length = Encoding.UTF8.GetByteCount(text);
             if (length > capacity)
             {
                 spilled = text;
                 return -length;
             }
+            byte[] bytes = Scratch(length);
+            Encoding.UTF8.GetBytes(text, 0, text.Length, bytes, 0);
             Marshal.Copy(bytes, 0, answer, length);
             return length;
         }
@@ -363,8 +365,11 @@ namespace WorkManager.DotNet
             return Encoding.UTF8.GetString(buffer, 0, length);
         }
 
+        /// <summary>This thread's buffer of at least <paramref name="length"/> bytes; one
+        /// beyond <see cref="ScratchKept"/> is not kept (a large event's would stay).</summary>
         static byte[] Scratch(int length)
         {
+            if (length > ScratchKept) return new byte[length];
             if (scratch == null || scratch.Length < length) scratch = new byte[Math.Max(length, 4096)];
             return scratch;
         }
