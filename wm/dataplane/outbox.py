@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -14,8 +15,9 @@ from wm.config import Settings
 from wm.dataplane.bus import Bus
 from wm.dataplane.shares import leaving_queue
 from wm.errors import BrokerUnavailable, Unavailable
-from wm.events import decode
+from wm.events import decode, in_tenant
 from wm.lifecycle import Status
+from wm.names import split_route_topic
 from wm.state.directory import Directory
 from wm.store import records
 from wm.store.models import OutboxEvent
@@ -23,6 +25,8 @@ from wm.store.models import OutboxEvent
 logger = logging.getLogger(__name__)
 #: Outbox rows published per flush (the rest wait for the next one).
 FLUSH_BATCH = 500
+#: An outbox row: its id, route topic and encoded event.
+_Row = tuple[int, str, Any]
 
 
 def flush(settings: Settings, bus: Bus, topics: list[str] | None = None) -> int:
@@ -35,7 +39,6 @@ def flush(settings: Settings, bus: Bus, topics: list[str] | None = None) -> int:
     the database's write lock until it commits). A broker or database outage leaves the
     rest for the next flush.
     """
-    sent = 0
     try:
         with store.session_scope(settings) as session:
             rows = session.execute(
@@ -44,16 +47,36 @@ def flush(settings: Settings, bus: Bus, topics: list[str] | None = None) -> int:
                 .limit(FLUSH_BATCH)
                 .with_for_update(skip_locked=True)
             ).all()
-            for row_id, topic, payload in rows:
-                taken = session.execute(delete(OutboxEvent).where(OutboxEvent.id == row_id))
-                if taken.rowcount:  # type: ignore[attr-defined]
-                    bus.publish(decode(payload), topic)
-                    sent += 1
-                    if topics is not None:
-                        topics.append(topic)
+            if not rows:
+                return 0
+            taken = _take(session, [(row_id, topic, payload) for row_id, topic, payload in rows])
+            bus.publish_many(
+                [
+                    (in_tenant(decode(payload), split_route_topic(topic)[0]), topic)
+                    for _, topic, payload in taken
+                ]
+            )
     except Unavailable as exc:
         logger.warning("lifecycle events stay in the outbox for the next try: %s", exc)
-    return sent
+        return 0
+    if topics is not None:
+        topics.extend(topic for _, topic, _ in taken)
+    return len(taken)
+
+
+def _take(session: Session, rows: list[_Row]) -> list[_Row]:
+    """Delete ``rows`` in this transaction: those this flush took. PostgreSQL locked them
+    for it (one statement takes all, however many); SQLite has no row locks, so each is
+    deleted on its own and one another flush deleted first is left to that flush."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(delete(OutboxEvent).where(OutboxEvent.id.in_([r[0] for r in rows])))
+        return rows
+    return [row for row in rows if _deleted(session, row[0])]
+
+
+def _deleted(session: Session, row_id: int) -> bool:
+    result = session.execute(delete(OutboxEvent).where(OutboxEvent.id == row_id))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 def changed(settings: Settings, bus: Bus, wid: uuid.UUID) -> None:

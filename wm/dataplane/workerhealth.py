@@ -33,11 +33,8 @@ def judge_all(settings: Settings, bus: Bus) -> int:
         found = {str(w.id): (dict(w.settings or {}), _pausable(w)) for w in workers}
     verdicts = WorkerHealth(settings).judge_all({w: s for w, (s, _) in found.items()})
     changed = [(w, v, old) for w, (v, old) in verdicts.items() if v.health != old]
-    for worker_id, verdict, old in changed:
-        queue = found[worker_id][1]
-        paused = queue is not None and verdict.health == UNHEALTHY
-        records.transaction(settings, _event(uuid.UUID(worker_id), verdict, old, paused))
-    if changed:
+    if changed:  # one transaction: a thousand workers changing at once took one each
+        records.transaction(settings, _events(changed, {w: q for w, (_, q) in found.items()}))
         outbox.flush(settings, bus)
     for worker_id, verdict, old in changed:
         _pause_or_resume(settings, bus, worker_id, found[worker_id][1], verdict.health, old)
@@ -68,19 +65,33 @@ def _pause_or_resume(
     bus.broadcast_consume(queue)
 
 
-def _event(wid: uuid.UUID, verdict: Verdict, old: str, paused: bool) -> Any:
+def _events(changed: list[tuple[str, Verdict, str]], queues: dict[str, str | None]) -> Any:
+    """The write of every changed worker's ``health_changed`` event (their rows locked in
+    id order); ``queues``: what a pause would stop, by worker (:func:`_pausable`)."""
+
     def write(session: Session) -> None:
-        worker = records.lock_worker(session, wid)
-        worker.updated_at = utcnow()
-        data = {
-            "from_health": old,
-            "to_health": verdict.health,
-            "paused": paused,
-            "error_rate": verdict.error_rate,
-            "deliveries": verdict.deliveries,
-            "consecutive_failures": verdict.consecutive_failures,
-            **(verdict.probe.to_json() if verdict.probe is not None else {}),
+        wids = sorted(uuid.UUID(worker_id) for worker_id, _, _ in changed)
+        workers = {
+            str(w.id): w
+            for w in session.scalars(
+                select(Worker).where(Worker.id.in_(wids)).order_by(Worker.id).with_for_update()
+            )
         }
-        records.add_outbox(session, "health_changed", worker, data, reason=verdict.reason)
+        now = utcnow()
+        for worker_id, verdict, old in changed:
+            worker = workers.get(worker_id)
+            if worker is None:  # gone since it was judged: nothing to tell
+                continue
+            worker.updated_at = now
+            data = {
+                "from_health": old,
+                "to_health": verdict.health,
+                "paused": queues[worker_id] is not None and verdict.health == UNHEALTHY,
+                "error_rate": verdict.error_rate,
+                "deliveries": verdict.deliveries,
+                "consecutive_failures": verdict.consecutive_failures,
+                **(verdict.probe.to_json() if verdict.probe is not None else {}),
+            }
+            records.add_outbox(session, "health_changed", worker, data, reason=verdict.reason)
 
     return write
