@@ -173,3 +173,21 @@ def test_a_first_load_takes_the_code_the_delivery_read_beside_the_facts(
     cache.engine(other, other.version, {code_key(other.id): other.sha256.encode() + b"{}"})
     assert asked == [other.id]
     cache.close()
+
+
+def test_a_process_reads_its_own_resident_memory_after_a_fork() -> None:
+    """Each process keeps its own ``/proc/self/statm`` open; a forked child that grows
+    must not read its parent's through the descriptor it inherited."""
+    assert abs(resident_bytes() - resident_bytes(os.getpid())) < 4 << 20  # opened here
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        page = os.sysconf("SC_PAGE_SIZE")
+        grown = bytearray(256 << 20)
+        grown[::page] = b"x" * len(grown[::page])
+        os.write(write, f"{resident_bytes()} {resident_bytes(os.getpid())}".encode())
+        os._exit(0)
+    os.close(write)
+    kept, by_path = map(int, os.read(read, 100).split())
+    os.waitpid(child, 0)
+    assert by_path > 256 << 20 and abs(kept - by_path) < 16 << 20, (kept, by_path)

@@ -167,10 +167,26 @@ class Engine:
 def resident_bytes(pid: int | None = None) -> int:
     """Resident memory of a process (default: this one) from ``/proc``; 0 when unknown."""
     try:
-        with open(f"/proc/{pid or 'self'}/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        if pid is None:
+            return int(os.pread(_own_statm(), 128, 0).split()[1]) * _PAGE
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: This process's ``/proc/self/statm``, kept open (its pid, the descriptor): an engine's
+#: load reads it twice, and opening it cost 16 of the 18 µs a read took.
+_statm: tuple[int, int] | None = None
+
+
+def _own_statm() -> int:
+    global _statm
+    pid = os.getpid()
+    if _statm is None or _statm[0] != pid:  # a forked child reads its own
+        _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY))
+    return _statm[1]
 
 
 def child_pids(pid: int) -> list[int]:
