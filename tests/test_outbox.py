@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
@@ -36,8 +37,9 @@ def commits() -> Iterator[list[int]]:
 
 
 def test_workers_changing_health_together_take_one_transaction_and_are_all_told(
-    manager: WorkManager,
+    manager: WorkManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(workerhealth, "LOCKED_PER_QUERY", 16)  # three queries lock them
     queue = manager.subscribe(LIFECYCLE_TOPIC, "audit")
     workers = [
         manager.create_worker(code=stub(), mime_type=STUB, topic=f"hc.t{n}") for n in range(40)

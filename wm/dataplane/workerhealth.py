@@ -25,6 +25,9 @@ from wm.store import records
 from wm.store.models import Worker, utcnow
 from wm.workersettings import WorkerSettings
 
+#: Worker rows one query locks when many change health at once.
+LOCKED_PER_QUERY = 500
+
 
 def judge_all(settings: Settings, bus: Bus) -> int:
     """Judge every live worker; returns how many changed health."""
@@ -71,12 +74,11 @@ def _events(changed: list[tuple[str, Verdict, str]], queues: dict[str, str | Non
 
     def write(session: Session) -> None:
         wids = sorted(uuid.UUID(worker_id) for worker_id, _, _ in changed)
-        workers = {
-            str(w.id): w
-            for w in session.scalars(
-                select(Worker).where(Worker.id.in_(wids)).order_by(Worker.id).with_for_update()
-            )
-        }
+        workers: dict[str, Worker] = {}
+        for start in range(0, len(wids), LOCKED_PER_QUERY):  # an old SQLite takes 999 values
+            some = wids[start : start + LOCKED_PER_QUERY]
+            query = select(Worker).where(Worker.id.in_(some)).order_by(Worker.id)
+            workers.update((str(w.id), w) for w in session.scalars(query.with_for_update()))
         now = utcnow()
         for worker_id, verdict, old in changed:
             worker = workers.get(worker_id)
