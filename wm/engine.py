@@ -164,6 +164,12 @@ class Engine:
         return bool(pids)
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: This process's ``/proc/self/statm``, kept open (its pid, the descriptor): an engine's
+#: load reads it twice, and opening it cost 16 of the 18 µs a read took.
+_statm: tuple[int, int] | None = None
+
+
 def resident_bytes(pid: int | None = None) -> int:
     """Resident memory of a process (default: this one) from ``/proc``; 0 when unknown."""
     try:
@@ -173,12 +179,6 @@ def resident_bytes(pid: int | None = None) -> int:
             return int(statm.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-#: This process's ``/proc/self/statm``, kept open (its pid, the descriptor): an engine's
-#: load reads it twice, and opening it cost 16 of the 18 µs a read took.
-_statm: tuple[int, int] | None = None
 
 
 def _own_statm() -> int:

@@ -50,16 +50,8 @@ def encode_event(event: CloudEvent) -> tuple[bytes, bytes]:
     a NUL (it could not be told apart from the separator) or text holds a lone surrogate
     (it has no UTF-8 form, nor a .NET string's)."""
     attributes = event.get_attributes()
-    data = event.get_data()
     content_type = attributes.get("datacontenttype") or ""
-    if data is None:
-        kind, text = "n", ""
-    elif isinstance(data, bytes | bytearray):
-        kind, text = "b", base64.b64encode(data).decode("ascii")
-    elif isinstance(data, str):
-        kind, text = ("j" if _is_json(content_type) else "t"), data
-    else:
-        kind, text = "j", _dumps(data)
+    kind, text = _body(event.get_data(), content_type)
     time = attributes.get("time")
     fields = [
         attributes["id"],
@@ -87,6 +79,17 @@ def encode_event(event: CloudEvent) -> tuple[bytes, bytes]:
             f"event {attributes['id']} holds a lone surrogate ({exc.object[exc.start]!r}), "
             "which a .NET worker cannot receive"
         ) from None
+
+
+def _body(data: Any, content_type: str) -> tuple[str, str]:
+    """The data's kind (see the module's docstring) and its text."""
+    if data is None:
+        return "n", ""
+    if isinstance(data, bytes | bytearray):
+        return "b", base64.b64encode(data).decode("ascii")
+    if isinstance(data, str):
+        return ("j" if _is_json(content_type) else "t"), data
+    return "j", _dumps(data)
 
 
 def _text(value: Any) -> str:

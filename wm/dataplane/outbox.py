@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -49,7 +50,7 @@ def flush(settings: Settings, bus: Bus, topics: list[str] | None = None) -> int:
             ).all()
             if not rows:
                 return 0
-            taken = _take(session, [(row_id, topic, payload) for row_id, topic, payload in rows])
+            taken = _take(session, rows)
             bus.publish_many(
                 [
                     (in_tenant(decode(payload), split_route_topic(topic)[0]), topic)
@@ -64,7 +65,7 @@ def flush(settings: Settings, bus: Bus, topics: list[str] | None = None) -> int:
     return len(taken)
 
 
-def _take(session: Session, rows: list[_Row]) -> list[_Row]:
+def _take(session: Session, rows: Sequence[_Row]) -> Sequence[_Row]:
     """Delete ``rows`` in this transaction: those this flush took. PostgreSQL locked them
     for it (one statement takes all, however many); SQLite has no row locks, so each is
     deleted on its own and one another flush deleted first is left to that flush."""
