@@ -442,3 +442,41 @@ def test_the_queues_consumed_are_kept_between_changes_and_follow_each_change(
         assert channel.active_queues == frozenset()
     finally:
         reader.conn.release()
+
+
+def test_queues_added_together_are_listed_in_one_round_trip_and_not_counted(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A node adding many queues at once (its first reconcile, its recovery's declares)
+    lists those that waited with messages in one pipeline at the end, not in two round trips
+    a queue, and does not count each queue's messages: one round trip a queue is left, its
+    binding. Each queue that waited is listed once and read."""
+    waiting = [worker_queue(f"w{n}") for n in range(6)]
+    empty = [worker_queue(f"e{n}") for n in range(6)]
+    for queue in waiting:
+        publish(broker_settings, queue, 1)
+    broker.delete(READY_LIST)  # their names popped by a node that does not consume them
+    reader = Reader(broker_settings, [])
+    channel = reader.channel
+    counted = ("script|exists", "evalsha", "exec")
+    before = _calls(broker, *counted)
+    with channel.adding_together():
+        for queue in [*waiting, *empty]:
+            Consumer(
+                channel, queues=[subscription_queue(queue)], callbacks=[reader._on_message]
+            ).consume()
+        assert broker.llen(READY_LIST) == 0  # nothing listed before the end
+    after = _calls(broker, *counted)
+    try:
+        assert after["script|exists"] - before["script|exists"] <= 1
+        assert after["evalsha"] - before["evalsha"] == len(waiting) + len(empty)
+        assert after["exec"] - before["exec"] == len(waiting) + len(empty)  # the bindings
+        assert sorted(broker.lrange(READY_LIST, 0, -1)) == sorted(q.encode() for q in waiting)
+        assert sorted(body["queue"] for body in reader.read(len(waiting))) == sorted(waiting)
+    finally:
+        reader.close()
+
+
+def _calls(broker: redis.Redis, *commands: str) -> dict[str, int]:
+    stats = broker.info("commandstats")
+    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in commands}

@@ -247,18 +247,21 @@ class Bus:
         refused: dict[str, Exception] = {}
         with broker_errors(self.settings), self.app.connection_for_write() as conn:
             channel = conn.channel()
+            # on Redis a queue costs one round trip, its binding (``Channel.adding_together``)
+            together = getattr(channel, "adding_together", contextlib.nullcontext)
             try:
-                for name in names:
-                    try:
-                        with broker_errors(self.settings):
-                            self._declare_on(channel, name)
-                    except Unavailable:
-                        raise
-                    except Exception as exc:  # this queue alone (e.g. declared elsewhere
-                        refused[name] = exc  # with other arguments)
-                        with contextlib.suppress(*BROKER_ERRORS):
-                            channel.close()
-                        channel = conn.channel()
+                with together():
+                    for name in names:
+                        try:
+                            with broker_errors(self.settings):
+                                self._declare_on(channel, name)
+                        except Unavailable:
+                            raise
+                        except Exception as exc:  # this queue alone (e.g. declared elsewhere
+                            refused[name] = exc  # with other arguments)
+                            with contextlib.suppress(*BROKER_ERRORS):
+                                channel.close()
+                            channel = conn.channel()
             finally:
                 with contextlib.suppress(*BROKER_ERRORS):
                     channel.close()

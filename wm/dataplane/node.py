@@ -166,14 +166,15 @@ def reconcile(consumer: Any, wanted: Iterable[str]) -> tuple[set[str], set[str]]
     current = {q.name for q in consumer.task_consumer.queues}
     ours = {name for name in current if "::" in name}
     added, cancelled = wanted - current, ours - wanted
-    for name in sorted(added):
-        consumer.add_task_queue(
-            name, exchange=EXCHANGE.name, exchange_type="direct", routing_key=name, durable=True
-        )
+    started = time.monotonic()
+    consumer.add_task_queues(
+        sorted(added), exchange=EXCHANGE.name, exchange_type="direct", durable=True
+    )
     for name in sorted(cancelled):
         consumer.cancel_task_queue(name)
     if added or cancelled:
-        logger.info("reconciled consumers: +%d -%d", len(added), len(cancelled))
+        elapsed = time.monotonic() - started
+        logger.info("reconciled consumers: +%d -%d in %.2f s", len(added), len(cancelled), elapsed)
     return added, cancelled
 
 
