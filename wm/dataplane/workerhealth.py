@@ -17,7 +17,7 @@ from wm import store
 from wm.config import Settings
 from wm.dataplane import outbox
 from wm.dataplane.bus import Bus
-from wm.dataplane.routes import route_of
+from wm.dataplane.routes import worker_route
 from wm.lifecycle import Status
 from wm.state.health import UNHEALTHY, Verdict, WorkerHealth
 from wm.state.ledger import Ledger
@@ -29,11 +29,18 @@ from wm.workersettings import WorkerSettings
 LOCKED_PER_QUERY = 500
 
 
+#: What judging a worker reads of its row (its whole row, built as an object, cost a node's
+#: main process 0.1 s a period at 1,000 workers).
+_JUDGED = select(
+    Worker.id, Worker.status, Worker.settings, Worker.topic, Worker.group, Worker.name
+).where(Worker.status != Status.DELETED.value)
+
+
 def judge_all(settings: Settings, bus: Bus) -> int:
     """Judge every live worker; returns how many changed health."""
     with store.session_scope(settings) as session:
-        workers = session.scalars(select(Worker).where(Worker.status != Status.DELETED.value)).all()
-        found = {str(w.id): (dict(w.settings or {}), _pausable(w)) for w in workers}
+        rows = session.execute(_JUDGED).all()
+    found = {str(row.id): (dict(row.settings or {}), _pausable(row)) for row in rows}
     verdicts = WorkerHealth(settings).judge_all({w: s for w, (s, _) in found.items()})
     changed = [(w, v, old) for w, (v, old) in verdicts.items() if v.health != old]
     if changed:  # one transaction: a thousand workers changing at once took one each
@@ -44,15 +51,12 @@ def judge_all(settings: Settings, bus: Bus) -> int:
     return len(changed)
 
 
-def _pausable(worker: Worker) -> str | None:
+def _pausable(row: Any) -> str | None:
     """The queue a pause would stop: a running worker's own (a shared group's queue is
-    every member's), when it pauses while unhealthy; else None."""
-    if (
-        worker.status != Status.RUNNING
-        or not WorkerSettings.of(worker.settings).pause_when_unhealthy
-    ):
+    every member's), when it pauses while unhealthy; else None. ``row``: :data:`_JUDGED`'s."""
+    if row.status != Status.RUNNING or not WorkerSettings.of(row.settings).pause_when_unhealthy:
         return None
-    route = route_of(worker)
+    route = worker_route(str(row.id), row.topic, row.group, row.settings, row.name)
     return None if route.share is not None else route.queue
 
 
