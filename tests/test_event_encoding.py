@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 
 from tests.test_poison_properties import hostile_text, json_data, seed_with
 from wm.errors import EventDecodeError
-from wm.events import decode, derive_id, encode, event_key, make_event, parse_json
+from wm.events import (
+    decode,
+    derive_id,
+    encode,
+    event_key,
+    json_writer,
+    make_event,
+    parse_json,
+)
 
 moments = st.datetimes(
     min_value=datetime(1, 1, 2),
@@ -149,6 +157,41 @@ def test_parse_json_is_json_loads(seed: int) -> None:
             assert _parsed(candidate) == _loaded(candidate), candidate
 
     check()
+
+
+WRITER_OPTIONS = [
+    {},
+    {"separators": (",", ":")},
+    {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":"), "default": str},
+    {"sort_keys": True, "skipkeys": True},
+]
+
+
+def test_json_writer_writes_what_json_encoder_writes(seed: int) -> None:
+    """The native and .NET engines write event data with ``json_writer``: for every value
+    and each set of options the engines and others use, its text, or its error, is
+    ``json.JSONEncoder(check_circular=False, **options).encode``'s."""
+    writers = [
+        (json_writer(**o), json.JSONEncoder(check_circular=False, **o)) for o in WRITER_OPTIONS
+    ]
+
+    @seed_with(seed)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None)
+    @given(st.one_of(json_data, st.floats(), st.dictionaries(st.integers(), st.text(), max_size=3)))
+    def check(value: Any) -> None:
+        for write, encoder in writers:
+            assert _written(write, value) == _written(encoder.encode, value)
+
+    check()
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        json_writer()({"x": object()})
+
+
+def _written(write: Any, value: Any) -> str:
+    try:
+        return str(write(value))
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def test_keys_and_output_ids_are_uuid5s_of_what_identifies_them(seed: int) -> None:

@@ -175,6 +175,34 @@ def event_to_dict(event: CloudEvent) -> dict[str, Any]:
 _SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
+def json_writer(**options: Any) -> Callable[[Any], str]:
+    """``json.JSONEncoder(check_circular=False, **options).encode``, as the C encoder behind
+    it kept from call to call where CPython has one (the Python layers around it, and the
+    encoder built anew, were half the cost of a small document). Without the circular
+    check a circular value recurses into a RecursionError."""
+    encoder = json.JSONEncoder(check_circular=False, **options)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None or encoder.indent is not None:
+        return encoder.encode
+    strings = json.encoder.encode_basestring_ascii if encoder.ensure_ascii else _encode_string
+    chunks = make(
+        None,
+        encoder.default,
+        strings,
+        None,
+        encoder.key_separator,
+        encoder.item_separator,
+        encoder.sort_keys,
+        encoder.skipkeys,
+        encoder.allow_nan,
+    )
+    join = "".join
+    return lambda value: join(chunks(value, 0))
+
+
+_encode_string: Callable[[str], str] = json.encoder.encode_basestring
+
+
 def parse_json(text: str | bytes) -> Any:
     """``json.loads(text)``: one JSON value with nothing around it is read by the C scanner
     alone (half the cost for a small document); anything else, errors included, by

@@ -196,57 +196,55 @@ class Context:
         return int(handle)
 
     def call(self, header: bytes, data: bytes, timeout_s: float) -> str:
-        limit_ms = int(timeout_s * 1000)
-        return self._run(
-            lambda host, handle: self.rt.process(handle, header, data, limit_ms),
-            timeout_s,
-            "ProcessAsync",
-            f".NET worker {self.worker.worker_id}",
-        )
+        handle = self._handle()
+        started = time.monotonic()
+        answer = self.rt.process(handle, header, data, int(timeout_s * 1000))
+        return self._settle(answer, handle, started, timeout_s, "ProcessAsync")
 
     def probe(self, timeout_s: float) -> str:
-        limit_ms = int(timeout_s * 1000)
-        return self._run(
-            lambda host, handle: host.Probe(handle, limit_ms),
-            timeout_s,
-            "ProbeAsync",
-            f"the probe of .NET worker {self.worker.worker_id}",
-        )
-
-    def _run(
-        self, start: Callable[[Any, int], str], timeout_s: float, method: str, what: str
-    ) -> str:
-        """``start(host, handle)`` a call of ``method``, then wait for its answer until the
-        limit; ``what`` names the call in a timeout's message."""
-        handle = self.handle
-        if handle < 0:
-            handle = self._reload()
-        host = self.rt.host
+        handle = self._handle()
         started = time.monotonic()
-        answer = str(start(host, handle))
+        answer = str(self.rt.host.Probe(handle, int(timeout_s * 1000)))
+        return self._settle(answer, handle, started, timeout_s, "ProbeAsync")
+
+    def _handle(self) -> int:
+        handle = self.handle
+        return handle if handle >= 0 else self._reload()
+
+    def _settle(
+        self, answer: str, handle: int, started: float, timeout_s: float, method: str
+    ) -> str:
+        """The answer of a call of ``method`` started at ``started``: waited for until the
+        limit when it is pending."""
         if answer.startswith(PENDING):
             call = int(answer[len(PENDING) :])
             remaining_ms = max(0, int((started + timeout_s - time.monotonic()) * 1000))
-            answer = host.Wait(call, remaining_ms)
+            host = self.rt.host
+            answer = str(host.Wait(call, remaining_ms))
             if answer == "timeout":
                 host.Abandon(call)
                 self._poison(handle)
                 raise WorkerTimeout(
-                    f"{what} did not finish within {timeout_s:g} s; its task cannot be "
-                    "stopped, so its context is replaced and the process running it too "
-                    "(use isolation 'subprocess' to kill such a call instead)",
+                    f"{self._what(method)} did not finish within {timeout_s:g} s; its task "
+                    "cannot be stopped, so its context is replaced and the process running it "
+                    "too (use isolation 'subprocess' to kill such a call instead)",
                     stray=True,
                 )
         elapsed_s = time.monotonic() - started
         if elapsed_s > timeout_s:  # the method blocked before returning its task
             self._poison(handle)
             raise WorkerTimeout(
-                f"{what} blocked for {elapsed_s:.3g} s in {method}, over its {timeout_s:g} s "
-                "limit; its answer is dropped and its context replaced"
+                f"{self._what(method)} blocked for {elapsed_s:.3g} s in {method}, over its "
+                f"{timeout_s:g} s limit; its answer is dropped and its context replaced"
             )
         if answer.startswith(NO_WORKER):
             raise Stale()
-        return str(answer)
+        return answer
+
+    def _what(self, method: str) -> str:
+        """What a timeout's message calls the call of ``method``."""
+        worker = f".NET worker {self.worker.worker_id}"
+        return worker if method == "ProcessAsync" else f"the probe of {worker}"
 
     def _reload(self) -> int:
         """A fresh context after a timeout poisoned the last one; Stale once closed."""

@@ -23,7 +23,6 @@ An isolated worker's helper gets a :class:`Request`: an event to process or the 
 from __future__ import annotations
 
 import base64
-import json
 import re
 import struct
 from dataclasses import dataclass
@@ -31,11 +30,11 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from wm.errors import EventDecodeError, WorkerExecutionError
-from wm.events import CloudEvent, parse_json
+from wm.events import CloudEvent, json_writer, parse_json
 
 SEP = "\0"
 _CORE = frozenset(("id", "source", "type", "specversion", "subject", "datacontenttype", "time"))
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+_dumps = json_writer(separators=(",", ":"))
 _HEAD_FIELDS = 10
 #: A request to an isolated worker's helper: its kind, the event header's length in bytes,
 #: the time limit in ms; then the event's header and data (nothing for a probe).
@@ -179,20 +178,26 @@ def decode_answer(answer: str) -> Answer:
         :_HEAD_FIELDS
     ]
     attributes = _attributes(event_id, source, event_type, subject, content_type, time, kind)
-    pairs = int(count)
-    tail = head[_HEAD_FIELDS].split(SEP, 2 * pairs)
-    extensions = dict(zip(tail[0 : 2 * pairs : 2], tail[1 : 2 * pairs : 2], strict=True))
-    data = _data(kind, tail[2 * pairs])
-    if not _PLAIN_EXTENSION.issuperset(extensions) and not all(map(_plain_extension, extensions)):
+    pairs, text = int(count), head[_HEAD_FIELDS]
+    plain = True
+    if pairs:  # names and values, then the data
+        fields = text.split(SEP, 2 * pairs)
+        if len(fields) != 2 * pairs + 1:
+            raise ValueError(f"the answer holds fewer than the {pairs} extensions it announces")
+        text = fields.pop()
+        names = fields[::2]
+        plain = _PLAIN_EXTENSION.issuperset(names) or all(map(_plain_extension, names))
+        attributes.update(zip(names, fields[1::2], strict=True))
+    data = _data(kind, text)
+    if plain:
+        event: CloudEvent = _CheckedCloudEvent(attributes, data)
+    else:
         try:
-            event: CloudEvent = CloudEvent({**attributes, **extensions}, data)
+            event = CloudEvent(attributes, data)
         except Exception as exc:  # the SDK raises several types for bad attributes
             raise EventDecodeError(
                 f"the .NET worker's output is not a valid CloudEvent: {exc}"
             ) from exc
-    else:
-        attributes.update(extensions)
-        event = _CheckedCloudEvent(attributes, data)
     return Answer(event, error if flag else None, flag if flag not in ("", "1") else None)
 
 

@@ -16,7 +16,6 @@ or a large allocation.
 from __future__ import annotations
 
 import base64
-import json
 import re
 import struct
 from datetime import datetime
@@ -24,7 +23,7 @@ from typing import Any, Final, NamedTuple
 
 from cloudevents.core.v1.event import CloudEvent
 
-from wm.events import parse_json
+from wm.events import json_writer, parse_json
 
 __all__ = ["CodecError", "Encoder", "Response", "decode_response", "encode_event"]
 
@@ -115,12 +114,8 @@ def _json_default(value: object) -> str:
 
 #: Data as the SDK's JSON format writes it, compact and UTF-8 (a circular value recurses
 #: into a RecursionError, which is reported like any other unserializable data).
-_JSON = json.JSONEncoder(
-    ensure_ascii=False,
-    check_circular=False,
-    allow_nan=False,
-    separators=(",", ":"),
-    default=_json_default,
+_write_json = json_writer(
+    ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_json_default
 )
 
 
@@ -152,7 +147,7 @@ def _data_bytes(data: object) -> bytes:
     if isinstance(data, bytearray | memoryview):
         return bytes(data)
     try:
-        return (data if isinstance(data, str) else _JSON.encode(data)).encode("utf-8")
+        return (data if isinstance(data, str) else _write_json(data)).encode("utf-8")
     except (TypeError, ValueError, RecursionError) as exc:
         raise CodecError(f"data cannot be written as UTF-8 or JSON: {exc}") from exc
 
