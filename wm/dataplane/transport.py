@@ -247,7 +247,8 @@ class Channel(kombu_redis.Channel):
         #: active_queues (None: not sorted out since the consumers last changed).
         self._split: tuple[list[str], int] | None = None
         self._active: frozenset[str] | None = None  # active_queues, until the next change
-        self._arming: list[str] | None = None  # queues consumed meanwhile, to arm together
+        #: Queues consumed inside ``adding_together``, armed on the way out (None: outside).
+        self._adding: list[str] | None = None
         self._others_first = False
         self._last_tenant = ""  # the tenant of the worker queue taken from last
         self._backlog = False  # the last take saw more listed: take without blocking
@@ -342,10 +343,10 @@ class Channel(kombu_redis.Channel):
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         consumer_tag = super().basic_consume(queue, *args, **kwargs)
         # messages that waited while nobody consumed the queue
-        if self._arming is None:
+        if self._adding is None:
             self.arm([queue])
         else:
-            self._arming.append(queue)
+            self._adding.append(queue)
         return consumer_tag
 
     @contextmanager
@@ -354,18 +355,18 @@ class Channel(kombu_redis.Channel):
         four: their messages waiting are listed together on the way out, in one round
         trip, and a declare does not count the queue's messages (a node starting with
         1,000 queues spent a second on them; nothing inside reads the count)."""
-        if self._arming is not None:  # nested: the outer one arms
+        if self._adding is not None:  # nested: the outer one arms
             yield
             return
-        self._arming = []
+        self._adding = []
         try:
             yield
         finally:
-            queues, self._arming = self._arming, None
+            queues, self._adding = self._adding, None
             self.arm(queues)
 
     def _size(self, queue: str) -> int:
-        return 0 if self._arming is not None else int(super()._size(queue))
+        return 0 if self._adding is not None else int(super()._size(queue))
 
     def arm(self, queues: Iterable[str]) -> None:
         """List each of ``queues`` that holds messages and is not listed."""
@@ -375,7 +376,8 @@ class Channel(kombu_redis.Channel):
         script = self._script(_ARM)
         with self.conn_or_acquire() as client:
             if len(queues) == 1:  # a pipeline would ask SCRIPT EXISTS first: a round trip more
-                script(keys=[self.ready_key, *self._levels(queues[0])], args=queues, client=client)
+                (queue,) = queues
+                script(keys=[self.ready_key, *self._levels(queue)], args=[queue], client=client)
                 return
             with client.pipeline(transaction=False) as pipe:
                 for queue in queues:
@@ -426,11 +428,11 @@ class Channel(kombu_redis.Channel):
             pipe.eval(_ARM, len(keys), *keys, queue)
 
     def _brpop_start(self, timeout: int | None = None) -> None:
-        consumed, workers_consumed = self._sorted_out()
-        if not workers_consumed:
+        plain, workers = self._sorted_out()
+        if not workers:
             super()._brpop_start(timeout)
             return
-        others = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in consumed]
+        others = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in plain]
         # Each pops from the first source holding messages: alternate, so neither starves.
         self._others_first = not self._others_first
         if self._backlog:

@@ -29,8 +29,8 @@ from wm.workersettings import WorkerSettings
 LOCKED_PER_QUERY = 500
 
 
-#: What judging a worker reads of its row (its whole row, built as an object, cost a node's
-#: main process 0.1 s a period at 1,000 workers).
+#: What judging a worker reads of its row (1,000 whole rows built as objects took 35 ms a
+#: period on SQLite, these columns 24 ms).
 _JUDGED = select(
     Worker.id, Worker.status, Worker.settings, Worker.topic, Worker.group, Worker.name
 ).where(Worker.status != Status.DELETED.value)
