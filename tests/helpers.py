@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -309,3 +310,10 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+def command_calls(server: Any) -> Counter[str]:
+    """Commands a Redis server has run, by name (``INFO commandstats``, which counts the
+    commands a script runs too)."""
+    stats = server.info("commandstats")
+    return Counter({name[len("cmdstat_") :]: int(value["calls"]) for name, value in stats.items()})

@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import update
 
-from tests.helpers import STUB, drain, eventually, stub
+from tests.helpers import STUB, command_calls, drain, eventually, stub
 from wm import DeadLetters, Settings, WorkManager, make_event, store
 from wm.config import current_values
 from wm.dataplane import observe, pipeline, tasks, tracing
@@ -492,16 +492,11 @@ def test_a_delivery_without_a_group_runs_four_redis_commands(
     ledger = Ledger(node_settings)
     eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=5)
     server = redis.Redis.from_url(node_settings.redis_url)
-
-    def calls() -> Counter[str]:
-        stats = server.info("commandstats")
-        return Counter({name[len("cmdstat_") :]: int(v["calls"]) for name, v in stats.items()})
-
-    before, started = calls(), time.monotonic()
+    before, started = command_calls(server), time.monotonic()
     for n in range(1, 11):
         manager.publish(make_event("in", "/tests", {"n": n}))
     eventually(lambda: ledger.pending(str(worker.id)) == 0, timeout_s=5)
-    spent, took_s = calls() - before, time.monotonic() - started
+    spent, took_s = command_calls(server) - before, time.monotonic() - started
     # the publisher's share: one script by its hash, the routes (EXISTS, HGETALL) and the
     # ledger's ZADD
     publisher = Counter({"evalsha": 10, "exists": 10, "hgetall": 10, "zadd": 10})

@@ -21,7 +21,7 @@ import redis
 from kombu import Consumer, Producer
 
 from tests.conftest import AMQP_URL, BROKER_DB, STATE_DB, flush_redis, make_settings
-from tests.helpers import STUB, drain, stub
+from tests.helpers import STUB, command_calls, drain, stub
 from wm import Settings, WorkManager, make_event
 from wm.dataplane import placement
 from wm.dataplane.app import celery_settings, make_app
@@ -458,25 +458,19 @@ def test_queues_added_together_are_listed_in_one_round_trip_and_not_counted(
     broker.delete(READY_LIST)  # their names popped by a node that does not consume them
     reader = Reader(broker_settings, [])
     channel = reader.channel
-    counted = ("script|exists", "evalsha", "exec")
-    before = _calls(broker, *counted)
+    before = command_calls(broker)
     with channel.adding_together():
         for queue in [*waiting, *empty]:
             Consumer(
                 channel, queues=[subscription_queue(queue)], callbacks=[reader._on_message]
             ).consume()
         assert broker.llen(READY_LIST) == 0  # nothing listed before the end
-    after = _calls(broker, *counted)
+    spent = command_calls(broker) - before
     try:
-        assert after["script|exists"] - before["script|exists"] <= 1
-        assert after["evalsha"] - before["evalsha"] == len(waiting) + len(empty)
-        assert after["exec"] - before["exec"] == len(waiting) + len(empty)  # the bindings
+        assert spent["script|exists"] <= 1
+        assert spent["evalsha"] == len(waiting) + len(empty)
+        assert spent["exec"] == len(waiting) + len(empty)  # the bindings
         assert sorted(broker.lrange(READY_LIST, 0, -1)) == sorted(q.encode() for q in waiting)
         assert sorted(body["queue"] for body in reader.read(len(waiting))) == sorted(waiting)
     finally:
         reader.close()
-
-
-def _calls(broker: redis.Redis, *commands: str) -> dict[str, int]:
-    stats = broker.info("commandstats")
-    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in commands}
