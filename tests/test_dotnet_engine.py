@@ -476,13 +476,13 @@ def _rss_mib() -> float:
 def test_isolated_workers_are_killed_at_the_limit_and_started_again(engine_for: Any) -> None:
     engine = engine_for(SLEEPS, worker("w-iso", isolation="subprocess"))
     assert engine.process(make_event("t", "/t", {"ms": 1}), 5)[0].get_data() == {"ms": 1}
-    first = engine._runner.process.pid
+    first = engine._runner.helper.pid
     started = time.monotonic()
     with pytest.raises(WorkerTimeout, match="helper process was killed"):
         engine.process(make_event("t", "/t", {"ms": 60000}), 0.5)
     assert time.monotonic() - started < 3
     [again] = engine.process(make_event("t", "/t", {"ms": 1}), 30)
-    assert again.get_data() == {"ms": 1} and engine._runner.process.pid != first
+    assert again.get_data() == {"ms": 1} and engine._runner.helper.pid != first
 
 
 def test_isolated_workers_relay_exceptions_and_command_answers(engine_for: Any) -> None:

@@ -145,13 +145,13 @@ def test_a_compiled_worker_probes_too(engine_for: Any, settings: Settings, tmp_p
 def test_an_isolated_probe_that_hangs_is_killed_with_its_helper(engine_for: Any) -> None:
     engine = engine_for(PROBED_SOURCE, worker("w-probe-hang", isolation="subprocess"))
     set_health(engine, "hang")
-    first = engine._runner.process.pid
+    first = engine._runner.helper.pid
     started = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"probe timed out.*helper process was killed"):
         engine.probe(0.5)
     assert time.monotonic() - started < 0.5 + KILL_SLACK_S
     assert engine.probe(30) is True  # a fresh helper, a fresh worker: healthy again
-    assert engine._runner.process.pid != first
+    assert engine._runner.helper.pid != first
 
 
 def test_an_in_process_probe_that_hangs_costs_its_context(engine_for: Any) -> None:

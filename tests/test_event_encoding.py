@@ -28,6 +28,7 @@ from wm.events import (
     json_writer,
     make_event,
     parse_json,
+    rfc3339,
 )
 
 moments = st.datetimes(
@@ -56,6 +57,37 @@ def test_encode_writes_what_the_sdk_writes(seed: int) -> None:
             attributes["datacontenttype"] = content_type
         event = CloudEvent({**attributes, **more}, value)
         assert encode(event) == JSONFormat().write(event).decode("utf-8")
+
+    check()
+
+
+EDGE_TIMES = [
+    datetime(1, 1, 2, tzinfo=UTC),
+    datetime(2026, 12, 3, 9, 5, 7, 1, tzinfo=UTC),
+    datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+    datetime(2026, 1, 1, tzinfo=timezone(timedelta(0))),  # UTC, not the singleton
+    datetime(2026, 1, 1, 12, 0, 0, 500, tzinfo=timezone(timedelta(hours=-3))),
+]
+
+
+def test_rfc3339_writes_a_time_as_the_sdk_does(seed: int) -> None:
+    """The engines and ``encode`` write a time with ``rfc3339`` (one formatting pass for a
+    UTC time): its text is the SDK's, with and without microseconds, in any zone."""
+
+    def sdk(at: datetime) -> str:
+        event = CloudEvent(
+            {"type": "t", "source": "/s", "id": "1", "specversion": "1.0", "time": at}
+        )
+        return str(json.loads(JSONFormat().write(event))["time"])
+
+    for at in EDGE_TIMES:
+        assert rfc3339(at) == sdk(at)
+
+    @seed_with(seed)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None)
+    @given(st.one_of(moments, moments.map(lambda at: at.replace(microsecond=0))))
+    def check(at: datetime) -> None:
+        assert rfc3339(at) == sdk(at)
 
     check()
 

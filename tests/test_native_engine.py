@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engines.native.engine import NativeEngine
+from engines.native.engine import NativeEngine, Sinks
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import running_rid
 from wm.config import Settings
@@ -285,6 +285,27 @@ def test_gateway_refuses_a_host_not_allowed(
         assert "not allowed" in str(outputs.worker_error)
     finally:
         engine.close()
+
+
+def test_a_log_line_no_logger_keeps_is_not_read(
+    engine: NativeEngine, native_zips: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C example logs "processing <id>" at INFO on every event: below the worker
+    logger's level the line is not read from the library (nor formatted) at all."""
+    read: list[tuple[int, str]] = []
+    monkeypatch.setattr(Sinks, "log", lambda _sinks, level, text: read.append((level, text)))
+    worker_logger = logging.getLogger("engines.native.worker")
+    engine.load(zip_bytes(native_zips["c-example"]), WorkerSpec("w-log", "orders"))
+    kept, previous = event(), worker_logger.level
+    try:
+        worker_logger.setLevel(logging.WARNING)
+        engine.process(event(), timeout_s=5)
+        assert read == []
+        worker_logger.setLevel(logging.INFO)
+        engine.process(kept, timeout_s=5)
+    finally:
+        worker_logger.setLevel(previous)
+    assert read == [(logging.INFO, f"processing {kept.get_id()}")]
 
 
 ISOLATED = WorkerSpec("w-iso", "orders", settings={"isolation": "subprocess"})

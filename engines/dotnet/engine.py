@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -151,7 +151,7 @@ class Sinks:
 
 
 class Runner(Protocol):
-    def call(self, header: bytes, data: bytes, timeout_s: float) -> str: ...
+    def process(self, header: bytes, data: bytes, timeout_s: float) -> str: ...
 
     def probe(self, timeout_s: float) -> str: ...
 
@@ -195,7 +195,7 @@ class Context:
         logger.info(".NET worker %s: %s loaded", self.worker.worker_id, type_name)
         return int(handle)
 
-    def call(self, header: bytes, data: bytes, timeout_s: float) -> str:
+    def process(self, header: bytes, data: bytes, timeout_s: float) -> str:
         handle = self._handle()
         started = time.monotonic()
         answer = self.rt.process(handle, header, data, int(timeout_s * 1000))
@@ -284,7 +284,7 @@ class Isolated:
         header = {**header, "worker_id": worker.worker_id}
         self._lock = threading.Lock()  # a closed helper is never started again by a call
         self._closed = False
-        self.process = HelperProcess(
+        self.helper = HelperProcess(
             "engines.dotnet.helper",
             header,
             blob,
@@ -296,7 +296,7 @@ class Isolated:
             limits=Limits.from_settings(settings),
         )
 
-    def call(self, header: bytes, data: bytes, timeout_s: float) -> str:
+    def process(self, header: bytes, data: bytes, timeout_s: float) -> str:
         return self._ask(Request(EVENT, _helper_ms(timeout_s), header, data), timeout_s)
 
     def probe(self, timeout_s: float) -> str:
@@ -309,12 +309,12 @@ class Isolated:
         with self._lock:  # the helper answers one call at a time anyway
             if self._closed:
                 raise Stale()
-            return self.process.call(request.encode(), timeout_s).decode()
+            return self.helper.call(request.encode(), timeout_s).decode()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self.process.close()
+            self.helper.close()
 
 
 class DotNetEngine(Engine):
@@ -380,22 +380,22 @@ class DotNetEngine(Engine):
             ".NET worker %s v%s loaded (%s)", worker.worker_id, worker.version, _mode(worker)
         )
 
-    def _ask(self, method: str, ask: Callable[[Runner], str]) -> tuple[str, WorkerSpec]:
-        """``ask`` the current runner (the next one if it was replaced meanwhile): its
-        answer, and the worker it runs."""
+    def _ask(self, method: str, *args: Any) -> tuple[str, WorkerSpec]:
+        """The current runner's answer to ``method`` (``process`` or ``probe``) with
+        ``args`` (the next runner's if it was replaced meanwhile), and the worker it runs."""
         while True:
             runner, worker = self._runner, self._worker
             if runner is None or worker is None:
                 raise WorkerExecutionError(f"{type(self).__name__}.{method}() called before load()")
             try:
-                return ask(runner), worker
+                return getattr(runner, method)(*args), worker
             except Stale:
                 if self._runner is runner:  # closed, not replaced
                     raise WorkerExecutionError("the .NET worker was closed") from None
 
     def process(self, event: CloudEvent, timeout_s: float) -> list[CloudEvent]:
         header, data = encode_event(event)
-        answer, worker = self._ask("process", lambda runner: runner.call(header, data, timeout_s))
+        answer, worker = self._ask("process", header, data, timeout_s)
         try:
             decoded = decode_answer(answer)
         except WorkerFailed as exc:
@@ -419,7 +419,7 @@ class DotNetEngine(Engine):
         ``timeout_s`` in isolation, its context replaced in-process): True when it answered
         true, None without a probe. Never False: false, like an exception, is raised as a
         :class:`WorkerExecutionError` saying so."""
-        answer, worker = self._ask("probe", lambda runner: runner.probe(timeout_s))
+        answer, worker = self._ask("probe", timeout_s)
         try:
             healthy = decode_probe(answer)
         except WorkerFailed as exc:
@@ -445,7 +445,7 @@ class DotNetEngine(Engine):
 
     def processes(self) -> list[int]:
         runner = self._runner
-        pid = runner.process.pid if isinstance(runner, Isolated) else None
+        pid = runner.helper.pid if isinstance(runner, Isolated) else None
         return [pid] if pid is not None else []
 
 

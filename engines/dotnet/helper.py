@@ -44,7 +44,7 @@ class Handler:
         request = Request.decode(payload)
         limit_s = request.limit_ms / 1000
         if request.kind == EVENT:
-            return self.context.call(request.header, request.data, limit_s).encode()
+            return self.context.process(request.header, request.data, limit_s).encode()
         return self.context.probe(limit_s).encode()
 
     def close(self) -> None:

@@ -173,8 +173,7 @@ class Runtime:
         )
         if length < 0:  # kept by the host for this thread
             return str(self.host.TakeAnswer())
-        text: bytes = self._ffi.unpack(answer, length)
-        return text.decode()
+        return str(self._ffi.buffer(answer, length), "utf-8")
 
     def register(self, worker_id: str, sinks: Callbacks) -> None:
         """Route the hooks of ``worker_id`` to ``sinks`` (the latest registered wins)."""

@@ -61,9 +61,9 @@ def encode_event(event: CloudEvent) -> tuple[bytes, bytes]:
         "" if time is None else _text(time),
         kind,
     ]
-    if not _CORE.issuperset(attributes):
-        for name, value in attributes.items():
-            if name not in _CORE and value is not None:
+    if not _CORE.issuperset(attributes):  # extensions, in order of their names
+        for name in sorted(attributes.keys() - _CORE):
+            if (value := attributes[name]) is not None:
                 fields += (name, _text(value))
     header = SEP.join(fields)
     if header.count(SEP) != len(fields) - 1:
@@ -92,9 +92,7 @@ def _body(data: Any, content_type: str) -> tuple[str, str]:
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
+    return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
 def _is_json(content_type: str) -> bool:

@@ -19,11 +19,12 @@ import base64
 import re
 import struct
 from datetime import datetime
+from operator import sub
 from typing import Any, Final, NamedTuple
 
 from cloudevents.core.v1.event import CloudEvent
 
-from wm.events import json_writer, parse_json
+from wm.events import json_writer, parse_json, rfc3339
 
 __all__ = ["CodecError", "Encoder", "Response", "decode_response", "encode_event"]
 
@@ -100,15 +101,9 @@ _DATA_KINDS: dict[str, int] = {}
 _KEYS_SEEN: set[str] = set()
 
 
-def _rfc3339(value: datetime) -> str:
-    """``value`` as the SDK's JSON format writes a time: ISO 8601, UTC as ``Z``."""
-    text = value.isoformat()
-    return text[:-6] + "Z" if text.endswith("+00:00") else text
-
-
 def _json_default(value: object) -> str:
     if isinstance(value, datetime):
-        return _rfc3339(value)
+        return rfc3339(value)
     raise TypeError(f"{type(value).__name__} is not JSON-serializable")
 
 
@@ -135,7 +130,7 @@ def _canonical(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, datetime):
-        return _rfc3339(value)
+        return rfc3339(value)
     if isinstance(value, bytes | bytearray | memoryview):
         return base64.b64encode(value).decode("ascii")
     return str(value)
@@ -216,7 +211,7 @@ class Encoder:
                 mask |= bit
         time = attributes.get("time")
         if time is not None:
-            chunks.append(_string(_rfc3339(time) if isinstance(time, datetime) else str(time)))
+            chunks.append(_string(rfc3339(time) if isinstance(time, datetime) else str(time)))
             size += len(chunks[-1])
             ends.append(size)
             mask |= _TIME_BIT
@@ -259,11 +254,12 @@ class Encoder:
             tables.append(table)
         if tables:
             size += 4 + 4 * len(tables)
-            offsets = [size - 4 * i - table for i, table in enumerate(tables, 1)]
-            packer = (
-                _U32S[len(offsets)] if len(offsets) < 8 else struct.Struct(f"<{len(offsets) + 1}I")
+            count = len(tables)
+            packer = _U32S[count] if count < 8 else struct.Struct(f"<{count + 1}I")
+            # table i (from 1) is referred to from size - 4 * i
+            chunks.append(
+                packer.pack(count, *map(sub, range(size - 4, size - 4 * count - 4, -4), tables))
             )
-            chunks.append(packer.pack(len(offsets), *offsets))
         return size
 
     @staticmethod
@@ -274,7 +270,7 @@ class Encoder:
             raise CodecError(f"event lacks required attribute(s): {', '.join(missing)}")
         # With the table's fields written, field j (schema order) is size - 4 * j from the end.
         size += 4 * len(ends)
-        chunks.append(head.offsets.pack(*[size - 4 * j - end for j, end in enumerate(ends)]))
+        chunks.append(head.offsets.pack(*map(sub, range(size, 0, -4), ends)))
         chunks.append(head.prefix)
         chunks.reverse()
         return b"".join(chunks)
@@ -400,7 +396,14 @@ def _event(buf: bytes, at: int) -> CloudEvent:
     attributes: dict[str, Any] = {}
     for index, name, what in _READ_FIELDS:
         if offset := fields[index]:
-            if not (text := _string_at(buf, at + offset, what)):
+            where = at + offset
+            try:  # _string_at, inline: every answer reads its fields here
+                start = where + _u32(buf, where)[0] + 4
+                end = start + _u32(buf, start - 4)[0]
+                text = "" if buf[end] else buf[start:end].decode("utf-8")
+            except (struct.error, IndexError, UnicodeDecodeError):
+                text = ""
+            if not text and not (text := _text(buf, where, what)):
                 raise CodecError(f"result_event: {name!r} is empty")
             attributes[name] = text
     specversion = attributes.setdefault("specversion", "1.0")

@@ -370,6 +370,7 @@ def _open(package: Package, sinks: Sinks, max_output_bytes: int) -> NativeLibrar
         sinks.gateway,
         manifest.probe,
         max_output_bytes,
+        worker_logger.isEnabledFor,
     )
 
 

@@ -86,7 +86,8 @@ class NativeLibrary:
 
     ``log`` and ``gateway`` receive the worker's host callbacks; they may be called from any
     thread that runs Process, and must not raise (an exception is logged and answered with a
-    failure code).
+    failure code). ``log`` is called for the levels ``logs`` accepts (by default all): a
+    message nobody keeps is not read from the library's memory.
     """
 
     def __init__(
@@ -99,10 +100,11 @@ class NativeLibrary:
         gateway: GatewaySink,
         probe: str | None = None,
         max_output_bytes: int = MAX_OUTPUT_BYTES,
+        logs: Callable[[int], bool] = lambda _level: True,
     ) -> None:
         self.file_name = file_name
         self.max_output_bytes = max_output_bytes
-        self._log, self._gateway = log, gateway
+        self._log, self._logs, self._gateway = log, logs, gateway
         self._responses: set[int] = set()
         self._responses_lock = threading.Lock()
         #: Per thread, Process's out-parameters, allocated once (a call cannot nest).
@@ -210,8 +212,9 @@ class NativeLibrary:
 
     def _on_log(self, level: int, message: Any) -> None:
         try:
-            text = ffi.string(message).decode("utf-8", "replace") if message else ""
-            self._log(LOG_LEVELS.get(level, logging.ERROR), text)
+            if self._logs(level := LOG_LEVELS.get(level, logging.ERROR)):
+                text = ffi.string(message).decode("utf-8", "replace") if message else ""
+                self._log(level, text)
         except Exception:
             logger.exception("native worker log callback failed")
 
