@@ -166,8 +166,15 @@ JSON_EDGES = [
     "NaN",
     '"\\ud800"',  # a lone surrogate, escaped
     '[1, 2.5e3, true, null, "é"]',
-    b'{"a": 1}',  # bytes: json.loads's own path
+    b'{"a": 1}',  # bytes: read as UTF-8 by the scanner
+    '["é", 1]'.encode(),
     b"\xff",
+    b'\xef\xbb\xbf{"a": 1}',  # UTF-8 with a byte-order mark: json.loads's own path
+    '{"a": [1]}'.encode("utf-16"),  # other encodings json.loads detects
+    '{"a": [1]}'.encode("utf-16-le"),
+    '"x"'.encode("utf-32-be"),
+    b'"\xed\xa0\x80"',  # a lone surrogate in UTF-8: json.loads lets it pass
+    b"1 ",
 ]
 
 
@@ -185,7 +192,8 @@ def test_parse_json_is_json_loads(seed: int) -> None:
     @given(json_data, st.integers(min_value=0, max_value=40))
     def check(value: Any, cut: int) -> None:
         text = json.dumps(value)
-        for candidate in (text, text[: len(text) - cut], json.dumps(value, indent=1)):
+        short = text[: len(text) - cut]
+        for candidate in (text, short, json.dumps(value, indent=1), text.encode(), short.encode()):
             assert _parsed(candidate) == _loaded(candidate), candidate
 
     check()

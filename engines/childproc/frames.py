@@ -32,6 +32,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from wm.events import parse_json
+
 HEADER = struct.Struct("<cI")
 CODE = struct.Struct("<i")
 #: Largest frame either side accepts (a worker's code, or an answer plus slack).
@@ -101,7 +103,7 @@ def split_code(payload: bytes) -> tuple[int, bytes]:
 def json_object(payload: bytes) -> dict[str, Any]:
     """A payload that is one JSON object (FAILED's, and an INIT or GATEWAY header)."""
     try:
-        value = json.loads(payload)
+        value = parse_json(payload)
     except ValueError as exc:
         raise FrameError(f"a payload is not JSON: {exc}") from exc
     if not isinstance(value, dict):

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from engines.childproc import frames
@@ -321,8 +320,10 @@ class PythonEngine(Engine):
         comes, each within ``timeout_s``; stop after one that breaks the sandbox."""
         payload = b"[" + b",".join(event_body(event) for event in events) + b"]"
         try:
-            with _named_timeout(process, timeout_s, "the batch was not taken"):
+            try:
                 process.send(frames.BATCH, payload, time.monotonic() + timeout_s)
+            except WorkerTimeout as exc:
+                raise _late(process, timeout_s, "the batch was not taken") from exc
         except WorkerExecutionError as exc:
             yield exc  # the first event's failure: the rest go to a fresh sandbox
             return
@@ -360,16 +361,20 @@ class PythonEngine(Engine):
         (``failed``), a timeout as :class:`WorkerTimeout` (``late`` says what did not
         finish: the child is killed, a fresh one answers the next call)."""
         deadline = time.monotonic() + timeout_s
-        with _named_timeout(process, timeout_s, late):
+        try:
             process.send(kind, payload, deadline)
+        except WorkerTimeout as exc:
+            raise _late(process, timeout_s, late) from exc
         return self._reply(process, deadline, timeout_s, late, failed)
 
     def _reply(
         self, process: SandboxProcess, deadline: float, timeout_s: float, late: str, failed: str
     ) -> dict[str, Any]:
         """The child's next ANSWER, as :meth:`_request` reads it."""
-        with _named_timeout(process, timeout_s, late):
+        try:
             answered, reply = process.receive(deadline)
+        except WorkerTimeout as exc:
+            raise _late(process, timeout_s, late) from exc
         if answered == frames.FAILED:
             self._raise_worker_error(process, reply, failed)
         if answered != frames.ANSWER:
@@ -407,13 +412,10 @@ class PythonEngine(Engine):
         return events if done is None else Outputs(events, done=str(done))
 
 
-@contextmanager
-def _named_timeout(process: SandboxProcess, timeout_s: float, late: str) -> Iterator[None]:
-    """A WorkerTimeout raised again saying what did not finish (``late``)."""
-    try:
-        yield
-    except WorkerTimeout as exc:
-        raise WorkerTimeout(
-            f"{late} within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and "
-            "a fresh one starts with the next call"
-        ) from exc
+def _late(process: SandboxProcess, timeout_s: float, late: str) -> WorkerTimeout:
+    """The WorkerTimeout raised again saying what did not finish (``late``); a plain
+    ``try`` at each call, not a context manager: this is on every round trip."""
+    return WorkerTimeout(
+        f"{late} within {timeout_s:g} s; its sandbox (pid {process.pid}) was killed and "
+        "a fresh one starts with the next call"
+    )

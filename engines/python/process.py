@@ -12,15 +12,14 @@ a child's end is told.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 from engines.childproc import frames
 from engines.childproc.host import ChildExited, ChildProcess, Launch, Wrapper
@@ -36,6 +35,8 @@ BWRAP_SIGNAL_BASE = 128
 #: Processes between the spawned one and the interpreter at most (bwrap, its pid 1).
 WRAPPER_DEPTH = 2
 #: How a child that could not import part of its own code says so on its way out.
+#: What a send or a receive fails with (see ``SandboxProcess._fail``).
+_FAILURES = (ChildExited, WorkerExecutionError, frames.FrameError, OSError)
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 #: The DevKit's log levels, as the child sends them; another level is logged as INFO.
 LOG_LEVELS = (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)
@@ -183,32 +184,31 @@ class SandboxProcess:
 
     def send(self, kind: bytes, payload: bytes, deadline: float) -> None:
         """Send a frame (a BATCH's replies are then read one by one with :meth:`receive`)."""
-        with self._failures():
+        try:
             self._child.send(kind, payload, deadline)
+        except _FAILURES as exc:
+            self._fail(exc)
 
     def receive(self, deadline: float) -> tuple[bytes, dict[str, Any]]:
         """The kind and JSON object of the child's next reply, as :meth:`request`."""
-        with self._failures():
+        try:
             kind, body = self._child.receive(deadline)
             reply = frames.json_object(body)
+        except _FAILURES as exc:
+            self._fail(exc)
         self._startup_sys_path = None
         return kind, reply
 
-    @contextlib.contextmanager
-    def _failures(self) -> Iterator[None]:
-        """Mark the process broken on any failure; the child's death and protocol errors
-        raised as WorkerExecutionError."""
-        try:
-            yield
-        except ChildExited as exc:
-            self.broken = True
+    def _fail(self, exc: BaseException) -> NoReturn:
+        """Raise what a failure of a send or a receive means, the process marked broken:
+        the child's death and protocol errors as WorkerExecutionError (called from a plain
+        ``except`` at each call, not a context manager: this is on every round trip)."""
+        self.broken = True
+        if isinstance(exc, ChildExited):
             raise self._died(exc.returncode) from None
-        except WorkerExecutionError:
-            self.broken = True
-            raise
-        except (frames.FrameError, OSError) as exc:
-            self.broken = True
-            raise WorkerExecutionError(f"protocol failure with the Python sandbox: {exc}") from exc
+        if isinstance(exc, WorkerExecutionError):
+            raise exc
+        raise WorkerExecutionError(f"protocol failure with the Python sandbox: {exc}") from exc
 
     def _died(self, returncode: int | None) -> WorkerExecutionError:
         why = f"{describe_exit(returncode)}{self._startup_hint()}{self.output_summary()}"

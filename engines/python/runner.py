@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import _thread
 import builtins
-import contextlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from engines.python import sandbox
 from engines.python.protocol import GATEWAY_OK, event_from_json, result_body
 from wm.devkit import GatewayError, Runtime, WorkerBase, install_runtime
 from wm.devkit.runtime import take_done
+from wm.events import parse_json
 
 #: Name of the worker's module (``__module__`` of the classes it defines).
 WORKER_MODULE = "worker"
@@ -255,7 +255,7 @@ def handle(entry: Entry, event: bytes | Any, worker_file: str) -> Reply:
     """Run the worker on one event: a CALL's payload, or one JSON object of a BATCH's."""
 
     def call() -> bytes:
-        request = json.loads(event) if isinstance(event, bytes) else event
+        request = parse_json(event) if isinstance(event, bytes) else event
         events = normalize(entry.call(event_from_json(request)))
         times = os.times()
         return result_body(events, times.user + times.system, take_done())
@@ -316,9 +316,13 @@ def _falsy(answer: Any) -> str:
 
 
 def _flush_stdio() -> None:
+    """Flush the worker's prints (a plain ``try``, not ``contextlib.suppress``: this runs
+    after every call)."""
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
+        try:
             stream.flush()
+        except (OSError, ValueError, AttributeError):
+            continue
 
 
 def serve(channel: Channel, entry: Entry, worker_file: str) -> None:
