@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 BWRAP_SIGNAL_BASE = 128
 #: Processes between the spawned one and the interpreter at most (bwrap, its pid 1).
 WRAPPER_DEPTH = 2
-#: How a child that could not import part of its own code says so on its way out.
 #: What a send or a receive fails with (see ``SandboxProcess._fail``).
 _FAILURES = (ChildExited, WorkerExecutionError, frames.FrameError, OSError)
+#: How a child that could not import part of its own code says so on its way out.
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 #: The DevKit's log levels, as the child sends them; another level is logged as INFO.
 LOG_LEVELS = (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)
