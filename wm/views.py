@@ -10,7 +10,7 @@ import json
 import types
 import typing
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from datetime import UTC, datetime
 from enum import Enum, StrEnum
@@ -400,6 +400,12 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, uuid.UUID):
         return str(value)
     return value
+
+
+def field_errors(errors: Iterable[Mapping[str, Any]]) -> str:
+    """A 422's detail (each field the API refused, and why) in one line, as the API
+    records it and the command line says it: ``body.topic: msg; query.limit: msg``."""
+    return "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors)
 
 
 V = TypeVar("V")

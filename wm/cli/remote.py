@@ -38,6 +38,7 @@ from wm.views import (
     VersionInfo,
     WorkerDetails,
     WorkerInfo,
+    field_errors,
     from_json,
 )
 
@@ -301,9 +302,7 @@ def _refusal(code: int, body: bytes, url: str) -> WorkManagerError:
     except (ValueError, AttributeError):
         detail = body.decode("utf-8", "replace").strip()
     if isinstance(detail, list):  # a 422: each field that was refused, and why
-        detail = "; ".join(
-            f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg')}" for d in detail
-        )
+        detail = field_errors(detail)
     text = str(detail or f"HTTP {code}")
     if code in (401, 403):
         return Refused(f"the admin API at WM_API_URL={url} refused the call: {text} (WM_API_TOKEN)")

@@ -89,14 +89,7 @@ class Lifecycle:
     ) -> WorkerInfo:
         """Validate everything, persist the worker (status ``created``), optionally start it."""
         route = self.context.route(topic)
-        if group is not None:
-            check_name("group", group)
-        if name is not None:
-            check_name("worker name", name)
-        worker_settings = validate_worker_settings(
-            settings or {}, engine_class(mime_type).worker_settings
-        )
-        shares.check_group(group, WorkerSettings.of(worker_settings).group_mode)
+        worker_settings = _checked_settings(mime_type, group, name, settings)
         stored_group = route_group(self.context.tenant, group)
         fetched = self.versions.fetch(code, url, sha256)
         tenant = self.context.tenant
@@ -362,3 +355,17 @@ class Lifecycle:
 
     def _move(self, session: Session, worker: Worker, target: Status, reason: str) -> None:
         records.move(session, worker, target, reason, actor=self.context.actor)
+
+
+def _checked_settings(
+    mime_type: str, group: str | None, name: str | None, settings: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """A new worker's settings, checked against its engine's rules, with its group's and
+    its own name and the group's mode (before anything is fetched or stored)."""
+    if group is not None:
+        check_name("group", group)
+    if name is not None:
+        check_name("worker name", name)
+    checked = validate_worker_settings(settings or {}, engine_class(mime_type).worker_settings)
+    shares.check_group(group, WorkerSettings.of(checked).group_mode)
+    return checked

@@ -315,15 +315,7 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     if isinstance(found, Share):
         share = found.id
         found, facts = _member(found, rt, {keys[0]: values[0]})
-    meta = found
-    _bind_log_fields(event, meta)
-    if meta is not None:
-        guard.check_worker(event, meta)  # before anything of the worker is used
-    if meta is None or meta.status == Status.DELETED:
-        error = WorkerNotFound(f"worker {worker_id} does not exist (deleted)")
-        _park(rt, message.failure(error, meta, event))
-    if meta.status != Status.RUNNING:
-        raise Requeue(f"worker {worker_id} is {meta.status}; message requeued", pause=True)
+    meta = _running(rt, message, event, found)
     request = task.request
     delivery = Delivery(
         rt,
@@ -341,6 +333,22 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     )
     delivery.key = event_key  # derived once
     return delivery
+
+
+def _running(
+    rt: Runtime, message: _Message, event: CloudEvent, meta: WorkerMeta | None
+) -> WorkerMeta:
+    """``meta``, once its worker is known to run: the event of a missing or deleted worker
+    is parked, that of a worker not running requeued (and its queue paused)."""
+    _bind_log_fields(event, meta)
+    if meta is not None:
+        guard.check_worker(event, meta)  # before anything of the worker is used
+    if meta is None or meta.status == Status.DELETED:
+        error = WorkerNotFound(f"worker {message.worker_id} does not exist (deleted)")
+        _park(rt, message.failure(error, meta, event))
+    if meta.status != Status.RUNNING:
+        raise Requeue(f"worker {message.worker_id} is {meta.status}; message requeued", pause=True)
+    return meta
 
 
 def _first_trip_keys(rt: Runtime, worker_id: str, event_key: str) -> list[str]:

@@ -101,6 +101,7 @@ from wm.views import (
     TransitionInfo,
     VersionInfo,
     WorkerInfo,
+    field_errors,
 )
 from wm.workersettings import validate_worker_settings, with_group_mode
 
@@ -518,9 +519,7 @@ async def _refused(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    request.state.result = "; ".join(
-        f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()
-    )
+    request.state.result = field_errors(exc.errors())
     # what it echoes may be text no encoder takes (a lone surrogate): made storable
     return JSONResponse({"detail": storable_data(jsonable_encoder(exc.errors()))}, 422)
 
