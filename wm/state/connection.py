@@ -88,14 +88,14 @@ def _sentinel_primary(url: str, socket_timeout_s: float | None) -> redis.Redis:
     again, so after a failover the pool's next connection reaches the new primary (one
     whose server is no primary any more is refused with a connection error)."""
     where = sentinelurl.parse(url)
-    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+    sentinels = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]
         list(where.sentinels),
         sentinel_kwargs={
             "socket_connect_timeout": _CONNECT_TIMEOUT_S,
             "socket_timeout": _CONNECT_TIMEOUT_S,
         },
     )
-    client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call,unused-ignore]
         where.master_name,
         db=where.db,
         password=where.password,
@@ -169,7 +169,7 @@ def cluster_refusal(exc: BaseException) -> bool:
 def queue_eval(pipe: StatePipeline, script: str, keys: list[str], *args: Any) -> None:
     """Queue a Lua script in ``pipe``; a cluster pipeline sends it to the node of its keys'
     slot (redis-py's cluster pipeline has no ``eval`` method, so the command is spelt out)."""
-    pipe.execute_command("EVAL", script, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+    pipe.execute_command("EVAL", script, len(keys), *keys, *args)  # type: ignore[no-untyped-call,unused-ignore]
 
 
 def queue_wait(pipe: StatePipeline, settings: Settings, key: str) -> bool:
@@ -182,10 +182,10 @@ def queue_wait(pipe: StatePipeline, settings: Settings, key: str) -> bool:
         return False
     args = ("WAIT", settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
     if isinstance(pipe, ClusterPipeline):
-        node = pipe.get_node_from_key(key)  # type: ignore[no-untyped-call]
-        pipe.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
+        node = pipe.get_node_from_key(key)  # type: ignore[no-untyped-call,unused-ignore]
+        pipe.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call,unused-ignore]
     else:
-        pipe.execute_command(*args)  # type: ignore[no-untyped-call]
+        pipe.execute_command(*args)  # type: ignore[no-untyped-call,unused-ignore]
     return True
 
 
