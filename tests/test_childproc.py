@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from engines.childproc import frames
 from engines.childproc.host import ChildExited, ChildProcess, Launch
 from engines.python import bootstrap
+from wm.bench.cputime import process_cpu_s
 from wm.errors import WorkerTimeout
 
 #: A child answering each CALL: its payload back, or what the payload asks for.
@@ -24,7 +26,8 @@ CHILD = """
 import sys, time
 from engines.childproc import frames
 
-channel = frames.Channel(int(sys.argv[1]), int(sys.argv[2]))
+channel = frames.Channel(int(sys.argv[2]), int(sys.argv[3]))
+channel.spin(float(sys.argv[1]))
 print("child up", flush=True)
 while (frame := channel.receive()) is not None:
     kind, payload = frame
@@ -60,11 +63,19 @@ def sinks() -> Sinks:
     return Sinks()
 
 
-@pytest.fixture
-def child(sinks: Sinks) -> Iterator[ChildProcess]:
+#: Seconds each side polls for the other's frame (the default WM_ENGINE_SPIN_US's) or none.
+SPINS = {"spinning": 1e-4, "asleep at once": 0.0}
+
+
+@pytest.fixture(params=SPINS.values(), ids=SPINS.keys())
+def child(sinks: Sinks, request: pytest.FixtureRequest) -> Iterator[ChildProcess]:
+    spin_s = request.param
     printed: list[str] = []
-    launch = Launch((sys.executable, "-c", CHILD), dict(os.environ), {}, output=printed.append)
-    process = ChildProcess(launch, sinks)
+    # the child's spin is its third argument here; an engine sends it with its INIT
+    argv = (sys.executable, "-c", CHILD, str(spin_s))
+    process = ChildProcess(
+        Launch(argv, dict(os.environ), {}, output=printed.append, spin_s=spin_s), sinks
+    )
     yield process
     process.close()
 
@@ -145,3 +156,54 @@ def test_a_graceful_close_lets_an_idle_child_finish(child: ChildProcess) -> None
     child.request(frames.CALL, b"echo", soon())
     child.close(grace_s=5)
     assert child.returncode == 0  # it ended on its own, not killed
+
+
+class CountingPoll:
+    """A real ``select.poll`` that counts the polls that could not sleep (a spin's)."""
+
+    def __init__(self, fd: int) -> None:
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+        self.spun = 0
+
+    def poll(self, timeout_ms: int) -> list[tuple[int, int]]:
+        self.spun += timeout_ms == 0
+        return self._poll.poll(timeout_ms)
+
+
+def test_a_spin_that_comes_to_nothing_skips_more_waits_each_time_and_one_that_catches_ends_it() -> (
+    None
+):
+    read_end, write_end = os.pipe()
+    try:
+        poll = CountingPoll(read_end)
+        spin = frames.Spin(1e-4)
+
+        def spun(ready: bool) -> bool:
+            before = poll.spun
+            assert bool(spin.wait(poll, 1)) is ready  # type: ignore[arg-type]
+            return poll.spun > before
+
+        # after each spin that came to nothing, the next 1, 2, 4 … 64 waits sleep at once
+        spun_in = [wait for wait in range(1, 200) if spun(False)]
+        assert spun_in[:8] == [1, 3, 6, 11, 20, 37, 70, 135]
+        os.write(write_end, b"x")
+        while not spun(True):
+            pass
+        # the spin that caught the frame ended the row: 1, 2, 4 … again
+        os.read(read_end, 1)
+        assert [wait for wait in range(1, 12) if spun(False)] == [1, 3, 6, 11]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_an_idle_spinning_child_sleeps(child: ChildProcess) -> None:
+    """A child polls for the next call for at most its spin, then sleeps on the pipe: idle,
+    it uses no CPU (nor does its host, which waits for nothing)."""
+    for _ in range(50):
+        assert child.request(frames.CALL, b"echo", soon()) == (frames.ANSWER, b"echo")
+    time.sleep(0.1)
+    started = process_cpu_s(child.pid)
+    time.sleep(1.0)
+    assert process_cpu_s(child.pid) - started < 0.05

@@ -41,6 +41,8 @@ def test_values_are_parsed() -> None:
         ("GROUP_LOCK_MAX_RETRIES", "-1", "a non-negative integer"),
         ("WORKER_RECOVERY_ON_START", "maybe", "true or false"),
         ("MESSAGE_HANDLING_TIMEOUT_SECONDS", "soon", "a non-negative number"),
+        ("WM_ENGINE_SPIN_US", "20000", "0 to 10000 microseconds"),
+        ("WM_ENGINE_SPIN_US", "soon", "0 to 10000 microseconds"),
     ],
 )
 def test_malformed_values_name_the_variable(name: str, value: str, expects: str) -> None:

@@ -20,6 +20,7 @@ import pytest
 from engines.native.engine import NativeEngine, Sinks
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import running_rid
+from wm.bench.cputime import process_cpu_s
 from wm.config import Settings
 from wm.engine import Outputs, WorkerSpec
 from wm.errors import InvalidCode, OutputTooLarge, WorkerExecutionError, WorkerTimeout
@@ -322,6 +323,22 @@ def test_isolated_crash_fails_the_delivery_not_the_host(
     assert crashed.value.retryable
     [out] = engine.process(event(), timeout_s=5)  # a fresh helper answers
     assert out.get_type() == "orders.processed"
+
+
+def test_an_idle_helper_polls_for_its_next_call_briefly_then_sleeps(
+    engine: NativeEngine, native_zips: dict[str, Path]
+) -> None:
+    """The helper polls for the host's next frame for WM_ENGINE_SPIN_US (on by default),
+    then sleeps: idle, it uses no CPU."""
+    assert engine.settings.engine_spin_us > 0
+    engine.load(zip_bytes(native_zips["misbehave"]), ISOLATED)
+    for _ in range(50):
+        engine.process(event(), timeout_s=5)
+    time.sleep(0.1)
+    [pid] = engine.processes()
+    started = process_cpu_s(pid)
+    time.sleep(1.0)
+    assert process_cpu_s(pid) - started < 0.05
 
 
 @pytest.mark.parametrize("isolation", ["in-process", "subprocess"])

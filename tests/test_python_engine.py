@@ -16,6 +16,7 @@ from engines.python import PythonEngine
 from engines.python.engine import PythonWorkerError
 from tests.helpers import Loopback, http_server
 from tests.workers import child_pids, code
+from wm.bench.cputime import process_cpu_s
 from wm.config import Settings
 from wm.engine import WorkerSpec
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
@@ -130,6 +131,20 @@ def test_child_is_reused_across_messages(engine: PythonEngine) -> None:
         [output] = engine.process(event({"n": n}), timeout_s=5)
         assert output.get_data() == {"input": {"n": n}}
     assert engine.pid == pid
+
+
+def test_a_sandbox_polls_for_its_next_call_briefly_then_sleeps(engine: PythonEngine) -> None:
+    """By default the host and the sandbox poll for each other's frames before they sleep
+    (WM_ENGINE_SPIN_US): for at most that long, so an idle sandbox uses no CPU."""
+    assert SETTINGS.engine_spin_us > 0
+    engine.load(code("echo"), spec())
+    for n in range(50):
+        engine.process(event({"n": n}), timeout_s=5)
+    time.sleep(0.1)
+    [pid] = engine.processes()
+    started = process_cpu_s(pid)
+    time.sleep(1.0)
+    assert process_cpu_s(pid) - started < 0.05
 
 
 def test_binary_and_large_payloads_round_trip(engine: PythonEngine) -> None:

@@ -65,6 +65,17 @@ def _parse_positive_float(raw: str) -> float:
     return value
 
 
+#: Longest WM_ENGINE_SPIN_US: a spin is worth a wake-up, tens of µs, not milliseconds.
+MAX_SPIN_US = 10_000
+
+
+def _parse_spin_us(raw: str) -> int:
+    value = int(raw.strip())
+    if not 0 <= value <= MAX_SPIN_US:
+        raise ValueError("out of range")
+    return value
+
+
 def _parse_port(raw: str) -> int:
     value = int(raw.strip())
     if not 0 <= value <= 65535:
@@ -203,6 +214,7 @@ _EXPECTS: dict[Callable[[str], Any], str] = {
     _parse_positive_int: "a positive integer",
     _parse_float: "a non-negative number",
     _parse_port: "a TCP port (0 to 65535; 0 is off)",
+    _parse_spin_us: f"0 to {MAX_SPIN_US} microseconds",
     _parse_csv: "a comma-separated list",
     _parse_str: "a string",
     _parse_tenant: "a tenant name (1-63 of a-z, 0-9 and -, starting with a letter or digit)",
@@ -361,6 +373,14 @@ class Settings:
         _parse_int,
         "Processes and threads one Python sandbox or isolation helper may have together "
         "(cgroup pids limit); 0: no limit.",
+    )
+    engine_spin_us: int = _setting(
+        "WM_ENGINE_SPIN_US",
+        100,
+        _parse_spin_us,
+        "Microseconds a node process and a Python sandbox or isolation helper poll for each "
+        "other's next frame before they sleep on it (stopped for a while wherever it came to "
+        "nothing); 0: they sleep at once.",
     )
     message_handling_timeout_seconds: float = _setting(
         "MESSAGE_HANDLING_TIMEOUT_SECONDS",
@@ -676,6 +696,11 @@ class Settings:
                 why = f"expected {_EXPECTS[parse]}" if parse in _EXPECTS else str(exc)
                 raise ConfigurationError(f"{name}={shown!r} is malformed: {why}") from exc
         return cls(**values)
+
+    @property
+    def engine_spin_s(self) -> float:
+        """WM_ENGINE_SPIN_US in seconds."""
+        return self.engine_spin_us / 1e6
 
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (settings stay immutable)."""

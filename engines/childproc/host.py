@@ -79,6 +79,9 @@ class Launch:
     #: What the child and everything it starts may use together, enforced by cgroups of
     #: its own where the host has them (:mod:`engines.childproc.limits`); None: no cgroups.
     limits: Limits | None = None
+    #: Seconds the host polls for the child's reply before it sleeps on it
+    #: (:class:`~engines.childproc.frames.Spin`); 0: it sleeps at once.
+    spin_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.wrapper is not None and self.files is None:
@@ -142,6 +145,7 @@ class ChildProcess:
         self._partial_line = b""
         self._buffer = frames.FrameBuffer()
         self._pending: collections.deque[frames.Frame] = collections.deque()
+        self._spin = frames.Spin(launch.spin_s)
         self.directory = self._make_directory()
         self._cgroups: Cgroups | None = None
         try:
@@ -289,7 +293,7 @@ class ChildProcess:
 
     def _next_frame(self, deadline: float) -> frames.Frame:
         while not self._pending:
-            for fd, _ in self._poll.poll(_remaining_ms(deadline)):
+            for fd, _ in self._spin.wait(self._poll, _remaining_ms(deadline)):
                 if fd == self._output:
                     self._read_output()
                     continue

@@ -294,6 +294,7 @@ class Isolated:
             refusals={"InvalidCode": InvalidCode, "WorkerTimeout": WorkerTimeout},
             loads=f"worker {worker.worker_id}",
             limits=Limits.from_settings(settings),
+            spin_s=settings.engine_spin_s,
         )
 
     def process(self, header: bytes, data: bytes, timeout_s: float) -> str:

@@ -25,6 +25,9 @@ from engines.childproc import frames
 from wm.errors import WorkManagerError
 
 PR_SET_PDEATHSIG = 1
+#: The INIT header's entry that says how long the helper polls for the host's next frame
+#: before it sleeps on it (:class:`~engines.childproc.frames.Spin`); the rest is the engine's.
+SPIN = "spin_s"
 #: The ANSWER to a PROBE: the code has no probe (None), it passed (True), it answered False.
 PROBE_ANSWERS: dict[bool | None, bytes] = {None: b"", True: b"1", False: b"0"}
 
@@ -60,6 +63,7 @@ def serve(host: Host, load: Loader) -> int:
     """Load the code from the INIT frame, then answer calls until the host closes the pipe.
     The exit status: 0 when the host is done, 1 when the code was refused."""
     header, blob = _read_init(host)
+    host.spin(header.pop(SPIN, 0.0))
     try:
         handler = load(header, blob, host)
     except WorkManagerError as exc:

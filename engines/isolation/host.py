@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from engines.childproc import frames
 from engines.childproc.host import ChildExited, ChildProcess, Launch
 from engines.childproc.limits import Limits
-from engines.isolation.helper import PROBE_ANSWERS
+from engines.isolation.helper import PROBE_ANSWERS, SPIN
 from wm.errors import InvalidCode, WorkerExecutionError, WorkerTimeout
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ class HelperProcess:
     ``coded_failure(code, message)`` when it carries an integer code, else the class that
     ``refusals`` maps its type name to (WorkerExecutionError for a name not there). ``loads``
     says what was loaded, for the log. ``limits`` bound the helper and what it starts
-    (:mod:`engines.childproc.limits`).
+    (:mod:`engines.childproc.limits`); ``spin_s`` is how long each side polls for the other's
+    next frame before it sleeps on it (:class:`~engines.childproc.frames.Spin`).
     """
 
     def __init__(
@@ -93,13 +94,14 @@ class HelperProcess:
         coded_failure: CodedFailure | None = None,
         loads: str = "",
         limits: Limits | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         self.module, self.sinks, self.description = module, sinks, description
         self.refusals = dict(refusals or {})
         self.coded_failure, self.loads = coded_failure, loads
-        self._init = frames.with_header(header, blob)
+        self._init = frames.with_header({**header, SPIN: spin_s}, blob)
         merged = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-        self.launch = Launch((sys.executable, "-m", module), merged, limits=limits)
+        self.launch = Launch((sys.executable, "-m", module), merged, limits=limits, spin_s=spin_s)
         self._relay = _Relay(sinks)
         self._lock = threading.Lock()
         self._child: ChildProcess | None = None

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
-from engines.childproc.limits import Limits
 from engines.isolation.host import HelperProcess
 from engines.native import codec
 from engines.native.isolated import start_helper
@@ -208,10 +207,8 @@ class NativeEngine(Engine):
         process: the library's initializers never run in the validating process."""
         package = read_package(code)
         _mode(package, worker)
-        sinks = Sinks(self.settings, worker)
-        limits = Limits.from_settings(self.settings)
         helper = start_helper(
-            package, identity(worker), sinks, limits, self.settings.max_output_bytes
+            package, identity(worker), Sinks(self.settings, worker), self.settings
         )
         helper.close()
 
@@ -221,10 +218,7 @@ class NativeEngine(Engine):
         sinks = Sinks(self.settings, worker)
         runner: Runner
         if mode == "subprocess":
-            limits = Limits.from_settings(self.settings)
-            runner = start_helper(
-                package, identity(worker), sinks, limits, self.settings.max_output_bytes
-            )
+            runner = start_helper(package, identity(worker), sinks, self.settings)
         else:
             self._set_identity(worker)
             runner = InProcess(_open(package, sinks, self.settings.max_output_bytes), sinks)

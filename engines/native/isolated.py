@@ -16,6 +16,7 @@ from engines.childproc.limits import Limits
 from engines.isolation.host import Callbacks, HelperProcess
 from engines.native.library import NativeCallFailed, NativeOutputRefused
 from engines.native.package import Package, library_file
+from wm.config import Settings
 from wm.errors import InvalidCode, OutputTooLarge
 
 #: The module the helper process runs (``python -m``).
@@ -29,22 +30,18 @@ REFUSALS: dict[str, type[Exception]] = {
 
 
 def start_helper(
-    package: Package,
-    env: Mapping[str, str | None],
-    sinks: Callbacks,
-    limits: Limits,
-    max_output_bytes: int,
+    package: Package, env: Mapping[str, str | None], sinks: Callbacks, settings: Settings
 ) -> HelperProcess:
     """A helper that loaded ``package``'s library, with ``env`` set over the host's, within
-    ``limits``, refusing outputs over ``max_output_bytes``; InvalidCode if the library does
-    not load there."""
+    the settings' limits, refusing outputs over their ``max_output_bytes``; InvalidCode if
+    the library does not load there."""
     manifest = package.manifest
     spec = {
         "file_name": library_file(manifest.library),
         "entry_point": manifest.entry_point,
         "free_result": manifest.free_result,
         "probe": manifest.probe,
-        "max_output_bytes": max_output_bytes,
+        "max_output_bytes": settings.max_output_bytes,
     }
     return HelperProcess(
         HELPER_MODULE,
@@ -56,5 +53,6 @@ def start_helper(
         refusals=REFUSALS,
         coded_failure=NativeCallFailed,
         loads=package.entry,
-        limits=limits,
+        limits=Limits.from_settings(settings),
+        spin_s=settings.engine_spin_s,
     )

@@ -256,6 +256,7 @@ class PythonEngine(Engine):
             wrapper=wrapper,
             files={WORKER_FILE: source},
             limits=Limits.from_settings(self.settings),
+            spin_s=self.settings.engine_spin_s,
         )
 
     def _accept(
@@ -298,6 +299,7 @@ class PythonEngine(Engine):
             "allowed": list(allowed),
             "allow_ctypes": paths.third_party,
             "limits": limits,
+            "spin_s": self.settings.engine_spin_s,
         }
 
     def _gateway_handler(self, worker: WorkerSpec) -> GatewayHandler:

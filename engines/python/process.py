@@ -108,10 +108,12 @@ class SandboxProcess:
         wrapper: Wrapper | None = None,
         files: Mapping[str, str] | None = None,
         limits: Limits | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         """``files`` (name -> text) are written into the child's directory before it starts;
         ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``;
-        ``limits`` bound the child and what it starts (its cgroups)."""
+        ``limits`` bound the child and what it starts (its cgroups); ``spin_s``: how long the
+        host polls for a reply before it sleeps on it."""
         self.worker_id = worker_id
         self.broken = False
         #: Entry point the child reported (``process`` or a WorkerBase subclass name).
@@ -131,6 +133,7 @@ class SandboxProcess:
             wrapper=wrapper,
             output=sinks.output,
             limits=limits,
+            spin_s=spin_s,
         )
         try:
             self._child = ChildProcess(launch, sinks)

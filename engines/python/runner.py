@@ -367,6 +367,7 @@ def serve_batch(channel: Channel, entry: Entry, payload: bytes, worker_file: str
 def run(config: dict[str, Any], read_fd: int, write_fd: int) -> None:
     """The child's main: load, report ready (or why not), serve."""
     channel = Channel(read_fd, write_fd)
+    channel.spin(config.get("spin_s", 0.0))
     try:
         entry = load_worker(config, channel)
     except WorkerRefused as exc:
