@@ -200,7 +200,7 @@ def test_a_spin_that_comes_to_nothing_skips_more_waits_each_time_and_one_that_ca
 
 def test_an_idle_spinning_child_sleeps(child: ChildProcess) -> None:
     """A child polls for the next call for at most its spin, then sleeps on the pipe: idle,
-    it uses no CPU (nor does its host, which waits for nothing)."""
+    it uses no CPU."""
     for _ in range(50):
         assert child.request(frames.CALL, b"echo", soon()) == (frames.ANSWER, b"echo")
     time.sleep(0.1)
