@@ -80,6 +80,7 @@ def test_json_is_one_object_of_every_phase_run() -> None:
         ("text/x-python", "returns one event"),
     ]
     assert all(0 < t["median_us"] <= t["p99_us"] for t in trips)
+    assert all(t["spin_us"] == 100 for t in trips)  # the default WM_ENGINE_SPIN_US
     # the tables are for people: on standard error, with the node's description
     assert "scenario" in done.stderr and "events/s" in done.stderr
     assert "configured like wm.deliver" in done.stderr

@@ -64,11 +64,13 @@ def run(
 def _engine_round_trip(messages: int, begin: Begin) -> list[dict[str, Any]]:
     """Time ``PythonEngine.process`` on the host (framing, two pipe hops, the worker call),
     then ``process_batch`` per event."""
-    engine = engine_class(PYTHON)(Settings.from_env())
+    settings = Settings.from_env()
+    engine = engine_class(PYTHON)(settings)
     event = make_event("bench.in", "/bench", {"n": 1, "text": "a small payload"})
     print(
         f"\nPython engine round trip, {messages} messages (goal: median ≤ "
-        f"{_goal(PYTHON) / 1e3:g} ms; batch: per event, {BATCH_EVENTS} events a call)\n"
+        f"{_goal(PYTHON) / 1e3:g} ms; batch: per event, {BATCH_EVENTS} events a call; "
+        f"both sides poll {settings.engine_spin_us} µs before they sleep, WM_ENGINE_SPIN_US)\n"
     )
     found = []
     batch = [event] * BATCH_EVENTS
@@ -81,6 +83,7 @@ def _engine_round_trip(messages: int, begin: Begin) -> list[dict[str, Any]]:
             per_batch, _ = _time_calls(lambda: engine.process_batch(batch, 5), calls, 2)
             row = _round_trip(PYTHON, name, messages, median, p99)
             row["batch_median_us"] = round(per_batch / BATCH_EVENTS, 2)
+            row["spin_us"] = settings.engine_spin_us
             print(
                 f"{name:<18} median {median / 1e3:.3f} ms  p99 {p99 / 1e3:.3f} ms  "
                 f"{_verdict(row)}  batch {row['batch_median_us'] / 1e3:.3f} ms per event"
