@@ -23,6 +23,7 @@ from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
 from wm import Settings, WorkManager, make_event
+from wm.bench.cputime import process_cpu_s
 from wm.dataplane.queues import subscription_queue
 
 STUB = "application/x-wm-stub"
@@ -61,6 +62,15 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def idle_cpu_s(pid: int, seconds: float = 1.0) -> float:
+    """CPU seconds ``pid`` spends over ``seconds`` of idleness, from a moment after its last
+    work (what it may still poll for then has ended)."""
+    time.sleep(0.1)
+    started = process_cpu_s(pid)
+    time.sleep(seconds)
+    return process_cpu_s(pid) - started
 
 
 def stub(**spec: Any) -> bytes:

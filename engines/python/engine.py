@@ -299,7 +299,6 @@ class PythonEngine(Engine):
             "allowed": list(allowed),
             "allow_ctypes": paths.third_party,
             "limits": limits,
-            "spin_s": self.settings.engine_spin_s,
         }
 
     def _gateway_handler(self, worker: WorkerSpec) -> GatewayHandler:

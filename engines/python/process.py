@@ -112,8 +112,9 @@ class SandboxProcess:
     ) -> None:
         """``files`` (name -> text) are written into the child's directory before it starts;
         ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``;
-        ``limits`` bound the child and what it starts (its cgroups); ``spin_s``: how long the
-        host polls for a reply before it sleeps on it."""
+        ``limits`` bound the child and what it starts (its cgroups); ``spin_s``: how long
+        each side polls for the other's next frame before it sleeps on it (the child is
+        told with the INIT)."""
         self.worker_id = worker_id
         self.broken = False
         #: Entry point the child reported (``process`` or a WorkerBase subclass name).
@@ -171,8 +172,10 @@ class SandboxProcess:
     def init(
         self, config: dict[str, Any], code: str, deadline: float
     ) -> tuple[bytes, dict[str, Any]]:
-        """Send INIT (``config`` and the worker's ``code``); the reply, as :meth:`request`."""
+        """Send INIT (``config``, with the launch's ``spin_s``, and the worker's ``code``);
+        the reply, as :meth:`request`."""
         self._startup_sys_path = list(config.get("sys_path", []))
+        config = {**config, "spin_s": self._child.launch.spin_s}
         return self.request(frames.INIT, frames.with_header(config, code.encode("utf-8")), deadline)
 
     def request(self, kind: bytes, payload: bytes, deadline: float) -> tuple[bytes, dict[str, Any]]:
