@@ -12,7 +12,7 @@ import textwrap
 import threading
 import time
 import zipfile
-from datetime import date
+from datetime import date, datetime, timedelta, timezone
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,41 @@ def test_data_kinds_and_attributes_reach_the_worker_and_come_back(engine_for: An
         assert output.get_extension("kind") == kind
         assert output.get_extension("tenant") == "acme"
         assert output.get_attributes()["subject"] == "s-1"
+
+
+def test_the_worker_reads_the_time_as_python_writes_it_and_may_replace_it(
+    engine_for: Any,
+) -> None:
+    # a UTC time crosses as microseconds and is written in .NET only when read: the text
+    # must be isoformat's, whole seconds and other offsets included
+    engine = engine_for(
+        csharp("""
+        public sealed class Clock : WorkerBase {
+            public Clock() : base("clock", "/clock") { }
+            public override Task<CloudEvent> ProcessAsync(CloudEvent input) {
+                var data = new JsonObject();
+                data["seen"] = input.Time;
+                var output = Response(input, data);
+                input.Time = "2001-02-03T04:05:06Z";
+                output["after"] = input.Time;
+                return Task.FromResult(output);
+            }
+        }
+    """)
+    )
+    utc, plus_two = timezone.utc, timezone(timedelta(hours=2))
+    times = [
+        datetime(2026, 12, 4, 18, 46, 45, 940512, tzinfo=utc),
+        datetime(2026, 12, 4, 18, 46, 45, tzinfo=utc),
+        datetime(1969, 12, 31, 23, 59, 59, 1, tzinfo=utc),
+        datetime(1, 1, 1, tzinfo=utc),
+        datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=utc),
+        datetime(2026, 12, 4, 18, 46, 45, 5, tzinfo=plus_two),
+    ]
+    for at in times:
+        [output] = engine.process(make_event("orders", "/t", {}, time=at), 5)
+        assert output.get_data() == {"seen": at.isoformat()}, at
+        assert output.get_extension("after") == "2001-02-03T04:05:06Z"
 
 
 def test_text_crosses_as_utf8_whatever_its_size_and_the_call_lets_python_threads_run(

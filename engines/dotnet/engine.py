@@ -196,7 +196,9 @@ class Context:
         return int(handle)
 
     def process(self, header: bytes, data: bytes, timeout_s: float) -> str:
-        handle = self._handle()
+        handle = self.handle
+        if handle < 0:
+            handle = self._reload()
         started = time.monotonic()
         answer = self.rt.process(handle, header, data, int(timeout_s * 1000))
         return self._settle(answer, handle, started, timeout_s, "ProcessAsync")

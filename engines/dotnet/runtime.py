@@ -173,7 +173,7 @@ class Runtime:
         )
         if length < 0:  # kept by the host for this thread
             return str(self.host.TakeAnswer())
-        return str(self._ffi.buffer(answer, length), "utf-8")
+        return self._ffi.unpack(answer, length).decode()
 
     def register(self, worker_id: str, sinks: Callbacks) -> None:
         """Route the hooks of ``worker_id`` to ``sinks`` (the latest registered wins)."""

@@ -117,16 +117,30 @@ namespace Virtufin.Worker.DevKit
         /// "ok\0json" or "error\0message".</summary>
         public static Func<string, string, int, string, string, string, long, string> GatewayHook;
 
-        internal static readonly AsyncLocal<string> WorkerId = new AsyncLocal<string>();
-        internal static readonly AsyncLocal<long> DeadlineTicks = new AsyncLocal<long>();
+        /// <summary>The running call (null outside calls): one value, set and cleared once
+        /// per call (each change of an AsyncLocal copies the execution context).</summary>
+        internal static readonly AsyncLocal<Call> Current = new AsyncLocal<Call>();
+
+        internal sealed class Call
+        {
+            internal readonly string WorkerId;
+            /// <summary>When the call's time limit ends, in UTC ticks.</summary>
+            internal readonly long DeadlineTicks;
+
+            internal Call(string workerId, long deadlineTicks)
+            {
+                WorkerId = workerId;
+                DeadlineTicks = deadlineTicks;
+            }
+        }
 
         /// <summary>The id of the worker whose call is running, or null outside calls.</summary>
-        public static string CurrentWorkerId { get { return WorkerId.Value; } }
+        public static string CurrentWorkerId { get { Call call = Current.Value; return call == null ? null : call.WorkerId; } }
 
         internal static void Log(string level, string message)
         {
             Action<string, string, string> hook = LogHook;
-            if (hook != null) hook(level, WorkerId.Value, message);
+            if (hook != null) hook(level, CurrentWorkerId, message);
             else Console.Error.WriteLine(level + ": " + message);
         }
 
@@ -134,12 +148,13 @@ namespace Virtufin.Worker.DevKit
         {
             Func<string, string, int, string, string, string, long, string> hook = GatewayHook;
             if (hook == null) throw new GatewayException("no gateway: the worker runs outside WorkManager");
-            long deadline = DeadlineTicks.Value;
+            Call call = Current.Value;
+            long deadline = call == null ? 0 : call.DeadlineTicks;
             long remainingMs = deadline == 0 ? long.MaxValue
                 : (deadline - DateTime.UtcNow.Ticks) / TimeSpan.TicksPerMillisecond;
             if (deadline != 0 && remainingMs <= 0)
                 throw new GatewayException("no time left for the gateway call within the message time limit");
-            string reply = hook(WorkerId.Value, host, port, service, method, request, remainingMs);
+            string reply = hook(call == null ? null : call.WorkerId, host, port, service, method, request, remainingMs);
             int split = reply.IndexOf('\0');
             string status = split < 0 ? reply : reply.Substring(0, split);
             string body = split < 0 ? "" : reply.Substring(split + 1);

@@ -3,6 +3,7 @@
 // so "may be null" is said in the comments.
 using System;
 using System.Collections.Generic;
+using System.Globalization;
 using System.Runtime.CompilerServices;
 
 [assembly: InternalsVisibleTo("WorkManager.DotNet.Host")]
@@ -25,6 +26,10 @@ namespace Virtufin.Worker.DevKit
 
         public CloudEvent() { Id = Guid.NewGuid().ToString(); }
 
+        /// <summary>An event whose id is given: the host's copy of an input (a new id would
+        /// cost a random read for nothing).</summary>
+        internal CloudEvent(string id) { Id = id; }
+
         public CloudEvent(string type, string source, object data) : this()
         {
             Type = type;
@@ -40,7 +45,47 @@ namespace Virtufin.Worker.DevKit
         /// <summary>May be null; set to application/json for JSON data on outputs.</summary>
         public string DataContentType { get; set; }
         /// <summary>RFC 3339 timestamp; may be null.</summary>
-        public string Time { get; set; }
+        public string Time
+        {
+            get
+            {
+                if (timeIsPending)
+                {
+                    time = UtcText(pendingMicroseconds);
+                    timeIsPending = false;
+                }
+                return time;
+            }
+            set
+            {
+                time = value;
+                timeIsPending = false;
+            }
+        }
+
+        string time;
+        long pendingMicroseconds;
+        bool timeIsPending;
+
+        /// <summary>Sets <see cref="Time"/> to a UTC instant, microseconds since the Unix epoch,
+        /// written as text (as Python's <c>isoformat</c> writes it) only when it is read: most
+        /// workers never read an input's time.</summary>
+        internal void SetUtcTime(long unixMicroseconds)
+        {
+            pendingMicroseconds = unixMicroseconds;
+            timeIsPending = true;
+        }
+
+        const long UnixEpochTicks = 621355968000000000;
+
+        static string UtcText(long unixMicroseconds)
+        {
+            var at = new DateTime(UnixEpochTicks + unixMicroseconds * 10, DateTimeKind.Utc);
+            string format = unixMicroseconds % 1000000 == 0
+                ? "yyyy-MM-dd'T'HH:mm:ss'+00:00'"
+                : "yyyy-MM-dd'T'HH:mm:ss.ffffff'+00:00'";
+            return at.ToString(format, CultureInfo.InvariantCulture);
+        }
         /// <summary>May be null (see the class remarks for the types it holds).</summary>
         public object Data { get; set; }
 

@@ -67,12 +67,17 @@ namespace Virtufin.Worker.DevKit
         /// client here).</summary>
         protected virtual void BeforeHandle(JsonObject node) { }
 
+        // The enum's member names, read once (Enum.GetNames copies them into a new array).
+        // Not in a static initializer: a T that is no enum must fail in the constructor.
+        static string[] memberNames;
+
         // Enum.TryParse also accepts numbers and comma-separated lists; only identifiers are
         // wire names.
         static bool IsMemberName(string command)
         {
             if (string.IsNullOrEmpty(command)) return false;
-            foreach (string name in Enum.GetNames(typeof(T)))
+            string[] names = memberNames ?? (memberNames = Enum.GetNames(typeof(T)));
+            foreach (string name in names)
                 if (string.Equals(name, command, StringComparison.OrdinalIgnoreCase)) return true;
             return false;
         }

@@ -4,6 +4,7 @@
 // because pythonnet caches what it touches and would keep an unloaded context alive.
 using System;
 using System.Collections.Generic;
+using System.Globalization;
 using System.IO;
 using System.Reflection;
 using System.Runtime.InteropServices;
@@ -416,8 +417,8 @@ namespace WorkManager.DotNet
             Task<T> task;
             try
             {
-                WorkerHost.WorkerId.Value = slot.WorkerId;
-                WorkerHost.DeadlineTicks.Value = DateTime.UtcNow.Ticks + timeoutMs * TimeSpan.TicksPerMillisecond;
+                long deadline = DateTime.UtcNow.Ticks + timeoutMs * TimeSpan.TicksPerMillisecond;
+                WorkerHost.Current.Value = new WorkerHost.Call(slot.WorkerId, deadline);
                 task = begin();
                 if (task == null) throw new InvalidOperationException(method + " returned a null Task");
             }
@@ -428,8 +429,7 @@ namespace WorkManager.DotNet
             }
             finally
             {
-                WorkerHost.WorkerId.Value = null;
-                WorkerHost.DeadlineTicks.Value = 0;
+                WorkerHost.Current.Value = null;
             }
             Func<string> finish = () => Finish(slot, task, method, answer);
             if (task.IsCompleted) return finish();
@@ -520,20 +520,26 @@ namespace WorkManager.DotNet
         // -- the wire between Python and here -------------------------------------------
         // header: id, source, type, subject, datacontenttype, time, data kind, then
         // extension names and values; fields end with \0. Data kinds: j JSON text, t text,
-        // b base64, n none. Empty subject/datacontenttype/time mean absent.
+        // b base64, n none. Empty subject/datacontenttype/time mean absent. A time of '@'
+        // and digits is a UTC instant in microseconds since the Unix epoch.
+
+        const char UtcMark = '@';
 
         static CloudEvent Decode(string header, string data)
         {
             string[] f = header.Split(Sep);
-            var input = new CloudEvent
+            var input = new CloudEvent(f[0])
             {
-                Id = f[0],
                 Source = f[1],
                 Type = f[2],
                 Subject = f[3].Length == 0 ? null : f[3],
                 DataContentType = f[4].Length == 0 ? null : f[4],
-                Time = f[5].Length == 0 ? null : f[5],
             };
+            string time = f[5];
+            if (time.Length > 0 && time[0] == UtcMark)
+                input.SetUtcTime(long.Parse(time.Substring(1), NumberStyles.AllowLeadingSign, CultureInfo.InvariantCulture));
+            else if (time.Length > 0)
+                input.Time = time;
             switch (f[6])
             {
                 case "j": input.Data = JsonNode.Parse(data); break;
@@ -557,7 +563,8 @@ namespace WorkManager.DotNet
             else if (data is string) { kind = "t"; body = (string)data; }
             else if (data is byte[]) { kind = "b"; body = Convert.ToBase64String((byte[])data); }
             else { kind = "j"; body = Json.Serialize(data); }
-            var text = new StringBuilder("ok");
+            var text = new StringBuilder(128 + body.Length);
+            text.Append("ok");
             foreach (string field in new[] { output.Id, output.Source, output.Type, output.Subject,
                                              output.DataContentType, output.Time, kind,
                                              output.AnsweredError == null ? "" : output.AnsweredErrorType ?? "1",
