@@ -12,7 +12,7 @@ import textwrap
 import threading
 import time
 import zipfile
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta, timezone
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -171,7 +171,7 @@ def test_the_worker_reads_the_time_as_python_writes_it_and_may_replace_it(
         }
     """)
     )
-    utc, plus_two = timezone.utc, timezone(timedelta(hours=2))
+    utc, plus_two = UTC, timezone(timedelta(hours=2))
     times = [
         datetime(2026, 12, 4, 18, 46, 45, 940512, tzinfo=utc),
         datetime(2026, 12, 4, 18, 46, 45, tzinfo=utc),

@@ -173,7 +173,8 @@ class Runtime:
         )
         if length < 0:  # kept by the host for this thread
             return str(self.host.TakeAnswer())
-        return self._ffi.unpack(answer, length).decode()
+        text: bytes = self._ffi.unpack(answer, length)
+        return text.decode()
 
     def register(self, worker_id: str, sinks: Callbacks) -> None:
         """Route the hooks of ``worker_id`` to ``sinks`` (the latest registered wins)."""
