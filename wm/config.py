@@ -282,8 +282,16 @@ class Settings:
         "WM_REDIS_WAIT_TIMEOUT_MS",
         500,
         _parse_positive_int,
-        "How long WM_REDIS_WAIT_REPLICAS waits for the replicas; fewer acknowledgements is "
-        "an outage: the delivery goes back to its queue.",
+        "How long WM_REDIS_WAIT_REPLICAS and WM_BROKER_WAIT_REPLICAS wait for the replicas; "
+        "fewer acknowledgements is an outage: the delivery goes back to its queue, a publish "
+        "fails.",
+    )
+    broker_wait_replicas: int = _setting(
+        "WM_BROKER_WAIT_REPLICAS",
+        0,
+        _parse_int,
+        "Replicas of a Redis broker that must acknowledge each publish (Redis WAIT) before "
+        "the publisher is told it succeeded; 0 does not wait. A Redis broker only.",
     )
     deployment: str = _setting(
         "WM_DEPLOYMENT",

@@ -118,8 +118,17 @@ def _redis_options(settings: Settings) -> dict[str, Any]:
         return {
             "priority_steps": list(settings.priority_steps),
             "ready_key": READY_LIST if settings.ready_list else None,
+            "wait_replicas": settings.broker_wait_replicas,
+            "wait_timeout_ms": settings.redis_wait_timeout_ms,
             **_sentinel_options(settings.broker_url),
         }
+    if settings.broker_wait_replicas:
+        raise ConfigurationError(
+            f"WM_BROKER_WAIT_REPLICAS={settings.broker_wait_replicas} applies to a Redis broker "
+            f"only, not WM_BROKER_URL={masked(settings.broker_url)} (on RabbitMQ, "
+            "WM_AMQP_QUEUE_TYPE=quorum replicates a message before the broker confirms it); set it "
+            "to 0"
+        )
     return {}
 
 

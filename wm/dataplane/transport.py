@@ -54,6 +54,7 @@ from time import monotonic
 from typing import Any
 
 import redis
+from kombu.exceptions import BatchPublishError
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import Empty
 from kombu.utils.encoding import bytes_to_str
@@ -63,6 +64,7 @@ from wm.dataplane import fairshare
 from wm.dataplane.liveness import HOLD, QoS, hold_args
 from wm.dataplane.placement import INBOX, MEMBERS, PLACE, my_inbox, place_args
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
+from wm.errors import BrokerUnavailable
 from wm.state.connection import refuse_cluster_broker
 
 #: Content type of an item that was not a kombu message: its bytes, undecoded.
@@ -238,9 +240,15 @@ class Channel(kombu_redis.Channel):
     from_transport_options = (  # type: ignore[assignment]  # kombu types it by its length
         *kombu_redis.Channel.from_transport_options,
         "ready_key",
+        "wait_replicas",
+        "wait_timeout_ms",
     )
     #: The ready list (empty: kombu's BRPOP over every queue); see the module's docstring.
     ready_key = ""
+    #: Replicas that must acknowledge each publish (Redis WAIT; 0: none) within
+    #: ``wait_timeout_ms``: WM_BROKER_WAIT_REPLICAS and WM_REDIS_WAIT_TIMEOUT_MS.
+    wait_replicas = 0
+    wait_timeout_ms = 500
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: Queues consumed that are not worker queues, and how many worker queues are, from
@@ -400,6 +408,9 @@ class Channel(kombu_redis.Channel):
         return fixed
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        if self.wait_replicas and "_publish_batch" not in kwargs:
+            self._put_waited(queue, message)
+            return
         if not self._ready_for(queue):
             super()._put(queue, message, **kwargs)
             return
@@ -411,6 +422,35 @@ class Channel(kombu_redis.Channel):
             return
         with self.conn_or_acquire() as client:
             self._script(_PUT)(keys=keys, args=[queue, dumps(message)], client=client)
+
+    def _put_waited(self, queue: str, message: Any) -> None:
+        """A publish that returns once ``wait_replicas`` replicas have it: the push and WAIT
+        in one pipeline, so on one connection (WAIT counts its own connection's writes)."""
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+            if self._ready_for(queue):
+                pipe.eval(_PUT, 2, key, self.ready_key, queue, dumps(message))
+            else:
+                pipe.lpush(key, dumps(message))
+            self.queue_wait(pipe)
+            *_, acknowledged = pipe.execute()
+        self.check_wait(acknowledged, f"a message published to {queue}")
+
+    def queue_wait(self, pipe: Any) -> None:
+        """Queue WAIT for ``wait_replicas`` behind the writes queued in ``pipe``."""
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+
+    def check_wait(self, acknowledged: Any, what: str) -> None:
+        """Raise :class:`BrokerUnavailable` when fewer replicas than ``wait_replicas``
+        acknowledged ``what`` (the reply of :meth:`queue_wait`'s WAIT)."""
+        if int(acknowledged) < self.wait_replicas:
+            raise BrokerUnavailable(
+                f"{what} reached {acknowledged} replica(s) of the broker within "
+                f"WM_REDIS_WAIT_TIMEOUT_MS={self.wait_timeout_ms}, not "
+                f"WM_BROKER_WAIT_REPLICAS={self.wait_replicas}: it is on the broker's primary "
+                "but would not survive its loss (publishing again is safe: deliveries are "
+                "idempotent by event id); start the missing replicas or lower the setting"
+            )
 
     def create_publish_batch(self, max_size: int) -> ReadyBatch:
         return ReadyBatch(self, max_size)
@@ -689,14 +729,32 @@ class ReadyBatch(kombu_redis.PublishBatch):
 
     def flush(self) -> None:
         """Add the held messages to the pipeline and execute it (a pipeline sends EVAL, not
-        EVALSHA, which a restarted Redis would refuse)."""
+        EVALSHA, which a restarted Redis would refuse); with the channel's ``wait_replicas``,
+        WAIT last, and the batch fails unless enough replicas acknowledged it."""
         self._check_usable()
         for (key, ready, queue), messages in self._puts.items():
             for start in range(0, len(messages), PUT_MESSAGES):
                 held = messages[start : start + PUT_MESSAGES]
                 self.pipeline.eval(_PUT, 2, key, ready, queue, *held)
         self._puts.clear()
-        super().flush()
+        channel = self.channel
+        if not (channel.wait_replicas and self._buffered):
+            super().flush()
+            return
+        channel.queue_wait(self.pipeline)
+        try:  # kombu's flush, which drops the replies
+            *_, acknowledged = self.pipeline.execute()
+        except BaseException as exc:
+            self._failed = exc
+            self._buffered = 0
+            self.pipeline.reset()
+            if isinstance(exc, Exception):
+                raise BatchPublishError(
+                    "Redis publish batch failed; delivery is uncertain"
+                ) from exc
+            raise
+        self._buffered = 0
+        channel.check_wait(acknowledged, "a batch of published messages")
 
     def discard(self) -> None:
         self._puts.clear()
