@@ -33,7 +33,7 @@ from wm.dataplane.queues import (
     is_worker_queue,
     subscription_queue,
 )
-from wm.dataplane.transport import PUT_MESSAGES
+from wm.dataplane.readyscripts import PUT_MESSAGES
 from wm.events import encode
 
 

@@ -31,7 +31,7 @@ from kombu.exceptions import OperationalError
 from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS, redis_broker
 from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, subscription_queue
-from wm.dataplane.transport import ReadyBatch
+from wm.dataplane.readybatch import ReadyBatch
 
 #: Seconds a batch waits for RabbitMQ's confirms before it counts as failed.
 CONFIRM_TIMEOUT_S = 30.0

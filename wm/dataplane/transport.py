@@ -40,30 +40,43 @@ worker's, and put the message back) stays unlisted until a node starts consuming
 :meth:`Channel.repair_ready` lists it, which the maintaining node runs every reconcile
 period; that also finds messages pushed by a client without this transport. A name listed
 twice costs one take that finds nothing. Other queues (``wm.default``, plain subscriptions)
-are consumed as kombu does.
+are consumed as kombu does. The ready list's scripts are in ``wm.dataplane.readyscripts``,
+a batched publish in ``wm.dataplane.readybatch``.
+
+With ``wait_replicas`` (WM_BROKER_WAIT_REPLICAS) every publish, single or batched, is
+followed by WAIT on the connection that pushed it and fails unless enough replicas have it.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from base64 import b64encode
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from time import monotonic
 from typing import Any
 
 import redis
-from kombu.exceptions import BatchPublishError
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import Empty
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from wm.dataplane import fairshare
-from wm.dataplane.liveness import HOLD, QoS, hold_args
-from wm.dataplane.placement import INBOX, MEMBERS, PLACE, my_inbox, place_args
+from wm.dataplane.liveness import QoS, hold_args
+from wm.dataplane.placement import INBOX, MEMBERS, my_inbox, place_args
 from wm.dataplane.queues import EXCHANGE, is_worker_queue
+from wm.dataplane.readybatch import ReadyBatch
+from wm.dataplane.readyscripts import (
+    ARM,
+    MERGE,
+    MERGE_BATCH,
+    MERGE_QUEUES_PER_CALL,
+    PUT,
+    REPAIR,
+    REPAIR_QUEUES_PER_CALL,
+    TAKE,
+    TAKE_NEXT,
+)
 from wm.errors import BrokerUnavailable
 from wm.state.connection import refuse_cluster_broker
 
@@ -74,165 +87,6 @@ _MESSAGE_KEYS = frozenset({"body", "headers", "properties"})
 _DELIVERY_INFO_KEYS = frozenset({"exchange", "routing_key"})
 #: Priorities a kombu message may carry: kombu clamps them to 0..9 (``max_priority``).
 PRIORITIES = range(10)
-#: Messages one merge script moves at most, so a long list never blocks Redis for long.
-MERGE_BATCH = 10_000
-#: Queues whose lists one merge script looks at (each with up to nine unread levels).
-MERGE_QUEUES_PER_CALL = 100
-# KEYS: (list of an unread level, list it goes to) pairs, lower levels first. ARGV: most
-# messages to move. RPOPLPUSH takes the oldest message (kombu pops from the right) and puts
-# it behind everything waiting in the target: FIFO within a level, lower levels first.
-_MERGE = """
-local moved, limit = 0, tonumber(ARGV[1])
-for i = 1, #KEYS, 2 do
-  while moved < limit and redis.call('RPOPLPUSH', KEYS[i], KEYS[i + 1]) do
-    moved = moved + 1
-  end
-end
-return moved
-"""
-
-# The ready list. KEYS: the list the messages go to, the ready list. ARGV: their queue, then
-# the messages, oldest first: one, or a batch's for that queue (``ReadyBatch``). Lists the
-# queue if they made its list non-empty (LPUSH answers the list's new length).
-_PUT = """
-if redis.call('LPUSH', KEYS[1], unpack(ARGV, 2)) == #ARGV - 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[1])
-end
-"""
-#: Messages one ``_PUT`` pushes at most (Lua's ``unpack`` is bounded by its C stack).
-PUT_MESSAGES = 1000
-# The message of a popped name. KEYS: the ready list, the lists of the queue's levels read,
-# highest priority first. ARGV: the queue, 1 if the name came from this node's inbox, the six
-# H of liveness.HOLD, then the P of placement.PLACE. Returns {oldest message, names still
-# listed, its delivery tag if recorded as held}, or nil when the queue is empty or placed on
-# another node (its name is then in that node's inbox).
-_TAKE = (
-    HOLD
-    + PLACE
-    + """
-local H, P, lists = {unpack(ARGV, 3, 8)}, {unpack(ARGV, 9)}, {unpack(KEYS, 2)}
-if ARGV[2] ~= '1' and not placed(ARGV[1], lists, P) then return false end
-for i = 2, #KEYS do
-  local message = redis.call('RPOP', KEYS[i])
-  if message then
-    relist(ARGV[1], depth(lists), P)
-    local listed = redis.call('LLEN', KEYS[1])
-    if P[1] ~= '' then listed = listed + redis.call('LLEN', P[1] .. P[2]) end
-    return {message, listed, hold(message, H)}
-  end
-end
-return false
-"""
-)
-# Without blocking: the next message of the ready list's queues (this node's inbox first,
-# placement.PLACE), or of the other queues consumed. KEYS: the ready list, then the other
-# queues' lists. ARGV: 1 to try the other queues first (then ``:<tenant>`` to take a listed
-# queue of another tenant before the next of that one's, ``wm.dataplane.fairshare``), the
-# number L of levels, the L suffixes of a level's list, then the six H of liveness.HOLD and
-# the P of placement.PLACE.
-# Returns {queue, message, the list it came from, its delivery tag if recorded as held} or
-# nil. A name whose queue is empty is dropped; one placed on another node goes to its inbox.
-_TAKE_NEXT = (
-    HOLD
-    + PLACE
-    + """
-local levels = tonumber(ARGV[2])
-local H, P = {unpack(ARGV, levels + 3, levels + 8)}, {unpack(ARGV, levels + 9)}
-local inbox = P[1] ~= '' and (P[1] .. P[2]) or nil
-local function pop()
-  local queue = inbox and redis.call('RPOP', inbox)
-  if queue then return queue, true end
-  return redis.call('RPOP', KEYS[1]), false
-end
-local avoid = string.sub(ARGV[1], 3)
-local function avoided(queue)
-  return avoid ~= '' and (string.match(queue, '^(.-)::.-::') or 'default') == avoid
-end
-local function listed()
-  local queue, mine = pop()
-  local skipped, first = 0, nil
-  while queue do
-    if not mine and skipped < 16 and queue ~= first and avoided(queue) then
-      redis.call('LPUSH', KEYS[1], queue)  -- the tenant's turn was the last: behind the others
-      first, skipped = first or queue, skipped + 1
-    else
-      local lists = {}
-      for l = 3, levels + 2 do lists[#lists + 1] = queue .. ARGV[l] end
-      if mine or placed(queue, lists, P) then
-        for _, key in ipairs(lists) do
-          local message = redis.call('RPOP', key)
-          if message then
-            relist(queue, depth(lists), P)
-            return {queue, message, key}
-          end
-        end
-      end
-    end
-    queue, mine = pop()
-  end
-  return false
-end
-local function others()
-  for i = 2, #KEYS do
-    local message = redis.call('RPOP', KEYS[i])
-    if message then return {KEYS[i], message, KEYS[i]} end
-  end
-  return false
-end
-local taken
-if string.sub(ARGV[1], 1, 1) == '1' then
-  taken = others() or listed()
-else
-  taken = listed() or others()
-end
-if taken then taken[4] = hold(taken[2], H) end
-return taken
-"""
-)
-# KEYS: the ready list, the lists of the queue's levels read. ARGV: the queue. Lists it if it
-# holds messages and is not listed.
-_ARM = """
-if redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
-for i = 2, #KEYS do
-  if redis.call('LLEN', KEYS[i]) > 0 then
-    redis.call('LPUSH', KEYS[1], ARGV[1])
-    return 1
-  end
-end
-return 0
-"""
-# KEYS: the ready list. ARGV: the placement members' and inboxes' suffixes (placement.MEMBERS,
-# placement.INBOX), the number L of levels, the L suffixes of a level's list, then queues.
-# Lists each queue that holds messages and is listed neither in the ready list nor in the
-# inbox of a member of placement (a node may have died holding its name). A name a node
-# holds at this moment is listed twice.
-_REPAIR = """
-local listed = {}
-local function read(list)
-  for _, queue in ipairs(redis.call('LRANGE', list, 0, -1)) do listed[queue] = true end
-end
-read(KEYS[1])
-for _, node in ipairs(redis.call('ZRANGE', KEYS[1] .. ARGV[1], 0, -1)) do
-  read(KEYS[1] .. ARGV[2] .. node)
-end
-local levels, fixed = tonumber(ARGV[3]), 0
-for i = levels + 4, #ARGV do
-  local queue = ARGV[i]
-  if not listed[queue] then
-    for l = 4, levels + 3 do
-      if redis.call('LLEN', queue .. ARGV[l]) > 0 then
-        redis.call('LPUSH', KEYS[1], queue)
-        listed[queue] = true
-        fixed = fixed + 1
-        break
-      end
-    end
-  end
-end
-return fixed
-"""
-#: Queues one repair script looks at.
-REPAIR_QUEUES_PER_CALL = 500
 
 
 class Channel(kombu_redis.Channel):
@@ -381,7 +235,7 @@ class Channel(kombu_redis.Channel):
         queues = [queue for queue in queues if self._ready_for(queue)]
         if not queues:
             return
-        script = self._script(_ARM)
+        script = self._script(ARM)
         with self.conn_or_acquire() as client:
             if len(queues) == 1:  # a pipeline would ask SCRIPT EXISTS first: a round trip more
                 (queue,) = queues
@@ -398,7 +252,7 @@ class Channel(kombu_redis.Channel):
         one read of the ready list and of each inbox."""
         queues = sorted(queue for queue in set(queues) if self._ready_for(queue))
         suffixes = self._levels("")
-        script = self._script(_REPAIR)
+        script = self._script(REPAIR)
         fixed = 0
         with self.conn_or_acquire() as client:
             for start in range(0, len(queues), REPAIR_QUEUES_PER_CALL):
@@ -421,7 +275,7 @@ class Channel(kombu_redis.Channel):
             batch.put(keys, queue, dumps(message))
             return
         with self.conn_or_acquire() as client:
-            self._script(_PUT)(keys=keys, args=[queue, dumps(message)], client=client)
+            self._script(PUT)(keys=keys, args=[queue, dumps(message)], client=client)
 
     def _put_waited(self, queue: str, message: Any) -> None:
         """A publish that returns once ``wait_replicas`` replicas have it: the push and WAIT
@@ -429,7 +283,7 @@ class Channel(kombu_redis.Channel):
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
             if self._ready_for(queue):
-                pipe.eval(_PUT, 2, key, self.ready_key, queue, dumps(message))
+                pipe.eval(PUT, 2, key, self.ready_key, queue, dumps(message))
             else:
                 pipe.lpush(key, dumps(message))
             self.queue_wait(pipe)
@@ -465,7 +319,7 @@ class Channel(kombu_redis.Channel):
             return
         for queue in queues:  # in the restore's transaction, after the push
             keys = [self.ready_key, *self._levels(queue)]
-            pipe.eval(_ARM, len(keys), *keys, queue)
+            pipe.eval(ARM, len(keys), *keys, queue)
 
     def _brpop_start(self, timeout: int | None = None) -> None:
         plain, workers = self._sorted_out()
@@ -478,7 +332,7 @@ class Channel(kombu_redis.Channel):
         if self._backlog:
             self._sent = "EVAL"
             suffixes = self._levels("")
-            command = ["EVAL", _TAKE_NEXT, 1 + len(others), self.ready_key, *others]
+            command = ["EVAL", TAKE_NEXT, 1 + len(others), self.ready_key, *others]
             first = f"{int(self._others_first)}:{fairshare.avoided(self._last_tenant)}"
             command += [first, len(suffixes), *suffixes, *hold_args(self)]
             command += place_args(self)
@@ -528,7 +382,7 @@ class Channel(kombu_redis.Channel):
         keys = [self.ready_key, *self._levels(queue)]
         with self.conn_or_acquire() as client:
             args = [queue, int(mine), *hold_args(self), *place_args(self)]
-            reply = self._script(_TAKE)(keys=keys, args=args, client=client)
+            reply = self._script(TAKE)(keys=keys, args=args, client=client)
         if not reply:
             raise Empty()
         item, listed, tag = (*reply, None)[:3]
@@ -606,7 +460,7 @@ class Channel(kombu_redis.Channel):
         step = MERGE_QUEUES_PER_CALL * (len(PRIORITIES) - 1)
         moved = 0
         with self.conn_or_acquire() as client:
-            script = client.register_script(_MERGE)
+            script = client.register_script(MERGE)
             for start in range(0, len(pairs), step):
                 keys = [key for pair in pairs[start : start + step] for key in pair]
                 count = MERGE_BATCH
@@ -662,103 +516,6 @@ class SentinelTransport(Transport):
 
     default_port = 26379  # type: ignore[assignment]  # kombu types it as None
     Channel = SentinelChannel
-
-
-class ReadyBatch(kombu_redis.PublishBatch):
-    """kombu's publish batch (``Producer.batch``: one pipeline, one round trip), whose
-    messages to a worker queue are pushed by one script per queue and batch (``_PUT``),
-    not one script each: Redis runs, and redis-py encodes and parses, a command per queue
-    instead of one per message (a third of a batched publish's time). Within a queue the
-    messages keep their order."""
-
-    def __init__(self, channel: Channel, max_size: int) -> None:
-        super().__init__(channel, max_size)
-        self._puts: dict[tuple[str, str, str], list[str]] = {}
-        # put_task's delivery tags: unique as kombu's (a uuid4 each) at a uuid4 a batch
-        self._tags = f"{uuid.uuid4()}."
-        self._tagged = 0
-
-    def put(self, keys: list[str], queue: str, message: str) -> None:
-        """Hold ``message`` for the list ``keys[0]`` of ``queue`` (``keys[1]``: the ready
-        list) until the batch is flushed."""
-        self._puts.setdefault((keys[0], keys[1], queue), []).append(message)
-        self._buffered += 1
-
-    def takes(self, queue: str) -> bool:
-        """Whether :meth:`put_task` may hold messages for ``queue`` (a worker queue that
-        goes through the ready list)."""
-        return bool(self.channel._ready_for(queue))
-
-    def put_task(
-        self, queue: str, body: Any, headers: dict[str, Any], properties: dict[str, Any]
-    ) -> None:
-        """Hold a Celery task message (JSON, persistent, priority 0) for ``queue``, a declared
-        queue that :meth:`takes`: the message ``Producer.publish`` would hold, routed to it by
-        the direct exchange, built without kombu's per-message layers (its serializer
-        registry, the exchange's routing table, the delivery-info updates), most of a batched
-        publish's time. Its parts are plain JSON (strings, numbers, lists, dicts, None), which
-        ``json.dumps`` writes as kombu's encoder would."""
-        channel = self.channel
-        message = {
-            "body": b64encode(json.dumps(body).encode("utf-8")).decode("ascii"),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": headers,
-            "properties": {
-                **properties,
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": EXCHANGE.name, "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": f"{self._tags}{self._tagged}",
-            },
-        }
-        self._tagged += 1
-        keys = [channel._q_for_pri(queue, channel._get_message_priority(message, False))]
-        self.put([*keys, channel.ready_key], queue, json.dumps(message))
-        self._flush_if_full()
-
-    def publish(self, message: Any, **kwargs: Any) -> Any:
-        result = super().publish(message, **kwargs)
-        self._flush_if_full()
-        return result
-
-    def _flush_if_full(self) -> None:
-        if self._buffered >= self.max_size:
-            self.flush()
-
-    def flush(self) -> None:
-        """Add the held messages to the pipeline and execute it (a pipeline sends EVAL, not
-        EVALSHA, which a restarted Redis would refuse); with the channel's ``wait_replicas``,
-        WAIT last, and the batch fails unless enough replicas acknowledged it."""
-        self._check_usable()
-        for (key, ready, queue), messages in self._puts.items():
-            for start in range(0, len(messages), PUT_MESSAGES):
-                held = messages[start : start + PUT_MESSAGES]
-                self.pipeline.eval(_PUT, 2, key, ready, queue, *held)
-        self._puts.clear()
-        channel = self.channel
-        if not (channel.wait_replicas and self._buffered):
-            super().flush()
-            return
-        channel.queue_wait(self.pipeline)
-        try:  # kombu's flush, which drops the replies
-            *_, acknowledged = self.pipeline.execute()
-        except BaseException as exc:
-            self._failed = exc
-            self._buffered = 0
-            self.pipeline.reset()
-            if isinstance(exc, Exception):
-                raise BatchPublishError(
-                    "Redis publish batch failed; delivery is uncertain"
-                ) from exc
-            raise
-        self._buffered = 0
-        channel.check_wait(acknowledged, "a batch of published messages")
-
-    def discard(self) -> None:
-        self._puts.clear()
-        super().discard()
 
 
 def is_kombu_message(channel: Any, message: Any) -> bool:
