@@ -119,19 +119,20 @@ def pair(tmp_path: Path) -> Iterator[Group]:
 
 
 def _primary_and_replica(tmp_path: Path, processes: dict[int, subprocess.Popen[bytes]]) -> Group:
-    binary = str(find_redis_server())
     primary, replica = free_port(), free_port()
-    common = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1", "--dir", str(tmp_path)]
-    processes[primary] = _server(
-        binary, ["--port", str(primary), *common], tmp_path / "primary.log"
-    )
-    processes[replica] = _server(
-        binary,
-        ["--port", str(replica), "--replicaof", "127.0.0.1", str(primary), *common],
-        tmp_path / "replica.log",
-    )
+    processes[primary] = _redis(tmp_path, primary)
+    processes[replica] = _redis(tmp_path, replica, primary)
     _until("the replica in sync", lambda: _linked(replica), START_TIMEOUT_S)
     return Group(primary, replica, [], processes)
+
+
+def _redis(tmp_path: Path, port: int, primary: int | None = None) -> subprocess.Popen[bytes]:
+    """A Redis server on ``port``, keeping nothing on disk; a replica of ``primary``."""
+    args = ["--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    args += ["--dir", str(tmp_path)]
+    if primary is not None:
+        args += ["--replicaof", "127.0.0.1", str(primary)]
+    return _server(str(find_redis_server()), args, tmp_path / f"redis-{port}.log")
 
 
 def _stop(processes: dict[int, subprocess.Popen[bytes]]) -> None:
@@ -373,6 +374,56 @@ def test_a_publish_returns_once_the_brokers_replica_has_it_and_fails_without_it(
     node.consuming(f"middle::{second.id}")
     found = _drain_data(settings, sink, lambda seen: {0, 1, 2, 3, 5, 6} <= _numbers(seen))
     assert {0, 1, 2, 3, 5, 6} <= _numbers(found) <= {0, 1, 2, 3, 4, 5, 6}
+
+
+@pytest.mark.timeout(180)
+def test_a_failover_under_waited_publishes_loses_no_confirmed_event(
+    group: Group,
+    tmp_path: Path,
+    redis_ok: None,
+    start_node: Callable[..., Any],
+    record_property: Callable[[str, object], None],
+) -> None:
+    """The broker on the Sentinel group with WM_BROKER_WAIT_REPLICAS=1 (the state store on
+    the suite's Redis): the primary is killed right after a confirmed publish, with no wait
+    for the replica to catch up. The replica is elected; until the old primary rejoins as
+    its replica no publish is confirmed (the publisher retries, the node requeues); then
+    every event gets its output and the node never exited. (That nothing confirmed is lost
+    whatever the timing is the test above's: here replication is usually quicker than the
+    kill.)"""
+    flush_redis(BROKER_DB)
+    settings = make_settings(
+        f"sqlite:///{tmp_path / 'wm.db'}",
+        broker_url=group.url_of(0),
+        broker_wait_replicas=1,
+        reconcile_interval_s=1.0,
+    )
+    store.upgrade(settings)
+    manager = WorkManager(settings)
+    sink = manager.subscribe("done", "sink")
+    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
+    node = start_node(settings)
+    node.consuming(f"in::{worker.id}")
+    for n in range(EVENTS):
+        if n == EVENTS // 2:
+            group.processes[group.primary].kill()  # SIGKILL, right after a confirmed publish
+            killed_at = time.monotonic()
+            _until("the replica elected", lambda: group.elected() == group.replica, 30)
+            group.processes[group.primary].wait()
+            group.processes[group.primary] = _redis(tmp_path, group.primary, group.replica)
+        _publish(manager, n)
+    seen: list[int] = []
+    deadline = time.monotonic() + FAILOVER_TIMEOUT_S + 30
+    while set(seen) != set(range(EVENTS)) and time.monotonic() < deadline:
+        seen += _drain(settings, sink)
+    record_property(
+        FIGURE,
+        f"sentinel failover, publishes waited for: lost {EVENTS - len(set(seen))} of {EVENTS}, "
+        f"duplicated {len(seen) - len(set(seen))}; all delivered "
+        f"{time.monotonic() - killed_at:.1f} s after the kill",
+    )
+    assert sorted(set(seen)) == list(range(EVENTS))
+    assert node.proc.poll() is None
 
 
 def _data_of(raw: bytes) -> Any:
