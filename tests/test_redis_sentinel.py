@@ -389,8 +389,8 @@ def test_a_failover_under_waited_publishes_loses_no_confirmed_event(
     for the replica to catch up. The replica is elected; until the old primary rejoins as
     its replica no publish is confirmed (the publisher retries, the node requeues); then
     every event gets its output and the node never exited. (That nothing confirmed is lost
-    whatever the timing is the test above's: here replication is usually quicker than the
-    kill.)"""
+    whatever the timing is shown by the test of a publish refused while the replica is cut
+    off, below: here replication is usually quicker than the kill.)"""
     flush_redis(BROKER_DB)
     settings = make_settings(
         f"sqlite:///{tmp_path / 'wm.db'}",
