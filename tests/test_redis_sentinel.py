@@ -255,6 +255,25 @@ def test_a_node_follows_the_new_primary_and_delivers_every_event(
     )
     if broker == "sentinel":
         settings = settings.replace(broker_url=group.url_of(0))
+    figure = _deliver_through_a_failover(
+        group, settings, start_node, before_kill=lambda: _replica_caught_up(group)
+    )
+    record_property(FIGURE, f"sentinel failover, broker {broker}: {figure}")
+    assert group.elected() == group.replica
+    store.dispose_engines()
+
+
+def _deliver_through_a_failover(
+    group: Group,
+    settings: Settings,
+    start_node: Callable[..., Any],
+    *,
+    before_kill: Callable[[], object] = lambda: None,
+    after_kill: Callable[[], object] = lambda: None,
+) -> str:
+    """A node delivers EVENTS events, one output each; the primary is killed (SIGKILL) when
+    half of them are published, between ``before_kill`` and ``after_kill``. Asserts every
+    event got its output (at least once) and the node never exited; returns the figure."""
     store.upgrade(settings)
     manager = WorkManager(settings)
     sink = manager.subscribe("done", "sink")
@@ -263,25 +282,22 @@ def test_a_node_follows_the_new_primary_and_delivers_every_event(
     node.consuming(f"in::{worker.id}")
     for n in range(EVENTS):
         if n == EVENTS // 2:
-            _replica_caught_up(group)
-            group.processes[group.primary].kill()  # SIGKILL
+            before_kill()
+            group.processes[group.primary].kill()
             killed_at = time.monotonic()
+            after_kill()
         _publish(manager, n)
     seen: list[int] = []
     deadline = time.monotonic() + FAILOVER_TIMEOUT_S + 30
     while set(seen) != set(range(EVENTS)) and time.monotonic() < deadline:
         seen += _drain(settings, sink)
-    duplicated = len(seen) - len(set(seen))
-    record_property(
-        FIGURE,
-        f"sentinel failover, broker {broker}: lost {EVENTS - len(set(seen))} of {EVENTS}, "
-        f"duplicated {duplicated}; all delivered {time.monotonic() - killed_at:.1f} s "
-        "after the kill",
+    figure = (
+        f"lost {EVENTS - len(set(seen))} of {EVENTS}, duplicated {len(seen) - len(set(seen))}; "
+        f"all delivered {time.monotonic() - killed_at:.1f} s after the kill"
     )
-    assert sorted(set(seen)) == list(range(EVENTS))
+    assert sorted(set(seen)) == list(range(EVENTS)), figure
     assert node.proc.poll() is None  # the node did not exit
-    assert group.elected() == group.replica
-    store.dispose_engines()
+    return figure
 
 
 def _drain(settings: Settings, queue: str) -> list[int]:
@@ -398,32 +414,16 @@ def test_a_failover_under_waited_publishes_loses_no_confirmed_event(
         broker_wait_replicas=1,
         reconcile_interval_s=1.0,
     )
-    store.upgrade(settings)
-    manager = WorkManager(settings)
-    sink = manager.subscribe("done", "sink")
-    worker = manager.create_worker(code=stub(output_type="done"), mime_type=STUB, topic="in")
-    node = start_node(settings)
-    node.consuming(f"in::{worker.id}")
-    for n in range(EVENTS):
-        if n == EVENTS // 2:
-            group.processes[group.primary].kill()  # SIGKILL, right after a confirmed publish
-            killed_at = time.monotonic()
-            _until("the replica elected", lambda: group.elected() == group.replica, 30)
-            group.processes[group.primary].wait()
-            group.processes[group.primary] = _redis(tmp_path, group.primary, group.replica)
-        _publish(manager, n)
-    seen: list[int] = []
-    deadline = time.monotonic() + FAILOVER_TIMEOUT_S + 30
-    while set(seen) != set(range(EVENTS)) and time.monotonic() < deadline:
-        seen += _drain(settings, sink)
-    record_property(
-        FIGURE,
-        f"sentinel failover, publishes waited for: lost {EVENTS - len(set(seen))} of {EVENTS}, "
-        f"duplicated {len(seen) - len(set(seen))}; all delivered "
-        f"{time.monotonic() - killed_at:.1f} s after the kill",
+
+    def old_primary_rejoins() -> None:  # right after a confirmed publish's kill
+        _until("the replica elected", lambda: group.elected() == group.replica, 30)
+        group.processes[group.primary].wait()
+        group.processes[group.primary] = _redis(tmp_path, group.primary, group.replica)
+
+    figure = _deliver_through_a_failover(
+        group, settings, start_node, after_kill=old_primary_rejoins
     )
-    assert sorted(set(seen)) == list(range(EVENTS))
-    assert node.proc.poll() is None
+    record_property(FIGURE, f"sentinel failover, publishes waited for: {figure}")
 
 
 def _data_of(raw: bytes) -> Any:
