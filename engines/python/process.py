@@ -111,10 +111,9 @@ class SandboxProcess:
         spin_s: float = 0.0,
     ) -> None:
         """``files`` (name -> text) are written into the child's directory before it starts;
-        ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``;
-        ``limits`` bound the child and what it starts (its cgroups); ``spin_s``: how long
-        each side polls for the other's next frame before it sleeps on it (the child is
-        told with the INIT)."""
+        ``wrapper`` puts a per-child command (bwrap, which binds them) before ``argv``; ``limits``
+        bound the child and what it starts (its cgroups); ``spin_s``: how long each side polls
+        for the other's next frame before it sleeps (the child is told with the INIT)."""
         self.worker_id = worker_id
         self.broken = False
         #: Entry point the child reported (``process`` or a WorkerBase subclass name).
