@@ -300,14 +300,16 @@ def _trickle(manager: WorkManager, receiver: _Receiver, first: int, count: int) 
     return [receiver.arrived[n] - sent[n] for n in got]
 
 
-#: Events tenant ``a`` floods (WM_TEST_FLOOD to measure with fewer or more).
+#: Events tenant ``a`` floods first (WM_TEST_FLOOD to measure with fewer or more); doubled
+#: for the next trial when the node drained them before ``b``'s trickle ended (a fast host).
 FLOOD = int(os.environ.get("WM_TEST_FLOOD", "10000"))
 #: Events of tenant ``b``'s trickle, idle and flooded: enough that the p99 is no maximum
 #: (two of them may be slower), which one scheduling hiccup of a shared machine would set.
 TRICKLE = 200
-#: Floods tried at most: one whose p99 a stall of the shared machine spoilt is tried again
-#: (without the fair share every trial misses the bound: 34-45 ms against 13-15 ms idle).
-FLOOD_TRIALS = 3
+#: Floods tried at most: one whose p99 a stall of the shared machine spoilt is tried again,
+#: and so is one the node drained too soon (without the fair share every trial misses the
+#: bound: 34-45 ms against 13-15 ms idle).
+FLOOD_TRIALS = 4
 
 
 def _p99(latencies: list[float]) -> float:
@@ -325,9 +327,10 @@ def _median(latencies: list[float]) -> float:
 def test_a_noisy_neighbour_does_not_delay_another_tenant_beyond_its_share(
     pg_settings: Settings, start_node: Any
 ) -> None:
-    """Tenant ``a`` floods 10,000 events over four workers; tenant ``b`` publishes a trickle
-    to one. ``b``'s p99 publish-to-output latency stays within 2x its value measured idle,
-    in the same test, on the same node; ``a``'s flood is all delivered."""
+    """Tenant ``a`` floods 10,000 events (or more, on a host fast enough to drain them before
+    the trickle ends) over four workers; tenant ``b`` publishes a trickle to one. ``b``'s p99
+    publish-to-output latency stays within 2x its value measured idle, in the same test, on
+    the same node; ``a``'s flood is all delivered."""
     manager = WorkManager(pg_settings)
     for name in ("a", "b"):
         manager.create_tenant(name)
@@ -343,18 +346,21 @@ def test_a_noisy_neighbour_does_not_delay_another_tenant_beyond_its_share(
     receiver.start()
     _trickle(b, receiver, 0, 10)  # warm: engines loaded, facts cached
 
-    reports = []
+    reports, flood, outlasted = [], FLOOD, False
     for trial in range(1, FLOOD_TRIALS + 1):  # a CPU stall of a shared machine is no unfairness
         # b idle right before each flood: a drift of the shared machine weighs on both alike
-        eventually(lambda: _backlog(a) == 0, timeout_s=180)
+        eventually(lambda: _backlog(a) == 0, timeout_s=300)
         idle = _trickle(b, receiver, 1000 * trial + 500, TRICKLE)
-        busy, report = _flooded(a, b, receiver, idle, first=1000 * trial)
+        busy, report, outlasted = _flooded(a, b, receiver, idle, flood, first=1000 * trial)
         reports.append(report)
-        if _p99(busy) <= 2 * _p99(idle):
+        if not outlasted:  # a node fast enough to drain it amid the trickle: b was not flooded
+            flood *= 2
+        elif _p99(busy) <= 2 * _p99(idle):
             break
-    eventually(lambda: _backlog(a) == 0, timeout_s=180)  # and a's flood is all delivered
+    eventually(lambda: _backlog(a) == 0, timeout_s=300)  # and a's flood is all delivered
     receiver.stop.set()
     print("\n".join(reports))
+    assert outlasted, f"no flood outlasted b's trickle: {reports}"
     assert _p99(busy) <= 2 * _p99(idle), reports
 
 
@@ -363,31 +369,31 @@ def _backlog(a: WorkManager) -> int:
 
 
 def _flooded(
-    a: WorkManager, b: WorkManager, receiver: Any, idle: list[float], first: int
-) -> tuple[list[float], str]:
-    """``a`` floods FLOOD events, then ``b`` trickles: ``b``'s latencies, and a report."""
+    a: WorkManager, b: WorkManager, receiver: Any, idle: list[float], flood: int, first: int
+) -> tuple[list[float], str, bool]:
+    """``a`` floods ``flood`` events, then ``b`` trickles: ``b``'s latencies, a report, and
+    whether the flood outlasted the trickle (a backlog left when it ended)."""
     began = time.monotonic()
-    for start in range(0, FLOOD, 500):  # published before b's trickle: the test's own
+    for start in range(0, flood, 500):  # published before b's trickle: the test's own
         # publishing and b's share one interpreter, whose lock would add to b's latency
         a.publish_many(
             [make_event(f"f{(start + k) % 4}", "/a", {"n": start + k}) for k in range(500)]
         )
     published_s = time.monotonic() - began
-    gc.collect()  # the flood's 10,000 events are garbage: not collected amid b's trickle
+    gc.collect()  # the flood's events are garbage: not collected amid b's trickle
     time.sleep(0.5)
     busy = _trickle(b, receiver, first, TRICKLE)
     backlog = _backlog(a)
     report = (
         f"idle p99 {_p99(idle) * 1000:.1f} ms (median {_median(idle) * 1000:.1f}), "
         f"flooded p99 {_p99(busy) * 1000:.1f} ms (median {_median(busy) * 1000:.1f}), "
-        f"a's {FLOOD} published in {published_s:.1f} s, "
+        f"a's {flood} published in {published_s:.1f} s, "
         f"its backlog {backlog} after {time.monotonic() - began:.1f} s, "
         f"b's outputs {len(busy)}/{TRICKLE} flooded, its slowest "
         f"{[round(x * 1000) for x in sorted(busy)[-4:]]} ms"
     )
     assert len(idle) == TRICKLE and len(busy) == TRICKLE, report
-    assert backlog > 0, f"the flood was over before b's trickle ended: {report}"
-    return busy, report
+    return busy, report, backlog > 0
 
 
 class _Request:
