@@ -414,6 +414,39 @@ os.waitpid(pid, 0)
 """
 
 
+FORKED_CLIENTS = """
+import json, os, sys
+from wm.config import Settings
+from wm.state.connection import pooled_client, redis_for
+
+settings = Settings(redis_url=sys.argv[1])
+state, plain = redis_for(settings), pooled_client(settings.redis_url)
+state.ping(), plain.ping()
+pid = os.fork()
+if pid == 0:
+    mine = [redis_for(settings), pooled_client(settings.redis_url)]
+    print(json.dumps([mine[0] is state, mine[1] is plain, [c.ping() for c in mine]]), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print(json.dumps([redis_for(settings) is state, pooled_client(settings.redis_url) is plain]))
+"""
+
+
+def test_a_forked_process_makes_redis_clients_of_its_own(settings: Settings) -> None:
+    """A pool process never shares its parent's connections: the clients a process caches
+    are dropped in a forked child (and kept in the parent)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_CLIENTS, settings.redis_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    child, parent = map(json.loads, done.stdout.splitlines())
+    assert child == [False, False, [True, True]]
+    assert parent == [True, True]
+
+
 def test_a_pool_process_freezes_what_it_inherited_out_of_the_collector_s_reach() -> None:
     """After its init, a pool process's full collections no longer walk (nor write to) the
     objects the fork shared."""

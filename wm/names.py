@@ -32,7 +32,8 @@ def check_name(kind: str, value: object) -> str:
     otherwise :class:`InvalidArgument` naming the rule it breaks."""
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgument(f"{kind} must be a non-empty string, not {value!r}")
-    refused = next((c for c in value if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    # printable text (the usual name) holds none of the refused categories: no scan
+    refused = None if value.isprintable() else _refused(value)
     if refused is not None:
         what = "a lone surrogate" if unicodedata.category(refused) == "Cs" else "control character"
         raise InvalidArgument(
@@ -49,6 +50,11 @@ def check_name(kind: str, value: object) -> str:
             f"{kind} {value!r} contains {SEPARATOR!r}, which separates the parts of a queue name"
         )
     return value
+
+
+def _refused(value: str) -> str | None:
+    """The first character of ``value`` no name may hold, if any."""
+    return next((c for c in value if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
 
 
 #: The tenant of every row, queue and key that names none: a single-tenant deployment never

@@ -34,6 +34,7 @@ from wm.events import (
     TENANT_EXTENSION,
     CloudEvent,
     derive_id,
+    encode,
     key_of,
     lifecycle_event,
     tenant_fields,
@@ -217,11 +218,12 @@ class Delivery:
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
-        body = self.rt.outcomes.encoded(outputs)
+        texts = [encode(e) for e in outputs]  # once, for the record and the folded pushes
+        body = self.rt.outcomes.encoded(outputs, texts)
         # No lease to check before each push: the pushes may fold into the record's round trip
         folding = None
         if outputs and self.lease is None:
-            folding = self.rt.outputs.folded(outputs, self.outcome_key, body)
+            folding = self.rt.outputs.folded(outputs, texts, self.outcome_key, body)
         lookups = folding or self.rt.outputs.lookups(outputs)
         # The lease to release with the record: a fenced record with nothing to publish after
         releasing = self.lease if fence is not None and not outputs else None

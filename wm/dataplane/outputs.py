@@ -129,22 +129,22 @@ class OutputPublisher:
         return state_db, broker_db
 
     def folded(
-        self, outputs: list[CloudEvent], outcome: str, body: str
+        self, outputs: list[CloudEvent], texts: list[str], outcome: str, body: str
     ) -> Callable[[StatePipeline], None] | None:
-        """Queues, for each output, its push in the round trip of its record (``outcome``,
-        recorded as ``body``) where the pushes fold (else None: see :meth:`lookups`);
-        :meth:`looked_up` reads their replies."""
+        """Queues, for each output (``texts``: each one's :func:`~wm.events.encode`), its
+        push in the round trip of its record (``outcome``, recorded as ``body``) where the
+        pushes fold (else None: see :meth:`lookups`); :meth:`looked_up` reads their replies."""
         dbs = self._databases
         if dbs is None:
             return None
         digest = hashlib.sha1(body.encode()).hexdigest()
 
         def queue(pipe: StatePipeline) -> None:
-            for output in outputs:
+            for output, text in zip(outputs, texts, strict=True):
                 topic = output_topic(output)
                 keys = [topic_key(topic, kind) for kind in (READY, ROUTES, DROPPED)]
                 keys += [outcome, f"{_MARKER}{topic}:{key_of(output)}"]
-                message = self._message_template(encode(output))
+                message = self._message_template(text)
                 args = (*dbs, digest, self.ttl_s, message, uuid.uuid4().hex)
                 queue_eval(pipe, _PUSH_FOLDED, keys, *args)
 

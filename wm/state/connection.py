@@ -35,9 +35,21 @@ _CONNECT_TIMEOUT_S = 5
 #: Seconds between checks that an idle pooled connection is still alive.
 _HEALTH_CHECK_INTERVAL_S = 30
 
-_clients: dict[tuple[int, str, float | None], redis.Redis] = {}
-_state_clients: dict[tuple[int, str], StateRedis] = {}
+#: This process's clients (pools do not survive fork: a child starts without them).
+_clients: dict[tuple[str, float | None], redis.Redis] = {}
+_state_clients: dict[str, StateRedis] = {}
 _lock = threading.Lock()
+
+
+def _forget_clients() -> None:
+    """In a forked child: none of the parent's clients, and a lock no thread holds."""
+    global _lock
+    _clients.clear()
+    _state_clients.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_clients)
 
 
 def redis_for(settings: Settings) -> StateRedis:
@@ -48,13 +60,15 @@ def redis_for(settings: Settings) -> StateRedis:
     The first call in a process asks the server whether it is a cluster node (one
     ``INFO cluster``); an unreachable server raises :class:`BrokerUnavailable` and the next
     call asks again."""
-    key = (os.getpid(), settings.redis_url)
+    client = _state_clients.get(settings.redis_url)  # every delivery asks a dozen times
+    if client is not None:
+        return client
     with _lock:
-        client = _state_clients.get(key)
+        client = _state_clients.get(settings.redis_url)
         if client is None:
             with redis_errors(settings):
                 client = _connect_state(settings.redis_url)
-            _state_clients[key] = client
+            _state_clients[settings.redis_url] = client
         return client
 
 
@@ -63,7 +77,10 @@ def pooled_client(url: str, socket_timeout_s: float | None = None) -> redis.Redi
     and timeout. A dead connection is dropped and the next command reconnects; with
     ``socket_timeout_s`` a silent server fails a command after that long instead of hanging
     it."""
-    key = (os.getpid(), url, socket_timeout_s)
+    key = (url, socket_timeout_s)
+    client = _clients.get(key)
+    if client is not None:
+        return client
     with _lock:
         client = _clients.get(key)
         if client is None:

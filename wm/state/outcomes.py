@@ -78,10 +78,12 @@ class Outcomes:
     def parse(raw: bytes | str | None) -> list[CloudEvent] | None:
         return None if raw is None else [decode(item) for item in json.loads(raw)]
 
-    def encoded(self, outputs: list[CloudEvent]) -> str:
+    def encoded(self, outputs: list[CloudEvent], texts: list[str] | None = None) -> str:
         """The outcome as recorded; :class:`~wm.errors.OutputTooLarge` over
-        ``WM_MAX_OUTPUT_BYTES``, the one cap of every engine (nothing is written then)."""
-        body = json.dumps([encode(e) for e in outputs])  # ASCII: one byte per character
+        ``WM_MAX_OUTPUT_BYTES``, the one cap of every engine (nothing is written then).
+        ``texts``: the outputs' :func:`~wm.events.encode`, when the caller needs them too."""
+        texts = [encode(e) for e in outputs] if texts is None else texts
+        body = json.dumps(texts)  # ASCII: one byte per character
         limit = self.settings.max_output_bytes
         if len(body) > limit:
             raise OutputTooLarge(
