@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import redis
 from kombu import Queue
+from kombu.utils.json import dumps as kombu_dumps
 
 from tests.helpers import STUB, drain, eventually, publish_numbered, queue_empty, stub
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.app import make_app
 from wm.dataplane.bus import Route
-from wm.dataplane.outputs import OutputPublisher
+from wm.dataplane.outputs import _QUEUE, _TAG, OutputPublisher, _prepared
 from wm.dataplane.recovery import LEADER_KEY
 from wm.events import (
     LIFECYCLE_TOPIC,
@@ -365,6 +366,17 @@ def test_an_output_is_pushed_in_the_round_trip_of_its_record(
     keys = [event_key("/tests", i) for i in ids]
     assert sorted(e["id"] for e in outputs) == sorted(derive_id(k, str(worker.id), 0) for k in keys)
     assert queue_empty(fast, sink)
+
+
+def test_a_folded_push_s_message_is_the_one_kombu_makes(settings: Settings) -> None:
+    """The message the folded push writes is made once and each body put in: for any body
+    (non-ASCII, quotes, escapes, long) it is, character for character, kombu's own."""
+    publisher = OutputPublisher(WorkManager(settings).bus)
+    channel = publisher._message_channel()
+    for payload in ['{"n": 1}', '{"t": "é \\"q\\" \u2028 \\u0000"}', "x" * 5000, ""]:
+        message = _prepared(channel, payload, _QUEUE)
+        message["properties"]["delivery_tag"] = _TAG
+        assert publisher._message_template(payload) == kombu_dumps(message), payload
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import uuid
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +53,8 @@ return 1
 """
 #: Where :data:`_PUSH_FOLDED` writes each queue's name and delivery tag into the message.
 _QUEUE, _TAG = "@wm-queue@", "@wm-tag@"
+#: Where :meth:`OutputPublisher._message_template` puts the body into the message it made.
+_BODY = "@wm-body@"
 # Run in the state store's database, queued behind an outcome's record. KEYS: the topic's
 # ready flag, routes and drop counter, the outcome, the marker (in the broker's database).
 # ARGV: the state's database, the broker's, the outcome's SHA-1, the marker's ttl s, the
@@ -99,6 +101,8 @@ class OutputPublisher:
         self._connection: Any = None
         self._channel: Any = None
         self._push_script: Any = None
+        #: The text of kombu's message before and after its body (:meth:`_message_template`).
+        self._around_body: list[str] | None = None
 
     def lookups(self, outputs: list[CloudEvent]) -> Callable[[StatePipeline], None]:
         """Queues the routes lookups of ``outputs`` in a pipeline (drops counted), so
@@ -145,7 +149,8 @@ class OutputPublisher:
                 keys = [topic_key(topic, kind) for kind in (READY, ROUTES, DROPPED)]
                 keys += [outcome, f"{_MARKER}{topic}:{key_of(output)}"]
                 message = self._message_template(text)
-                args = (*dbs, digest, self.ttl_s, message, uuid.uuid4().hex)
+                tags = os.urandom(16).hex()  # a uuid4's randomness, without its object
+                args = (*dbs, digest, self.ttl_s, message, tags)
                 queue_eval(pipe, _PUSH_FOLDED, keys, *args)
 
         return queue
@@ -207,10 +212,16 @@ class OutputPublisher:
 
     def _message_template(self, payload: str) -> str:
         """The kombu message :data:`_PUSH_FOLDED` pushes, its queue and delivery tag left as
-        placeholders."""
-        message = _prepared(self._message_channel(), payload, _QUEUE)
-        message["properties"]["delivery_tag"] = _TAG
-        return str(dumps(message))
+        placeholders. Only the body differs from one output to the next: kombu makes the
+        message once, and each output's body, encoded as kombu encodes it, goes in."""
+        channel = self._message_channel()
+        if self._around_body is None:
+            message = _prepared(channel, "", _QUEUE)
+            message["body"], message["properties"]["delivery_tag"] = _BODY, _TAG
+            self._around_body = str(dumps(message)).split(json.dumps(_BODY))
+        head, tail = self._around_body
+        body, _ = channel.encode_body(payload, channel.body_encoding)
+        return f"{head}{json.dumps(body)}{tail}"
 
     def _send_marked(self, payload: str, routes: list[Route], marker: str) -> None:
         with redis_errors(self.bus.settings):
