@@ -60,7 +60,7 @@ def redis_for(settings: Settings) -> StateRedis:
     The first call in a process asks the server whether it is a cluster node (one
     ``INFO cluster``); an unreachable server raises :class:`BrokerUnavailable` and the next
     call asks again."""
-    client = _state_clients.get(settings.redis_url)  # asked many times a delivery: no lock
+    client = _state_clients.get(settings.redis_url)  # asked on every delivery: no lock
     if client is not None:
         return client
     with _lock:
