@@ -360,7 +360,7 @@ def test_a_noisy_neighbour_does_not_delay_another_tenant_beyond_its_share(
     eventually(lambda: _backlog(a) == 0, timeout_s=300)  # and a's flood is all delivered
     receiver.stop.set()
     print("\n".join(reports))
-    assert outlasted, f"no flood outlasted b's trickle: {reports}"
+    assert outlasted, f"the last flood did not outlast b's trickle: {reports}"
     assert _p99(busy) <= 2 * _p99(idle), reports
 
 
