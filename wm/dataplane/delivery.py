@@ -218,7 +218,7 @@ class Delivery:
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
-        texts = [encode(e) for e in outputs]  # once, for the record and the folded pushes
+        texts = [encode(e) for e in outputs]  # once, for the record and the publishes
         body = self.rt.outcomes.encoded(outputs, texts)
         # No lease to check before each push: the pushes may fold into the record's round trip
         folding = None
@@ -243,7 +243,7 @@ class Delivery:
             self.released = self.rt.locks.released(releasing, found[-1])
         if recorded is outputs:  # the routes looked up with the record are these outputs'
             routes = self.rt.outputs.looked_up(found[: len(outputs)], folding is not None)
-            self.publish(outputs, routes, settled=True)
+            self.publish(outputs, routes, settled=True, texts=texts)
         else:
             self.publish(recorded, settled=True)
         self.published(recorded, produced)
@@ -372,16 +372,18 @@ class Delivery:
         routes: list[list[Route] | None] | None = None,
         *,
         settled: bool = False,
+        texts: list[str] | None = None,
     ) -> None:
         """Publish each output to the topic of its type (plain subscriptions get it once,
         see ``wm.dataplane.outputs``), then settle the delivery in the pending ledger unless
         the outcome's record ``settled`` it already. ``routes``: each output's, when looked
-        up already (None: look it up)."""
+        up already (None: look it up); ``texts``: each one's encoding, when written already."""
         for index, output in enumerate(outputs):
             with tracing.step("output publish"):
                 if self.lease is not None:
                     self.rt.locks.mark_write(self.lease)
-                self.rt.outputs.publish(output, routes[index] if routes else None)
+                found = routes[index] if routes else None
+                self.rt.outputs.publish(output, found, texts[index] if texts else None)
         if not settled:
             self.rt.ledger.settle(self.owner, self.key, self.payload, ran_again=self.redelivered)
 

@@ -164,15 +164,18 @@ class OutputPublisher:
             return found
         return [None if r is None else [x for x in r if x.worker_id is not None] for r in found]
 
-    def publish(self, output: CloudEvent, routes: list[Route] | None = None) -> None:
+    def publish(
+        self, output: CloudEvent, routes: list[Route] | None = None, payload: str | None = None
+    ) -> None:
         """Send ``output`` to the topic of its type: to workers (maybe again), to plain
-        subscriptions once. ``routes``: the topic's, looked up (and a drop counted) already."""
+        subscriptions once. ``routes``: the topic's, looked up (and a drop counted) already;
+        ``payload``: the output's :func:`~wm.events.encode`, when the caller has it."""
         topic = output_topic(output)
         if routes is None:
             routes = self.bus.routes(topic, count_drop=True)
         if not routes:
             return
-        payload, key = encode(output), key_of(output)
+        payload, key = encode(output) if payload is None else payload, key_of(output)
         workers = [r for r in routes if r.worker_id is not None]
         plain = [r for r in routes if r.worker_id is None]
         # Plain subscriptions first: a worker fed by this output may answer before the
