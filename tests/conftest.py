@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -321,6 +322,14 @@ def manager(settings: Settings) -> WorkManager:
     return WorkManager(settings)
 
 
+def node_hostname(name: str) -> str:
+    """A test node's Celery name, ``name@<host>.<token>``: tests one after another on one
+    RabbitMQ vhost start nodes of the same names, and a node's mailbox queue is exclusive to
+    its connection, which a loaded broker may not have dropped yet for the node of the same
+    name the test before stopped."""
+    return f"{name}@{socket.gethostname()}.{uuid.uuid4().hex[:6]}"
+
+
 class Node:
     """A real ``celery worker`` process."""
 
@@ -332,10 +341,13 @@ class Node:
         concurrency: int = 2,
         pool: str = "prefork",
         ready: bool = True,
+        hostname: str = "",
         **env: str,
     ) -> None:
-        """``ready=False``: return once the process runs, without waiting for its start."""
+        """``ready=False``: return once the process runs, without waiting for its start.
+        ``hostname``: the node's Celery name (default: :func:`node_hostname` of ``name``)."""
         self.settings, self.name, self.log = settings, name, log
+        self.hostname = hostname or node_hostname(name)
         cmd = [
             sys.executable,
             "-m",
@@ -344,7 +356,7 @@ class Node:
             "wm.celeryapp",
             "worker",
             "-n",
-            f"{name}@%h",
+            self.hostname,
             "-c",
             str(concurrency),
             "-P",

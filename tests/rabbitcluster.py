@@ -5,6 +5,7 @@ no plugins. Debian's ``rabbitmq-server`` package provides the programs."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -96,7 +97,7 @@ def start_cluster(home: Path, size: int = 3) -> RabbitCluster:
         cluster.nodes.append(node)
     try:
         for node in cluster.nodes:
-            _await(cluster, node)
+            _await_or_relaunch(cluster, node)
         for node in cluster.nodes[1:]:
             cluster.ctl(node, "stop_app")
             cluster.ctl(node, "join_cluster", cluster.nodes[0].name)
@@ -128,12 +129,33 @@ def _launch(node: RabbitNode) -> None:
         )
 
 
+class PortTaken(RuntimeError):
+    """A node exited because another program bound one of its ports first."""
+
+
+def _await_or_relaunch(cluster: RabbitCluster, node: RabbitNode, attempts: int = 3) -> None:
+    """A port picked free can be taken before the node binds it (the kernel hands ports of
+    its ephemeral range to outgoing connections too): such a node starts again, afresh, on
+    new ports."""
+    for attempt in range(1, attempts + 1):
+        try:
+            _await(cluster, node)
+            return
+        except PortTaken:
+            if attempt == attempts:
+                raise
+            shutil.rmtree(node.pid_file.parent)
+            node.port = free_port()
+            _launch(node)
+
+
 def _await(cluster: RabbitCluster, node: RabbitNode, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if node.process is not None and node.process.poll() is not None:
             log = (node.pid_file.parent / "out.log").read_text(errors="replace")
-            raise RuntimeError(f"RabbitMQ node {node.name} exited:\n{log[-2000:]}")
+            taken = PortTaken if "eaddrinuse" in log else RuntimeError
+            raise taken(f"RabbitMQ node {node.name} exited:\n{log[-2000:]}")
         if node.pid_file.exists():
             try:
                 cluster.ctl(node, "await_startup", "--timeout", "5", timeout_s=15)

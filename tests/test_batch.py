@@ -88,6 +88,40 @@ def test_one_failing_event_of_a_batch_retries_and_dead_letters_alone(
         manager.unsubscribe(done, "sink")
 
 
+def test_a_batch_s_outputs_go_out_in_the_order_each_worker_run_returned_them(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """Three outputs per event, in batches, to a plain subscription: each output once,
+    with its own id and body, an event's in the order the worker returned them (each
+    output's JSON is written once, for its record and its publish: a mix-up of the two
+    would show here)."""
+    topic, done = _topics()
+    manager = WorkManager(pg_settings)
+    sink = manager.subscribe(done, "sink")
+    worker = manager.create_worker(
+        code=stub(output_type=done, outputs=3),
+        mime_type=STUB,
+        topic=topic,
+        settings={"batch_size": BATCH},
+    )
+    try:
+        ids = publish_numbered(manager, topic, 40)  # before the node starts: full batches
+        start_node(pg_settings).consuming(f"{topic}::{worker.id}")
+        outputs = drain(pg_settings, sink, 40 * 3, timeout_s=60)
+        by_input: dict[int, list[dict[str, Any]]] = {}
+        for output in outputs:
+            by_input.setdefault(output["data"]["input"]["n"], []).append(output)
+        assert sorted(by_input) == list(range(40))
+        for n, found in by_input.items():
+            assert [output["data"]["index"] for output in found] == [0, 1, 2]
+            key = event_key("/tests", ids[n])
+            assert [o["id"] for o in found] == [derive_id(key, str(worker.id), i) for i in range(3)]
+        assert queue_empty(pg_settings, sink)
+    finally:
+        manager.delete_worker(worker.id)
+        manager.unsubscribe(done, "sink")
+
+
 @pytest.mark.slow
 def test_kill_9_mid_batch_loses_and_duplicates_nothing(
     pg_settings: Settings, start_node: Any, rng: random.Random

@@ -92,7 +92,8 @@ def engines(native_zips: dict[str, Path]) -> list[EngineWorker]:
 ROW = re.compile(
     r"^(?P<name>[a-z.,# ]+?)\s+(?P<full>\d+)\s+(?P<full_ratio>[\d.]+)× \[[\d.]+–[\d.]+\]"
     r"\s+(?P<window>\d+)\s+[\d.]+× \[[\d.]+–[\d.]+\]\s+(?P<commands>[\d.]+)\s+"
-    r"(?P<cpu>[\d.]+)(?P<verdict>  target ≥ [\d.]+×: full (met|MISSED), window (met|MISSED))?$",
+    r"(?P<cpu>[\d.]+)(?P<verdict>  target ≥ [\d.]+×: full (met|MISSED \([\d.]+×\)), "
+    r"window (met|MISSED \([\d.]+×\)))?$",
     flags=re.MULTILINE,
 )
 
@@ -122,7 +123,10 @@ def test_the_drain_phase_times_every_scenario_against_the_plain_reference(
     else:
         assert "plain dramatiq: 2 processes × 8 threads, prefetch 32 per process" in out
         assert re.search(rf"batched / {DRAMATIQ}, window: [\d.]+× \(target: ahead", out), out
-    assert all(int(row["full"]) > 0 and float(row["cpu"]) > 0 for row in rows.values())
+    assert all(int(row["full"]) > 0 for row in rows.values())
+    # Node CPU is the kernel's count in clock ticks (10 ms a process): a fast scenario's
+    # 30 events may not reach one, the table's do.
+    assert sum(float(row["cpu"]) for row in rows.values()) > 0, out
     assert rows[drain.PLAIN]["full_ratio"] == "1.00"
     assert [name for name, row in rows.items() if row["verdict"]] == [
         "no output",

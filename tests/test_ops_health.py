@@ -63,7 +63,7 @@ def test_a_node_reports_healthy_then_degraded_by_code_it_cannot_load(
     base = f"http://127.0.0.1:{port}"
     assert _get(f"{base}/health/live") == (
         200,
-        {"status": "alive", "node": node.name + "@" + socket.gethostname()},
+        {"status": "alive", "node": node.hostname},
     )
     code, found = eventually(lambda: (r := _get(f"{base}/health"))[1]["status"] == "healthy" and r)
     assert code == 200 and found["reasons"] == [] and found["consuming"] is True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 import pytest
@@ -52,3 +53,24 @@ def test_an_unknown_exporter_stops_the_node_with_a_line_naming_it(
 ) -> None:
     with pytest.raises(AssertionError, match="OTEL_TRACES_EXPORTER='zipkin' is not supported"):
         start_node(pg_settings, name="badtrace", OTEL_TRACES_EXPORTER="zipkin")
+
+
+def test_publish_many_carries_the_callers_trace_only_under_a_span(pg_settings: Settings) -> None:
+    """``publish_many`` decides once per call whether its events go through publish spans:
+    under a caller's span each event carries that trace, without one not that trace."""
+    manager = WorkManager(pg_settings)
+    topic = f"traced.many.{uuid.uuid4().hex[:8]}"
+    sink = manager.subscribe(topic, "sink")
+    try:
+        publisher = TracerProvider().get_tracer("publisher")
+        with publisher.start_as_current_span("caller") as caller:
+            manager.publish_many([make_event(topic, "/tests", {"n": n}) for n in range(2)])
+        manager.publish_many([make_event(topic, "/tests", {"n": 2})])
+        found = drain(pg_settings, sink, 3, timeout_s=10)
+        assert [event["data"]["n"] for event in found] == [0, 1, 2]
+        trace_hex = f"{caller.get_span_context().trace_id:032x}"
+        assert [event["traceparent"].split("-")[1] for event in found[:2]] == [trace_hex] * 2
+        # none, or (an SDK set in this process by another test) a trace of its own
+        assert found[2].get("traceparent", "-?-").split("-")[1] != trace_hex
+    finally:
+        manager.unsubscribe(topic, "sink")

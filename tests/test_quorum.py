@@ -80,10 +80,11 @@ def test_kill_9_of_the_queue_leader_loses_nothing(
     eventually(lambda: ledger.pending(str(worker.id)) <= target, timeout_s=90, interval_s=0.05)
     leader.kill()
     killed_at = time.monotonic()
-    # Past what the nodes held at the kill (prefetch 4 per process): new deliveries.
-    left = ledger.pending(str(worker.id)) - 4 * processes * len(nodes) - 4
+    # Past what the nodes held at the kill (prefetch 4 per process): new deliveries, or the
+    # stream's end if a loaded machine let it come within that before the kill.
+    left = max(ledger.pending(str(worker.id)) - 4 * processes * len(nodes) - 5, 0)
     try:
-        eventually(lambda: ledger.pending(str(worker.id)) < left, timeout_s=30, interval_s=0.1)
+        eventually(lambda: ledger.pending(str(worker.id)) <= left, timeout_s=30, interval_s=0.1)
     except AssertionError:
         alive = next(n for n in cluster.nodes if n is not leader)
         state = cluster.ctl(alive, "list_queues", "name", "leader", "consumers", "messages")
@@ -103,10 +104,14 @@ def test_kill_9_of_the_queue_leader_loses_nothing(
     record_property(
         FIGURE,
         f"quorum failover: kill -9 of {leader.name} (the queue's leader): {lost} lost, "
-        f"{len(repeated)} repeated, deliveries resumed after {resumed_s:.1f} s",
+        f"{len(repeated)} repeated, "
+        + (f"deliveries resumed after {resumed_s:.1f} s" if left else "killed at the stream's end"),
     )
     assert set(counts) == expected, f"{lost} outputs lost"
-    assert all(node.proc.poll() is None for node in nodes), "a node exited"
+    exited = [node for node in nodes if node.proc.poll() is not None]
+    assert not exited, "\n".join(
+        f"node {node.name} exited ({node.proc.returncode}):\n{node.tail()}" for node in exited
+    )
     assert ledger.pending(str(worker.id)) == 0
 
 

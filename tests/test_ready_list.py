@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,9 +31,11 @@ from wm.dataplane.queues import (
     DELIVER_TASK,
     EXCHANGE,
     READY_LIST,
+    delivery_labels,
     is_worker_queue,
     subscription_queue,
 )
+from wm.dataplane.readybatch import TaskTexts
 from wm.dataplane.readyscripts import PUT_MESSAGES
 from wm.events import encode
 
@@ -143,17 +146,23 @@ def test_a_publish_batch_pushes_each_queue_in_order_and_lists_it_once(
     )
 
 
-def test_a_task_held_directly_is_the_message_kombu_would_push(
-    broker_settings: Settings, broker: redis.Redis
+@pytest.mark.parametrize("kwargs", [{}, {"seq": 3}], ids=["no keyword arguments", "numbered"])
+def test_a_task_held_directly_is_the_text_kombu_would_push(
+    broker_settings: Settings, broker: redis.Redis, kwargs: dict[str, Any]
 ) -> None:
-    """``publish_many`` holds most task messages with ``ReadyBatch.put_task``, built without
-    kombu's layers: each is the message ``Producer.publish`` pushes (but its delivery tag),
-    and in a batch it follows, in the queue's order, a publish that declared the queue."""
+    """``publish_many`` holds most task messages with ``ReadyBatch.put_text``, their text made
+    by ``TaskTexts`` from a template: each is, character for character, the message
+    ``Producer.publish`` pushes for Celery's ``as_task_v2`` of the same task (but its
+    delivery tag), for labels and an event with quotes, escapes and non-ASCII text; and in
+    a batch it follows, in the queue's order, a publish that declared the queue."""
     queue = worker_queue()
     app = make_app(broker_settings)
-    payload = encode(make_event("t", "/src", {"é": [1, None]}, id="1"))
+    payload = encode(make_event("t", "/src", {"é": [1, None], 'q"\\': "\u2028\n"}, id='1"'))
+    labels = delivery_labels("t\u00e9", 'w"', 'id"\\', "t", 1, payload)
+    texts = TaskTexts(app, "gen1@host")
+    task_id = texts.task_id()
     message = app.amqp.as_task_v2(
-        str(uuid.uuid4()), DELIVER_TASK, ["w", payload], {"seq": 3}, shadow="deliver t → w"
+        task_id, DELIVER_TASK, ["w", payload], kwargs, origin="gen1@host", **labels
     )
     with app.producer_or_acquire() as producer:
         producer.publish(  # as Deliveries.send publishes a queue's first message
@@ -169,19 +178,28 @@ def test_a_task_held_directly_is_the_message_kombu_would_push(
         with producer.batch(max_size=10):
             held = ready_batch(producer)
             assert held is not None and held.takes(queue)
-            held.put_task(queue, message.body, message.headers, message.properties)
-            held.put_task(queue, [["w", "last"], {}, {}], {}, {})
-    pushed = [json.loads(item) for item in reversed(broker.lrange(queue, 0, -1))]
+            held.put_text(queue, texts.text(queue, task_id, ["w", payload], kwargs, labels))
+            held.put_text(queue, texts.text(queue, texts.task_id(), ["w", "last"], {}, labels))
+    pushed = [item.decode() for item in reversed(broker.lrange(queue, 0, -1))]
     assert len(pushed) == 3
-    tags = [item["properties"].pop("delivery_tag") for item in pushed]
-    assert len(set(tags)) == 3
-    assert pushed[1] == pushed[0]
-    assert body_of(json.dumps(pushed[2]).encode())[0] == ["w", "last"]
+    tag = re.compile(r'"delivery_tag": "[^"]+"')
+    assert len({tag.search(text)[0] for text in pushed}) == 3  # type: ignore[index]
+    assert tag.sub("", pushed[1]) == tag.sub("", pushed[0])
     reader = Reader(broker_settings, [queue])
     try:
         assert [body[0] for body in reader.read(3)] == [["w", payload]] * 2 + [["w", "last"]]
     finally:
         reader.close()
+
+
+def test_task_ids_are_unique_uuids(broker_settings: Settings) -> None:
+    """``TaskTexts.task_id``: the last four hex digits count under a random prefix, drawn
+    again when they run out."""
+    texts = TaskTexts(make_app(broker_settings), "gen1@host")
+    ids = [texts.task_id() for _ in range(0x10000 + 2)]
+    assert len(set(ids)) == len(ids)
+    assert all(uuid.UUID(found).version == 4 for found in ids[::0x1000])
+    assert ids[0][:-4] == ids[0xFFFF][:-4] != ids[0x10000][:-4]
 
 
 def test_a_producer_without_a_batch_or_on_rabbitmq_has_no_ready_batch(

@@ -16,9 +16,9 @@ from kombu import Connection
 from sqlalchemy import update
 
 from tests.cli_env import one_error_line, wm, wm_json
-from tests.conftest import AMQP_URL
-from tests.helpers import STUB, stub
-from wm import Settings, WorkManager, store
+from tests.conftest import AMQP_URL, node_hostname
+from tests.helpers import STUB, drain, eventually, stub
+from wm import Settings, WorkManager, make_event, store
 from wm.dataplane.app import make_app
 from wm.dataplane.queues import worker_queue_name
 from wm.dataplane.recovery import DONE_KEY, EPOCH_KEY, LEADER_KEY, Takeover
@@ -88,6 +88,57 @@ def test_a_queue_the_broker_refuses_fails_its_worker_alone(amqp_settings: Settin
         with Connection(AMQP_URL) as conn:
             for queue in queues:
                 conn.channel().queue_delete(queue)
+
+
+def _mailbox(settings: Settings, name: str) -> tuple[str, Any]:
+    """A node's Celery name and its mailbox queue (exclusive to the node's connection)."""
+    hostname = node_hostname(name)
+    return hostname, make_app(settings).control.mailbox.get_queue(hostname)
+
+
+def test_a_node_started_while_the_broker_holds_its_name_waits_then_serves(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """A node replaced under its name before the broker let go of the old one's connection
+    (a host lost without a word) finds its mailbox locked (405 RESOURCE_LOCKED): it tries again
+    until the broker lets go, then serves, rather than exit. Every setting at its default but
+    the broker."""
+    settings = pg_settings.replace(broker_url=AMQP_URL)
+    manager = WorkManager(settings)
+    run = uuid.uuid4().hex[:8]
+    sink = manager.subscribe(f"done{run}", "sink")
+    manager.create_worker(code=stub(output_type=f"done{run}"), mime_type=STUB, topic=f"in{run}")
+    hostname, mailbox = _mailbox(settings, "n0")
+    with Connection(AMQP_URL) as old:  # the connection of the node it replaces
+        mailbox.bind(old.channel()).declare()
+        node = start_node(settings, name="n0", hostname=hostname, ready=False)
+        locked = "RESOURCE_LOCKED"
+        node.wait_for(locked)
+        eventually(lambda: node.log.read_text(errors="replace").count(locked) >= 3)
+        assert node.proc.poll() is None, node.tail()
+    node.wait_for("ready.")
+    manager.publish(make_event(f"in{run}", "/tests", {"n": 1}))
+    assert len(drain(settings, sink, 1)) == 1
+
+
+def test_a_node_whose_mailbox_is_declared_otherwise_exits_naming_it(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """A channel error that no waiting mends (406 PRECONDITION_FAILED: an exchange the node
+    declares exists as another type) still ends the node, with the broker's words. The test's
+    own deployment: the exchange of mailboxes is the deployment's."""
+    settings = pg_settings.replace(broker_url=AMQP_URL, deployment=f"t{uuid.uuid4().hex[:8]}")
+    hostname, mailbox = _mailbox(settings, "n0")
+    with Connection(AMQP_URL) as conn:
+        conn.channel().exchange_declare(mailbox.exchange.name, "direct", auto_delete=True)
+        try:
+            node = start_node(settings, name="n0", hostname=hostname, ready=False)
+            node.proc.wait(timeout=60)
+            log = node.tail(200)
+            assert "Unrecoverable error: PreconditionFailed" in log, log
+            assert f"exchange '{mailbox.exchange.name}'" in log, log
+        finally:
+            conn.channel().exchange_delete(mailbox.exchange.name)
 
 
 def test_recover_is_refused_while_another_holds_the_lease(pg_settings: Settings) -> None:

@@ -36,6 +36,7 @@ def celery_settings(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": _kombu_url(settings.broker_url),
         "broker_connection_retry_on_startup": True,
+        "broker_channel_error_retry": True,  # only wm.dataplane.consumer.PASSING_CHANNEL_ERRORS
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
             # Redis: look for a lost node's unacknowledged messages often, every sweep, and

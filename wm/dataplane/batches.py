@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -31,7 +30,7 @@ from kombu.exceptions import OperationalError
 from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS, redis_broker
 from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, subscription_queue
-from wm.dataplane.readybatch import ReadyBatch
+from wm.dataplane.readybatch import ReadyBatch, TaskTexts
 
 #: Seconds a batch waits for RabbitMQ's confirms before it counts as failed.
 CONFIRM_TIMEOUT_S = 30.0
@@ -78,6 +77,8 @@ class Deliveries:
         self._producer: Any = None
         self._held: ReadyBatch | None = None  # the producer's ready-list batch
         self._direct: set[str] = set()  # queues whose messages it holds directly
+        self._texts = TaskTexts(app, self.origin)
+        self._sent_events = bool(app.conf.task_send_sent_event)  # a lookup: 1.2 µs
 
     def send(
         self,
@@ -87,8 +88,8 @@ class Deliveries:
         kwargs: dict[str, Any],
         labels: dict[str, str],
     ) -> None:
-        task_id = str(uuid.uuid4())
-        if self.app.conf.task_send_sent_event:
+        task_id = self._texts.task_id()
+        if self._sent_events:
             self.app.send_task(
                 DELIVER_TASK,
                 args=args,
@@ -100,14 +101,14 @@ class Deliveries:
                 **labels,
             )
             return
-        message = self.app.amqp.as_task_v2(
-            task_id, DELIVER_TASK, args, kwargs, origin=self.origin, **labels
-        )
         if producer is not self._producer:
             self._producer, self._held, self._direct = producer, ready_batch(producer), set()
         if self._held is not None and queue in self._direct:
-            self._held.put_task(queue, message.body, message.headers, message.properties)
+            self._held.put_text(queue, self._texts.text(queue, task_id, args, kwargs, labels))
             return
+        message = self.app.amqp.as_task_v2(
+            task_id, DELIVER_TASK, args, kwargs, origin=self.origin, **labels
+        )
         self._publish(producer, queue, message)
         if self._held is not None and self._held.takes(queue):  # declared now
             self._direct.add(queue)

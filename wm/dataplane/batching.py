@@ -24,11 +24,12 @@ from wm.dataplane import tracing
 from wm.dataplane.delivery import Delivery
 from wm.dataplane.observe import notify
 from wm.dataplane.pipeline import Feature, Pipeline, enter
+from wm.dataplane.runtime import Runtime
 from wm.dataplane.verdicts import DONE, Requeue, Verdict
 from wm.dataplane.watchdog import OVERRUN_GRACE_S
 from wm.engine import Engine
 from wm.errors import Unavailable, WorkerExecutionError
-from wm.events import CloudEvent
+from wm.events import CloudEvent, encode
 from wm.state.connection import check_wait, queue_wait, redis_errors
 
 
@@ -42,8 +43,9 @@ class _Run:
         self.engine: Engine | None = None
         self.error: BaseException | None = None
         self.produced: list[CloudEvent] = []
-        #: (the outcome that counts, its outputs' routes when looked up with the record)
-        self.recorded: tuple[list[CloudEvent], list[Any] | None] | None = None
+        #: (the outcome that counts, its outputs' routes when looked up with the record and
+        #: their JSON when written for it)
+        self.recorded: tuple[list[CloudEvent], list[Any] | None, list[str] | None] | None = None
         self.verdict: Verdict = DONE
 
 
@@ -212,17 +214,17 @@ class BatchPipeline(Pipeline):
             for run, *_ in queued:
                 run.error = exc
             return
-        for run, outputs, fence, at in queued:
+        for run, outputs, texts, fence, at in queued:
             try:
-                recorded = rt.outcomes.recorded(replies[at], outputs, fence)
+                run.recorded = _recorded(
+                    rt, replies[at : at + 1 + len(outputs)], outputs, texts, fence
+                )
             except Exception as exc:
                 run.error = exc
-                continue
-            found = replies[at + 1 : at + 1 + len(outputs)]
-            routes = [rt.bus.parse_routes(flat) for flat in found] if recorded is outputs else None
-            run.recorded = (recorded, routes)
 
-    def _queue_record(self, run: _Run, pipe: Any) -> tuple[_Run, list[CloudEvent], Any, int] | None:
+    def _queue_record(
+        self, run: _Run, pipe: Any
+    ) -> tuple[_Run, list[CloudEvent], list[str], Any, int] | None:
         """Queue the run's record (its index among the replies), or None when its outputs
         are refused (``run.error``)."""
         delivery = run.delivery
@@ -230,7 +232,8 @@ class BatchPipeline(Pipeline):
         try:
             outputs = delivery.stamp(run.produced)
             fence = None if delivery.lease is None else rt.locks.write_fence(delivery.lease)
-            body = rt.outcomes.encoded(outputs)
+            texts = [encode(e) for e in outputs]  # once, for the record and the publishes
+            body = rt.outcomes.encoded(outputs, texts)
         except Exception as exc:
             run.error = exc
             return None
@@ -241,15 +244,15 @@ class BatchPipeline(Pipeline):
         )
         rt.outputs.lookups(outputs)(pipe)
         self._recorders(delivery)(pipe)
-        return run, outputs, fence, at
+        return run, outputs, texts, fence, at
 
     def _publish(self, live: list[_Run]) -> None:
         for run in live:
             if run.error is not None or run.recorded is None:
                 continue
-            recorded, routes = run.recorded
+            recorded, routes, texts = run.recorded
             try:
-                run.delivery.publish(recorded, routes, settled=True)
+                run.delivery.publish(recorded, routes, settled=True, texts=texts)
                 run.delivery.published(recorded, run.produced)
             except Exception as exc:  # recorded: its redelivery publishes it
                 run.error = exc
@@ -270,6 +273,17 @@ class BatchPipeline(Pipeline):
             return self._settle(delivery, verdict)
         except Unavailable as exc:
             return Requeue(f"{type(exc).__name__}: {exc}", pause=True)
+
+
+def _recorded(
+    rt: Runtime, replies: list[Any], outputs: list[CloudEvent], texts: list[str], fence: Any
+) -> tuple[list[CloudEvent], list[Any] | None, list[str] | None]:
+    """A run's record (its reply, then its outputs' route lookups): the outcome that counts
+    and, when it is this run's, its outputs' routes and JSON."""
+    recorded = rt.outcomes.recorded(replies[0], outputs, fence)
+    if recorded is not outputs:  # an earlier run's: looked up and written again
+        return recorded, None, None
+    return recorded, [rt.bus.parse_routes(flat) for flat in replies[1:]], texts
 
 
 def _overrides(feature: Feature, hook: str) -> bool:

@@ -35,6 +35,7 @@ from wm.dataplane.outgoing import (
     Outgoing,
     encoded,
     outgoing,
+    parsed_routes,
     route_keys,
     traced,
 )
@@ -323,10 +324,11 @@ class Bus:
         A batch that fails raises :class:`PublishInterrupted` with the count of events (the
         first ones) published; the failed batch's ledger entries are withdrawn."""
         reached: list[int] = []
+        encode = traced if tracing.spans_publishing() else encoded  # the caller's, throughout
         for start in range(0, len(events), batch):
             some = events[start : start + batch]
             try:
-                outs = self._record([traced(event, topic) for event, topic in some])
+                outs = self._record([encode(event, topic) for event, topic in some])
                 self._send_batch([out for out in outs if out.routes])
             except Unavailable as exc:
                 raise PublishInterrupted(
@@ -391,9 +393,9 @@ class Bus:
                 waiting += mine
                 continue
             flat, done = reply
-            width = len(flat) // 2
+            width, routes = len(flat) // 2, parsed_routes(flat)
             for n, index in enumerate(mine):
-                found[index] = outgoing(events[index], flat, done[n * width : (n + 1) * width])
+                found[index] = outgoing(events[index], routes, done[n * width : (n + 1) * width])
         return waiting
 
     def _routed_adds(

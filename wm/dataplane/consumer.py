@@ -1,5 +1,6 @@
-"""The node's message consumer: Celery's, except for queues that are not its deployment's and
-messages that are no delivery.
+"""The node's message consumer: Celery's, except for queues that are not its deployment's,
+messages that are no delivery and a broker's passing channel errors (which restart it, as a
+lost connection does, rather than end the node: ``PASSING_CHANNEL_ERRORS``).
 
 A node consumes a worker's queue only if its own store holds the worker: an ``add_consumer``
 broadcast by another deployment that shares the broker (with another WM_DEPLOYMENT, or an
@@ -24,6 +25,7 @@ from contextlib import nullcontext
 from functools import cached_property
 from typing import Any
 
+from amqp.exceptions import NotFound, ResourceLocked
 from celery.worker.consumer import Consumer as CeleryConsumer
 
 from wm import store
@@ -43,6 +45,14 @@ _GIVEN_UP = (
     "acknowledgement, and gave it up"
 )
 
+#: Channel errors a broker gives in a passing state while the consumer (re)starts: a queue
+#: whose server was just lost (404 NOT_FOUND, its home node down, until the cluster forgets
+#: it) and a mailbox that the connection of a node of the same name, replaced a moment ago,
+#: still holds (405 RESOURCE_LOCKED). Celery restarts the consumer on these, as on a lost
+#: connection (``broker_channel_error_retry``); any other channel error, such as a queue
+#: declared with other arguments (406), still ends the node with its message.
+PASSING_CHANNEL_ERRORS = (NotFound, ResourceLocked)
+
 
 class Consumer(CeleryConsumer):
     """``worker_consumer`` of a node (see ``wm.dataplane.app.celery_settings``)."""
@@ -56,6 +66,10 @@ class Consumer(CeleryConsumer):
         default_steps = [
             step for step in CeleryConsumer.Blueprint.default_steps if "DelayedDelivery" not in step
         ]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.channel_errors = PASSING_CHANNEL_ERRORS
 
     #: Worker queues of running workers, as the node's own store listed them at its last
     #: reconcile (``wm.dataplane.node.reconcile``): known to be ours without asking again.

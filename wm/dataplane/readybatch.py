@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from base64 import b64encode
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
+from celery import Celery
 from kombu.exceptions import BatchPublishError
 from kombu.transport import redis as kombu_redis
 
-from wm.dataplane.queues import EXCHANGE
+from wm.dataplane.queues import DELIVER_TASK, EXCHANGE
 from wm.dataplane.readyscripts import PUT, PUT_MESSAGES
 
 
@@ -26,9 +29,6 @@ class ReadyBatch(kombu_redis.PublishBatch):
         # ``channel``: ``wm.dataplane.transport.Channel``, which imports this module
         super().__init__(channel, max_size)
         self._puts: dict[tuple[str, str, str], list[str]] = {}
-        # put_task's delivery tags: unique as kombu's (a uuid4 each) at a uuid4 a batch
-        self._tags = f"{uuid.uuid4()}."
-        self._tagged = 0
 
     def put(self, keys: list[str], queue: str, message: str) -> None:
         """Hold ``message`` for the list ``keys[0]`` of ``queue`` (``keys[1]``: the ready
@@ -37,37 +37,14 @@ class ReadyBatch(kombu_redis.PublishBatch):
         self._buffered += 1
 
     def takes(self, queue: str) -> bool:
-        """Whether :meth:`put_task` may hold messages for ``queue`` (a worker queue that
+        """Whether :meth:`put_text` may hold messages for ``queue`` (a worker queue that
         goes through the ready list)."""
         return bool(self.channel._ready_for(queue))
 
-    def put_task(
-        self, queue: str, body: Any, headers: dict[str, Any], properties: dict[str, Any]
-    ) -> None:
-        """Hold a Celery task message (JSON, persistent, priority 0) for ``queue``, a declared
-        queue that :meth:`takes`: the message ``Producer.publish`` would hold, routed to it by
-        the direct exchange, built without kombu's per-message layers (its serializer
-        registry, the exchange's routing table, the delivery-info updates), most of a batched
-        publish's time. Its parts are plain JSON (strings, numbers, lists, dicts, None), which
-        ``json.dumps`` writes as kombu's encoder would."""
-        channel = self.channel
-        message = {
-            "body": b64encode(json.dumps(body).encode("utf-8")).decode("ascii"),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": headers,
-            "properties": {
-                **properties,
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": EXCHANGE.name, "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": f"{self._tags}{self._tagged}",
-            },
-        }
-        self._tagged += 1
-        keys = [channel._q_for_pri(queue, channel._get_message_priority(message, False))]
-        self.put([*keys, channel.ready_key], queue, json.dumps(message))
+    def put_text(self, queue: str, text: str) -> None:
+        """Hold a message for ``queue``, a declared queue that :meth:`takes`, as the text
+        the transport stores (:class:`TaskTexts`), priority 0."""
+        self.put([self.channel._q_for_pri(queue, 0), self.channel.ready_key], queue, text)
         self._flush_if_full()
 
     def publish(self, message: Any, **kwargs: Any) -> Any:
@@ -111,3 +88,80 @@ class ReadyBatch(kombu_redis.PublishBatch):
     def discard(self) -> None:
         self._puts.clear()
         super().discard()
+
+
+class TaskTexts:
+    """The text of a Celery ``wm.deliver`` task message as WorkManager's Redis transport
+    stores it, the text ``Producer.publish`` would push (JSON, persistent, priority 0, the
+    body base64), for :meth:`ReadyBatch.put_text`. Celery builds one message
+    (``as_task_v2``) and kombu's parts are added around it, with placeholders where messages
+    differ; each message's own values, encoded as ``json.dumps`` encodes them, go in. That
+    is a fifth of the time of building the message and encoding it whole (17 → 3.5 µs),
+    most of ``publish_many``'s per-event time.
+
+    Task ids are UUIDs whose last four hex digits count the messages under random
+    leading ones, drawn again every 65,536 messages (``str(uuid4())`` is 2.5 µs)."""
+
+    def __init__(self, app: Celery, origin: str) -> None:
+        marks = {name: f"@wm-{name}@" for name in _FILLED}
+        labels = {name: marks[name] for name in ("shadow", "argsrepr", "kwargsrepr")}
+        message = app.amqp.as_task_v2(marks["id"], DELIVER_TASK, [], {}, origin=origin, **labels)
+        stored = {
+            "body": marks["body"],
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": message.headers,
+            "properties": {
+                **message.properties,
+                "delivery_mode": 2,
+                "delivery_info": {"exchange": EXCHANGE.name, "routing_key": marks["queue"]},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": marks["tag"],
+            },
+        }
+        text = json.dumps(stored).replace("{", "{{").replace("}", "}}")
+        for name, mark in marks.items():
+            text = text.replace(json.dumps(mark), f"{{{name}}}")
+        self._format = text.format
+        _, _, embed = message.body
+        self._body_end = f", {json.dumps(embed)}]"
+        self._ids, self._counted = "", _IDS_PER_PREFIX
+        self._tags, self._tagged = f"{os.urandom(16).hex()}.", 0
+
+    def task_id(self) -> str:
+        """A new task id."""
+        if self._counted == _IDS_PER_PREFIX:
+            self._ids, self._counted = str(uuid.uuid4())[:-4], 0
+        self._counted += 1
+        return f"{self._ids}{self._counted - 1:04x}"
+
+    def text(
+        self,
+        queue: str,
+        task_id: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        labels: dict[str, str],
+    ) -> str:
+        """The stored text of the task message ``task_id`` with ``args`` and ``kwargs`` to
+        ``queue``, labelled with ``labels`` (``wm.dataplane.queues.delivery_labels``)."""
+        body = f"[{json.dumps(args)}, {json.dumps(kwargs) if kwargs else '{}'}{self._body_end}"
+        self._tagged += 1
+        return self._format(
+            body=f'"{b64encode(body.encode("utf-8")).decode("ascii")}"',
+            id=_quoted(task_id),
+            queue=_quoted(queue),
+            tag=f'"{self._tags}{self._tagged}"',
+            shadow=_quoted(labels["shadow"]),
+            argsrepr=_quoted(labels["argsrepr"]),
+            kwargsrepr=_quoted(labels["kwargsrepr"]),
+        )
+
+
+#: The values :class:`TaskTexts` puts into its template.
+_FILLED = ("body", "id", "queue", "tag", "shadow", "argsrepr", "kwargsrepr")
+#: Task ids :meth:`TaskTexts.task_id` counts under one random prefix.
+_IDS_PER_PREFIX = 0x10000
+#: A string as ``json.dumps`` writes it (its own fast path).
+_quoted = encode_basestring_ascii

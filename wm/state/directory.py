@@ -96,20 +96,17 @@ class WorkerMeta:
         return json.dumps(given)
 
 
-#: Worker facts parsed, by their cached text: a pool process reads the same text for every
-#: delivery to a worker, and parses it (and types its settings) once per change.
-_PARSED: dict[bytes | str, WorkerMeta] = {}
-#: Texts kept at most; beyond, the cache starts again.
-_PARSED_MAX = 1024
+#: Worker facts a pool process keeps parsed (a few KiB each).
+_PARSED_MAX = 4096
 
 
+@functools.lru_cache(maxsize=_PARSED_MAX)
 def _parsed(raw: bytes | str) -> WorkerMeta:
-    meta = _PARSED.get(raw)
-    if meta is None:
-        if len(_PARSED) >= _PARSED_MAX:
-            _PARSED.clear()
-        meta = _PARSED[raw] = WorkerMeta(**json.loads(raw))
-    return meta
+    """Worker facts parsed, by their cached text: a pool process reads the same text for
+    every delivery to a worker, and parses it (and types its settings) once per change. The
+    least recently used are dropped first: a process serving more workers than it keeps
+    parses again only those it has not served for longest."""
+    return WorkerMeta(**json.loads(raw))
 
 
 class Directory:
