@@ -452,6 +452,35 @@ def test_db_upgrade_reaches_head(unmigrated_env: dict[str, str]) -> None:
     assert "up to date" in wm(env, "db", "current").out
 
 
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+def test_a_database_with_no_free_connection_says_so(env: dict[str, str], pg_url: str) -> None:
+    """PostgreSQL refuses a connection past a limit (the server's, a role's, a database's);
+    the error names the limit and what to do, not a missing migration."""
+    import psycopg
+    import sqlalchemy as sa
+
+    role = f"wm_limited_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 1"))
+    url = sa.make_url(env["WM_DATABASE_URL"]).set(username=role)
+    held = psycopg.connect(url.set(drivername="postgresql").render_as_string(False))
+    try:
+        error = one_error_line(
+            wm({**env, "WM_DATABASE_URL": url.render_as_string(False)}, "worker", "list", expect=1)
+        )
+    finally:
+        held.close()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP ROLE {role}"))
+        admin.dispose()
+    assert f"database postgresql+psycopg://{role}@" in error, error
+    assert "has no free connection (connection failed:" in error, error
+    assert f'too many connections for role "{role}"' in error, error
+    assert "raise PostgreSQL's max_connections" in error, error
+    assert "wm db upgrade" not in error, error
+
+
 def test_config_prints_default_and_current_values(env: dict[str, str]) -> None:
     tuned = {**env, "GROUP_LOCK_MAX_RETRIES": "7"}
     rows = {r["variable"]: r for r in wm_json(tuned, "config")}

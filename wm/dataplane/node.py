@@ -400,7 +400,7 @@ def on_process_init() -> None:
     walked them all, a 120 ms pause in the middle of a delivery (5 ms frozen). The price: a
     cycle among those objects that the process drops is never freed, which bounds the leak
     by what it inherited."""
-    store.dispose_engines()
+    store.dispose_engines(close=False)
     runtime.reset_runtime()
     runtime.POOL_CHILD = True
     gc.freeze()

@@ -22,6 +22,15 @@ _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+#: What PostgreSQL says at a connection limit: the server's, a role's, a database's, the
+#: slots it keeps for superusers (SQLSTATE 53300, which psycopg does not give for a refused
+#: connection).
+_NO_FREE_CONNECTION = (
+    "too many clients already",
+    "too many connections for",
+    "remaining connection slots are reserved",
+)
+
 #: Fragments of driver messages that mean "try again": SQLite busy, PostgreSQL conflicts.
 _TRANSIENT = ("database is locked", "could not serialize", "deadlock detected")
 
@@ -107,11 +116,14 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cursor.close()
 
 
-def dispose_engines() -> None:
-    """Drop pooled connections (after fork, or in tests)."""
+def dispose_engines(*, close: bool = True) -> None:
+    """Close this process's pooled connections and forget its engines. After a fork, the
+    child passes ``close=False``: the connections it inherited are its parent's, which
+    closing would end; dropping them leaves the parent's untouched. (Dropped, not closed,
+    a connection stays open on the server until the garbage collector finds it.)"""
     with _engines_lock:
         for engine in _engines.values():
-            engine.dispose(close=False)
+            engine.dispose(close=close)
         _engines.clear()
 
 
@@ -148,6 +160,13 @@ def database_errors(settings: Settings) -> Iterator[None]:
 def translate(settings: Settings, exc: sa.exc.DBAPIError) -> StoreUnavailable:
     """The operator's view of a driver error: what failed and what to check."""
     text = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+    if any(fragment in text for fragment in _NO_FREE_CONNECTION):
+        return StoreUnavailable(
+            f"database {safe_url(settings)} has no free connection ({text}): each WorkManager "
+            "process keeps up to 5 idle and opens up to 15; raise PostgreSQL's max_connections "
+            "(or the role's or database's CONNECTION LIMIT), or put a pooler such as PgBouncer "
+            "in front of it"
+        )
     if any(fragment in text for fragment in _TRANSIENT):
         return StoreUnavailable(f"database busy: {text}", transient=True)
     if text.startswith("no such table"):  # SQLite: an empty file, often a relative path
