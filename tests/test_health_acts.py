@@ -19,7 +19,7 @@ from wm.control.deadletters import DeadLetters
 from wm.dataplane.features.breaker import failure_kind
 from wm.errors import WorkerCrashed, WorkerExecutionError, WorkerTimeout
 from wm.events import LIFECYCLE_TOPIC, make_event
-from wm.state.health import UNHEALTHY, UNKNOWN, judge
+from wm.state.health import DEGRADED, UNHEALTHY, UNKNOWN, judge
 
 
 def _runs(trace: Path) -> list[str]:
@@ -244,6 +244,34 @@ def test_a_paused_worker_without_a_probe_is_tried_again_after_health_pause_s(
     assert manager.get_worker(worker.id).paused is None
     changes = _lifecycle(settings, lifecycle, "health_changed", worker.id)
     assert [(c["from_health"], c["paused"]) for c in changes if c["from_health"] == UNHEALTHY]
+    assert DeadLetters(settings).list(include_replayed=True) == []
+
+
+def test_a_quiet_worker_s_one_failure_degrades_it_and_its_retry_is_not_held_back(
+    pg_settings: Settings, start_node: Any, tmp_path: Path
+) -> None:
+    """Every health setting at its default (``health_min_deliveries`` 10): a worker whose one
+    delivery in the window failed is degraded, not paused, and its retry runs after its
+    backoff, not after ``health_pause_s`` (30 s). Judged each second, and the retry waits
+    2-4 s: the verdict is taken inside the wait (seen to fail with a minimum of 1)."""
+    settings = pg_settings.replace(reconcile_interval_s=1.0)
+    manager = WorkManager(settings)
+    out = manager.subscribe("hq.done", "out")
+    lifecycle = manager.subscribe(LIFECYCLE_TOPIC, "life")
+    code = stub(output_type="hq.done", fail="flaky", fail_runs=1, trace=str(tmp_path / "runs"))
+    options = {"retry_base_delay_ms": 4000}
+    worker = manager.create_worker(code=code, mime_type=STUB, topic="hq", settings=options)
+    start_node(settings).consuming(f"hq::{worker.id}")
+    manager.publish(make_event("hq", "/t", {"n": 0}))
+    eventually(lambda: manager.get_worker(worker.id).health == DEGRADED, timeout_s=15)
+    [done] = drain(settings, out, 1, timeout_s=15)  # its second run
+    assert done["data"]["input"] == {"n": 0}
+    info = manager.get_worker(worker.id)
+    assert (info.health, info.paused) == (DEGRADED, None)  # one failure in two deliveries
+    changes = _lifecycle(settings, lifecycle, "health_changed", worker.id)
+    assert [(c["from_health"], c["to_health"], c["paused"]) for c in changes] == [
+        (UNKNOWN, DEGRADED, False)
+    ]
     assert DeadLetters(settings).list(include_replayed=True) == []
 
 

@@ -200,8 +200,8 @@ def test_creation_validates_before_persisting(manager: WorkManager) -> None:
         manager.create_worker(code=stub(), mime_type=STUB, topic="t", settings={"bogus": 1})
     known = (
         "known: batch_size, breaker_base_delay_s, breaker_max_delay_s, failure_threshold, "
-        "group_mode, health_degraded_rate, health_max_consecutive_failures, health_pause_s, "
-        "health_unhealthy_rate, "
+        "group_mode, health_degraded_rate, health_max_consecutive_failures, "
+        "health_min_deliveries, health_pause_s, health_unhealthy_rate, "
         "idempotency_key, max_concurrency, max_events, max_memory_mb, max_probe_failures, "
         "max_retries, ordering, "
         "ordering_gap_s, output_topics, pause_when_unhealthy, probe_interval_s, recovery, "

@@ -75,9 +75,6 @@ def test_failures_retry_then_dead_letter_and_a_crash_in_isolation_spares_the_nod
         "max_retries": 1,
         "retry_base_delay_ms": 20,
         "isolation": "subprocess",
-        # two crashes in two attempts make the worker unhealthy, which pauses its queue until
-        # a probe passes: probed every second, the next event is not held for the default 30 s
-        "probe_interval_s": 1,
     }
     crashy = manager.create_worker(
         code=native_zips["misbehave"].read_bytes(),
@@ -123,8 +120,7 @@ def test_an_event_that_keeps_crashing_in_process_code_is_parked(
         code=native_zips["misbehave"].read_bytes(),
         mime_type=NATIVE,
         topic="inproc",
-        # probed every second: the pause its crashes may start ends before the next drain
-        settings={"max_retries": 1, "probe_interval_s": 1},
+        settings={"max_retries": 1},  # two crashes: degraded, not paused (health_min_deliveries)
     )
     node = start_node(fast)
     node.consuming(f"inproc::{worker.id}")

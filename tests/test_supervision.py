@@ -172,6 +172,13 @@ def test_max_concurrency_caps_a_workers_runs_across_nodes(
         (97, 3, 3, {}, "unhealthy"),  # three in a row, whatever the rate
         (90, 10, 1, {"health_degraded_rate": 0.2}, "healthy"),
         (97, 3, 3, {"health_max_consecutive_failures": 0}, "healthy"),
+        # fewer than health_min_deliveries (10): the rate makes it degraded at most
+        (0, 1, 1, {}, "degraded"),
+        (4, 5, 1, {}, "degraded"),
+        (5, 5, 1, {}, "unhealthy"),
+        (0, 3, 3, {}, "unhealthy"),  # failures in a row count however few
+        (0, 1, 1, {"health_min_deliveries": 0}, "unhealthy"),
+        (1, 1, 1, {"health_min_deliveries": 2}, "unhealthy"),
     ],
 )
 def test_health_is_judged_from_the_error_rate_and_failures_in_a_row(

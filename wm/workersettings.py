@@ -125,6 +125,9 @@ class WorkerSettings:
     health_degraded_rate: float = _setting(0.05, NUMBER)
     health_unhealthy_rate: float = _setting(0.5, NUMBER)
     health_max_consecutive_failures: int = _setting(3, COUNT)
+    #: deliveries the 5 minutes must hold before their error rate makes the worker
+    #: unhealthy (fewer: degraded at most; failures in a row still count)
+    health_min_deliveries: int = _setting(10, COUNT)
     #: the code's health probe: seconds between probes, failed probes that make it unhealthy
     probe_interval_s: float = _setting(30.0, NUMBER)
     max_probe_failures: int = _setting(3, COUNT)

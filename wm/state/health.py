@@ -17,9 +17,11 @@ code has one, its health probe:
 the window holds deliveries: those of a worker paused while unhealthy age out, and it
 resumes). ``unhealthy``:
 ``health_max_consecutive_failures`` failures in a row (default 3), an error rate of at least
-``health_unhealthy_rate`` (default 0.5), or ``max_probe_failures`` failed probes in a row
-(default 3; 0: failed probes alone never make a worker unhealthy). ``degraded``: an error
-rate of at least ``health_degraded_rate`` (default 0.05), or a failed last probe. The worst
+``health_unhealthy_rate`` (default 0.5) over at least ``health_min_deliveries`` deliveries
+(default 10: a quiet worker's one failure is no verdict on it), or ``max_probe_failures``
+failed probes in a row (default 3; 0: failed probes alone never make a worker unhealthy).
+``degraded``: an error rate of at least ``health_degraded_rate`` (default 0.05), over any
+number of deliveries, or a failed last probe. The worst
 of the deliveries' verdict and the probe's holds; a passing probe makes a worker without
 deliveries ``healthy``. The maintaining node judges every live worker each reconcile period
 and keeps the verdict (``wm:health-state:{<id>}``); a change is a lifecycle event
@@ -210,7 +212,9 @@ def _judge_deliveries(
     typed = WorkerSettings.of(worker_settings)
     degraded, unhealthy = typed.health_degraded_rate, typed.health_unhealthy_rate
     in_a_row = typed.health_max_consecutive_failures
-    if (in_a_row and consecutive >= in_a_row) or rate >= unhealthy:
+    if (in_a_row and consecutive >= in_a_row) or (
+        rate >= unhealthy and total >= typed.health_min_deliveries
+    ):
         health = UNHEALTHY
     elif rate >= degraded:
         health = DEGRADED

@@ -17,6 +17,7 @@ class Health(Feature):
         "health_degraded_rate",
         "health_unhealthy_rate",
         "health_max_consecutive_failures",
+        "health_min_deliveries",
         "probe_interval_s",
         "max_probe_failures",
         "recovery_on_health",
