@@ -217,6 +217,17 @@ def test_bad_strategy_settings_are_refused_at_create(
     assert manager.list_workers() == []
 
 
+def test_the_reason_says_when_too_few_attempts_kept_the_rate_from_judging() -> None:
+    quiet = judge(0, 1, 1, {})
+    assert (quiet.health, quiet.reason) == (
+        DEGRADED,
+        "100% of 1 attempts failed in the last 5 minutes; 1 failed in a row (under 10 "
+        "attempts the rate makes it degraded at most)",
+    )
+    assert "under" not in judge(0, 3, 3, {}).reason  # unhealthy by its failures in a row
+    assert "under" not in judge(5, 5, 1, {}).reason  # enough attempts: the rate judged
+
+
 def test_failures_in_a_row_count_while_the_window_holds_deliveries() -> None:
     """A paused worker's run of failures ages out with the window: it is tried again."""
     assert judge(0, 3, 3, {}).health == UNHEALTHY

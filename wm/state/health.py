@@ -174,6 +174,9 @@ class Verdict:
     consecutive_failures: int
     #: The last probe, when the worker's code has one and it ran lately.
     probe: ProbeFacts | None = None
+    #: ``health_min_deliveries`` when the error rate alone would have made the worker
+    #: unhealthy, but the window held fewer attempts (0 otherwise).
+    too_few_for: int = 0
 
     @property
     def reason(self) -> str:
@@ -184,6 +187,8 @@ class Verdict:
                 f"{self.error_rate:.0%} of {self.deliveries} attempts failed in the last "
                 f"{WINDOW_MIN} minutes; {self.consecutive_failures} failed in a row"
             )
+        if self.too_few_for:
+            reason += f" (under {self.too_few_for} attempts the rate makes it degraded at most)"
         return reason if self.probe is None else f"{reason}; {self.probe.reason}"
 
 
@@ -211,16 +216,12 @@ def _judge_deliveries(
     rate = failed / total
     typed = WorkerSettings.of(worker_settings)
     degraded, unhealthy = typed.health_degraded_rate, typed.health_unhealthy_rate
-    in_a_row = typed.health_max_consecutive_failures
-    if (in_a_row and consecutive >= in_a_row) or (
-        rate >= unhealthy and total >= typed.health_min_deliveries
-    ):
-        health = UNHEALTHY
-    elif rate >= degraded:
-        health = DEGRADED
-    else:
-        health = HEALTHY
-    return Verdict(health, rate, total, consecutive)
+    in_a_row, minimum = typed.health_max_consecutive_failures, typed.health_min_deliveries
+    too_few = rate >= unhealthy and total < minimum
+    if (in_a_row and consecutive >= in_a_row) or (rate >= unhealthy and not too_few):
+        return Verdict(UNHEALTHY, rate, total, consecutive)
+    health = DEGRADED if rate >= degraded else HEALTHY
+    return Verdict(health, rate, total, consecutive, too_few_for=minimum if too_few else 0)
 
 
 def probe_health(probe: ProbeFacts, worker_settings: Mapping[str, Any]) -> str:
