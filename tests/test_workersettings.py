@@ -84,6 +84,14 @@ def test_what_was_stored_reads_back_typed() -> None:
         ({"pause_when_unhealthy": 0}, "'pause_when_unhealthy' must be true or false"),
         ({OUTPUT_TOPICS: "a"}, "'output_topics' must be a list of topics"),
         ({"isolation": "subprocess"}, "unknown worker setting 'isolation'"),
+        (
+            {"health_degraded_rate": 0.6},  # above the unhealthy rate's default, 0.5
+            "'health_degraded_rate' (0.6) is above 'health_unhealthy_rate' (0.5)",
+        ),
+        (
+            {"health_degraded_rate": 0.1, "health_unhealthy_rate": 0.05},
+            "'health_degraded_rate' (0.1) is above 'health_unhealthy_rate' (0.05)",
+        ),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(raw: dict[str, object], named: str) -> None:

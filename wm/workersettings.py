@@ -249,6 +249,13 @@ def _combined(settings: WorkerSettings) -> WorkerSettings:
             "worker settings 'session_key' and 'batch_size' > 1 do not go together: a "
             "session's events run one call at a time on the instance it is bound to"
         )
+    degraded, unhealthy = settings.health_degraded_rate, settings.health_unhealthy_rate
+    if degraded > unhealthy:
+        raise InvalidArgument(
+            f"worker setting 'health_degraded_rate' ({degraded:g}) is above "
+            f"'health_unhealthy_rate' ({unhealthy:g}): a worker would be unhealthy before it "
+            "is degraded; give the degraded rate the lower one"
+        )
     return settings
 
 
