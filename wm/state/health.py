@@ -217,11 +217,11 @@ def _judge_deliveries(
     typed = WorkerSettings.of(worker_settings)
     degraded, unhealthy = typed.health_degraded_rate, typed.health_unhealthy_rate
     in_a_row, minimum = typed.health_max_consecutive_failures, typed.health_min_deliveries
-    too_few = rate >= unhealthy and total < minimum
-    if (in_a_row and consecutive >= in_a_row) or (rate >= unhealthy and not too_few):
+    over = rate >= unhealthy
+    if (in_a_row and consecutive >= in_a_row) or (over and total >= minimum):
         return Verdict(UNHEALTHY, rate, total, consecutive)
-    health = DEGRADED if rate >= degraded else HEALTHY
-    return Verdict(health, rate, total, consecutive, too_few_for=minimum if too_few else 0)
+    health = DEGRADED if rate >= degraded else HEALTHY  # over here: too few attempts
+    return Verdict(health, rate, total, consecutive, too_few_for=minimum if over else 0)
 
 
 def probe_health(probe: ProbeFacts, worker_settings: Mapping[str, Any]) -> str:
