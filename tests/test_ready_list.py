@@ -37,6 +37,7 @@ from wm.dataplane.queues import (
 )
 from wm.dataplane.readybatch import TaskTexts
 from wm.dataplane.readyscripts import PUT_MESSAGES
+from wm.dataplane.takenfacts import KEY_HEADER
 from wm.events import encode
 
 
@@ -164,6 +165,7 @@ def test_a_task_held_directly_is_the_text_kombu_would_push(
     message = app.amqp.as_task_v2(
         task_id, DELIVER_TASK, ["w", payload], kwargs, origin="gen1@host", **labels
     )
+    message.headers[KEY_HEADER] = 'k"\u00e9'
     with app.producer_or_acquire() as producer:
         producer.publish(  # as Deliveries.send publishes a queue's first message
             message.body,
@@ -178,7 +180,8 @@ def test_a_task_held_directly_is_the_text_kombu_would_push(
         with producer.batch(max_size=10):
             held = ready_batch(producer)
             assert held is not None and held.takes(queue)
-            held.put_text(queue, texts.text(queue, task_id, ["w", payload], kwargs, labels))
+            text = texts.text(queue, task_id, ["w", payload], kwargs, labels, 'k"\u00e9')
+            held.put_text(queue, text)
             held.put_text(queue, texts.text(queue, texts.task_id(), ["w", "last"], {}, labels))
     pushed = [item.decode() for item in reversed(broker.lrange(queue, 0, -1))]
     assert len(pushed) == 3

@@ -14,6 +14,7 @@ from celery.app.amqp import AMQP
 from kombu.connection import Connection
 from kombu.exceptions import KombuError
 from kombu.messaging import Consumer
+from redis.connection import parse_url
 
 from wm import sentinelurl
 from wm.config import Settings, deployment_name, masked
@@ -86,6 +87,25 @@ def control_exchanges(settings: Settings) -> dict[str, str]:
 def redis_broker(broker_url: str) -> bool:
     """True when the broker is Redis (kombu's Redis transport), itself or through Sentinel."""
     return broker_url.startswith(("redis://", "rediss://")) or sentinelurl.is_sentinel(broker_url)
+
+
+def shared_server(settings: Settings) -> tuple[int, int] | None:
+    """(the state store's database, the broker's) where the broker is a database of the
+    state store's own Redis server, so one script reaches both (no Sentinel: each may fail
+    over apart); else None. A broker is never a Redis Cluster node, nor is its server's."""
+    if not redis_broker(settings.broker_url) or any(
+        sentinelurl.is_sentinel(url) for url in (settings.broker_url, settings.redis_url)
+    ):
+        return None
+    (broker, broker_db), (state, state_db) = map(_server, (settings.broker_url, settings.redis_url))
+    return (state_db, broker_db) if broker == state else None
+
+
+def _server(url: str) -> tuple[tuple[Any, ...], int]:
+    """(what names the Redis server of ``url``, its database)."""
+    found = parse_url(url)
+    db = int(found.pop("db", 0))
+    return tuple(sorted((k, str(v)) for k, v in found.items())), db
 
 
 def broker_connection(settings: Settings, **options: Any) -> Connection:

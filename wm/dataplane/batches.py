@@ -31,6 +31,7 @@ from wm.config import Settings
 from wm.dataplane.app import BROKER_ERRORS, redis_broker
 from wm.dataplane.queues import DELIVER_TASK, EXCHANGE, subscription_queue
 from wm.dataplane.readybatch import ReadyBatch, TaskTexts
+from wm.dataplane.takenfacts import KEY_HEADER
 
 #: Seconds a batch waits for RabbitMQ's confirms before it counts as failed.
 CONFIRM_TIMEOUT_S = 30.0
@@ -87,7 +88,9 @@ class Deliveries:
         args: list[Any],
         kwargs: dict[str, Any],
         labels: dict[str, str],
+        key: str | None = None,
     ) -> None:
+        """Send a delivery of the event whose key is ``key`` (``wm.dataplane.takenfacts``)."""
         task_id = self._texts.task_id()
         if self._sent_events:
             self.app.send_task(
@@ -98,17 +101,20 @@ class Deliveries:
                 task_id=task_id,
                 producer=producer,
                 retry=False,
+                headers={KEY_HEADER: key},
                 **labels,
             )
             return
         if producer is not self._producer:
             self._producer, self._held, self._direct = producer, ready_batch(producer), set()
         if self._held is not None and queue in self._direct:
-            self._held.put_text(queue, self._texts.text(queue, task_id, args, kwargs, labels))
+            text = self._texts.text(queue, task_id, args, kwargs, labels, key)
+            self._held.put_text(queue, text)
             return
         message = self.app.amqp.as_task_v2(
             task_id, DELIVER_TASK, args, kwargs, origin=self.origin, **labels
         )
+        message.headers[KEY_HEADER] = key
         self._publish(producer, queue, message)
         if self._held is not None and self._held.takes(queue):  # declared now
             self._direct.add(queue)

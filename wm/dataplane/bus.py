@@ -62,6 +62,7 @@ from wm.dataplane.routes import (
 )
 from wm.dataplane.routes import Route as Route  # re-exported: the callers' import
 from wm.dataplane.routes import ordered as ordered
+from wm.dataplane.takenfacts import KEY_HEADER
 from wm.errors import PublishInterrupted, Unavailable
 from wm.events import (
     CloudEvent,
@@ -488,7 +489,10 @@ class Bus:
             with broker_errors(self.settings), self.app.producer_or_acquire() as producer:
                 for route in out.routes:
                     seq = out.entries.numbers.get(route.worker_id or "")
-                    self._send_one(producer, route, out.payload, dict(task_options), seq, out.about)
+                    options = dict(task_options)
+                    if out.key and route.worker_id is not None:
+                        options["headers"] = {KEY_HEADER: out.key}  # wm.dataplane.takenfacts
+                    self._send_one(producer, route, out.payload, options, seq, out.about)
                     unsent.discard(route.worker_id or "")
         except Exception:
             self._withdraw([(unsent, out.key, out.payload)])
@@ -512,7 +516,7 @@ class Bus:
                         kwargs = {} if seq is None else numbered(None, seq)
                         labels = self._labels(route, out.payload, out.about)
                         args = [route.worker_id, out.payload]
-                        tasks.send(producer, route.queue, args, kwargs, labels)
+                        tasks.send(producer, route.queue, args, kwargs, labels, out.key)
         except Exception:
             self._withdraw([(out.entries.created, out.key, out.payload) for out in outs])
             raise

@@ -65,7 +65,8 @@ MIN_BEATS_MISSED = 2
 # The holding of a message just popped, for the take scripts: KEYS of those scripts do not
 # name it. H: {this node ('' when not a node), now, unacked, unacked_index, wm.held, the
 # node's held set}. Records what kombu's QoS.append records, and the holder; returns the
-# delivery tag, or false for an item that is not a kombu message (the node parks it).
+# delivery tag and the message decoded, or false for an item that is not a kombu message
+# (the node parks it).
 HOLD = """
 local function hold(message, H)
   if H[1] == '' then return false end
@@ -83,7 +84,7 @@ local function hold(message, H)
   redis.call('HSET', H[3], tag, entry)
   redis.call('HSET', H[5], tag, H[1])
   redis.call('SADD', H[6], tag)
-  return tag
+  return tag, m
 end
 """
 # KEYS: wm.nodes, unacked_index, wm.held. ARGV: this node, the record's life (ms), now, the

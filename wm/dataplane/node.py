@@ -35,13 +35,15 @@ from wm.dataplane import (
     recovery,
     runtime,
     sweep,
+    takenfacts,
     workerhealth,
 )
-from wm.dataplane.app import broker_errors, redis_broker
+from wm.dataplane.app import broker_errors, redis_broker, shared_server
 from wm.dataplane.bus import Bus
 from wm.dataplane.liveness import Heartbeat
 from wm.dataplane.queues import DEFAULT_QUEUE, EXCHANGE
 from wm.dataplane.routes import route_of
+from wm.dataplane.tasks import first_trip_templates
 from wm.engine import check_engines
 from wm.errors import RecoveryRunning, Unavailable
 from wm.lifecycle import Status
@@ -201,6 +203,7 @@ class Reconciler(bootsteps.StartStopStep):
             recover_with_retries(self.settings, parent.app, parent.hostname)
             self.heartbeat = start_heartbeat(self.settings, parent.app, parent.hostname)
             self.watcher = start_placement(self.settings, self.heartbeat)
+            takenfacts.offer(shared_server(self.settings), first_trip_templates())
             self.recovered = True
         elif self.heartbeat is not None:  # the step restarts after a broker reconnect
             self.heartbeat.new_life()

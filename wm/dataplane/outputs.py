@@ -31,10 +31,8 @@ from typing import Any
 
 from kombu.utils.json import dumps
 from redis.cluster import RedisCluster
-from redis.connection import parse_url
 
-from wm import sentinelurl
-from wm.dataplane.app import broker_errors, redis_broker
+from wm.dataplane.app import broker_errors, redis_broker, shared_server
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
 from wm.dataplane.routes import DROPPED, READY, ROUTES, topic_key
@@ -118,19 +116,10 @@ class OutputPublisher:
     @functools.cached_property
     def _databases(self) -> tuple[int, int] | None:
         """(the state store's database, the broker's) where outputs' pushes fold into their
-        record's round trip: the broker is a database of the state store's own Redis server
-        (no Sentinel, no cluster). None elsewhere."""
-        settings = self.bus.settings
-        if not self.redis_broker or any(
-            sentinelurl.is_sentinel(url) for url in (settings.broker_url, settings.redis_url)
-        ):
+        record's round trip (``wm.dataplane.app.shared_server``). None elsewhere."""
+        if isinstance(self.bus.redis, RedisCluster):
             return None
-        (broker, broker_db), (state, state_db) = map(
-            _server, (settings.broker_url, settings.redis_url)
-        )
-        if broker != state or isinstance(self.bus.redis, RedisCluster):
-            return None
-        return state_db, broker_db
+        return shared_server(self.bus.settings)
 
     def folded(
         self, outputs: list[CloudEvent], texts: list[str], outcome: str, body: str
@@ -238,13 +227,6 @@ def output_topic(output: CloudEvent) -> str:
     """The route topic of an output (stamped by its delivery): its type, in the tenant of
     the worker that made it."""
     return route_topic(tenant_of(output), output.get_type())
-
-
-def _server(url: str) -> tuple[tuple[Any, ...], int]:
-    """(what names the Redis server of ``url``, its database)."""
-    found = parse_url(url)
-    db = int(found.pop("db", 0))
-    return tuple(sorted((k, str(v)) for k, v in found.items())), db
 
 
 def _kombu_message(channel: Any, payload: str, queue: str) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from kombu.transport import redis as kombu_redis
 
 from wm.dataplane.queues import DELIVER_TASK, EXCHANGE
 from wm.dataplane.readyscripts import PUT, PUT_MESSAGES
+from wm.dataplane.takenfacts import KEY_HEADER
 
 
 class ReadyBatch(kombu_redis.PublishBatch):
@@ -106,6 +107,7 @@ class TaskTexts:
         marks = {name: f"@wm-{name}@" for name in _FILLED}
         labels = {name: marks[name] for name in ("shadow", "argsrepr", "kwargsrepr")}
         message = app.amqp.as_task_v2(marks["id"], DELIVER_TASK, [], {}, origin=origin, **labels)
+        message.headers[KEY_HEADER] = marks["key"]
         stored = {
             "body": marks["body"],
             "content-encoding": "utf-8",
@@ -143,9 +145,11 @@ class TaskTexts:
         args: list[Any],
         kwargs: dict[str, Any],
         labels: dict[str, str],
+        key: str | None = None,
     ) -> str:
         """The stored text of the task message ``task_id`` with ``args`` and ``kwargs`` to
-        ``queue``, labelled with ``labels`` (``wm.dataplane.queues.delivery_labels``)."""
+        ``queue``, labelled with ``labels`` (``wm.dataplane.queues.delivery_labels``), its
+        event's ``key`` in its :data:`~wm.dataplane.takenfacts.KEY_HEADER` header."""
         body = f"[{json.dumps(args)}, {json.dumps(kwargs) if kwargs else '{}'}{self._body_end}"
         self._tagged += 1
         return self._format(
@@ -156,11 +160,12 @@ class TaskTexts:
             shadow=_quoted(labels["shadow"]),
             argsrepr=_quoted(labels["argsrepr"]),
             kwargsrepr=_quoted(labels["kwargsrepr"]),
+            key="null" if key is None else _quoted(key),
         )
 
 
 #: The values :class:`TaskTexts` puts into its template.
-_FILLED = ("body", "id", "queue", "tag", "shadow", "argsrepr", "kwargsrepr")
+_FILLED = ("body", "id", "queue", "tag", "shadow", "argsrepr", "kwargsrepr", "key")
 #: Task ids :meth:`TaskTexts.task_id` counts under one random prefix.
 _IDS_PER_PREFIX = 0x10000
 #: A string as ``json.dumps`` writes it (its own fast path).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from wm.dataplane.liveness import HOLD
 from wm.dataplane.placement import PLACE
+from wm.dataplane.takenfacts import FACTS
 
 #: Messages one merge script moves at most, so a long list never blocks Redis for long.
 MERGE_BATCH = 10_000
@@ -36,14 +37,16 @@ end
 PUT_MESSAGES = 1000
 # The message of a popped name. KEYS: the ready list, the lists of the queue's levels read,
 # highest priority first. ARGV: the queue, 1 if the name came from this node's inbox, the six
-# H of liveness.HOLD, then the P of placement.PLACE. Returns {oldest message, names still
-# listed, its delivery tag if recorded as held}, or nil when the queue is empty or placed on
-# another node (its name is then in that node's inbox).
+# H of liveness.HOLD, the F of takenfacts.FACTS, then the P of placement.PLACE. Returns
+# {oldest message, names still listed, its delivery tag if recorded as held, the facts read
+# for it}, or nil when the queue is empty or placed on another node (its name is then in
+# that node's inbox).
 TAKE = (
     HOLD
     + PLACE
+    + FACTS
     + """
-local H, P, lists = {unpack(ARGV, 3, 8)}, {unpack(ARGV, 9)}, {unpack(KEYS, 2)}
+local H, F, P, lists = {unpack(ARGV, 3, 8)}, ARGV[9], {unpack(ARGV, 10)}, {unpack(KEYS, 2)}
 if ARGV[2] ~= '1' and not placed(ARGV[1], lists, P) then return false end
 for i = 2, #KEYS do
   local message = redis.call('RPOP', KEYS[i])
@@ -51,7 +54,8 @@ for i = 2, #KEYS do
     relist(ARGV[1], depth(lists), P)
     local listed = redis.call('LLEN', KEYS[1])
     if P[1] ~= '' then listed = listed + redis.call('LLEN', P[1] .. P[2]) end
-    return {message, listed, hold(message, H)}
+    local tag, m = hold(message, H)
+    return {message, listed, tag, facts(ARGV[1], m, message, F)}
   end
 end
 return false
@@ -61,16 +65,19 @@ return false
 # placement.PLACE), or of the other queues consumed. KEYS: the ready list, then the other
 # queues' lists. ARGV: 1 to try the other queues first (then ``:<tenant>`` to take a listed
 # queue of another tenant before the next of that one's, ``wm.dataplane.fairshare``), the
-# number L of levels, the L suffixes of a level's list, then the six H of liveness.HOLD and
-# the P of placement.PLACE.
-# Returns {queue, message, the list it came from, its delivery tag if recorded as held} or
-# nil. A name whose queue is empty is dropped; one placed on another node goes to its inbox.
+# number L of levels, the L suffixes of a level's list, then the six H of liveness.HOLD, the
+# F of takenfacts.FACTS and the P of placement.PLACE.
+# Returns {queue, message, the list it came from, its delivery tag if recorded as held, the
+# facts read for a worker queue's message} or nil. A name whose queue is empty is dropped;
+# one placed on another node goes to its inbox.
 TAKE_NEXT = (
     HOLD
     + PLACE
+    + FACTS
     + """
 local levels = tonumber(ARGV[2])
-local H, P = {unpack(ARGV, levels + 3, levels + 8)}, {unpack(ARGV, levels + 9)}
+local H, F = {unpack(ARGV, levels + 3, levels + 8)}, ARGV[levels + 9]
+local P = {unpack(ARGV, levels + 10)}
 local inbox = P[1] ~= '' and (P[1] .. P[2]) or nil
 local function pop()
   local queue = inbox and redis.call('RPOP', inbox)
@@ -96,7 +103,7 @@ local function listed()
           local message = redis.call('RPOP', key)
           if message then
             relist(queue, depth(lists), P)
-            return {queue, message, key}
+            return {queue, message, key, true}
           end
         end
       end
@@ -118,7 +125,11 @@ if string.sub(ARGV[1], 1, 1) == '1' then
 else
   taken = listed() or others()
 end
-if taken then taken[4] = hold(taken[2], H) end
+if taken then
+  local tag, m = hold(taken[2], H)
+  taken[5] = taken[4] and facts(taken[1], m, taken[2], F)
+  taken[4] = tag
+end
 return taken
 """
 )

@@ -16,6 +16,7 @@ from celery import Celery, Task
 
 from wm.config import Settings
 from wm.dataplane import enginecontrol
+from wm.dataplane.app import shared_server
 from wm.dataplane.bus import Bus
 from wm.dataplane.deadletters import DeadLetters
 from wm.dataplane.enginecache import EngineCache
@@ -49,6 +50,8 @@ class Runtime:
         self.outcomes = Outcomes(settings)
         self.ledger = Ledger(settings)
         self.outputs = OutputPublisher(self.bus)
+        #: The node's take reads a delivery's first facts (``wm.dataplane.takenfacts``).
+        self.takes_facts = shared_server(settings) is not None
         self.locks = GroupLocks(settings)
         self.slots = Slots(settings)
         self.tenant_gate = TenantGate(settings)

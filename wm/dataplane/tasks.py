@@ -24,7 +24,7 @@ from celery import Task, shared_task
 from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 
-from wm.dataplane import guard, logcontext, pending, shares, tracing
+from wm.dataplane import guard, logcontext, pending, shares, takenfacts, tracing
 from wm.dataplane import runtime as runtime_module
 from wm.dataplane.batchtask import Batcher, Boundary
 from wm.dataplane.bus import send_plain
@@ -53,11 +53,21 @@ from wm.events import CloudEvent, decode, key_of, payload_key
 from wm.lifecycle import Status
 from wm.names import DEFAULT_TENANT
 from wm.state import settled
-from wm.state.directory import WorkerMeta, code_key
+from wm.state.directory import WorkerMeta, code_key, find_keys
+from wm.state.outcomes import Outcomes
 from wm.state.requeues import Requeues
 from wm.store.shares import Share
 
-__all__ = ["PIPELINE", "breaker_retry", "deliver", "echo", "noop", "reset_runtime", "start_due"]
+__all__ = [
+    "PIPELINE",
+    "breaker_retry",
+    "deliver",
+    "echo",
+    "first_trip_templates",
+    "noop",
+    "reset_runtime",
+    "start_due",
+]
 
 logger = logging.getLogger(__name__)
 PIPELINE = Pipeline(FEATURES)
@@ -310,13 +320,16 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     guard.check_queue(event, message.queue, worker_id)  # before any store is touched
     event_key = key_of(event)
     keys = _first_trip_keys(rt, worker_id, event_key)
-    found, values = rt.directory.find(worker_id, *keys)
+    request = task.request
+    read = None  # what the take of its message read for it, if the node did
+    if rt.takes_facts:
+        read = takenfacts.taken(request.headers, worker_id, event_key)
+    found, values = rt.directory.find(worker_id, *keys, read=read)
     facts, share = dict(zip(keys, values, strict=True)), None
     if isinstance(found, Share):
         share = found.id
         found, facts = _member(found, rt, {keys[0]: values[0]})
     meta = _running(rt, message, event, found)
-    request = task.request
     delivery = Delivery(
         rt,
         meta,
@@ -355,10 +368,21 @@ def _first_trip_keys(rt: Runtime, worker_id: str, event_key: str) -> list[str]:
     """What the first trip reads beside the worker's facts: the event's recorded outcome
     (first, under its key ``event_key``), the features' keys and, on this process's first
     delivery to the worker, its cached code."""
-    keys = [rt.outcomes.key(worker_id, event_key), *PIPELINE.fact_keys(worker_id)]
+    keys = _trip_keys(worker_id, event_key)
     if rt.engines.loaded(worker_id) is None:
         keys.append(code_key(worker_id))
     return keys
+
+
+def _trip_keys(worker_id: str, event_key: str) -> list[str]:
+    return [Outcomes.key(worker_id, event_key), *PIPELINE.fact_keys(worker_id)]
+
+
+def first_trip_templates() -> list[str]:
+    """The keys of a delivery's first trip but the code's, as a node's take reads them for
+    it (``wm.dataplane.takenfacts``): ``Directory.find``'s, then :func:`_first_trip_keys`'."""
+    worker, event = takenfacts.WORKER_MARK, takenfacts.EVENT_MARK
+    return [*find_keys(worker), *_trip_keys(worker, event)]
 
 
 def _member(share: Share, rt: Runtime, facts: dict[str, Any]) -> tuple[WorkerMeta, dict[str, Any]]:

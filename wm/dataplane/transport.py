@@ -77,6 +77,7 @@ from wm.dataplane.readyscripts import (
     TAKE,
     TAKE_NEXT,
 )
+from wm.dataplane.takenfacts import facts_args, hand_over
 from wm.errors import BrokerUnavailable
 from wm.state.connection import refuse_cluster_broker
 
@@ -334,7 +335,7 @@ class Channel(kombu_redis.Channel):
             suffixes = self._levels("")
             command = ["EVAL", TAKE_NEXT, 1 + len(others), self.ready_key, *others]
             first = f"{int(self._others_first)}:{fairshare.avoided(self._last_tenant)}"
-            command += [first, len(suffixes), *suffixes, *hold_args(self)]
+            command += [first, len(suffixes), *suffixes, *hold_args(self), *facts_args()]
             command += place_args(self)
         else:
             self._sent = "BRPOP"
@@ -381,14 +382,14 @@ class Channel(kombu_redis.Channel):
             raise Empty()
         keys = [self.ready_key, *self._levels(queue)]
         with self.conn_or_acquire() as client:
-            args = [queue, int(mine), *hold_args(self), *place_args(self)]
+            args = [queue, int(mine), *hold_args(self), *facts_args(), *place_args(self)]
             reply = self._script(TAKE)(keys=keys, args=args, client=client)
         if not reply:
             raise Empty()
-        item, listed, tag = (*reply, None)[:3]
+        item, listed, tag, facts = (*reply, None, None)[:4]
         self._backlog = int(listed) > 0
         self._last_tenant = fairshare.queue_tenant(queue)
-        self._deliver_item(item, queue, tag)
+        self._deliver_item(item, queue, tag, facts)
         return True
 
     def _took_next(self, reply: Any) -> bool:
@@ -397,7 +398,7 @@ class Channel(kombu_redis.Channel):
             self._backlog = False
             raise Empty()
         queue, item, key = (bytes_to_str(reply[0]), reply[1], bytes_to_str(reply[2]))
-        tag = reply[3] if len(reply) > 3 else None
+        tag, facts = (*reply[3:], None, None)[:2]
         if not self._ready_for(queue):  # one of the other queues
             queue = queue.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
@@ -416,14 +417,18 @@ class Channel(kombu_redis.Channel):
             raise Empty()
         else:
             self._last_tenant = fairshare.queue_tenant(queue)
-        self._deliver_item(item, queue, tag)
+        self._deliver_item(item, queue, tag, facts)
         return True
 
-    def _deliver_item(self, item: bytes, queue: str, tag: bytes | None = None) -> None:
+    def _deliver_item(
+        self, item: bytes, queue: str, tag: bytes | None = None, facts: Any = None
+    ) -> None:
         """Deliver a popped list item; one that is no kombu message as raw bytes. ``tag``:
-        the take recorded the message as held (kombu's QoS.append need not)."""
+        the take recorded the message as held (kombu's QoS.append need not); ``facts``:
+        what the take read for its delivery (``wm.dataplane.takenfacts``)."""
         try:
             message, taken = loads(bytes_to_str(item)), True
+            hand_over(message, facts)
         except json.JSONDecodeError as exc:
             message, taken = raw_message(self, exc.doc.encode(), queue), False
         if tag and not (taken and is_kombu_message(self, message)):

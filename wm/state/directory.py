@@ -149,17 +149,21 @@ class Directory:
                 )
             return meta, more
 
-    def find(self, target: str, *keys: str) -> tuple[WorkerMeta | Share | None, list[Any]]:
+    def find(
+        self, target: str, *keys: str, read: list[Any] | None = None
+    ) -> tuple[WorkerMeta | Share | None, list[Any]]:
         """:meth:`get_with` for the id a delivery carries: a worker's, or a shared group's
         (its :class:`~wm.store.shares.Share`, read in the same MGET, cached as a worker's
-        entry is; ``keys`` carry ``target``'s hash tag)."""
+        entry is; ``keys`` carry ``target``'s hash tag). ``read``: the values of
+        :func:`find_keys` and ``keys``, read already (by the take of the delivery's message);
+        read here if they are not as many."""
         if not target:
             return None, [None] * len(keys)
-        cache, generation = _keys(target)
-        with redis_errors(self.settings):
-            raw, seen, shared, *more = self.redis.mget(
-                [cache, generation, _share_key(target), *keys]
-            )
+        names = [*find_keys(target), *keys]
+        if read is None or len(read) != len(names):
+            with redis_errors(self.settings):
+                read = self.redis.mget(names)
+        raw, seen, shared, *more = read
         if raw is not None:
             return _parsed(raw), more
         if shared is not None:
@@ -327,6 +331,12 @@ def cached_code(entry: Any, sha256: str) -> bytes | None:
         return None
     code = entry[_SHA256_HEX:]
     return code if hashlib.sha256(code).hexdigest() == sha256 else None
+
+
+def find_keys(target: str) -> list[str]:
+    """What :meth:`Directory.find` reads of ``target`` before the keys it is given: its
+    cache entry, its generation and the entry it would have as a shared group."""
+    return [*_keys(target), _share_key(target)]
 
 
 def _share_key(share_id: str) -> str:
