@@ -129,7 +129,7 @@ def test_facts_a_publisher_put_in_the_message_are_not_used(
 
 @pytest.mark.parametrize(
     "change",
-    ["stale", "other worker", "other event", "not a list", "none"],
+    ["stale", "other worker", "other event", "not a list", "told after", "none"],
 )
 def test_handed_facts_are_used_only_when_they_are_the_deliverys_own_and_fresh(
     change: str,
@@ -146,7 +146,8 @@ def test_handed_facts_are_used_only_when_they_are_the_deliverys_own_and_fresh(
     elif change == "not a list":
         handed = {"values": values}
     headers = {takenfacts.FACTS_HEADER: handed}
-    got = takenfacts.taken(headers, wid, key)
+    told_at = time.time() if change == "told after" else 0.0  # a stop's question since
+    got = takenfacts.taken(headers, wid, key, told_at)
     assert got == (values if change == "none" else None)
     assert takenfacts.FACTS_HEADER not in headers  # never carried into a retry
 

@@ -66,6 +66,9 @@ class Runtime:
         #: When each worker's engine was last killed here (its deliveries begun before were
         #: interrupted by the stop, not failed).
         self.killed_at: dict[str, float] = {}
+        #: When this process last heard a command about each worker (a stop's question, an
+        #: unload): facts a take read before it are read again (``wm.dataplane.takenfacts``).
+        self.told_at: dict[str, float] = {}
         self.listener = enginecontrol.Listener(settings, self.command)
         self.listener.start()
         self.watchdog = Watchdog()
@@ -102,6 +105,7 @@ class Runtime:
     def command(self, op: str, worker_id: str) -> int | None:
         """An engine command: ``ask`` how many of the worker's deliveries run here, ``kill``
         its engine if they do, or ``unload`` it."""
+        self.told_at[worker_id] = time.time()
         if op == enginecontrol.ASK:
             return self.in_flight[worker_id]
         if op == enginecontrol.UNLOAD:

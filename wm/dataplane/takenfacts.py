@@ -10,16 +10,19 @@ record as its first request.
 
 What the script reads: for a worker queue's message (``<topic>::<id>``) whose ``wmkey``
 header (set by every WorkManager publisher: the event's key, ``wm.events.key_of``) names its
-event, the keys of :data:`SPEC`'s templates with the queue's id and that key put in. A pool
-process uses them only when the id and key are the message's own, the keys are the ones it
-would read, and they were read less than :data:`MAX_AGE_S` ago; else it reads them itself,
-as it does for a message without the header, on RabbitMQ, Sentinel or a broker on another
-server.
+event, the keys of :data:`SPEC`'s templates (``wm.dataplane.tasks.first_trip_templates``)
+with the queue's id and that key put in. A pool process uses them only when the id and key
+are its delivery's own, they are as many as it would read (its first delivery to a worker
+also reads the code) and were read less than :data:`MAX_AGE_S` ago; else it reads them
+itself, as it does for a message without the header, on RabbitMQ, Sentinel or a broker on
+another server.
 
 The facts are read when the node takes the message, a few milliseconds before it runs: a
-worker stopped or paused in that time still runs the events the node took, as it runs one
-already running; an outcome another copy records meanwhile is still caught by the record,
-whose first outcome wins and is the one published.
+worker suspended or paused in that time still runs the events the node took, as it runs one
+already running. A stop does not: its question to every process (how many of the worker's
+deliveries run here?) makes each read the facts itself for the events taken before it, and
+find the worker stopping. An outcome another copy records meanwhile is still caught by the
+record, whose first outcome wins and is the one published.
 """
 
 from __future__ import annotations
@@ -112,9 +115,12 @@ def hand_over(message: Any, read: Any) -> None:
     headers[FACTS_HEADER] = [time.time(), bytes_to_str(worker), bytes_to_str(key), texts]
 
 
-def taken(headers: Mapping[str, Any] | None, worker_id: str, event_key: str) -> list[Any] | None:
+def taken(
+    headers: Mapping[str, Any] | None, worker_id: str, event_key: str, after: float = 0.0
+) -> list[Any] | None:
     """The values a take read for the delivery to ``worker_id`` of the event ``event_key``,
-    from the request's ``headers``; None where they are not the delivery's own, too old, or
+    from the request's ``headers``; None where they are not the delivery's own, too old, read
+    before ``after`` (when the process last heard a stop's command about the worker), or
     the node did not read them (the delivery reads them). Only where the node's Redis
     transport hands the facts over (:func:`hand_over`), which drops any a publisher put in
     the message."""
@@ -124,7 +130,7 @@ def taken(headers: Mapping[str, Any] | None, worker_id: str, event_key: str) -> 
     if not (isinstance(handed, list) and len(handed) == 4):
         return None
     at, worker, key, values = handed
-    fresh = isinstance(at, float) and 0 <= time.time() - at < MAX_AGE_S
+    fresh = isinstance(at, float) and at > after and 0 <= time.time() - at < MAX_AGE_S
     if fresh and worker == worker_id and key == event_key and isinstance(values, list):
         return values
     return None

@@ -323,7 +323,8 @@ def _delivery(task: Task, rt: Runtime, message: _Message) -> Delivery:
     request = task.request
     read = None  # what the take of its message read for it, if the node did
     if rt.takes_facts:
-        read = takenfacts.taken(request.headers, worker_id, event_key)
+        told_at = rt.told_at.get(worker_id, 0.0)  # a stop's question since the take?
+        read = takenfacts.taken(request.headers, worker_id, event_key, told_at)
     found, values = rt.directory.find(worker_id, *keys, read=read)
     facts, share = dict(zip(keys, values, strict=True)), None
     if isinstance(found, Share):
