@@ -490,7 +490,7 @@ class Bus:
                 for route in out.routes:
                     seq = out.entries.numbers.get(route.worker_id or "")
                     options = dict(task_options)
-                    if out.key and route.worker_id is not None:
+                    if out.key:  # a plain subscription's send takes no options
                         options["headers"] = {KEY_HEADER: out.key}  # wm.dataplane.takenfacts
                     self._send_one(producer, route, out.payload, options, seq, out.about)
                     unsent.discard(route.worker_id or "")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
@@ -84,12 +83,11 @@ class _Spec:
 SPEC = _Spec()
 
 
-def offer(databases: tuple[int, int] | None, templates: list[str]) -> bool:
+def offer(databases: tuple[int, int] | None, templates: list[str]) -> None:
     """Have this node's take scripts read ``templates`` (keys with :data:`WORKER_MARK` and
     :data:`EVENT_MARK`) from the state store's database: ``databases`` is (its number, the
     broker's) where the broker is a database of its server, else None (off)."""
     SPEC.text = "" if databases is None else json.dumps({"db": databases, "keys": templates})
-    return bool(SPEC.text)
 
 
 def facts_args() -> list[str]:
@@ -116,7 +114,7 @@ def hand_over(message: Any, read: Any) -> None:
 
 
 def taken(
-    headers: Mapping[str, Any] | None, worker_id: str, event_key: str, after: float = 0.0
+    headers: dict[str, Any] | None, worker_id: str, event_key: str, after: float = 0.0
 ) -> list[Any] | None:
     """The values a take read for the delivery to ``worker_id`` of the event ``event_key``,
     from the request's ``headers``; None where they are not the delivery's own, too old, read
