@@ -74,6 +74,8 @@ _u16 = struct.Struct("<H").unpack_from
 #: The first Extension table and its vtable: 8-byte vtable of a 12-byte table whose key is
 #: at offset 4 and value at 8, then the table (soffset 8: its vtable right before it).
 _FIRST_EXTENSION = struct.Struct("<HHHHiII")
+#: An Extension's vtable with both fields: its size, its table's, the key's and value's offsets.
+_PAIR_VTABLE = struct.Struct("<HHHH")
 _NEXT_EXTENSION = struct.Struct("<iII")
 #: A string's terminator and padding to the next 4-byte boundary, by ``len & 3``.
 _STRING_TAIL: Final = (b"\0\0\0\0", b"\0\0\0", b"\0\0", b"\0")
@@ -439,7 +441,93 @@ def _vector(buf: bytes, at: int, width: int, what: str) -> tuple[int, int]:
     return start + 4, length
 
 
+class _Unusual(Exception):
+    """A shape the fast reading of extensions leaves to the checked one."""
+
+
 def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
+    """The extensions vector at ``at`` read into ``attributes``: in one pass where every
+    table's vtable holds exactly its two fields, every key was seen valid before, and no
+    check fails (an answer's usual shape); anything else is read again by
+    :func:`_extensions_checked`, which names the defect. Both accept the same buffers and
+    read the same values (the tests compare them on fuzzed and edited buffers)."""
+    try:
+        found = _extensions_usual(buf, at)
+    except (_Unusual, struct.error, IndexError, UnicodeDecodeError):
+        _extensions_checked(attributes, buf, at)
+        return
+    attributes.update(found)
+
+
+def _extensions_usual(buf: bytes, at: int) -> dict[str, str]:
+    """The one pass of :func:`_extensions_into`: :class:`_Unusual` (or the error of a read
+    outside the buffer) where it leaves the buffer to the checked reading. Every position
+    read is a sum of unsigned offsets but a vtable's, checked not to be negative
+    (``unpack_from`` reads a negative offset from the end)."""
+    size = len(buf)
+    found: dict[str, str] = {}
+    start = at + _u32(buf, at)[0]
+    end = start + 4 + 4 * _u32(buf, start)[0]
+    if end > size:
+        raise _Unusual
+    budget = size  # as in _extensions_checked
+    shared: dict[int, str] = {}
+    for element in range(start + 4, end, 4):
+        table = element + _u32(buf, element)[0]
+        key_at, value_at = _pair_fields(buf, table, size)
+        where = table + key_at
+        text = where + _u32(buf, where)[0] + 4
+        stop = text + _u32(buf, text - 4)[0]
+        if buf[stop]:
+            raise _Unusual
+        key = buf[text:stop].decode("utf-8")
+        if key not in _KEYS_SEEN or key in found:  # a key seen valid is no core attribute
+            raise _Unusual
+        budget -= len(key)
+        value = ""
+        if value_at:
+            where = table + value_at
+            text = where + _u32(buf, where)[0]
+            if text in shared:
+                value = shared[text]
+            else:
+                value = shared[text] = _terminated(buf, text)
+                budget -= len(value)
+        if budget < 0:
+            raise _Unusual
+        found[key] = value
+    return found
+
+
+def _pair_fields(buf: bytes, table: int, size: int) -> tuple[int, int]:
+    """The key's and value's offsets in the Extension table at ``table``, where its vtable
+    holds both fields and no more, the key is set, and both lie inside the table."""
+    vtable = table - _i32(buf, table)[0]
+    if vtable < 0:
+        raise _Unusual
+    vtable_size, table_size, key_at, value_at = _PAIR_VTABLE.unpack_from(buf, vtable)
+    if (
+        vtable_size != 8
+        or not key_at
+        or key_at > table_size - 4
+        or value_at > table_size - 4
+        or table + table_size > size
+    ):
+        raise _Unusual
+    return key_at, value_at
+
+
+def _terminated(buf: bytes, at: int) -> str:
+    """The string whose length is at ``at``, where its terminator is in place."""
+    stop = at + 4 + _u32(buf, at)[0]
+    if buf[stop]:
+        raise _Unusual
+    return buf[at + 4 : stop].decode("utf-8")
+
+
+def _extensions_checked(attributes: dict[str, Any], buf: bytes, at: int) -> None:
+    """:func:`_extensions_into` one check at a time: a defect raises a :class:`CodecError`
+    that names the extension and the defect."""
     first, length = _vector(buf, at, 4, "result_event.extensions")
     # A string shared by several extensions is read once. Other strings never overlap in a
     # well-formed buffer, so more text than the buffer holds means a hostile one.
@@ -458,7 +546,7 @@ def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
             if key in attributes:
                 raise CodecError(f"extension key {key!r} appears twice")
             budget -= len(key)
-            value = ""
+            value: str | None = ""
             if value_at:
                 where = table + value_at
                 start = where + _u32(buf, where)[0]

@@ -197,7 +197,8 @@ class NativeEngine(Engine):
         self._runner: Runner | None = None
         self._worker: WorkerSpec | None = None
         self._encoder = codec.Encoder()
-        self._gate = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._gate = threading.Condition(self._lock)  # the per-message path takes the lock alone
         self._in_flight = 0
         self._reloading = False
         self._saved_env: dict[str, str | None] | None = None
@@ -292,7 +293,7 @@ class NativeEngine(Engine):
     def _enter(self, method: str) -> tuple[Runner, WorkerSpec]:
         """The runner and worker loaded now, counted in flight until :meth:`_leave` (the
         per-message path, without a context manager's generator)."""
-        with self._gate:
+        with self._lock:
             while self._reloading:
                 self._gate.wait()
             runner, worker = self._runner, self._worker
@@ -302,7 +303,7 @@ class NativeEngine(Engine):
         return runner, worker
 
     def _leave(self) -> None:
-        with self._gate:
+        with self._lock:
             self._in_flight -= 1
             if self._reloading and not self._in_flight:
                 self._gate.notify_all()
