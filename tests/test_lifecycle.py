@@ -21,6 +21,9 @@ from wm import (
 )
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
 from wm.lifecycle import Status
+from wm.state.connection import redis_for
+from wm.state.directory import FORGOTTEN_GENERATION_S
+from wm.state.health import WorkerHealth, since_key, state_key
 from wm.store import records
 
 
@@ -177,6 +180,22 @@ def test_a_start_finishes_a_stop_in_progress_then_starts(manager: WorkManager) -
         ("stopped", "starting"),
         ("starting", "running"),
     ]
+
+
+def test_a_deleted_worker_leaves_no_verdict_and_its_generation_ends(manager: WorkManager) -> None:
+    """What the maintaining node keeps of a worker's health has no end of its own: the
+    delete takes it. The worker's cache generation ends a day after."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    manager.start_worker(worker.id)
+    wid, redis = str(worker.id), redis_for(manager.settings)
+    WorkerHealth(manager.settings).judge_all({wid: {}})  # as the maintaining node does
+    redis.set(since_key(wid), repr(time.time()))  # as a change of verdict writes it
+    generation = f"wm:worker-generation:{{{wid}}}"
+    assert redis.exists(state_key(wid), since_key(wid), generation) == 3
+    assert redis.ttl(generation) == -1
+    manager.delete_worker(worker.id)
+    assert redis.exists(state_key(wid), since_key(wid)) == 0
+    assert 0 < redis.ttl(generation) <= FORGOTTEN_GENERATION_S
 
 
 def test_illegal_transitions_are_refused(manager: WorkManager) -> None:

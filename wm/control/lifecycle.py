@@ -36,6 +36,7 @@ from wm.state import quota
 from wm.state.affinity import Affinity
 from wm.state.breaker import Breaker
 from wm.state.directory import Directory
+from wm.state.health import WorkerHealth
 from wm.state.ledger import Ledger
 from wm.state.ordering import Ordering
 from wm.store import records, shares
@@ -257,8 +258,8 @@ class Lifecycle:
         self.context.changed(wid)
         if removed is not None:
             self._removed(removed)
-            Ordering(self.settings).forget_worker(str(wid))
-            Affinity(self.settings).forget_worker(str(wid))
+            for state in (Ordering, Affinity, WorkerHealth, Directory):
+                state(self.settings).forget_worker(str(wid))
             enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
         return self.workers.get(wid)
 

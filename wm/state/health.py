@@ -307,6 +307,12 @@ class WorkerHealth:
             for worker_id, verdict, (old, _) in zip(ids, verdicts, kept, strict=True)
         }
 
+    def forget_worker(self, worker_id: str) -> None:
+        """A deleted worker's kept verdict and since when (its counts and probe facts end by
+        themselves)."""
+        with redis_errors(self.settings):
+            redis_for(self.settings).delete(state_key(worker_id), since_key(worker_id))
+
     def known(self, worker_ids: list[str]) -> dict[str, str]:
         """The kept verdicts of these workers (``unknown`` where none was made yet)."""
         if not worker_ids:
