@@ -546,7 +546,7 @@ def _extensions_checked(attributes: dict[str, Any], buf: bytes, at: int) -> None
             if key in attributes:
                 raise CodecError(f"extension key {key!r} appears twice")
             budget -= len(key)
-            value: str | None = ""
+            value = ""
             if value_at:
                 where = table + value_at
                 start = where + _u32(buf, where)[0]
