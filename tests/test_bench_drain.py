@@ -29,7 +29,16 @@ from wm.bench.rig import PYTHON_ANSWER, EngineWorker, Rig, mismatches, task_opti
 from wm.dataplane.app import make_app
 from wm.dataplane.queues import plain_queue_name
 from wm.engine import child_pids
+from wm.state.connection import pooled_client
 
+#: Keys of a worker's state that a deleted worker must not leave for long.
+WORKER_STATE = (
+    "wm:outcome:",
+    "wm:published:",
+    "wm:worker-generation:",
+    "wm:health-state:",
+    "wm:health-since:",
+)
 #: Busy time of each event of the slow stub worker (ms), and how many it is sent.
 SLOW_MS, SLOW_EVENTS = 200, 8
 
@@ -60,7 +69,13 @@ def rig(bench_settings: Settings) -> Iterator[Rig]:
 
 
 def _assert_gone(rig: Rig) -> None:
-    """Nothing the bench made is left on RabbitMQ (a Redis of the test's own goes anyway)."""
+    """Nothing the bench made is left: no key of the test's own Redis names the bench or a
+    worker's state (outcomes, the markers of outputs published, cache generations, kept
+    health verdicts), nor on RabbitMQ a queue or exchange of the bench's."""
+    for url in {rig.settings.redis_url, rig.settings.broker_url} - {AMQP_URL}:
+        keys = [key.decode() for key in pooled_client(url).scan_iter()]
+        left = [key for key in keys if rig.prefix in key or key.startswith(WORKER_STATE)]
+        assert not left, f"{url}: {left[:10]}"
     if rig.redis_broker:
         return
     assert rig.queues

@@ -51,6 +51,8 @@ CONTROL_ATTEMPTS = 3
 AMQP_SOCKET_TIMEOUT_S = 30
 #: Broker connections (and producers) of the bench's app beyond two per node it starts.
 POOL_SPARE = 4
+#: Keys a SCAN step of :meth:`Rig._sweep` asks for, and keys a DEL of it deletes.
+SWEEP_BATCH = 1000
 #: The inspect command of ``wm.bench.benchnode``: tasks its node finished with success.
 SUCCEEDED_COMMAND = "wm_bench_succeeded"
 #: The bare-Celery reference tasks (``wm.dataplane.tasks``), compared with ``wm.deliver``.
@@ -308,11 +310,12 @@ class Rig:
 
     def close(self) -> None:
         """Delete the workers, subscriptions and queues made, on RabbitMQ the exchanges the
-        node and the reference queues created, on Redis the ready list; every step is tried
-        even if one fails."""
+        node and the reference queues created, on Redis the ready list, then every key left
+        of them (:meth:`_sweep`); every step is tried even if one fails."""
         workers, subscriptions = self._workers, self._subscriptions
         self._workers, self._subscriptions = [], []
         with contextlib.ExitStack() as steps:  # its callbacks run last-in, first-out
+            steps.callback(self._sweep, workers)
             steps.callback(self.app.close)  # its connections stay in kombu's shared pools
             if not self.redis_broker:
                 steps.callback(self._delete_exchanges)
@@ -326,6 +329,30 @@ class Rig:
                 steps.callback(self.manager.unsubscribe, topic, name)
             for worker_id in workers:
                 steps.callback(self.manager.delete_worker, worker_id)
+
+    def _sweep(self, workers: list[str]) -> None:
+        """Delete what its deleted names and workers leave in the Redis databases of broker
+        and state store: kombu's bindings, the topics' flags and the markers of outputs
+        published once (named after the prefix), the workers' outcome records and cache
+        generations (tagged with their ids), which would otherwise end only after
+        WM_OUTCOME_TTL_S or a day in a Redis the bench was pointed at. One SCAN of each
+        database (a scale phase's thousand workers are looked for in the same pass)."""
+        urls = [self.settings.redis_url]
+        if self.redis_broker:
+            urls.append(self.settings.broker_url)
+        tags = {f"{{{worker}}}" for worker in workers}
+        for url in dict.fromkeys(urls):
+            client = pooled_client(url)
+            found = [key for key in client.scan_iter(count=SWEEP_BATCH) if self._left(key, tags)]
+            for start in range(0, len(found), SWEEP_BATCH):
+                client.delete(*found[start : start + SWEEP_BATCH])
+
+    def _left(self, key: bytes | str, tags: set[str]) -> bool:
+        """Whether ``key`` is one of the bench's own (:meth:`_sweep`)."""
+        name = key.decode(errors="replace") if isinstance(key, bytes) else key
+        opened = name.find("{")
+        tag = name[opened : name.find("}", opened) + 1] if opened >= 0 else ""
+        return self.prefix in name or tag in tags
 
     def _delete_bare(self, name: str) -> None:
         with self.app.connection_for_write() as connection:
