@@ -543,9 +543,9 @@ def test_fast_extension_reading_agrees_with_the_checked_one(
     fb: SimpleNamespace, rng: random.Random, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``_extensions_into`` reads an answer's usual shape in one pass and leaves anything
-    else to ``_extensions_checked``: on answers with extensions, fuzzed and with every small
-    value in each field of their vtables, both give the same event or the same error, and
-    the one pass reads most of those it is given itself."""
+    else to ``_extensions_checked``: on answers with extensions, fuzzed and with their
+    vtables edited (:func:`vtable_edits`), both give the same event or the same error, and
+    the one pass reads the sound answers itself."""
     from engines.native import codec
 
     fast, checked = codec._extensions_into, codec._extensions_checked
@@ -594,7 +594,8 @@ def test_fast_extension_reading_agrees_with_the_checked_one(
 
 def vtable_edits(buf: bytes) -> list[bytes]:
     """``buf`` with each 16-bit field of each of its extension tables' vtables set in turn
-    to every value up to 40 and to two large ones."""
+    to every value up to 40 and to two large ones, and with each vtable's table size, key
+    and value offsets set to each combination of 4, 8 and 12."""
 
     def u16(at: int) -> int:
         return int(struct.unpack_from("<H", buf, at)[0])
@@ -616,9 +617,9 @@ def vtable_edits(buf: bytes) -> list[bytes]:
     )
     edits = []
     for where in vtables:
-        for field in range(4):
+        for slot in range(4):
             for value in [*range(41), 0x8000, 0xFFFF]:
-                at = where + 2 * field
+                at = where + 2 * slot
                 edits.append(buf[:at] + struct.pack("<H", value) + buf[at + 2 :])
         for fields in itertools.product((4, 8, 12), repeat=3):  # table size, key, value
             edits.append(buf[: where + 2] + struct.pack("<3H", *fields) + buf[where + 8 :])
