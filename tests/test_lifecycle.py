@@ -21,9 +21,10 @@ from wm import (
 )
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
 from wm.lifecycle import Status
+from wm.state import quota
 from wm.state.connection import redis_for
-from wm.state.directory import FORGOTTEN_GENERATION_S
-from wm.state.health import WorkerHealth, since_key, state_key
+from wm.state.directory import GENERATION_TTL_S
+from wm.state.health import Tally, WorkerHealth, counts_key, since_key, state_key
 from wm.store import records
 
 
@@ -182,20 +183,27 @@ def test_a_start_finishes_a_stop_in_progress_then_starts(manager: WorkManager) -
     ]
 
 
-def test_a_deleted_worker_leaves_no_verdict_and_its_generation_ends(manager: WorkManager) -> None:
-    """What the maintaining node keeps of a worker's health has no end of its own: the
-    delete takes it. The worker's cache generation ends a day after."""
+def test_a_deleted_worker_leaves_no_state_without_an_end(manager: WorkManager) -> None:
+    """What the maintaining node keeps of a worker's health, its deliveries' counts and its
+    count of ``max_events`` go with the delete; its cache generation ends a day after its
+    last change, as every worker's does."""
     worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
     manager.start_worker(worker.id)
     wid, redis = str(worker.id), redis_for(manager.settings)
+    tally = Tally()
+    tally.add(wid, ok=True)
+    tally.flush_if_due(manager.settings)  # as a pool process adds its deliveries
+    assert 0 < redis.ttl(counts_key(wid)) <= 360  # an end, whoever judges the worker
     WorkerHealth(manager.settings).judge_all({wid: {}})  # as the maintaining node does
     redis.set(since_key(wid), repr(time.time()))  # as a change of verdict writes it
+    quota.take(manager.settings, wid, 5)  # as a delivery of a worker with max_events does
     generation = f"wm:worker-generation:{{{wid}}}"
-    assert redis.exists(state_key(wid), since_key(wid), generation) == 3
-    assert redis.ttl(generation) == -1
+    kept = [state_key(wid), since_key(wid), counts_key(wid), quota.done_key(wid)]
+    assert redis.exists(*kept, generation) == 5
+    assert 0 < redis.ttl(generation) <= GENERATION_TTL_S
     manager.delete_worker(worker.id)
-    assert redis.exists(state_key(wid), since_key(wid)) == 0
-    assert 0 < redis.ttl(generation) <= FORGOTTEN_GENERATION_S
+    assert redis.exists(*kept) == 0
+    assert 0 < redis.ttl(generation) <= GENERATION_TTL_S
 
 
 def test_illegal_transitions_are_refused(manager: WorkManager) -> None:

@@ -258,8 +258,9 @@ class Lifecycle:
         self.context.changed(wid)
         if removed is not None:
             self._removed(removed)
-            for state in (Ordering, Affinity, WorkerHealth, Directory):
+            for state in (Ordering, Affinity, WorkerHealth):
                 state(self.settings).forget_worker(str(wid))
+            quota.reset(self.settings, str(wid))  # its count of max_events
             enginecontrol.send(self.settings, enginecontrol.UNLOAD, str(wid))
         return self.workers.get(wid)
 

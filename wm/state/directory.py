@@ -52,8 +52,11 @@ _FACTS = select(Worker, WorkerVersion.sha256).join(
 )
 #: Bumped by every invalidation, so a read that raced a change is not cached.
 _GENERATION = "wm:worker-generation:"
-#: Seconds a deleted worker's generation is kept (``Directory.forget_worker``).
-FORGOTTEN_GENERATION_S = 24 * 3600
+#: Seconds a generation is kept after its worker's (or share's) last change. A read compares
+#: the generation before and after it; one that has ended reads as none, so a read that
+#: spans its end is not cached, and one that begins after it finds no change to miss: a
+#: worker's or a deleted worker's generation need not outlive this.
+GENERATION_TTL_S = 24 * 3600
 # KEYS: generation, cache. ARGV: generation seen before the read ('' = none), value, ttl.
 _CACHE_IF_UNCHANGED = """
 if (redis.call('GET', KEYS[1]) or '') == ARGV[1] then
@@ -313,16 +316,9 @@ class Directory:
                 cache, generation = _keys(worker_id)
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.incr(generation)
+                pipe.expire(generation, GENERATION_TTL_S)
                 pipe.delete(cache, _share_key(worker_id))
                 pipe.execute()
-
-    def forget_worker(self, worker_id: str) -> None:
-        """A deleted worker's generation ends :data:`FORGOTTEN_GENERATION_S` after the delete
-        (ended, not deleted at once: a read of the worker that began before the delete is
-        still told, when it would cache what it read, that the worker changed)."""
-        _, generation = _keys(worker_id)
-        with redis_errors(self.settings):
-            self.redis.expire(generation, FORGOTTEN_GENERATION_S)
 
 
 def code_key(worker_id: str) -> str:

@@ -254,6 +254,8 @@ class Tally:
             self._flushed = time.monotonic()
         for (worker_id, minute, kind), n in counts.items():
             pipe.hincrby(counts_key(worker_id), f"{minute}:{kind}", n)
+        for worker_id in {worker_id for worker_id, _, _ in counts}:  # an end, whoever judges
+            pipe.expire(counts_key(worker_id), _COUNTS_TTL_S)
 
     def flush_if_due(self, settings: Settings) -> None:
         """Add the tally to Redis now if :data:`FLUSH_S` has passed (its own round trip)."""
@@ -308,10 +310,11 @@ class WorkerHealth:
         }
 
     def forget_worker(self, worker_id: str) -> None:
-        """A deleted worker's kept verdict and since when (its counts and probe facts end by
+        """A deleted worker's kept verdict, since when, and counts (its probe facts end by
         themselves)."""
+        keys = state_key(worker_id), since_key(worker_id), counts_key(worker_id)
         with redis_errors(self.settings):
-            redis_for(self.settings).delete(state_key(worker_id), since_key(worker_id))
+            redis_for(self.settings).delete(*keys)
 
     def known(self, worker_ids: list[str]) -> dict[str, str]:
         """The kept verdicts of these workers (``unknown`` where none was made yet)."""
