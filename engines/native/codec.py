@@ -453,17 +453,17 @@ def _extensions_into(attributes: dict[str, Any], buf: bytes, at: int) -> None:
     read the same values (the tests compare them on fuzzed and edited buffers)."""
     try:
         found = _extensions_usual(buf, at)
-    except (_Unusual, struct.error, IndexError, UnicodeDecodeError):
+    except (_Unusual, CodecError, struct.error, IndexError, UnicodeDecodeError):
         _extensions_checked(attributes, buf, at)
         return
     attributes.update(found)
 
 
 def _extensions_usual(buf: bytes, at: int) -> dict[str, str]:
-    """The one pass of :func:`_extensions_into`: :class:`_Unusual` (or the error of a read
-    outside the buffer) where it leaves the buffer to the checked reading. Every position
-    read is a sum of unsigned offsets but a vtable's, checked not to be negative
-    (``unpack_from`` reads a negative offset from the end)."""
+    """The one pass of :func:`_extensions_into`: :class:`_Unusual`, a :class:`CodecError` or
+    the error of a read outside the buffer where it leaves the buffer to the checked
+    reading. Every position read is a sum of unsigned offsets but a vtable's, checked not
+    to be negative (``unpack_from`` reads a negative offset from the end)."""
     size = len(buf)
     found: dict[str, str] = {}
     start = at + _u32(buf, at)[0]
@@ -475,12 +475,7 @@ def _extensions_usual(buf: bytes, at: int) -> dict[str, str]:
     for element in range(start + 4, end, 4):
         table = element + _u32(buf, element)[0]
         key_at, value_at = _pair_fields(buf, table, size)
-        where = table + key_at
-        text = where + _u32(buf, where)[0] + 4
-        stop = text + _u32(buf, text - 4)[0]
-        if buf[stop]:
-            raise _Unusual
-        key = buf[text:stop].decode("utf-8")
+        key = _string_at(buf, table + key_at, "key")
         if key not in _KEYS_SEEN or key in found:  # a key seen valid is no core attribute
             raise _Unusual
         budget -= len(key)
@@ -491,7 +486,7 @@ def _extensions_usual(buf: bytes, at: int) -> dict[str, str]:
             if text in shared:
                 value = shared[text]
             else:
-                value = shared[text] = _terminated(buf, text)
+                value = shared[text] = _string_at(buf, where, "value")
                 budget -= len(value)
         if budget < 0:
             raise _Unusual
@@ -515,14 +510,6 @@ def _pair_fields(buf: bytes, table: int, size: int) -> tuple[int, int]:
     ):
         raise _Unusual
     return key_at, value_at
-
-
-def _terminated(buf: bytes, at: int) -> str:
-    """The string whose length is at ``at``, where its terminator is in place."""
-    stop = at + 4 + _u32(buf, at)[0]
-    if buf[stop]:
-        raise _Unusual
-    return buf[at + 4 : stop].decode("utf-8")
 
 
 def _extensions_checked(attributes: dict[str, Any], buf: bytes, at: int) -> None:
