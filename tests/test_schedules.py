@@ -18,9 +18,10 @@ from sqlalchemy import update
 from tests.conftest import env_of
 from tests.helpers import STUB, drain, eventually, stub
 from wm import InvalidArgument, ScheduleNotFound, Settings, WorkManager, store
-from wm.dataplane.beat import LEASE_S, finish_ended, fire_due
+from wm.dataplane.beat import LEADER_KEY, LEASE_S, finish_ended, fire_due
 from wm.events import derive_id, event_key
 from wm.schedules import Timing, event_id
+from wm.state.connection import redis_for
 from wm.store.models import Schedule
 
 
@@ -134,10 +135,21 @@ def _received(settings: Settings, queue: str, expected: int) -> collections.Coun
     return collections.Counter(e["id"] for e in found)
 
 
-def _beat(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+def _beat(settings: Settings, log: Path, *options: str) -> subprocess.Popen[bytes]:
+    """``celery beat`` as an operator runs it, in ``log``'s directory (a module there can
+    be its ``--scheduler``)."""
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "wm.celeryapp", "beat", "--loglevel=INFO"],
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "wm.celeryapp",
+                "beat",
+                "--loglevel=INFO",
+                *options,
+            ],
             env=env_of(settings),
             cwd=log.parent,
             stdout=out,
@@ -188,6 +200,51 @@ def test_two_beats_fire_every_period_once_and_a_standby_takes_over(
     assert set(received) == expected  # every period fired, the standby caught up what it missed
     assert max(received.values()) == 1  # none delivered twice
     assert sum("leading" in log.read_text() for log in logs) == 2
+
+
+#: A scheduler whose every leading tick ends in a slow finalizer, where a signal can land.
+_FINALIZING_SCHEDULER = """
+import time
+
+from wm.dataplane.beat import DatabaseScheduler
+
+
+class Slow:
+    def __del__(self):
+        print("finalizing", flush=True)
+        time.sleep(2)
+
+
+class Finalizing(DatabaseScheduler):
+    def tick(self, *args, **kwargs):
+        interval = super().tick(*args, **kwargs)
+        if self.leading:
+            Slow()  # dropped at once: its finalizer runs here
+        return interval
+"""
+
+
+def test_a_beat_stops_on_sigterm_that_lands_in_a_finalizer(
+    pg_settings: Settings, tmp_path: Path
+) -> None:
+    """Celery beat's SIGTERM handler raises SystemExit where the signal lands; inside a
+    finalizer Python reports it and goes on. The beat still stops (at its next tick) and
+    gives up its lease, rather than ticking, and leading, for ever."""
+    (tmp_path / "finalizing.py").write_text(_FINALIZING_SCHEDULER)
+    log = tmp_path / "beat.log"
+    beat = _beat(pg_settings, log, "--scheduler=finalizing:Finalizing")
+    try:
+        eventually(lambda: "finalizing" in log.read_text(), timeout_s=30)
+        beat.send_signal(signal.SIGTERM)  # the finalizer sleeps for 2 s: it lands there
+        assert beat.wait(timeout=15) == 0, log.read_text()
+    finally:
+        if beat.poll() is None:
+            beat.kill()
+            beat.wait()
+    told = log.read_text()
+    assert "Exception ignored" in told  # the exit was swallowed: what this test is about
+    assert "swallowed; stopping" in told
+    assert redis_for(pg_settings).get(LEADER_KEY) is None  # the lease was given up
 
 
 def test_a_firing_sent_twice_is_delivered_once(

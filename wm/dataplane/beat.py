@@ -172,6 +172,7 @@ class DatabaseScheduler(beat.Scheduler):
         self.leading = False
         self._bus: Bus | None = None
         self._finish_checked = 0.0
+        self._closed = False
         super().__init__(*args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -184,6 +185,13 @@ class DatabaseScheduler(beat.Scheduler):
         return self._bus
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self._closed:
+            # Celery beat's SIGTERM/SIGINT handler closes the scheduler, then raises
+            # SystemExit where the signal landed; landing inside a finalizer (``__del__``, a
+            # weakref callback) Python reports it ("Exception ignored") and goes on, and beat
+            # would tick on for ever, leading again. The exit is raised here instead.
+            logger.warning("beat: closed by a signal whose exit was swallowed; stopping")
+            raise SystemExit()
         try:
             if self._lead():
                 fire_due(self.settings, self.bus, datetime.now(UTC))
@@ -207,7 +215,9 @@ class DatabaseScheduler(beat.Scheduler):
         return held
 
     def close(self) -> None:
+        self._closed = True
         if self.leading:
+            self.leading = False  # closed twice (by the signal, then by beat's exit): one release
             try:
                 with redis_errors(self.settings):
                     redis_for(self.settings).eval(_RELEASE, 1, LEADER_KEY, self.token)
