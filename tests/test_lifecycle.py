@@ -24,7 +24,14 @@ from wm.lifecycle import Status
 from wm.state import quota
 from wm.state.connection import redis_for
 from wm.state.directory import GENERATION_TTL_S
-from wm.state.health import Tally, WorkerHealth, counts_key, since_key, state_key
+from wm.state.health import (
+    VERDICT_TTL_S,
+    Tally,
+    WorkerHealth,
+    counts_key,
+    since_key,
+    state_key,
+)
 from wm.store import records
 
 
@@ -204,6 +211,30 @@ def test_a_deleted_worker_leaves_no_state_without_an_end(manager: WorkManager) -
     manager.delete_worker(worker.id)
     assert redis.exists(*kept) == 0
     assert 0 < redis.ttl(generation) <= GENERATION_TTL_S
+
+
+def test_a_judgement_across_a_delete_leaves_its_verdict_an_end(manager: WorkManager) -> None:
+    """Each judgement renews a worker's kept verdict and since when; the maintaining node's
+    judgement that read a worker before its delete keeps the verdict again after the
+    delete's forget, and that one ends (within a day) instead of staying for ever."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="t")
+    manager.start_worker(worker.id)
+    wid, redis = str(worker.id), redis_for(manager.settings)
+    health = WorkerHealth(manager.settings)
+    tally = Tally()
+    tally.add(wid, ok=True)
+    tally.flush_if_due(manager.settings)
+    assert health.judge_all({wid: {}})[wid][0].health == "healthy"  # a change: since written
+    kept = [state_key(wid), since_key(wid)]
+    for key in kept:
+        assert 0 < redis.ttl(key) <= VERDICT_TTL_S
+        redis.expire(key, 60)
+    health.judge_all({wid: {}})  # the same verdict: both renewed
+    assert all(redis.ttl(key) > 60 for key in kept)
+    manager.delete_worker(worker.id)
+    assert redis.exists(*kept) == 0
+    health.judge_all({wid: {}})  # read the worker before the delete, keeps after it
+    assert 0 < redis.ttl(state_key(wid)) <= VERDICT_TTL_S
 
 
 def test_illegal_transitions_are_refused(manager: WorkManager) -> None:

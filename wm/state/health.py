@@ -27,6 +27,11 @@ deliveries ``healthy``. The maintaining node judges every live worker each recon
 and keeps the verdict (``wm:health-state:{<id>}``); a change is a lifecycle event
 ``health_changed``.
 
+Both keys outlive the last judgement that kept them by :data:`VERDICT_TTL_S` (at least three
+reconcile periods): each period's judgement renews them, so only a deleted worker's come to
+their end, ones a judgement in flight kept again after the delete, or ones a Redis outage
+kept from being deleted with it.
+
 When the kept verdict changes, ``wm:health-since:{<id>}`` records the time: a worker paused as
 unhealthy (``pause_when_unhealthy``, ``wm.dataplane.features.pause``) whose probe passed after
 that, or that has no probe and has been paused ``health_pause_s``, is given a trial
@@ -90,6 +95,9 @@ redis.call('SET', KEYS[2], '1', 'PX', ARGV[6])
 return failures
 """
 _COUNTS_TTL_S = (WINDOW_MIN + 1) * 60
+#: Seconds a kept verdict and since when outlive the judgement that kept them (the module's
+#: docstring); at least three reconcile periods.
+VERDICT_TTL_S = 24 * 3600
 #: Seconds a process keeps its tally before adding it to Redis.
 FLUSH_S = 1.0
 
@@ -300,8 +308,9 @@ class WorkerHealth:
                 )
             ]
             pipe = redis.pipeline(transaction=False)
+            ttl = max(VERDICT_TTL_S, math.ceil(3 * self.settings.reconcile_interval_s))
             for worker_id, verdict, (old, _), trial in zip(ids, verdicts, kept, tried, strict=True):
-                _keep(pipe, worker_id, verdict.health, old, trial)
+                _keep(pipe, worker_id, verdict.health, old, trial, ttl)
             _trim_counts(pipe, ids, [stale for _, _, stale in tallies], counts)
             pipe.execute()
         return {
@@ -393,12 +402,14 @@ class Probes:
             return ProbeFacts.parse(redis_for(self.settings).hgetall(probe_key(worker_id)))
 
 
-def _keep(pipe: Any, worker_id: str, health: str, old: str, trial: bool) -> None:
-    """Keep a worker's verdict, when it changed since when, and forget on a trial the
-    failures behind its pause."""
-    pipe.set(state_key(worker_id), health)
+def _keep(pipe: Any, worker_id: str, health: str, old: str, trial: bool, ttl: int) -> None:
+    """Keep a worker's verdict, when it changed since when (both for ``ttl`` seconds more),
+    and forget on a trial the failures behind its pause."""
+    pipe.set(state_key(worker_id), health, ex=ttl)
     if health != old:
-        pipe.set(since_key(worker_id), repr(time.time()))
+        pipe.set(since_key(worker_id), repr(time.time()), ex=ttl)
+    else:
+        pipe.expire(since_key(worker_id), ttl)
     if trial:
         pipe.delete(counts_key(worker_id), failures_key(worker_id))
 
