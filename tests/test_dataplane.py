@@ -23,6 +23,7 @@ from wm.dataplane.app import make_app
 from wm.dataplane.bus import Route
 from wm.dataplane.outputs import _QUEUE, _TAG, OutputPublisher, _prepared
 from wm.dataplane.recovery import LEADER_KEY
+from wm.dataplane.routes import DROPPED, DROPPED_TTL_S, READY, READY_TTL_S, topic_key
 from wm.events import (
     LIFECYCLE_TOPIC,
     LIFECYCLE_TYPE_PREFIX,
@@ -31,6 +32,7 @@ from wm.events import (
     event_key,
     key_of,
 )
+from wm.state.connection import redis_for
 from wm.state.ledger import Ledger
 from wm.state.outcomes import Outcomes
 
@@ -63,6 +65,10 @@ def test_fan_out_to_workers_and_plain_subscriptions(fast: Settings, start_node: 
     assert len(drain(fast, observer, 10)) == 10
     assert manager.publish(make_event("nobody.listens", "/tests", {})) == 0
     assert manager.bus.dropped("nobody.listens") == 1
+    # a topic named once leaves nothing for ever: its loaded flag and drop count end
+    redis = redis_for(fast)
+    assert 0 < redis.ttl(topic_key("nobody.listens", READY)) <= READY_TTL_S
+    assert 0 < redis.ttl(topic_key("nobody.listens", DROPPED)) <= DROPPED_TTL_S
 
 
 @pytest.mark.slow

@@ -50,11 +50,13 @@ from wm.dataplane.features import FEATURES
 from wm.dataplane.message import DeliveryState
 from wm.dataplane.pipeline import Feature, Pipeline
 from wm.dataplane.queues import worker_queue_name
+from wm.dataplane.routes import DROPPED, DROPPED_TTL_S, topic_key
 from wm.dataplane.tasks import reset_runtime
 from wm.dataplane.verdicts import Park, Verdict
 from wm.errors import InvalidArgument
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, encode, event_key
 from wm.lifecycle import Status
+from wm.state.connection import redis_for
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
 from wm.store.models import WorkerVersion
@@ -454,6 +456,8 @@ def test_a_delivery_costs_two_redis_round_trips(
     eventually(lambda: manager.bus.dropped("nobody.listens") == 11, timeout_s=10)
     eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=5)
     assert len(sends) == 20, sends
+    dropped = topic_key("nobody.listens", DROPPED)  # the outputs' drops, counted with an end
+    assert 0 < redis_for(node_settings).ttl(dropped) <= DROPPED_TTL_S
 
 
 def test_a_delivery_in_a_group_costs_three_redis_round_trips(

@@ -15,7 +15,9 @@ from tests.helpers import STUB, drain, eventually, free_port, queue_empty, stub
 from wm import BrokerUnavailable, InvalidArgument, PublishInterrupted, Settings, WorkManager
 from wm.control.publishing import checked
 from wm.dataplane.outgoing import PUBLISH_BATCH
+from wm.dataplane.routes import DROPPED, DROPPED_TTL_S, topic_key
 from wm.events import make_event
+from wm.state.connection import redis_for
 from wm.state.ledger import Ledger
 
 KEYS = ("alpha", "beta", "gamma")
@@ -122,6 +124,7 @@ def test_a_bad_event_is_named_by_its_index_and_nothing_is_sent(pg_settings: Sett
     assert manager.publish_many([]) == []
     assert manager.publish_many([good, make_event("nobody.hears", "/t", None)]) == [1, 0]
     assert manager.bus.dropped("nobody.hears") == 1  # counted, not lost silently
+    assert 0 < redis_for(pg_settings).ttl(topic_key("nobody.hears", DROPPED)) <= DROPPED_TTL_S
     assert len(drain(pg_settings, queue, 2, timeout_s=5)) == 1
 
 

@@ -50,10 +50,12 @@ from wm.dataplane.queues import (
 )
 from wm.dataplane.routes import (
     DROPPED,
+    DROPPED_TTL_S,
     LEGACY_DROPPED,
     LEGACY_READY,
     LEGACY_ROUTES,
     READY,
+    READY_TTL_S,
     ROUTES,
     ROUTES_OR_DROP,
     TOPIC,
@@ -159,7 +161,7 @@ class Bus:
             for name, queue in extra:
                 pipe.hdel(topic_key(name, ROUTES), queue)
             for name in loaded:  # after its routes: a topic's keys share one node
-                pipe.set(topic_key(name, READY), "1")
+                pipe.set(topic_key(name, READY), "1", ex=READY_TTL_S)
             if topic is None:
                 pipe.delete(LEGACY_READY)
             pipe.execute()
@@ -406,7 +408,7 @@ class Bus:
         commands = [
             Ledger.routed_add_command(
                 route_keys(topic),
-                True,
+                DROPPED_TTL_S,
                 [(events[i].key, events[i].payload, events[i].partition) for i in indexes],
             )
             for topic, indexes in by_topic.items()

@@ -35,7 +35,7 @@ from redis.cluster import RedisCluster
 from wm.dataplane.app import broker_errors, redis_broker, shared_server
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.queues import CLOUDEVENT_CONTENT_TYPE, EXCHANGE
-from wm.dataplane.routes import DROPPED, READY, ROUTES, topic_key
+from wm.dataplane.routes import COUNT_ENDS, DROPPED, READY, ROUTES, topic_key
 from wm.events import CloudEvent, encode, key_of, tenant_of
 from wm.names import route_topic
 from wm.state.connection import StatePipeline, pooled_client, queue_eval, redis_errors
@@ -66,7 +66,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local outcome = redis.call('GET', KEYS[4])
 if not outcome or redis.sha1hex(outcome) ~= ARGV[3] then return false end
 local routes = redis.call('HGETALL', KEYS[2])
-if #routes == 0 then redis.call('INCR', KEYS[3]) return routes end
+if #routes == 0 then redis.call('INCR', KEYS[3]) <ends> return routes end
 local plain = {}
 for i = 1, #routes, 2 do if routes[i + 1] == '' then plain[#plain + 1] = routes[i] end end
 if #plain == 0 then return routes end
@@ -88,7 +88,12 @@ end
 redis.call('SELECT', ARGV[1])
 if failed then return failed end
 return routes
-""".replace("<queue>", json.dumps(_QUEUE)).replace("<tag>", json.dumps(_TAG))
+"""
+_PUSH_FOLDED = (
+    _PUSH_FOLDED.replace("<queue>", json.dumps(_QUEUE))
+    .replace("<tag>", json.dumps(_TAG))
+    .replace("<ends>", COUNT_ENDS)
+)
 
 
 class OutputPublisher:

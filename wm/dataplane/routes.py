@@ -21,10 +21,21 @@ from wm.workersettings import WorkerSettings
 #:
 #: - ``wm:topic:{<topic>}:routes``: hash, queue → worker id ('' for a plain subscription);
 #: - ``wm:topic:{<topic>}:ready``: the topic's routes were loaded from the database. It is
-#:   lost with its shard's data, and a lookup that misses it loads the topic first;
-#: - ``wm:topic:{<topic>}:dropped``: events published to the topic while nobody subscribed.
+#:   lost with its shard's data, or ends :data:`READY_TTL_S` after the load, and a lookup
+#:   that misses it loads the topic first;
+#: - ``wm:topic:{<topic>}:dropped``: events published to the topic while nobody subscribed,
+#:   ending :data:`DROPPED_TTL_S` after the last.
+#:
+#: So a topic that publishers named once, and nobody subscribes to, leaves nothing for ever.
 TOPIC = "wm:topic:"
 ROUTES, READY, DROPPED = "routes", "ready", "dropped"
+#: Seconds a topic's ready flag lasts past the load that set it; every reconcile period's
+#: rebuild of the table sets it again for each topic with a route.
+READY_TTL_S = 24 * 3600
+#: Seconds a topic's drop counter lasts past its last drop.
+DROPPED_TTL_S = 7 * 24 * 3600
+#: What each script that counts drops runs after its count.
+COUNT_ENDS = f"redis.call('EXPIRE', KEYS[3], {DROPPED_TTL_S})"
 #: The layout of earlier releases, across several slots: a hash per topic and one flag for
 #: the whole table, and one hash of drop counts (field ``*``: all topics). Processes of an
 #: earlier release still read it during an upgrade: :meth:`Bus.add_route` writes it too
@@ -39,9 +50,9 @@ LEGACY_DROPPED = "wm:stats:dropped"
 ROUTES_OR_DROP = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local routes = redis.call('HGETALL', KEYS[2])
-if #routes == 0 and ARGV[1] == '1' then redis.call('INCR', KEYS[3]) end
+if #routes == 0 and ARGV[1] == '1' then redis.call('INCR', KEYS[3]) <ends> end
 return routes
-"""
+""".replace("<ends>", COUNT_ENDS)
 
 
 def topic_key(topic: str, kind: str) -> str:

@@ -60,7 +60,8 @@ _SEP = "\n"
 # A publish's routes lookup and its ledger writes in one round trip, on a single Redis server
 # (the script names each worker's keys itself: on a Redis Cluster they lie in other slots,
 # and :meth:`Ledger.add_many` writes them after the lookup). KEYS: the topic's ready flag,
-# routes and drop counter (``wm.dataplane.bus``). ARGV: '1' to count drops, the time, the
+# routes and drop counter (``wm.dataplane.bus``). ARGV: the seconds a drop counter lasts past
+# its last count ('0': count no drops), the time, the
 # ledger index's and the sequence key's text before and after a worker id, then per event
 # its member ('' for none) and partition key ('' for none). Returns false when the topic's
 # routes must be loaded first, else {HGETALL's list, {created, number} per event and route}.
@@ -68,7 +69,10 @@ _ROUTED_ADD = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local routes = redis.call('HGETALL', KEYS[2])
 if #routes == 0 then
-  if ARGV[1] == '1' then redis.call('INCRBY', KEYS[3], (#ARGV - 6) / 2) end
+  if ARGV[1] ~= '0' then
+    redis.call('INCRBY', KEYS[3], (#ARGV - 6) / 2)
+    redis.call('EXPIRE', KEYS[3], ARGV[1])
+  end
   return {routes, {}}
 end
 local workers, ordered = {}, {}
@@ -221,16 +225,17 @@ class Ledger:
     @staticmethod
     def routed_add_command(
         route_keys: Sequence[str],
-        count_drop: bool,
+        drops_ttl_s: int | None,
         events: Sequence[tuple[str | None, str, str | None]],
     ) -> tuple[Any, ...]:
         """The EVAL arguments that look a topic's routes up (``route_keys``: its ready flag,
         routes and drop counter) and add each of ``events`` (key, payload, partition key) to
         the ledger of each worker route, ordered workers numbering it under its partition
         key, in one round trip (single Redis server only). :meth:`parse_routed_add` reads
-        the reply."""
+        the reply. With ``drops_ttl_s``, events of a topic with no route are counted as
+        dropped, the count ending that many seconds after."""
         around = [*Ledger._index("\0").split("\0"), *sequence_key("\0").split("\0")]
-        args: list[Any] = ["1" if count_drop else "0", time.time(), *around]
+        args: list[Any] = [drops_ttl_s or 0, time.time(), *around]
         for key, payload, partition in events:
             args += [member(key, payload) if key else "", partition or ""]
         return (_ROUTED_ADD, len(route_keys), *route_keys, *args)
