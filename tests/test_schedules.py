@@ -4,10 +4,13 @@ real beats: two running, one leads, each period fires once, a standby takes over
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -202,7 +205,7 @@ def test_two_beats_fire_every_period_once_and_a_standby_takes_over(
     assert sum("leading" in log.read_text() for log in logs) == 2
 
 
-#: A scheduler whose every leading tick ends in a slow finalizer, where a signal can land.
+#: A scheduler whose every leading tick ends in a slow finalizer, where a signal lands.
 _FINALIZING_SCHEDULER = """
 import time
 
@@ -212,7 +215,7 @@ from wm.dataplane.beat import DatabaseScheduler
 class Slow:
     def __del__(self):
         print("finalizing", flush=True)
-        time.sleep(2)
+        time.sleep(30)  # until a signal lands here
 
 
 class Finalizing(DatabaseScheduler):
@@ -235,7 +238,7 @@ def test_a_beat_stops_on_sigterm_that_lands_in_a_finalizer(
     beat = _beat(pg_settings, log, "--scheduler=finalizing:Finalizing")
     try:
         eventually(lambda: "finalizing" in log.read_text(), timeout_s=30)
-        beat.send_signal(signal.SIGTERM)  # the finalizer sleeps for 2 s: it lands there
+        beat.send_signal(signal.SIGTERM)  # lands in the finalizer, which sleeps meanwhile
         assert beat.wait(timeout=15) == 0, log.read_text()
     finally:
         if beat.poll() is None:
@@ -245,6 +248,53 @@ def test_a_beat_stops_on_sigterm_that_lands_in_a_finalizer(
     assert "Exception ignored" in told  # the exit was swallowed: what this test is about
     assert "swallowed; stopping" in told
     assert redis_for(pg_settings).get(LEADER_KEY) is None  # the lease was given up
+
+
+@pytest.mark.slow
+def test_a_node_s_beat_stops_on_sigterm_that_lands_in_a_finalizer(
+    pg_settings: Settings, tmp_path: Path
+) -> None:
+    """A node's own beat (``celery worker -B``, as ``wm up`` runs it) is stopped with a
+    SIGTERM from the node, whose handler (billiard's) raises SystemExit where it lands: in a
+    finalizer, Python goes on. The beat stops at its next tick all the same, rather than lead
+    on with no node (the node does not wait for it), and gives up the lease."""
+    (tmp_path / "finalizing.py").write_text(_FINALIZING_SCHEDULER)
+    log = tmp_path / "node.log"
+    with log.open("ab") as out:
+        node = subprocess.Popen(
+            [
+                *[sys.executable, "-m", "celery", "-A", "wm.celeryapp", "worker", "-B"],
+                *["--scheduler=finalizing:Finalizing", "-c", "1", "--loglevel=INFO"],
+                *["-n", f"beat-{uuid.uuid4().hex[:8]}@%h"],
+            ],
+            env=env_of(pg_settings),
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        eventually(lambda: "finalizing" in log.read_text(), timeout_s=60)
+        node.send_signal(signal.SIGTERM)  # a warm stop, which stops its beat with SIGTERM
+        assert node.wait(timeout=30) == 0, log.read_text()
+        eventually(lambda: not _group_alive(node.pid), timeout_s=10)  # the beat too
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+    told = log.read_text()
+    assert "Exception ignored" in told  # the beat's exit was swallowed
+    assert "swallowed; stopping" in told
+    assert redis_for(pg_settings).get(LEADER_KEY) is None
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of the process group ``group`` still runs."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_firing_sent_twice_is_delivered_once(

@@ -182,21 +182,49 @@ def test_demo_shows_events_flowing_and_cleans_up(tmp_path: Path, pool: str) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(
+    "stop",
+    [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+    ids=["ctrl-c", "sigterm", "terminal-closed"],
+)
 def test_a_signal_stops_everything(tmp_path: Path, stop: signal.Signals) -> None:
     proc = _run_up(tmp_path)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "ready" in line:
-            break
+    lines = _until(proc, "ready")
     proc.send_signal(stop)
     rest, _ = proc.communicate(timeout=60)
     out = "".join(lines) + rest
     assert proc.returncode == 0, out
     assert "stopping" in out and out.rstrip().endswith("stopped")
     _assert_nothing_left(out)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_stopping_kills_the_nodes_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C again while the nodes finish: they are killed at once, and the stop goes on
+    to its end (Redis stopped, nothing left) rather than being cut short."""
+    proc = _run_up(tmp_path)
+    lines = _until(proc, "ready")
+    proc.send_signal(signal.SIGINT)
+    lines += _until(proc, "stopping")
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out
+    assert out.rstrip().endswith("stopped") and "Traceback" not in out, out
+    _assert_nothing_left(out)
+
+
+def _until(proc: subprocess.Popen[str], text: str) -> list[str]:
+    """The lines ``wm up`` prints up to the first that holds ``text``."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            break
+    return lines
 
 
 def _assert_nothing_left(out: str) -> None:

@@ -30,12 +30,14 @@ events to a worker's queue) is this module's few lines either way.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from celery import beat
+from celery import beat, signals
 from sqlalchemy import select
 
 from wm import store
@@ -46,7 +48,7 @@ from wm.dataplane.routes import route_of
 from wm.events import encode, in_tenant, make_event
 from wm.lifecycle import Status
 from wm.schedules import Timing, event_id
-from wm.state.connection import redis_errors, redis_for
+from wm.state.connection import own_client, redis_errors, redis_for
 from wm.state.ledger import Ledger
 from wm.store.models import Schedule, Worker
 from wm.views import aware
@@ -55,6 +57,9 @@ logger = logging.getLogger(__name__)
 LEADER_KEY = "wm:beat:leader"
 #: Seconds a beat's lease lasts without renewal; a standby takes over within this.
 LEASE_S = 5.0
+#: Seconds a stopping beat's release of its lease may wait for Redis (past that, the lease
+#: ends by itself).
+RELEASE_TIMEOUT_S = 2.0
 #: Seconds between ticks: how late a firing may be sent.
 TICK_S = 0.5
 #: Seconds between the leading beat's looks for workers whose schedules all ended.
@@ -215,12 +220,42 @@ class DatabaseScheduler(beat.Scheduler):
         return held
 
     def close(self) -> None:
+        """Give the lease up, so a standby leads at its next tick. Celery beat calls this
+        from its SIGTERM handler, which may have interrupted this process's own Redis calls:
+        the release goes on a client of its own, within :data:`RELEASE_TIMEOUT_S`, so a
+        silent Redis cannot keep the beat from stopping (the lease then ends by itself)."""
         self._closed = True
         if self.leading:
             self.leading = False  # closed twice (by the signal, then by beat's exit): one release
             try:
-                with redis_errors(self.settings):
-                    redis_for(self.settings).eval(_RELEASE, 1, LEADER_KEY, self.token)
+                client = own_client(self.settings, RELEASE_TIMEOUT_S)
+                try:
+                    with redis_errors(self.settings):
+                        client.eval(_RELEASE, 1, LEADER_KEY, self.token)
+                finally:
+                    client.close()
             except Exception:
                 logger.exception("beat: could not release the lease; it expires in %ss", LEASE_S)
         super().close()
+
+
+@signals.beat_embedded_init.connect
+def _closed_by_sigterm(sender: beat.Service, **_: Any) -> None:
+    """A node's embedded beat (``celery worker -B``) in a process of its own is stopped with
+    SIGTERM, whose handler (billiard's) raises SystemExit where the signal lands without
+    closing the scheduler: the scheduler is marked closed first, so an exit a finalizer
+    swallowed is raised again at its next tick (a beat in a thread is stopped by a flag)."""
+    scheduler = sender.scheduler
+    if not isinstance(scheduler, DatabaseScheduler):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(number: int, frame: Any) -> None:
+        scheduler._closed = True
+        if callable(previous):
+            previous(number, frame)
+        raise SystemExit()
+
+    signal.signal(signal.SIGTERM, stop)

@@ -39,6 +39,10 @@ HOME = Path(".wm")
 NODE_START_TIMEOUT_S = 60.0
 #: Seconds a stopping node has to finish its tasks before it is killed.
 NODE_STOP_TIMEOUT_S = 30.0
+#: What stops ``wm up`` as Ctrl-C does: ``kill`` and service managers, and the terminal (or
+#: ssh) closing, which would otherwise leave the nodes and Redis, each in a session of its
+#: own, running with nobody to stop them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: The node's name (``%h``: this host's name, as Celery expands it).
 NODE_NAME = "wm-up@%h"
 #: The variables of the system ``wm up`` runs: written to ``.wm/env`` once it is up.
@@ -81,7 +85,10 @@ def run(
     """
     home = HOME.resolve()
     home.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, service managers: stop as on Ctrl-C
+    global _stopping
+    _stopping = False
+    for number in STOP_SIGNALS:
+        signal.signal(number, _interrupt)
     stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr if as_json else stdout):
         if given(DATABASE):
@@ -97,7 +104,7 @@ def run(
                     if as_json:
                         _announce(stdout, env_file, settings, node)
                     _serve(settings, demo, events)
-                except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) once up: stop everything
+                except KeyboardInterrupt:  # Ctrl-C (SIGTERM, SIGHUP) once up: stop everything
                     _say("stopping   …")
         _say("stopped")
     return 0
@@ -179,8 +186,9 @@ def _serve(settings: Settings, demo: bool, events: int) -> None:
         _demo(settings, events)
     else:
         _say("ready      Ctrl-C stops everything")
-        while True:
-            time.sleep(3600)
+        while not _stopping:  # a stop whose KeyboardInterrupt a finalizer swallowed
+            time.sleep(1.0)
+        raise KeyboardInterrupt
 
 
 def _announce(
@@ -316,6 +324,7 @@ def celery_node(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    _nodes.add(node.pid)
     try:
         _wait_for_node(control or make_app(settings), settings, node, log_path)
         _say(f"node       celery pid {node.pid}, {concurrency} {_unit(pool)}, log {log_path}")
@@ -377,13 +386,20 @@ def _last_line(log_path: Path) -> str:
 
 
 def _stop_node(node: subprocess.Popen[bytes]) -> None:
-    if node.poll() is None:
-        os.killpg(node.pid, signal.SIGTERM)
-        try:
-            node.wait(timeout=NODE_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(node.pid, signal.SIGKILL)
-            node.wait()
+    """A warm shutdown: SIGTERM to the node's main process, which lets its deliveries
+    finish and stops its pool processes and beat itself (SIGTERM to its whole group would
+    end each pool process's delivery where it stands); its group is killed if it has not
+    ended after :data:`NODE_STOP_TIMEOUT_S`, or at a second stop signal."""
+    try:
+        if node.poll() is None:
+            os.kill(node.pid, signal.SIGTERM)
+            try:
+                node.wait(timeout=NODE_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    finally:
+        _nodes.discard(node.pid)
 
 
 def _demo(settings: Settings, events: int) -> None:
@@ -396,7 +412,7 @@ def _demo(settings: Settings, events: int) -> None:
     with broker_errors(settings), broker_connection(settings) as conn:
         outputs = conn.SimpleQueue(queue)
         try:
-            while not events or sent < events:
+            while (not events or sent < events) and not _stopping:
                 sent += 1
                 event = make_event(
                     DEMO_TOPIC,
@@ -428,8 +444,23 @@ def _show_output(outputs: object) -> None:
     time.sleep(1.0)
 
 
+#: The process groups of the nodes running now (:func:`celery_node`).
+_nodes: set[int] = set()
+#: Whether a stop signal came (:func:`_interrupt`).
+_stopping = False
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    """The first stop signal stops everything, each node given its time to finish; another
+    while that runs kills the nodes at once rather than cut the stop short, which would
+    leave them (and Redis) running."""
+    global _stopping
+    if not _stopping:
+        _stopping = True
+        raise KeyboardInterrupt
+    for group in list(_nodes):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
 
 
 def _say(text: str) -> None:

@@ -123,16 +123,18 @@ def _sentinel_primary(url: str, socket_timeout_s: float | None) -> redis.Redis:
     return client
 
 
-def own_client(settings: Settings) -> StateRedis:
+def own_client(settings: Settings, socket_timeout_s: float | None = None) -> StateRedis:
     """A client of WM_REDIS_URL with a pool of its own, for a subscription that keeps its
-    connection (taking it from the process's pool would make the pool open another)."""
+    connection (taking it from the process's pool would make the pool open another), or a
+    command that must not wait on the process's pool. With ``socket_timeout_s`` a silent
+    server fails a command after that long."""
     with redis_errors(settings):
-        return _connect_state(settings.redis_url)
+        return _connect_state(settings.redis_url, socket_timeout_s)
 
 
-def _connect_state(url: str) -> StateRedis:
+def _connect_state(url: str, socket_timeout_s: float | None = None) -> StateRedis:
     """A client of the right kind for ``url``, found by asking the server."""
-    single = _single(url, None)
+    single = _single(url, socket_timeout_s)
     try:
         enabled = int(single.info("cluster").get("cluster_enabled", 0))
     except redis.ResponseError as exc:
@@ -150,7 +152,7 @@ def _connect_state(url: str) -> StateRedis:
     return RedisCluster.from_url(
         url,
         socket_connect_timeout=_CONNECT_TIMEOUT_S,
-        socket_timeout=None,
+        socket_timeout=socket_timeout_s,
         health_check_interval=_HEALTH_CHECK_INTERVAL_S,
     )
 
