@@ -638,6 +638,58 @@ def test_tail_cleans_up_on_ctrl_c(env: dict[str, str]) -> None:
     assert tail_queues(env, "orders") == []
 
 
+#: ``wm tail`` with a stop signal sent at a moment of the test's choosing (argv[1]): right
+#: after the subscription is made, before ``subscribe`` returns; or while it is removed,
+#: after tail stopped by itself (``--timeout-s``).
+SIGNALLED_TAIL = """
+import os, signal, sys
+
+from wm.cli import main
+from wm.manager import WorkManager
+
+moment = sys.argv.pop(1)
+made, removed = WorkManager.subscribe, WorkManager.unsubscribe
+
+
+def subscribe(self, *args, **kwargs):
+    queue = made(self, *args, **kwargs)
+    if moment == "subscribing":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return queue
+
+
+def unsubscribe(self, *args, **kwargs):
+    if moment == "removing":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return removed(self, *args, **kwargs)
+
+
+WorkManager.subscribe, WorkManager.unsubscribe = subscribe, unsubscribe
+sys.argv[0] = "wm"
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.parametrize("moment", ["subscribing", "removing"])
+def test_tail_leaves_no_subscription_whenever_a_stop_signal_comes(
+    env: dict[str, str], moment: str
+) -> None:
+    """A stop signal while ``wm tail`` makes its subscription, or (another one) while it
+    removes it, leaves no queue behind to collect the topic's events."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_TAIL, moment, "tail", "orders", "--timeout-s", "1"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=GUARD_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert tail_queues(env, "orders") == []
+    assert wm_json(env, "subscriptions") == []
+
+
 # -- dead letters ------------------------------------------------------------------------------
 
 

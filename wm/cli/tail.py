@@ -61,27 +61,48 @@ def tail(out: Output, topic: str, count: int | None, timeout_s: float | None, fu
 
     Reads through a temporary subscription, removed again however tail ends.
     """
+    from wm.errors import SubscriptionNotFound
+
     name = f"tail-{secrets.token_hex(4)}"
     # Before subscribing: a kill, or the terminal closing, must not leave the queue behind.
-    previous = {number: signal.signal(number, _interrupt) for number in STOP_SIGNALS}
+    global _cleaning
+    _cleaning = False
+    previous = {
+        number: signal.signal(number, _interrupt) for number in (signal.SIGINT, *STOP_SIGNALS)
+    }
     subscribed = False
     try:
-        queue = out.manager.subscribe(topic, name)
+        try:
+            queue = out.manager.subscribe(topic, name)
+        except KeyboardInterrupt:
+            subscribed = True  # stopped halfway: what it made is removed below
+            raise
         subscribed = True
         out.note(f"listening on {topic} (Ctrl-C stops)")
         _consume(out, queue, count, timeout_s, full)
     except KeyboardInterrupt:
         pass
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        if subscribed:
-            out.manager.unsubscribe(topic, name)
+        _cleaning = True  # a second stop signal no longer cuts the removal short
+        try:
+            if subscribed:
+                with contextlib.suppress(SubscriptionNotFound):
+                    out.manager.unsubscribe(topic, name)
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
     return 0
 
 
+#: Whether ``wm tail`` is removing its subscription (:func:`_interrupt`).
+_cleaning = False
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+    """Stop as Ctrl-C does, but not while the subscription is being removed: a stop signal
+    then would leave its queue, collecting the topic's events, behind."""
+    if not _cleaning:
+        raise KeyboardInterrupt
 
 
 def _consume(
