@@ -7,6 +7,7 @@ import base64
 import json
 import re
 import select
+import signal
 import socket
 import ssl
 import subprocess
@@ -881,3 +882,26 @@ def test_api_on_a_taken_port_is_one_error_line(pg_settings: Settings) -> None:
     [line] = done.stderr.splitlines()
     assert line.startswith(f"wm: error: port {port} on 127.0.0.1 is taken ("), line
     assert line.endswith("); pass --port or set WM_API_PORT"), line
+
+
+def test_a_stop_waits_for_a_stalled_request_only_the_shutdown_grace(pg_settings: Settings) -> None:
+    """A request whose client stalls in the middle of its body is in flight for ever: a stop
+    (SIGTERM) waits for it WM_SHUTDOWN_GRACE_S, then ends it and the server."""
+    settings = pg_settings.replace(shutdown_grace_s=2.0)
+    _, token = Tokens(settings).create("stalling", Role.OPERATOR)
+    url, process = start_api(settings)
+    port = int(url.rsplit(":", 1)[1])
+    head = (
+        "POST /v1/events HTTP/1.1\r\nHost: api\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Length: 1000\r\n\r\n["
+    )
+    with socket.create_connection(("127.0.0.1", port)) as stalled:
+        stalled.sendall(head.encode())
+        time.sleep(1.0)  # the token is checked; the handler waits for the rest of the body
+        process.terminate()
+        try:
+            process.wait(timeout=20)  # for ever without the grace: the client never goes
+        finally:
+            out = stop(process)
+    assert process.returncode == -signal.SIGTERM, out  # uvicorn ends by the signal it got
+    assert "timeout graceful shutdown exceeded" in out and "Traceback" not in out, out

@@ -607,7 +607,7 @@ class Settings:
         25.0,
         _parse_float,
         "How long a node stopping (SIGTERM) lets deliveries in flight finish before it ends "
-        "them; they are delivered again. 0 waits for ever.",
+        "them (they are delivered again), and `wm api` its requests in flight. 0 waits for ever.",
     )
     health_port: int = _setting(
         "WM_HEALTH_PORT",

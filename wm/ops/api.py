@@ -27,6 +27,7 @@ import binascii
 import errno
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
@@ -1041,7 +1042,8 @@ def _loopback(bind: str) -> bool:
 
 
 def serve(settings: Settings, *, insecure: bool = False) -> None:
-    """Run the API with uvicorn until SIGINT or SIGTERM (``wm api``)."""
+    """Run the API with uvicorn until SIGINT or SIGTERM (``wm api``); the requests in flight
+    then have WM_SHUTDOWN_GRACE_S to finish."""
     import uvicorn
 
     cert, key = settings.api_tls_cert, settings.api_tls_key
@@ -1065,6 +1067,9 @@ def serve(settings: Settings, *, insecure: bool = False) -> None:
         log_config=None,  # uvicorn's lines through WorkManager's handler (WM_LOG_FORMAT)
         access_log=False,  # wm.ops.accesslog's instead
         server_header=False,
+        # a stop waits for the requests in flight that long at most (one whose client
+        # stalls mid-body would hold it for ever)
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) or None,
     )
     sock = _listen(settings.api_bind, settings.api_port)
     accesslog.enable(settings)
