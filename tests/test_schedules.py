@@ -214,7 +214,7 @@ from wm.dataplane.beat import DatabaseScheduler
 
 class Slow:
     def __del__(self):
-        print("finalizing", flush=True)
+        print("in the finalizer", flush=True)  # not "finalizing": beat's banner names it
         time.sleep(30)  # until a signal lands here
 
 
@@ -237,7 +237,7 @@ def test_a_beat_stops_on_sigterm_that_lands_in_a_finalizer(
     log = tmp_path / "beat.log"
     beat = _beat(pg_settings, log, "--scheduler=finalizing:Finalizing")
     try:
-        eventually(lambda: "finalizing" in log.read_text(), timeout_s=30)
+        eventually(lambda: "in the finalizer" in log.read_text(), timeout_s=30)
         beat.send_signal(signal.SIGTERM)  # lands in the finalizer, which sleeps meanwhile
         assert beat.wait(timeout=15) == 0, log.read_text()
     finally:
@@ -274,7 +274,7 @@ def test_a_node_s_beat_stops_on_sigterm_that_lands_in_a_finalizer(
             start_new_session=True,
         )
     try:
-        eventually(lambda: "finalizing" in log.read_text(), timeout_s=60)
+        eventually(lambda: "in the finalizer" in log.read_text(), timeout_s=60)
         node.send_signal(signal.SIGTERM)  # a warm stop, which stops its beat with SIGTERM
         assert node.wait(timeout=30) == 0, log.read_text()
         eventually(lambda: not _group_alive(node.pid), timeout_s=10)  # the beat too

@@ -14,7 +14,12 @@ from wm.config import Settings, misspelt
 from wm.dataplane import logcontext
 from wm.dataplane.app import make_app
 from wm.dataplane.fairshare import FairPrefetch, FairShare
-from wm.dataplane.node import on_process_init, on_process_shutdown, on_shutting_down
+from wm.dataplane.node import (
+    arm_shutdown_grace,
+    on_process_init,
+    on_process_shutdown,
+    on_shutting_down,
+)
 from wm.ops import logs, metrics, tracing
 from wm.ops.health import HealthServer
 
@@ -45,7 +50,9 @@ def _on_shutting_down(how: str = "", **_: Any) -> None:
 def _on_node_init(**_: Any) -> None:
     # A node's main process, before its pool forks (multiprocess metrics); not every
     # ``celery -A wm.celeryapp`` command (inspect, purge, flower) that shares its environment.
-    metrics.prepare(Settings.from_env())
+    settings = Settings.from_env()
+    metrics.prepare(settings)
+    arm_shutdown_grace(settings)
 
 
 @signals.celeryd_after_setup.connect

@@ -369,21 +369,23 @@ def _took_over(state: str, error: str | None) -> None:
     STATE.recovery, STATE.error = state, error
 
 
-def on_shutting_down(how: str) -> None:
-    """A warm shutdown (SIGTERM, or Ctrl-C once) has begun: Celery stops consuming and waits
-    for the deliveries in flight, without a limit. Past WM_SHUTDOWN_GRACE_S this turns it
-    into a cold shutdown (SIGQUIT to the node itself), which ends the pool processes: their
-    deliveries were never acknowledged, so the broker delivers them again (RabbitMQ when the
-    connection closes; on Redis the consumer puts them back as it closes), their group locks
-    expire within a lease, and a sandbox ends with its pool process. Nothing is lost; an
-    interrupted run recorded nothing, so it runs again."""
-    if how == "Warm":
-        liveness.drain()
-    grace_s = Settings.from_env().shutdown_grace_s
-    if how != "Warm" or not grace_s:
+#: Set when a node's warm shutdown begins (:func:`on_shutting_down`).
+_WARM_STOP = threading.Event()
+
+
+def arm_shutdown_grace(settings: Settings) -> None:
+    """In a node's main process, at its start: the thread that turns a warm shutdown into
+    a cold one past WM_SHUTDOWN_GRACE_S (:func:`on_shutting_down`). Started now, so that
+    the shutdown, which Celery begins inside its signal handler, only sets an event there:
+    starting a thread takes a lock of ``threading``'s own that the code the signal
+    interrupted may hold, and reading the settings may raise into that code."""
+    grace_s = settings.shutdown_grace_s
+    if not grace_s:
         return
 
     def cut() -> None:
+        _WARM_STOP.wait()
+        time.sleep(grace_s)
         logger.warning(
             "deliveries still running %.1fs after the stop began (WM_SHUTDOWN_GRACE_S): "
             "ending them; they will be delivered again",
@@ -391,9 +393,22 @@ def on_shutting_down(how: str) -> None:
         )
         os.kill(os.getpid(), signal.SIGQUIT)
 
-    timer = threading.Timer(grace_s, cut)
-    timer.daemon = True  # a node done before the grace exits without waiting for it
-    timer.start()
+    # a daemon: a node done before the grace exits without waiting for it
+    threading.Thread(target=cut, name="wm-shutdown-grace", daemon=True).start()
+
+
+def on_shutting_down(how: str) -> None:
+    """A warm shutdown (SIGTERM, or Ctrl-C once) has begun: Celery stops consuming and waits
+    for the deliveries in flight, without a limit. Past WM_SHUTDOWN_GRACE_S this turns it
+    into a cold shutdown (SIGQUIT to the node itself, from :func:`arm_shutdown_grace`'s
+    thread), which ends the pool processes: their deliveries were never acknowledged, so the
+    broker delivers them again (RabbitMQ when the connection closes; on Redis the consumer
+    puts them back as it closes), their group locks expire within a lease, and a sandbox
+    ends with its pool process. Nothing is lost; an interrupted run recorded nothing, so it
+    runs again."""
+    if how == "Warm":
+        liveness.drain()
+        _WARM_STOP.set()
 
 
 def on_process_init() -> None:
