@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -228,6 +229,8 @@ def _until(proc: subprocess.Popen[str], text: str) -> list[str]:
 
 
 def _assert_nothing_left(out: str) -> None:
+    """The Redis server and every process of each node's group (its pool processes and
+    beat) have ended."""
     pids = [
         int(line.split("pid ")[1].split()[0].rstrip(","))
         for line in out.splitlines()
@@ -236,9 +239,46 @@ def _assert_nothing_left(out: str) -> None:
     assert len(pids) >= 2  # the Redis server and the Celery nodes
 
     def gone() -> bool:
-        return not any(_alive(pid) for pid in pids)
+        return not any(_alive(pid) or _group_members(pid) for pid in pids)
 
     eventually(gone, timeout_s=30)
+
+
+def _group_members(group: int) -> list[int]:
+    """The live (not zombie) processes of the process group ``group``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """Under ``nohup wm up &`` the terminal closing must not stop it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wm.cli", "up"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
+    )
+    lines = _until(proc, "ready")
+    proc.send_signal(signal.SIGHUP)
+    assert proc.stdout is not None
+    said, _, _ = select.select([proc.stdout], [], [], 3.0)  # a stop would say "stopping"
+    assert not said and proc.poll() is None, "".join(lines)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0 and out.rstrip().endswith("stopped"), out
+    _assert_nothing_left(out)
 
 
 def _alive(pid: int) -> bool:

@@ -65,10 +65,12 @@ def tail(out: Output, topic: str, count: int | None, timeout_s: float | None, fu
 
     name = f"tail-{secrets.token_hex(4)}"
     # Before subscribing: a kill, or the terminal closing, must not leave the queue behind.
-    global _cleaning
-    _cleaning = False
+    global _cleaning, _ignored
+    _cleaning = _ignored = False
     previous = {
-        number: signal.signal(number, _interrupt) for number in (signal.SIGINT, *STOP_SIGNALS)
+        number: signal.signal(number, _interrupt)
+        for number in (signal.SIGINT, *STOP_SIGNALS)
+        if signal.getsignal(number) != signal.SIG_IGN  # one a script's `nohup` ignores
     }
     subscribed = False
     try:
@@ -94,15 +96,20 @@ def tail(out: Output, topic: str, count: int | None, timeout_s: float | None, fu
     return 0
 
 
-#: Whether ``wm tail`` is removing its subscription (:func:`_interrupt`).
-_cleaning = False
+#: Whether ``wm tail`` is removing its subscription, and whether a stop signal came
+#: meanwhile (:func:`_interrupt`).
+_cleaning = _ignored = False
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """Stop as Ctrl-C does, but not while the subscription is being removed: a stop signal
-    then would leave its queue, collecting the topic's events, behind."""
-    if not _cleaning:
-        raise KeyboardInterrupt
+    """Stop as Ctrl-C does. While the subscription is being removed, the first stop signal
+    is let be (it would leave the queue, collecting the topic's events, behind); a second
+    one gives the removal up, for a Redis that no longer answers."""
+    global _ignored
+    if _cleaning and not _ignored:
+        _ignored = True
+        return
+    raise KeyboardInterrupt
 
 
 def _consume(

@@ -39,6 +39,8 @@ HOME = Path(".wm")
 NODE_START_TIMEOUT_S = 60.0
 #: Seconds a stopping node has to finish its tasks before it is killed.
 NODE_STOP_TIMEOUT_S = 30.0
+#: Seconds what outlives a stopped node in its process group has before it is killed.
+GROUP_END_S = 5.0
 #: What stops ``wm up`` as Ctrl-C does: ``kill`` and service managers, and the terminal (or
 #: ssh) closing, which would otherwise leave the nodes and Redis, each in a session of its
 #: own, running with nobody to stop them.
@@ -88,7 +90,8 @@ def run(
     global _stopping
     _stopping = False
     for number in STOP_SIGNALS:
-        signal.signal(number, _interrupt)
+        if signal.getsignal(number) != signal.SIG_IGN:  # `nohup wm up &` stays up
+            signal.signal(number, _interrupt)
     stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr if as_json else stdout):
         if given(DATABASE):
@@ -389,17 +392,33 @@ def _stop_node(node: subprocess.Popen[bytes]) -> None:
     """A warm shutdown: SIGTERM to the node's main process, which lets its deliveries
     finish and stops its pool processes and beat itself (SIGTERM to its whole group would
     end each pool process's delivery where it stands); its group is killed if it has not
-    ended after :data:`NODE_STOP_TIMEOUT_S`, or at a second stop signal."""
-    try:
-        if node.poll() is None:
-            os.kill(node.pid, signal.SIGTERM)
-            try:
-                node.wait(timeout=NODE_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-    finally:
-        _nodes.discard(node.pid)
+    ended after :data:`NODE_STOP_TIMEOUT_S`, or at a stop signal meanwhile. Whatever of
+    its group outlives it (a beat that has not seen its SIGTERM yet) is ended then."""
+    global _stopping
+    _stopping = True  # however the stop began: a signal now kills, never cuts it short
+    if node.poll() is None:
+        os.kill(node.pid, signal.SIGTERM)
+        try:
+            node.wait(timeout=NODE_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    _end_group(node.pid)
+    _nodes.discard(node.pid)
+
+
+def _end_group(group: int) -> None:
+    """End what is left of a stopped node's process group: SIGTERM, then SIGKILL past
+    :data:`GROUP_END_S` (and no more waiting past twice that: a zombie nobody reaps
+    still counts as a member)."""
+    started = time.monotonic()
+    while time.monotonic() - started < 2 * GROUP_END_S:
+        late = time.monotonic() - started > GROUP_END_S
+        try:
+            os.killpg(group, signal.SIGKILL if late else signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 def _demo(settings: Settings, events: int) -> None:
