@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import secrets
-import signal
 import uuid
 from datetime import UTC, datetime
 from types import FrameType
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from wm import stopsignals
 from wm.cli.arguments import POSITIVE_FLOAT, POSITIVE_INT, Command, pass_output
 from wm.cli.output import TIME_FORMAT, Output, labelled
 from wm.views import aware
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 logger = logging.getLogger(__name__)
-#: Signals that end a tail as Ctrl-C does: ``kill``, and the terminal (or ssh) closing.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: Characters of a UUID-shaped event or correlation id that ``wm tail`` shows (``--full``:
 #: all), like a short git hash.
 SHORT_ID_CHARS = 8
@@ -67,32 +65,24 @@ def tail(out: Output, topic: str, count: int | None, timeout_s: float | None, fu
     # Before subscribing: a kill, or the terminal closing, must not leave the queue behind.
     global _cleaning, _ignored
     _cleaning = _ignored = False
-    previous = {
-        number: signal.signal(number, _interrupt)
-        for number in (signal.SIGINT, *STOP_SIGNALS)
-        if signal.getsignal(number) != signal.SIG_IGN  # one a script's `nohup` ignores
-    }
     subscribed = False
-    try:
+    with stopsignals.handled(_interrupt):  # restored once the subscription is removed
         try:
-            queue = out.manager.subscribe(topic, name)
+            try:
+                queue = out.manager.subscribe(topic, name)
+            except KeyboardInterrupt:
+                subscribed = True  # stopped halfway: what it made is removed below
+                raise
+            subscribed = True
+            out.note(f"listening on {topic} (Ctrl-C stops)")
+            _consume(out, queue, count, timeout_s, full)
         except KeyboardInterrupt:
-            subscribed = True  # stopped halfway: what it made is removed below
-            raise
-        subscribed = True
-        out.note(f"listening on {topic} (Ctrl-C stops)")
-        _consume(out, queue, count, timeout_s, full)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        _cleaning = True  # a second stop signal no longer cuts the removal short
-        try:
+            pass
+        finally:
+            _cleaning = True  # a second stop signal no longer cuts the removal short
             if subscribed:
                 with contextlib.suppress(SubscriptionNotFound):
                     out.manager.unsubscribe(topic, name)
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import TextIO
 from celery import Celery
 from celery.utils.nodenames import host_format
 
-from wm import store
+from wm import stopsignals, store
 from wm.config import FILE_SUFFIX, FROM_FILE, Settings, given, masked
 from wm.dataplane.app import broker_connection, broker_errors, make_app
 from wm.dataplane.queues import DEFAULT_QUEUE
@@ -41,10 +41,6 @@ NODE_START_TIMEOUT_S = 60.0
 NODE_STOP_TIMEOUT_S = 30.0
 #: Seconds what outlives a stopped node in its process group has before it is killed.
 GROUP_END_S = 5.0
-#: What stops ``wm up`` as Ctrl-C does: ``kill`` and service managers, and the terminal (or
-#: ssh) closing, which would otherwise leave the nodes and Redis, each in a session of its
-#: own, running with nobody to stop them.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: The node's name (``%h``: this host's name, as Celery expands it).
 NODE_NAME = "wm-up@%h"
 #: The variables of the system ``wm up`` runs: written to ``.wm/env`` once it is up.
@@ -89,11 +85,9 @@ def run(
     home.mkdir(parents=True, exist_ok=True)
     global _stopping
     _stopping = False
-    for number in STOP_SIGNALS:
-        if signal.getsignal(number) != signal.SIG_IGN:  # `nohup wm up &` stays up
-            signal.signal(number, _interrupt)
     stdout = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr if as_json else stdout):
+    people = contextlib.redirect_stdout(sys.stderr if as_json else stdout)
+    with stopsignals.handled(_interrupt), people:  # SIGHUP too: nodes outlive a terminal
         if given(DATABASE):
             check_reachable(Settings.from_env(), [DATABASE])
         with embedded_redis(home) as settings:
