@@ -134,7 +134,7 @@ def _own(service: str) -> dict[str, str]:
             "WM_NODE_CONCURRENCY": "2",
             "WM_ENGINE_CACHE_MB": "1024",
             "WM_SANDBOX_REQUIRE": "user namespace,mount namespace,pid namespace,ipc namespace,"
-            "uts namespace,network namespace,no capabilities,seccomp",
+            "uts namespace,network namespace,no capabilities,dies with its host,seccomp",
         }
     return {}
 

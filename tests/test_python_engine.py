@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -609,3 +612,64 @@ def test_child_that_died_while_idle_is_replaced_before_the_next_message(
 
     assert engine.process(event({"a": 1}), timeout_s=5)[0].get_type() == "echo.out"
     assert engine.pid != pid
+
+
+#: A host process: loads a worker whose call sleeps for ten minutes, prints its
+#: child's pid and its sandbox's layers, and calls it. ``fallback``: as on a host without bwrap.
+_HUNG_HOST = """
+import sys
+import wm
+from engines.python import isolation
+if sys.argv[1] == "fallback":
+    found = isolation.shutil.which
+    isolation.shutil.which = lambda name: None if name == "bwrap" else found(name)
+from engines.python import PythonEngine
+from wm.config import Settings
+from wm.engine import WorkerSpec
+from wm.events import make_event
+engine = PythonEngine(Settings.from_env())
+code = b"import time\\ndef process(event):\\n    time.sleep(600)\\n"
+engine.load(code, WorkerSpec(worker_id="w-hung", topic="orders"))
+print(engine.pid, ",".join(engine.isolation_layers), flush=True)
+engine.process(make_event("orders.placed", "/tests", {}), timeout_s=600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not ended (a zombie waits only for its reaping)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("kind", ["bwrap", "fallback"])
+def test_a_child_in_a_hung_call_dies_with_its_host(kind: str) -> None:
+    """A pool process killed by SIGKILL (or the OOM killer) closes nothing: its sandbox
+    child, asleep in a call, is killed with it (the layer ``dies with its host``), under
+    bubblewrap and under the fallback without it, at default settings. Without the layer
+    the fallback's child lived on as an orphan for the whole sleep."""
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_HOST, kind], stdout=subprocess.PIPE, text=True
+    )
+    child = None
+    try:
+        assert host.stdout is not None
+        pid, layers = host.stdout.readline().rstrip().split(" ", 1)
+        child = int(pid)
+        assert "dies with its host" in layers.split(","), layers
+        assert ("mount namespace" in layers) is (kind == "bwrap"), layers
+        time.sleep(1.0)  # the call has begun: the child sleeps in the worker's code
+        assert _running(child)
+        host.kill()
+        host.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), f"the sandbox child {child} outlived its killed host"
+    finally:
+        host.kill()
+        host.wait(timeout=10)
+        if child is not None and _running(child):
+            os.kill(child, signal.SIGKILL)

@@ -17,9 +17,10 @@ creation, tracing, mounts, keyrings, BPF, perf events, io_uring, namespace creat
 modules and the other calls in ``DENIED_SYSCALLS``; other architectures' syscall tables are
 killed (libseccomp's default for foreign ABIs, which closes the x32/i386 bypass).
 
-PR_SET_PDEATHSIG is tied to the thread that spawned a process, so the host does not rely on
-it: bwrap's ``--die-with-parent`` ties the namespace to the outer bwrap process, which the
-host kills with the child's process group.
+bwrap's ``--die-with-parent`` kills the sandbox when the outer bwrap process ends, and the
+outer one when the host ends, also by SIGKILL (the layer ``dies with its host``; the same
+PR_SET_PDEATHSIG as the fallback's, with its caveat: see :mod:`engines.python.isolation`).
+A close kills the child's process group.
 """
 
 from __future__ import annotations

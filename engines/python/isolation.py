@@ -15,6 +15,14 @@ bubblewrap, the util-linux fallback:
   deployment) runs without any capability: no mknod of devices, no chroot, no raising of
   hard rlimits, no DAC override, no setuid binaries. Without CAP_SETPCAP only
   ``--no-new-privs`` is applied.
+* ``setpriv --pdeathsig KILL`` — the child is killed when its host ends, also by SIGKILL or
+  the OOM killer, which close nothing: a call hung in a sleep would otherwise outlive it for
+  ever (bwrap's ``--die-with-parent`` does the same). The signal comes when the *thread*
+  that spawned the child ends; the host spawns children from a pool process's main thread
+  or a thread that lives as long as it (the sessions' server, a thread pool's workers). One
+  spawned from a thread that ends sooner is killed with it, and replaced before its next
+  call, as any child that died while idle. A host that ends before the child's prctl leaves
+  a child that reads the end of its init pipe and exits.
 
 Python 3.11 has no ``os.unshare`` and a ``preexec_fn`` is unsafe with threads, hence the
 util-linux binaries. RLIMIT_NPROC is set but ignored by the kernel for host uid 0 (also in
@@ -70,6 +78,7 @@ WANTED_LAYERS = (
     "uts namespace",
     "network namespace",
     "no capabilities",
+    "dies with its host",
     "seccomp",
 )
 #: Layers bwrap adds by itself (``seccomp`` also needs the compiled filter).
@@ -133,6 +142,7 @@ def _layer_options() -> list[tuple[str, list[str]]]:
         strict = [setpriv, "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
         options.append(("no capabilities", strict))
         options.append(("no new privileges", [setpriv, "--no-new-privs", "--"]))
+        options.append(("dies with its host", [setpriv, "--pdeathsig", "KILL", "--"]))
     return options
 
 
