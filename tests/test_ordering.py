@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,9 @@ import pytest
 from tests.helpers import STUB, drain, stub
 from wm import Settings, WorkManager
 from wm.control.deadletters import DeadLetters
-from wm.events import make_event
-from wm.state.ordering import Ordering
+from wm.events import CloudEvent, make_event
+from wm.state.connection import redis_for, text
+from wm.state.ordering import GO, KEY_TTL_S, Ordering, legacy_sequence_key, turn_key
 
 KEYS = ("alpha", "beta", "gamma")
 
@@ -105,3 +107,37 @@ def test_ordered_keys_keep_publish_order_under_retries_with_two_nodes(
     assert Ordering(pg_settings).keys_of(str(worker.id))
     manager.delete_worker(worker.id)  # its numbers and turns go with it
     assert Ordering(pg_settings).keys_of(str(worker.id)) == []
+
+
+def test_a_partition_key_s_state_ends_and_one_numbered_by_an_earlier_release_goes_on(
+    pg_settings: Settings,
+) -> None:
+    """A key's number and turn live in one hash that ends KEY_TTL_S after its last use, so
+    keys that go quiet leave nothing; a key numbered in the worker's hash of earlier releases
+    goes on from its number, through a single publish and ``publish_many`` alike, at default
+    settings but ``ordering``."""
+    manager = WorkManager(pg_settings)
+    worker = manager.create_worker(
+        code=stub(), mime_type=STUB, topic="ord.ends", settings={"ordering": "key"}
+    )
+    wid = str(worker.id)
+    state = redis_for(pg_settings)
+    state.hset(legacy_sequence_key(wid), mapping={"alpha": 41, "beta": 7})  # an earlier release
+    state.hset(turn_key(wid, "alpha"), mapping={"next": 42, "seen": time.time()})
+
+    def keyed(key: str) -> CloudEvent:
+        return make_event("ord.ends", "/t", {}, extensions={"partitionkey": key})
+
+    manager.publish(keyed("alpha"))
+    manager.publish_many([keyed("alpha"), keyed("gamma")])
+
+    assert text(state.hget(turn_key(wid, "alpha"), "last")) == "43"
+    assert text(state.hget(turn_key(wid, "gamma"), "last")) == "1"
+    assert {text(k) for k in state.hkeys(legacy_sequence_key(wid))} == {"beta"}  # not used yet
+    ordering = Ordering(pg_settings)
+    assert ordering.turn(wid, "alpha", 42, 60.0)[0] == GO  # its turn, not a late one
+    for key in ordering.keys_of(wid):
+        if key != legacy_sequence_key(wid):
+            assert 0 < state.ttl(key) <= KEY_TTL_S, key
+    manager.delete_worker(worker.id)
+    assert ordering.keys_of(wid) == []

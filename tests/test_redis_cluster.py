@@ -51,8 +51,10 @@ from wm.local.embedded import find_redis_server
 from wm.state.connection import redis_for
 from wm.state.directory import Directory
 from wm.state.health import HEALTHY, UNHEALTHY, UNKNOWN, Probes, WorkerHealth
+from wm.state.ledger import Delivery as LedgerDelivery
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
+from wm.state.ordering import KEY_TTL_S, turn_key
 from wm.state.outcomes import Outcomes
 from wm.store.shares import share_id
 
@@ -450,6 +452,13 @@ def test_outcomes_and_the_pending_ledger(cluster_settings: Settings) -> None:
     ledger.settle(workers[3], key, payload)
     ledger.forget_worker(workers[4])
     assert ledger.pending_of(workers[3:]) == {workers[3]: 0, workers[4]: 0, workers[5]: 1}
+
+    # ordered keys: numbered in each worker's slot, one pipeline for all, with an end
+    numbered = ledger.add([], "k", payload, numbered=workers, partition="alpha")
+    assert numbered.numbers == dict.fromkeys(workers, 1)
+    many = [LedgerDelivery("k2", payload, (), tuple(workers), "alpha")]
+    assert ledger.add_many(many)[0].numbers == dict.fromkeys(workers, 2)
+    assert all(0 < client.ttl(turn_key(w, "alpha")) <= KEY_TTL_S for w in workers)
 
 
 def test_the_directory_reads_caches_and_forgets(cluster_settings: Settings) -> None:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from wm.config import Settings
-from wm.state.connection import StateRedis, redis_errors, redis_for, text
-from wm.state.ordering import sequence_key
+from wm.state.connection import StateRedis, queue_eval, redis_errors, redis_for, text
+from wm.state.ordering import NUMBER_FUNCTION, legacy_sequence_key, number_command, turn_key
 
 logger = logging.getLogger(__name__)
 _PENDING = "wm:pending:"
@@ -61,16 +61,20 @@ _SEP = "\n"
 # (the script names each worker's keys itself: on a Redis Cluster they lie in other slots,
 # and :meth:`Ledger.add_many` writes them after the lookup). KEYS: the topic's ready flag,
 # routes and drop counter (``wm.dataplane.bus``). ARGV: the seconds a drop counter lasts past
-# its last count ('0': count no drops), the time, the
-# ledger index's and the sequence key's text before and after a worker id, then per event
-# its member ('' for none) and partition key ('' for none). Returns false when the topic's
-# routes must be loaded first, else {HGETALL's list, {created, number} per event and route}.
-_ROUTED_ADD = """
+# its last count ('0': count no drops), the time, the ledger index's text before and after a
+# worker id, the ordering keys' text before a worker id, after it in the hash of earlier
+# releases and after it in a partition key's hash before the key (``wm.state.ordering``),
+# then per event its member ('' for none) and partition key ('' for none). Returns false when
+# the topic's routes must be loaded first, else {HGETALL's list, {created, number} per event
+# and route}.
+_ROUTED_ADD = (
+    NUMBER_FUNCTION
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local routes = redis.call('HGETALL', KEYS[2])
 if #routes == 0 then
   if ARGV[1] ~= '0' then
-    redis.call('INCRBY', KEYS[3], (#ARGV - 6) / 2)
+    redis.call('INCRBY', KEYS[3], (#ARGV - 7) / 2)
     redis.call('EXPIRE', KEYS[3], ARGV[1])
   end
   return {routes, {}}
@@ -85,22 +89,24 @@ for i = 2, #routes, 2 do
   workers[#workers + 1], ordered[#ordered + 1] = worker, by_key
 end
 local done = {}
-for e = 7, #ARGV, 2 do
+for e = 8, #ARGV, 2 do
   local entry, partition = ARGV[e], ARGV[e + 1]
   for r = 1, #workers do
-    local created, number = 0, 0
+    local created, numbered = 0, 0
     if workers[r] ~= '' and entry ~= '' then
       created = redis.call('ZADD', ARGV[3] .. workers[r] .. ARGV[4], 'NX', ARGV[2], entry)
       if ordered[r] and partition ~= '' then
-        number = redis.call('HINCRBY', ARGV[5] .. workers[r] .. ARGV[6], partition, 1)
+        local turn = ARGV[5] .. workers[r] .. ARGV[7] .. partition
+        numbered = number(turn, ARGV[5] .. workers[r] .. ARGV[6], partition)
       end
     end
     done[#done + 1] = created
-    done[#done + 1] = number
+    done[#done + 1] = numbered
   end
 end
 return {routes, done}
 """
+)
 
 
 def member(key: str, payload: str) -> str:
@@ -191,7 +197,7 @@ class Ledger:
                 pipe.zadd(self._index(worker_id), {entry: now}, nx=True)
             if partition is not None:
                 for worker_id in numbered:
-                    pipe.hincrby(sequence_key(worker_id), partition, 1)
+                    queue_eval(pipe, *number_command(worker_id, partition))
             results = pipe.execute()
         created = tuple(w for w, n in zip(workers, results, strict=False) if int(n))
         if partition is None or not numbered:
@@ -210,7 +216,7 @@ class Ledger:
                     pipe.zadd(self._index(worker_id), {entry: now}, nx=True)
                 if event.partition is not None:
                     for worker_id in event.numbered:
-                        pipe.hincrby(sequence_key(worker_id), event.partition, 1)
+                        queue_eval(pipe, *number_command(worker_id, event.partition))
             results = iter(pipe.execute())
         found = []
         for event in events:
@@ -234,7 +240,8 @@ class Ledger:
         key, in one round trip (single Redis server only). :meth:`parse_routed_add` reads
         the reply. With ``drops_ttl_s``, events of a topic with no route are counted as
         dropped, the count ending that many seconds after."""
-        around = [*Ledger._index("\0").split("\0"), *sequence_key("\0").split("\0")]
+        ordering = [*legacy_sequence_key("\0").split("\0"), turn_key("\0", "").split("\0")[1]]
+        around = [*Ledger._index("\0").split("\0"), *ordering]
         args: list[Any] = [drops_ttl_s or 0, time.time(), *around]
         for key, payload, partition in events:
             args += [member(key, payload) if key else "", partition or ""]

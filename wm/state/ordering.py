@@ -1,15 +1,21 @@
 """Ordered keys (``ordering: key``, DESIGN.md §5.3): events with the same ``partitionkey``
 reach a worker one at a time, in publish order, retries included.
 
-Sending numbers each event per (worker, partition key): ``wm:order:{<worker>}:seq`` is a hash
-of partition key → the last number given (:func:`number_command`, in the pending ledger's
-write, no extra round trip). Each key's turn is a hash ``wm:order:{<worker>}:key:<key>``:
-``next``, the number whose turn it is, and ``seen``, when the head last ran or the turn
-last moved. A delivery runs in its turn; a later one waits (in the broker, like a group
-lock's waiter) until the head succeeds or is dead-lettered; an earlier one (a replayed or
-duplicate event) runs at once. A number that never arrives (its publisher failed between
-numbering and sending) holds its key at most the worker's ``ordering_gap_s`` without any run
-of the head; then the turn skips it.
+Each key's state is a hash ``wm:order:{<worker>}:key:<key>``: ``last``, the last number
+given, ``next``, the number whose turn it is, and ``seen``, when the head last ran or the turn
+last moved. Sending numbers each event per (worker, partition key) (:func:`number_command`,
+in the pending ledger's write, no extra round trip). A delivery runs in its turn; a later
+one waits (in the broker, like a group lock's waiter) until the head succeeds or is
+dead-lettered; an earlier one (a replayed or duplicate event) runs at once. A number that
+never arrives (its publisher failed between numbering and sending) holds its key at most the
+worker's ``ordering_gap_s`` without any run of the head; then the turn skips it.
+
+A key's hash ends :data:`KEY_TTL_S` after its last number, run or move, so keys that go
+quiet (a customer's, an order's) leave nothing behind; an event of such a key that comes
+later still, with a number from before (a dead letter replayed), waits at most
+``ordering_gap_s`` for a turn that no longer remembers it, then runs. Earlier releases kept
+the last numbers in one hash per worker (``wm:order:{<worker>}:seq``, with no end); a key
+numbered there moves its number into its own hash when it is next numbered.
 """
 
 from __future__ import annotations
@@ -24,7 +30,29 @@ from wm.state.connection import redis_errors, redis_for, text
 PARTITION_EXTENSION = "partitionkey"
 #: Longest wait (s) of an event for its turn before it looks again.
 WAIT_MAX_S = 1.0
+#: Seconds a partition key's hash lasts past its last number, run or move of its turn.
+KEY_TTL_S = 7 * 24 * 3600
 GO, WAIT, LATE, SKIP = "go", "wait", "late", "skip"
+
+#: ``number(turn, legacy, partition)``: the next number of a partition key, kept in its
+#: hash (``turn``), which then lasts KEY_TTL_S more; a number of the key in the worker's hash
+#: of earlier releases (``legacy``) is moved in first.
+NUMBER_FUNCTION = f"""
+local function number(turn, legacy, partition)
+  if redis.call('HEXISTS', turn, 'last') == 0 then
+    local before = redis.call('HGET', legacy, partition)
+    if before then
+      redis.call('HSET', turn, 'last', before)
+      redis.call('HDEL', legacy, partition)
+    end
+  end
+  local n = redis.call('HINCRBY', turn, 'last', 1)
+  redis.call('EXPIRE', turn, {KEY_TTL_S})
+  return n
+end
+"""
+# KEYS: the key's hash, the worker's hash of earlier releases. ARGV: the partition key.
+_NUMBER = NUMBER_FUNCTION + "return number(KEYS[1], KEYS[2], ARGV[1])\n"
 
 
 class NotYourTurn(LockContention):
@@ -39,36 +67,47 @@ local seq, now = tonumber(ARGV[1]), tonumber(ARGV[2])
 if seq < due then return {'late', due} end
 if seq == due then
   redis.call('HSET', KEYS[1], 'seen', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], {KEY_TTL_S})
   return {'go', due}
 end
 local seen = tonumber(redis.call('HGET', KEYS[1], 'seen') or '0')
 if seen == 0 then
   redis.call('HSET', KEYS[1], 'seen', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], {KEY_TTL_S})
   return {'wait', due}
 end
 if now - seen > tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[1], 'next', seq, 'seen', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], {KEY_TTL_S})
   return {'skip', due}
 end
 return {'wait', due}
-"""
+""".replace("{KEY_TTL_S}", str(KEY_TTL_S))
 # KEYS: the key's turn. ARGV: the number done, now. Moves the turn past it if it was due.
-_ADVANCE = """
+_ADVANCE = f"""
 local due = tonumber(redis.call('HGET', KEYS[1], 'next') or '1')
 if due == tonumber(ARGV[1]) then
   redis.call('HSET', KEYS[1], 'next', due + 1, 'seen', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], {KEY_TTL_S})
   return 1
 end
 return 0
 """
 
 
-def sequence_key(worker_id: str) -> str:
+def legacy_sequence_key(worker_id: str) -> str:
+    """The hash of partition key → last number in which earlier releases numbered events."""
     return f"wm:order:{{{worker_id}}}:seq"
 
 
 def turn_key(worker_id: str, partition: str) -> str:
     return f"wm:order:{{{worker_id}}}:key:{partition}"
+
+
+def number_command(worker_id: str, partition: str) -> tuple[str, list[str], str]:
+    """(script, keys, argument) that number an event of ``partition`` for ``worker_id``
+    (``wm.state.connection.queue_eval``)."""
+    return _NUMBER, [turn_key(worker_id, partition), legacy_sequence_key(worker_id)], partition
 
 
 class Ordering:
