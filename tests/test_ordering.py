@@ -18,6 +18,7 @@ from wm import Settings, WorkManager
 from wm.control.deadletters import DeadLetters
 from wm.events import CloudEvent, make_event
 from wm.state.connection import redis_for, text
+from wm.state.ledger import Ledger
 from wm.state.ordering import GO, KEY_TTL_S, Ordering, legacy_sequence_key, turn_key
 
 KEYS = ("alpha", "beta", "gamma")
@@ -104,40 +105,50 @@ def test_ordered_keys_keep_publish_order_under_retries_with_two_nodes(
     parked = DeadLetters(pg_settings).list()
     assert sorted(json.loads(p.envelope)["data"]["n"] for p in parked) == poisoned
     assert {p.worker_id for p in parked} == {str(poison.id)}
-    assert Ordering(pg_settings).keys_of(str(worker.id))
+    state = redis_for(pg_settings)
+    ended = {key: state.ttl(key) for key in Ordering(pg_settings).keys_of(str(worker.id))}
+    assert len(ended) == len(KEYS) and all(0 < ttl <= KEY_TTL_S for ttl in ended.values())
     manager.delete_worker(worker.id)  # its numbers and turns go with it
     assert Ordering(pg_settings).keys_of(str(worker.id)) == []
 
 
-def test_a_partition_key_s_state_ends_and_one_numbered_by_an_earlier_release_goes_on(
+def test_a_partition_key_s_state_ends_once_caught_up_and_one_numbered_before_goes_on(
     pg_settings: Settings,
 ) -> None:
-    """A key's number and turn live in one hash that ends KEY_TTL_S after its last use, so
-    keys that go quiet leave nothing; a key numbered in the worker's hash of earlier releases
-    goes on from its number, through a single publish and ``publish_many`` alike, at default
-    settings but ``ordering``."""
+    """A key's number and turn live in one hash, with no end while a number given has not had
+    its turn and an end KEY_TTL_S after; a key numbered in the worker's hash of an earlier
+    release, or whose hash ended, goes on from its number, through a single publish,
+    ``publish_many`` and the ledger's own write alike, at default settings but ``ordering``."""
     manager = WorkManager(pg_settings)
     worker = manager.create_worker(
         code=stub(), mime_type=STUB, topic="ord.ends", settings={"ordering": "key"}
     )
     wid = str(worker.id)
-    state = redis_for(pg_settings)
+    state, ordering = redis_for(pg_settings), Ordering(pg_settings)
     state.hset(legacy_sequence_key(wid), mapping={"alpha": 41, "beta": 7})  # an earlier release
     state.hset(turn_key(wid, "alpha"), mapping={"next": 42, "seen": time.time()})
+    state.hset(turn_key(wid, "delta"), mapping={"next": 100})  # ended, made again by a turn
 
     def keyed(key: str) -> CloudEvent:
         return make_event("ord.ends", "/t", {}, extensions={"partitionkey": key})
 
     manager.publish(keyed("alpha"))
-    manager.publish_many([keyed("alpha"), keyed("gamma")])
+    manager.publish_many([keyed("alpha"), keyed("gamma"), keyed("delta")])
+    entries = Ledger(pg_settings).add([], "k", "{}", numbered=[wid], partition="gamma")
 
-    assert text(state.hget(turn_key(wid, "alpha"), "last")) == "43"
-    assert text(state.hget(turn_key(wid, "gamma"), "last")) == "1"
+    assert entries.numbers == {wid: 2}
+    last = {k: text(state.hget(turn_key(wid, k), "last")) for k in ("alpha", "gamma", "delta")}
+    assert last == {"alpha": "43", "gamma": "2", "delta": "100"}
     assert {text(k) for k in state.hkeys(legacy_sequence_key(wid))} == {"beta"}  # not used yet
-    ordering = Ordering(pg_settings)
     assert ordering.turn(wid, "alpha", 42, 60.0)[0] == GO  # its turn, not a late one
-    for key in ordering.keys_of(wid):
-        if key != legacy_sequence_key(wid):
-            assert 0 < state.ttl(key) <= KEY_TTL_S, key
+    assert ordering.turn(wid, "delta", 100, 60.0)[0] == GO
+    for key in ("gamma", "delta"):
+        assert state.ttl(turn_key(wid, key)) == -1  # numbers given wait for their turns
+    for number in (1, 2):
+        assert ordering.turn(wid, "gamma", number, 60.0)[0] == GO
+        ordering.advance(wid, "gamma", number)
+    assert 0 < state.ttl(turn_key(wid, "gamma")) <= KEY_TTL_S  # caught up: it ends
+    ordering.advance(wid, "alpha", 42)
+    assert state.ttl(turn_key(wid, "alpha")) == -1  # 43 has not had its turn
     manager.delete_worker(worker.id)
     assert ordering.keys_of(wid) == []

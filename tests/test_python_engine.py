@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -644,32 +647,57 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (under bwrap: the outer bwrap, the inner one, python)."""
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            for child in (task / "children").read_text().split():
+                found += _tree(int(child))
+    return found
+
+
+def _asleep_in_the_call(pids: list[int]) -> bool:
+    """One of ``pids`` sleeps in the kernel's nanosleep: the worker's ``time.sleep``."""
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            if "nanosleep" in Path(f"/proc/{pid}/wchan").read_text():
+                return True
+    return False
+
+
 @pytest.mark.parametrize("kind", ["bwrap", "fallback"])
-def test_a_child_in_a_hung_call_dies_with_its_host(kind: str) -> None:
+def test_a_child_in_a_hung_call_dies_with_its_host(kind: str, tmp_path: Path) -> None:
     """A pool process killed by SIGKILL (or the OOM killer) closes nothing: its sandbox
     child, asleep in a call, is killed with it (the layer ``dies with its host``), under
     bubblewrap and under the fallback without it, at default settings. Without the layer
     the fallback's child lived on as an orphan for the whole sleep."""
+    env = {k: v for k, v in os.environ.items() if k != "WM_SANDBOX_REQUIRE"}
+    env["TMPDIR"] = str(tmp_path)  # what the killed host cannot clean up stays in tmp_path
     host = subprocess.Popen(
-        [sys.executable, "-c", _HUNG_HOST, kind], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HUNG_HOST, kind], stdout=subprocess.PIPE, text=True, env=env
     )
-    child = None
+    tree: list[int] = []
     try:
         assert host.stdout is not None
+        assert select.select([host.stdout], [], [], 60)[0], "the host did not start its child"
         pid, layers = host.stdout.readline().rstrip().split(" ", 1)
-        child = int(pid)
         assert "dies with its host" in layers.split(","), layers
         assert ("mount namespace" in layers) is (kind == "bwrap"), layers
-        time.sleep(1.0)  # the call has begun: the child sleeps in the worker's code
-        assert _running(child)
+        deadline = time.monotonic() + 30
+        while not _asleep_in_the_call(tree := _tree(int(pid))):
+            assert time.monotonic() < deadline, "the call did not begin"
+            time.sleep(0.05)
         host.kill()
         host.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while _running(child) and time.monotonic() < deadline:
+        while any(_running(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _running(child), f"the sandbox child {child} outlived its killed host"
+        left = [p for p in tree if _running(p)]
+        assert not left, f"the sandbox's processes {left} outlived their killed host"
     finally:
         host.kill()
         host.wait(timeout=10)
-        if child is not None and _running(child):
-            os.kill(child, signal.SIGKILL)
+        for p in tree:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)

@@ -54,7 +54,7 @@ from wm.state.health import HEALTHY, UNHEALTHY, UNKNOWN, Probes, WorkerHealth
 from wm.state.ledger import Delivery as LedgerDelivery
 from wm.state.ledger import Ledger
 from wm.state.locks import GroupLocks
-from wm.state.ordering import KEY_TTL_S, turn_key
+from wm.state.ordering import GO, KEY_TTL_S, Ordering, turn_key
 from wm.state.outcomes import Outcomes
 from wm.store.shares import share_id
 
@@ -453,12 +453,18 @@ def test_outcomes_and_the_pending_ledger(cluster_settings: Settings) -> None:
     ledger.forget_worker(workers[4])
     assert ledger.pending_of(workers[3:]) == {workers[3]: 0, workers[4]: 0, workers[5]: 1}
 
-    # ordered keys: numbered in each worker's slot, one pipeline for all, with an end
+    # ordered keys: numbered in each worker's slot, one pipeline for all; a key's hash ends
+    # once its numbers have had their turns
     numbered = ledger.add([], "k", payload, numbered=workers, partition="alpha")
     assert numbered.numbers == dict.fromkeys(workers, 1)
     many = [LedgerDelivery("k2", payload, (), tuple(workers), "alpha")]
     assert ledger.add_many(many)[0].numbers == dict.fromkeys(workers, 2)
-    assert all(0 < client.ttl(turn_key(w, "alpha")) <= KEY_TTL_S for w in workers)
+    assert {client.ttl(turn_key(w, "alpha")) for w in workers} == {-1}
+    ordering = Ordering(cluster_settings)
+    for number in (1, 2):
+        assert ordering.turn(workers[0], "alpha", number, 60.0)[0] == GO
+        ordering.advance(workers[0], "alpha", number)
+    assert 0 < client.ttl(turn_key(workers[0], "alpha")) <= KEY_TTL_S
 
 
 def test_the_directory_reads_caches_and_forgets(cluster_settings: Settings) -> None:

@@ -25,13 +25,14 @@ Operator notes:
 * Gateway: ``POST http://{host}:{port}/{service}/{method}`` with a JSON body, performed by
   the host (see :mod:`wm.devkit.api`).
 * Layers and what each protects are described in ``sandbox`` and ``isolation``; the
-  network namespace and the capability drop are used when the OS permits and logged at
-  start. Residual risks: packages with raw memory access (numpy, anything exposing ctypes)
-  or a CPython memory-safety bug can bypass the in-process hook, leaving the kernel layers;
-  a worker can fill the disk of its temporary directory within its time limit; as root,
-  RLIMIT_NPROC does not apply, and only the child's cgroup (:mod:`engines.childproc.limits`,
-  ``WM_SANDBOX_MAX_PROCESSES``) bounds its processes below the audit hook. Running the host
-  as a non-root user, or the sandbox in a read-only mount namespace, narrows these further.
+  network namespace, the capability drop and the child's death with its host are used when
+  the OS permits and logged at start. Residual risks: packages with raw memory access
+  (numpy, anything exposing ctypes) or a CPython memory-safety bug can bypass the in-process
+  hook, leaving the kernel layers; a worker can fill the disk of its temporary directory
+  within its time limit; as root, RLIMIT_NPROC does not apply, and only the child's cgroup
+  (:mod:`engines.childproc.limits`, ``WM_SANDBOX_MAX_PROCESSES``) bounds its processes below
+  the audit hook. Running the host as a non-root user, or the sandbox in a read-only mount
+  namespace, narrows these further.
 
 The engine class is imported lazily: the sandboxed child imports modules of this package and
 must not pull in the host side (``subprocess``, ``threading``, ``http.client``).

@@ -24,9 +24,9 @@ with C-level calls, so a ``str`` subclass cannot lie about its value, and path-l
 
 Known limits (documented for operators): a package with raw memory access (numpy strides,
 ctypes pointers) or a CPython memory-safety bug can corrupt the interpreter and bypass any
-in-process hook; the kernel-level layers (network namespace, no capabilities, rlimits, the
-child's cgroups, empty environment, own process group, host-side timeout) are what remains in
-that case.
+in-process hook; the kernel-level layers (network namespace, no capabilities, death with its
+host, rlimits, the child's cgroups, empty environment, own process group, host-side timeout)
+are what remains in that case.
 """
 
 from __future__ import annotations
