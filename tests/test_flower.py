@@ -74,7 +74,14 @@ def flower(pg_settings: Settings, tmp_path: Path) -> Any:
         yield port
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Flower's SIGTERM handler raises SystemExit wherever the signal lands; in a
+            # finalizer Python prints "Exception ignored" and Flower runs on (as Celery beat
+            # did, wm.dataplane.beat). What stops it then is what docker stop sends next.
+            process.kill()
+            process.wait(timeout=30)
         log.close()
 
 
