@@ -64,6 +64,15 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not ended (a zombie waits only for its reaping)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def idle_cpu_s(pid: int, seconds: float = 1.0) -> float:
     """CPU seconds ``pid`` spends over ``seconds`` of idleness, from a moment after its last
     work (what it may still poll for then has ended)."""

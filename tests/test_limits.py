@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from engines.python.isolation import resource_limits
-from tests.helpers import drain, eventually
+from tests.helpers import drain, eventually, running
 from tests.native.harness import HERE, KIT, RID, run
 from wm import DeadLetters, Settings, WorkManager, make_event
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX
@@ -42,14 +42,6 @@ def pool_pids(node: Any) -> set[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == node.proc.pid:
                 pids.add(int(entry))
     return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def worker_errors(settings: Settings, queue: str, count: int, timeout_s: float = 60) -> list[Any]:
@@ -121,7 +113,7 @@ def test_a_native_call_that_never_returns_ends_at_its_limit_and_its_process_is_r
     told = first["data"]["error_message"]  # at the limit, while the call runs on
     assert "did not return within 1 s and its call cannot be stopped" in told
     assert "its process is replaced if it still runs 2 s later" in told
-    eventually(lambda: not alive(first_pool))
+    eventually(lambda: not running(first_pool))
     [second] = worker_errors(pg_settings, lifecycle, 1)
 
     # Served between retries, after the second: the success splits the failures in a row
@@ -221,7 +213,7 @@ def test_a_spinning_csharp_worker_ends_at_its_limit_and_its_process_is_replaced(
     reported = worker_errors(pg_settings, lifecycle, 2)
     assert [e["data"]["attempt"] for e in reported] == [1, 2]
     assert {e["data"]["error_type"] for e in reported} == {"WorkerTimeout"}
-    assert not alive(first_pool)  # with its spinning thread
+    assert not running(first_pool)  # with its spinning thread
 
     manager.publish(make_event("spinner", "/tests", {"after": subject}))
     # two failures of three deliveries make it degraded, not paused (health_min_deliveries)
@@ -305,7 +297,7 @@ def test_an_in_process_worker_that_outgrows_max_memory_mb_has_its_process_replac
         manager.publish(event)
     outputs = drain(pg_settings, done, len(events), timeout_s=120)
     assert sorted(o["data"]["n"] for o in outputs) == list(range(8))
-    assert not alive(first_pool) and len(pool_pids(node)) == 1
+    assert not running(first_pool) and len(pool_pids(node)) == 1
     assert "over max_memory_mb" in node.log.read_text()
     time.sleep(3)  # messages held by replaced processes come back: each is only acknowledged
     assert drain(pg_settings, done, 10, timeout_s=1) == []

@@ -20,7 +20,7 @@ import pytest
 import wm  # noqa: F401 - import the platform before engines (engines.base needs wm first)
 from engines.python import PythonEngine
 from engines.python.engine import PythonWorkerError
-from tests.helpers import Loopback, http_server, idle_cpu_s
+from tests.helpers import Loopback, eventually, http_server, idle_cpu_s, running
 from tests.workers import child_pids, code
 from wm.config import Settings
 from wm.engine import WorkerSpec
@@ -638,15 +638,6 @@ engine.process(make_event("orders.placed", "/tests", {}), timeout_s=600)
 """
 
 
-def _running(pid: int) -> bool:
-    """The process exists and has not ended (a zombie waits only for its reaping)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _tree(pid: int) -> list[int]:
     """``pid`` and its descendants (under bwrap: the outer bwrap, the inner one, python)."""
     found = [pid]
@@ -657,13 +648,15 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def _asleep_in_the_call(pids: list[int]) -> bool:
-    """One of ``pids`` sleeps in the kernel's nanosleep: the worker's ``time.sleep``."""
-    for pid in pids:
+def _asleep_in_the_call(pid: int) -> list[int]:
+    """:func:`_tree` of ``pid`` once one of it sleeps in the kernel's nanosleep (the
+    worker's ``time.sleep``), else nothing."""
+    tree = _tree(pid)
+    for member in tree:
         with contextlib.suppress(FileNotFoundError):
-            if "nanosleep" in Path(f"/proc/{pid}/wchan").read_text():
-                return True
-    return False
+            if "nanosleep" in Path(f"/proc/{member}/wchan").read_text():
+                return tree
+    return []
 
 
 @pytest.mark.parametrize("kind", ["bwrap", "fallback"])
@@ -684,20 +677,17 @@ def test_a_child_in_a_hung_call_dies_with_its_host(kind: str, tmp_path: Path) ->
         pid, layers = host.stdout.readline().rstrip().split(" ", 1)
         assert "dies with its host" in layers.split(","), layers
         assert ("mount namespace" in layers) is (kind == "bwrap"), layers
-        deadline = time.monotonic() + 30
-        while not _asleep_in_the_call(tree := _tree(int(pid))):
-            assert time.monotonic() < deadline, "the call did not begin"
-            time.sleep(0.05)
+        tree = eventually(lambda: _asleep_in_the_call(int(pid)), timeout_s=30, interval_s=0.05)
         host.kill()
         host.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(_running(p) for p in tree) and time.monotonic() < deadline:
+        while any(running(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = [p for p in tree if _running(p)]
+        left = [p for p in tree if running(p)]
         assert not left, f"the sandbox's processes {left} outlived their killed host"
     finally:
         host.kill()
         host.wait(timeout=10)
         for p in tree:
-            if _running(p):
+            if running(p):
                 os.kill(p, signal.SIGKILL)

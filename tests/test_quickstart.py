@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import eventually
+from tests.helpers import eventually, running
 from tests.test_sandbox_layouts import clean_env, copy_work_tree, wheelhouse, wheelhouse_root
 
 #: Demo events ``wm up --demo`` sends before it stops by itself.
@@ -72,14 +72,6 @@ def started_pids(out: str) -> list[int]:
     return [int(re.findall(r"pid (\d+)", line)[0]) for line in lines]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.slow
 def test_readme_quick_start_in_a_fresh_virtualenv(
     tmp_path: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -99,4 +91,4 @@ def test_readme_quick_start_in_a_fresh_virtualenv(
     assert (clone / ".wm" / "workmanager.db").exists()
     pids = started_pids(out)
     assert len(pids) == 2, out
-    eventually(lambda: not any(alive(pid) for pid in pids), timeout_s=30)
+    eventually(lambda: not any(running(pid) for pid in pids), timeout_s=30)

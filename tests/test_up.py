@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import eventually, free_port
+from tests.helpers import eventually, free_port, running
 
 
 def _env() -> dict[str, str]:
@@ -101,7 +101,7 @@ def test_json_prints_the_environment_once_up_and_people_s_lines_on_stderr(
         assert written["WM_DATABASE_URL"] == database
         assert written["WM_BROKER_URL"].startswith("redis://127.0.0.1:")
         assert answer["node"]["name"].startswith("wm-up@")
-        assert _alive(answer["node"]["pid"])
+        assert running(answer["node"]["pid"])
     finally:
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=60)
@@ -239,7 +239,7 @@ def _assert_nothing_left(out: str) -> None:
     assert len(pids) >= 2  # the Redis server and the Celery nodes
 
     def gone() -> bool:
-        return not any(_alive(pid) or _group_members(pid) for pid in pids)
+        return not any(running(pid) or _group_members(pid) for pid in pids)
 
     eventually(gone, timeout_s=30)
 
@@ -279,18 +279,6 @@ def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
     out = "".join(lines) + rest
     assert proc.returncode == 0 and out.rstrip().endswith("stopped"), out
     _assert_nothing_left(out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_one_prefork_node_per_concurrency_cores_by_default() -> None:
