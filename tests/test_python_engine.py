@@ -95,6 +95,33 @@ def test_a_host_without_bubblewrap_runs_workers_under_the_kernel_prefix(
         isolation.kernel_isolation.cache_clear()
 
 
+def test_the_sandbox_binds_the_libraries_ldd_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The libraries the sandbox binds are listed by the interpreter's own loader, file by
+    file (ldd, a shell script, took up to 1.6 s of a node's start): the same set ``ldd``
+    lists, for the interpreter, the standard library's extensions and a package whose
+    extensions load libraries bundled beside them (psycopg's binary build)."""
+    import psycopg  # noqa: F401 - psycopg_binary needs it first
+    import psycopg_binary
+
+    from engines.python import bwrap, isolation
+
+    interpreter = bwrap.interpreter()
+    loader = bwrap._loader(interpreter)
+    assert loader is not None and os.path.basename(loader).startswith("ld-")
+    roots = (*isolation.sandbox_paths(()).native_roots, os.path.dirname(psycopg_binary.__file__))
+    bwrap.libraries.cache_clear()
+    try:
+        listed = bwrap.libraries(interpreter, roots)
+        bwrap.libraries.cache_clear()
+        monkeypatch.setattr(bwrap, "_loader", lambda executable: None)  # ldd instead
+        assert listed == bwrap.libraries(interpreter, roots)
+    finally:
+        bwrap.libraries.cache_clear()
+    assert loader in listed and any("/libc." in path for path in listed)
+    assert any("/libffi." in path for path in listed)  # the standard library's _ctypes
+    assert any("psycopg_binary.libs/libpq-" in path for path in listed)
+
+
 def test_the_event_reads_its_attributes_by_name_too(engine: PythonEngine) -> None:
     """A newcomer's ``event["type"]`` works, as with the CloudEvents SDK's HTTP events."""
     source = b"""
