@@ -366,6 +366,7 @@ class Node:
             "--without-mingle",
         ]
         self._out = log.open("ab")
+        self._asked = False
         self.proc = subprocess.Popen(
             cmd,
             env=env_of(settings, **env),
@@ -399,9 +400,17 @@ class Node:
             os.killpg(self.proc.pid, sig)
         self.proc.wait(timeout=30)
 
+    def ask_to_stop(self) -> None:
+        """SIGTERM (a warm shutdown) once, without waiting: nodes stop side by side (each
+        takes a second or more: billiard's pool processes sleep 1 s as they exit)."""
+        if self.proc.poll() is None and not self._asked:
+            self._asked = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.ask_to_stop()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -419,6 +428,8 @@ def start_node(tmp_path: Path) -> Iterator[Any]:
         return node
 
     yield start
+    for node in nodes:
+        node.ask_to_stop()
     for node in nodes:
         node.stop()
 

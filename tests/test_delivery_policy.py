@@ -57,7 +57,7 @@ from wm.errors import InvalidArgument
 from wm.events import LIFECYCLE_TOPIC, LIFECYCLE_TYPE_PREFIX, derive_id, encode, event_key
 from wm.lifecycle import Status
 from wm.state.connection import redis_for
-from wm.state.ledger import Ledger
+from wm.state.ledger import RUNS_TTL_S, Ledger
 from wm.state.locks import GroupLocks
 from wm.store.models import WorkerVersion
 from wm.views import WorkerInfo
@@ -280,6 +280,24 @@ def test_deliveries_a_node_holds_for_a_deleted_worker_are_dead_lettered(
     assert json.loads(letter.envelope)["data"] == {"n": 2}
     [output] = drain(node_settings, sink, 1)  # the one already running finished first
     assert output["data"]["input"] == {"n": 1}
+
+
+def test_a_count_of_runs_that_nothing_settles_ends(node_settings: Settings) -> None:
+    """A redelivered event's runs are counted until it settles or its run ends. A run that
+    raced its worker's delete (the ledger forgotten, then the run counted) is never settled:
+    its count ends RUNS_TTL_S after the latest run counted, instead of staying for ever."""
+    ledger, client = Ledger(node_settings), redis_for(node_settings)
+    worker = str(uuid.uuid4())
+    runs = f"wm:pending:{{{worker}}}:runs"
+    ledger.forget_worker(worker)
+    assert ledger.begin_run(worker, "k1") == 1
+    assert RUNS_TTL_S - 60 < client.ttl(runs) <= RUNS_TTL_S
+    client.expire(runs, 10)
+    assert ledger.begin_run(worker, "k2") == 1  # another run counted: the end moves on
+    assert RUNS_TTL_S - 60 < client.ttl(runs) <= RUNS_TTL_S
+    ledger.end_run(worker, "k1")
+    ledger.settle(worker, "k2", "{}", ran_again=True)
+    assert not client.exists(runs)
 
 
 def test_a_delivery_pinned_to_a_missing_version_is_dead_lettered_at_once(

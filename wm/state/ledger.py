@@ -41,6 +41,11 @@ _SWEEP_LOCK = "wm:pending:sweeper"
 #: than one), so ``wm status`` names it between sweeps and forgets a node that went away.
 _MAINTAINER = "wm:maintainer"
 MAINTAINER_PERIODS = 3
+#: Seconds a worker's counts of runs (:meth:`Ledger.begin_run`) outlive the latest run
+#: counted: a count's own field goes when its delivery settles or its run ends, so the end
+#: only clears what nothing will settle any more, such as a count begun by a delivery that
+#: raced its worker's delete (7 days).
+RUNS_TTL_S = 7 * 24 * 3600
 _RESTART_CLOCKS = """
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 for i = 1, #members, 500 do
@@ -296,8 +301,12 @@ class Ledger:
     def begin_run(self, worker_id: str, key: str) -> int:
         """Count a run of a delivery the broker sent again because the process that had it
         died; returns the runs begun and not ended (by :meth:`end_run` or :meth:`settle`)."""
+        runs = self._runs(worker_id)
         with redis_errors(self.settings):
-            return int(self.redis.hincrby(self._runs(worker_id), key, 1))
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(runs, key, 1)
+            pipe.expire(runs, RUNS_TTL_S)
+            return int(pipe.execute()[0])
 
     def end_run(self, worker_id: str, key: str) -> None:
         """The run ended, with an error the delivery's policy handles: its process lived."""
