@@ -285,7 +285,8 @@ def test_deliveries_a_node_holds_for_a_deleted_worker_are_dead_lettered(
 def test_a_count_of_runs_that_nothing_settles_ends(node_settings: Settings) -> None:
     """A redelivered event's runs are counted until it settles or its run ends. A run that
     raced its worker's delete (the ledger forgotten, then the run counted) is never settled:
-    its count ends RUNS_TTL_S after the latest run counted, instead of staying for ever."""
+    its count ends RUNS_TTL_S after the worker's latest run counted or start, instead of
+    staying for ever."""
     ledger, client = Ledger(node_settings), redis_for(node_settings)
     worker = str(uuid.uuid4())
     runs = f"wm:pending:{{{worker}}}:runs"
@@ -294,6 +295,9 @@ def test_a_count_of_runs_that_nothing_settles_ends(node_settings: Settings) -> N
     assert RUNS_TTL_S - 60 < client.ttl(runs) <= RUNS_TTL_S
     client.expire(runs, 10)
     assert ledger.begin_run(worker, "k2") == 1  # another run counted: the end moves on
+    assert RUNS_TTL_S - 60 < client.ttl(runs) <= RUNS_TTL_S
+    client.expire(runs, 10)
+    ledger.restart_clocks(worker)  # the worker starts again: the end moves on too
     assert RUNS_TTL_S - 60 < client.ttl(runs) <= RUNS_TTL_S
     ledger.end_run(worker, "k1")
     ledger.settle(worker, "k2", "{}", ran_again=True)

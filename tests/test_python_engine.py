@@ -122,6 +122,45 @@ def test_the_sandbox_binds_the_libraries_ldd_lists(monkeypatch: pytest.MonkeyPat
     assert any("psycopg_binary.libs/libpq-" in path for path in listed)
 
 
+def test_a_malformed_or_foreign_interpreter_file_names_no_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader is read off the interpreter's ELF header only where it is well formed: any
+    other file gives None (``ldd`` then lists the libraries), never an error, and never a
+    relative path (which would be run from the working directory)."""
+    from engines.python import bwrap
+
+    real = Path(bwrap.interpreter()).read_bytes()
+    header = 64 + 56 * int.from_bytes(real[56:58], "little")
+    loader = bwrap._loader(bwrap.interpreter())
+    assert loader is not None and os.path.isabs(loader)
+
+    def loader_of(data: bytes) -> str | None:
+        path = tmp_path / "python"
+        path.write_bytes(data)
+        return bwrap._loader(str(path))
+
+    assert loader_of(real) == loader  # the copy reads as the file
+    interp = next(  # the PT_INTERP entry: (type, flags, offset, vaddr, paddr, filesz, …)
+        at for at in range(64, header, 56) if int.from_bytes(real[at : at + 4], "little") == 3
+    )
+
+    def with_field(at: int, value: bytes) -> bytes:
+        return real[:at] + value + real[at + len(value) :]
+
+    offset = int.from_bytes(real[interp + 8 : interp + 16], "little")
+    assert loader_of(b"") is None and loader_of(b"#!/bin/sh\n" * 20) is None
+    assert loader_of(real[:4] + b"\x01" + real[5:]) is None  # a 32-bit ELF
+    assert loader_of(real[:5] + b"\x02" + real[6:]) is None  # big-endian
+    assert loader_of(real[:40]) is None  # truncated header
+    assert loader_of(with_field(54, b"\x00\x00")) is None  # program headers of size 0
+    assert loader_of(with_field(interp + 32, (1 << 40).to_bytes(8, "little"))) is None
+    assert loader_of(with_field(interp + 8, (1 << 62).to_bytes(8, "little"))) is None
+    (tmp_path / "ld-relative").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert loader_of(with_field(offset, b"ld-relative\0")) is None  # no relative path
+
+
 def test_the_event_reads_its_attributes_by_name_too(engine: PythonEngine) -> None:
     """A newcomer's ``event["type"]`` works, as with the CloudEvents SDK's HTTP events."""
     source = b"""

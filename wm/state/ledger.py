@@ -42,11 +42,15 @@ _SWEEP_LOCK = "wm:pending:sweeper"
 _MAINTAINER = "wm:maintainer"
 MAINTAINER_PERIODS = 3
 #: Seconds a worker's counts of runs (:meth:`Ledger.begin_run`) outlive the latest run
-#: counted: a count's own field goes when its delivery settles or its run ends, so the end
-#: only clears what nothing will settle any more, such as a count begun by a delivery that
-#: raced its worker's delete (7 days).
+#: counted or the worker's latest start (:meth:`Ledger.restart_clocks`): a count goes when
+#: its delivery settles or its run ends, and the end clears what nothing will settle, such
+#: as a count begun by a run that raced its worker's delete. A count still due ends with
+#: them only where its event waited 7 days in a queue while no other redelivered run of its
+#: worker was counted and the worker did not start again; its event then counts from 1.
 RUNS_TTL_S = 7 * 24 * 3600
+# KEYS: the worker's index, its counts of runs. ARGV: now, RUNS_TTL_S.
 _RESTART_CLOCKS = """
+redis.call('EXPIRE', KEYS[2], ARGV[2])
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 for i = 1, #members, 500 do
   local batch = {}
@@ -314,9 +318,11 @@ class Ledger:
             self.redis.hdel(self._runs(worker_id), key)
 
     def restart_clocks(self, worker_id: str) -> None:
-        """A worker starts again: time spent stopped is not time a broker lost a message."""
+        """A worker starts again: time spent stopped is not time a broker lost a message, nor
+        time its counts of runs (:data:`RUNS_TTL_S`) run out in."""
         with redis_errors(self.settings):
-            self.redis.eval(_RESTART_CLOCKS, 1, self._index(worker_id), time.time())
+            keys = (self._index(worker_id), self._runs(worker_id))
+            self.redis.eval(_RESTART_CLOCKS, len(keys), *keys, time.time(), RUNS_TTL_S)
 
     def forget_worker(self, worker_id: str) -> None:
         """A deleted worker's queue is gone, and so are its pending deliveries."""
