@@ -25,8 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from wm import Settings, WorkManager, make_event
 from wm.bench.cputime import process_cpu_s
 from wm.dataplane.queues import subscription_queue
+from wm.local.embedded import pid_alive
 
 STUB = "application/x-wm-stub"
+#: The process exists and has not ended: the check ``wm up`` waits on.
+running = pid_alive
 #: The root of the clone: the README (the front page) and docs/ (the manual) are under it.
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,15 +65,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def running(pid: int) -> bool:
-    """The process exists and has not ended (a zombie waits only for its reaping)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def idle_cpu_s(pid: int, seconds: float = 1.0) -> float:

@@ -369,14 +369,15 @@ def _wait_gone(server: EmbeddedRedis, timeout_s: float) -> bool:
             return False
         return True
     deadline = time.monotonic() + timeout_s
-    while _pid_alive(server.pid):
+    while pid_alive(server.pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_INTERVAL_S)
     return True
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """The process exists and has not ended (a zombie waits only for its reaping)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
