@@ -59,6 +59,8 @@ from wm.lifecycle import Status
 from wm.state.connection import redis_for
 from wm.state.ledger import RUNS_TTL_S, Ledger
 from wm.state.locks import GroupLocks
+from wm.state.outcomes import Outcomes
+from wm.state.unawaited import UNAWAITED
 from wm.store.models import WorkerVersion
 from wm.views import WorkerInfo
 
@@ -536,6 +538,24 @@ def test_a_delivery_without_a_group_runs_four_redis_commands(
         assert node_side[command] <= math.ceil(took_s) + 1, spent
         del node_side[command]
     assert node_side == Counter({"mget": 10, "eval": 10, "set": 10, "zrem": 10}), spent
+
+
+def test_a_delivery_without_outputs_does_not_wait_for_its_record(
+    node: WorkController, manager: WorkManager, node_settings: Settings
+) -> None:
+    """With nothing to publish, the record is sent and the delivery goes on: its reply is read
+    at the thread's next record (``wm.state.unawaited``). Once the ledger is settled (every
+    record ran), the last one's reply is still unread; every outcome is recorded."""
+    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
+    _consuming(node, worker)
+    events = [make_event("in", "/tests", {"n": n}) for n in range(10)]
+    for event in events:
+        manager.publish(event)
+    eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=10)
+    assert [w for w in UNAWAITED.unread() if f"of worker {worker.id}" in w], UNAWAITED.unread()
+    server = redis.Redis.from_url(node_settings.redis_url)
+    keys = [Outcomes.key(str(worker.id), event_key("/tests", e.get_id())) for e in events]
+    assert server.mget(keys) == [b"[]"] * len(events)
 
 
 #: What redis-py sends when it opens a connection.

@@ -237,7 +237,14 @@ class Delivery:
                 self.rt.locks.queue_release(pipe, releasing)
 
         recorded, found = self.rt.outcomes.record(
-            self.owner, self.operation, outputs, self.settlement(), also, fence, body
+            self.owner,
+            self.operation,
+            outputs,
+            self.settlement(),
+            also,
+            fence,
+            body,
+            unawaited=not outputs,  # nothing to publish: nothing to wait for
         )
         if releasing is not None:
             self.released = self.rt.locks.released(releasing, found[-1])

@@ -12,6 +12,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from redis.client import Pipeline
+
 from wm.config import Settings
 from wm.errors import OutputTooLarge
 from wm.events import CloudEvent, decode, encode
@@ -26,6 +28,7 @@ from wm.state.connection import (
 )
 from wm.state.ledger import Settlement
 from wm.state.locks import FENCE_CHECK_LUA, WriteFence
+from wm.state.unawaited import UNAWAITED
 
 #: ``wm:outcome:{<worker id>}:<event key>``: tagged with the worker's id, like its pending
 #: ledger and directory entry, so the record script and the directory's MGET touch one slot.
@@ -101,6 +104,7 @@ class Outcomes:
         also: Callable[[StatePipeline], None] | None = None,
         fence: WriteFence | None = None,
         body: str | None = None,
+        unawaited: bool = False,
     ) -> tuple[list[CloudEvent], list[Any]]:
         """Record the outcome and settle the delivery in the pending ledger, in one script;
         return the outcome that counts: when two copies of a delivery ran at once, the
@@ -108,7 +112,12 @@ class Outcomes:
         round trip; their results come second (on a Redis Cluster, a round trip to each
         node their keys live on, sent together). With ``fence``, the same script checks the
         group lock first and writes nothing, raising :class:`~wm.errors.FenceRejected`, when
-        the lease was lost. ``body``: the outputs :meth:`encoded` already."""
+        the lease was lost. ``body``: the outputs :meth:`encoded` already.
+
+        ``unawaited``: the caller needs nothing from the reply (no outputs: see
+        ``wm.state.unawaited``), so where the script is all there is to send (no fence, no
+        WAIT, nothing from ``also``, one server) it is sent without waiting for its reply,
+        and ``outputs`` returned as the outcome that counts."""
         key = self.key(worker_id, event_key)
         keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
         args = [self.encoded(outputs) if body is None else body, self.ttl_s, settlement.member]
@@ -122,6 +131,10 @@ class Outcomes:
             waited = queue_wait(pipe, self.settings, key)  # right behind the record
             if also is not None:
                 also(pipe)
+            if unawaited and fence is None and len(pipe) == 1 and isinstance(pipe, Pipeline):
+                what = f"the outcome of event {event_key} of worker {worker_id}"
+                UNAWAITED.send(pipe, pipe.command_stack[0][0], what)
+                return outputs, []
             reply, *more = pipe.execute()
         acknowledged = more.pop(0) if waited else None
         if fence is not None:

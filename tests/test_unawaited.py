@@ -1,0 +1,80 @@
+"""Writes whose replies nobody waits for (``wm.state.unawaited``), on the real Redis: the
+reply is read at the thread's next send, an error in it is logged naming what was sent, a
+connection lost before it is logged and the next send connects again, and a forked child
+starts with none of its parent's."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import redis
+
+from tests.conftest import REDIS_HOST, STATE_DB, flush_redis
+from wm.state.unawaited import Unawaited
+
+
+@pytest.fixture
+def client(redis_ok: None) -> redis.Redis:
+    flush_redis(STATE_DB)
+    return redis.Redis.from_url(f"{REDIS_HOST}/{STATE_DB}")
+
+
+def test_a_reply_is_read_at_the_next_send_not_before(client: redis.Redis) -> None:
+    later = Unawaited()
+    later.send(client, ("SET", "k", "1"), "the first write")
+    assert later.unread() == ["the first write"]
+    later.send(client, ("INCR", "k"), "the second write")  # reads the first's reply
+    assert later.unread() == ["the second write"]
+    assert client.get("k") == b"2"  # both ran, in order, on the one connection
+
+
+def test_an_error_in_a_reply_is_logged_naming_what_was_sent(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    later = Unawaited()
+    client.hset("h", "f", "v")
+    later.send(client, ("EVAL", "return redis.call('GET', KEYS[1])", 1, "h"), "the outcome of e1")
+    assert not caplog.records  # nobody waited: nothing known yet
+    with caplog.at_level(logging.ERROR, logger="wm.state.unawaited"):
+        later.send(client, ("SET", "k", "1"), "the outcome of e2")
+    [line] = caplog.records
+    assert "the outcome of e1 was not written" in line.getMessage()
+    assert "WRONGTYPE" in line.getMessage()
+    assert "pending ledger" in line.getMessage()
+    assert client.get("k") == b"1"  # the next write went on
+
+
+def test_a_connection_lost_before_the_reply_is_logged_and_the_next_send_reconnects(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    later = Unawaited()
+    later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-test"), "the name")
+    later.send(client, ("BLPOP", "nothing", 10), "the first write")  # no reply for 10 s
+    [ours] = [c for c in client.client_list() if c["name"] == "wm-unawaited-test"]
+    client.client_kill_filter(_id=ours["id"])
+    with caplog.at_level(logging.WARNING, logger="wm.state.unawaited"):
+        later.send(client, ("SET", "k", "2"), "the second write")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("the first write may not have been written" in m for m in messages), messages
+    later.send(client, ("SET", "k", "3"), "the third write")  # read the second's reply
+    assert client.get("k") == b"3"  # both on the new connection
+
+
+def test_each_thread_has_its_own_connection_and_a_forked_child_none(client: redis.Redis) -> None:
+    later = Unawaited()
+    later.send(client, ("SET", "a", "1"), "main's write")
+    thread = threading.Thread(target=later.send, args=(client, ("SET", "b", "1"), "its write"))
+    thread.start()
+    thread.join()
+    assert sorted(later.unread()) == ["its write", "main's write"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: none of the parent's connections or replies
+        os.write(write, str(len(later.unread())).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"0"
+    assert sorted(later.unread()) == ["its write", "main's write"]
