@@ -545,17 +545,29 @@ def test_a_delivery_without_outputs_does_not_wait_for_its_record(
 ) -> None:
     """With nothing to publish, the record is sent and the delivery goes on: its reply is read
     at the thread's next record (``wm.state.unawaited``). Once the ledger is settled (every
-    record ran), the last one's reply is still unread; every outcome is recorded."""
-    worker = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
-    _consuming(node, worker)
+    record ran), the last one's reply is still unread; every outcome is recorded. An ordered
+    key's delivery waits for it: its turn moves on only once its outcome is written."""
+    plain = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
+    ordered = manager.create_worker(
+        code=stub(), mime_type=STUB, topic="in.ordered", settings={"ordering": "key"}
+    )
+    for worker in (plain, ordered):
+        _consuming(node, worker)
     events = [make_event("in", "/tests", {"n": n}) for n in range(10)]
     for event in events:
         manager.publish(event)
-    eventually(lambda: Ledger(node_settings).pending(str(worker.id)) == 0, timeout_s=10)
-    assert [w for w in UNAWAITED.unread() if f"of worker {worker.id}" in w], UNAWAITED.unread()
+    ledger = Ledger(node_settings)
+    eventually(lambda: ledger.pending(str(plain.id)) == 0, timeout_s=10)
+    assert [w for w in UNAWAITED.unread() if f"of worker {plain.id}" in w], UNAWAITED.unread()
     server = redis.Redis.from_url(node_settings.redis_url)
-    keys = [Outcomes.key(str(worker.id), event_key("/tests", e.get_id())) for e in events]
+    keys = [Outcomes.key(str(plain.id), event_key("/tests", e.get_id())) for e in events]
     assert server.mget(keys) == [b"[]"] * len(events)
+
+    for n in range(3):
+        key = {"partitionkey": "k"}
+        manager.publish(make_event("in.ordered", "/tests", {"n": n}, extensions=key))
+    eventually(lambda: ledger.pending(str(ordered.id)) == 0, timeout_s=10)
+    assert not [w for w in UNAWAITED.unread() if f"of worker {ordered.id}" in w]
 
 
 #: What redis-py sends when it opens a connection.

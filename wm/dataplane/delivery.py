@@ -209,12 +209,15 @@ class Delivery:
         """(engine, temporary): a pinned old version gets a temporary engine to close after."""
         return self.rt.engines.engine(self.meta, self.version, self.facts)
 
-    def process(self, engine: Engine, recording: Callable[[StatePipeline], None]) -> None:
+    def process(
+        self, engine: Engine, recording: Callable[[StatePipeline], None], awaited: bool = False
+    ) -> None:
         """Run the code, record its outcome (fence-checked in the record's script, or just
         before it on a Redis Cluster) with the features' writes (``recording``), publish
         what was recorded. An error the worker answered with is reported as
         ``worker.error`` once published. A group member with no output releases its lease
-        in the record's round trip: nothing is left to do under it."""
+        in the record's round trip: nothing is left to do under it. Without outputs the
+        record's reply is not waited for, unless ``awaited`` (a feature acts on it)."""
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
@@ -244,7 +247,7 @@ class Delivery:
             also,
             fence,
             body,
-            unawaited=not outputs,  # nothing to publish: nothing to wait for
+            unawaited=not outputs and not awaited,  # nothing to publish: nothing to wait for
         )
         if releasing is not None:
             self.released = self.rt.locks.released(releasing, found[-1])

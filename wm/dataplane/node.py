@@ -50,6 +50,7 @@ from wm.lifecycle import Status
 from wm.state.directory import Directory
 from wm.state.health import UNHEALTHY, WorkerHealth
 from wm.state.ledger import Ledger
+from wm.state.unawaited import UNAWAITED
 from wm.store.models import Subscription, Worker
 from wm.workersettings import WorkerSettings
 
@@ -425,5 +426,7 @@ def on_process_init() -> None:
 
 
 def on_process_shutdown() -> None:
-    """Close the engines (and their sandboxed subprocesses) of a pool process."""
+    """Close the engines (and their sandboxed subprocesses) of a pool process, and read the
+    reply of its last record nobody waited for (an error in it is logged)."""
+    UNAWAITED.settle()
     runtime.reset_runtime()

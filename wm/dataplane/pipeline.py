@@ -75,6 +75,12 @@ class Feature:
     def recording(self, delivery: Delivery, pipe: StatePipeline) -> None:
         return None
 
+    def awaits_record(self, delivery: Delivery) -> bool:
+        """Whether what this feature does once the delivery is done assumes its outcome was
+        written: then the record's reply is waited for even without outputs
+        (``wm.state.unawaited``)."""
+        return False
+
     def failed(self, delivery: Delivery, error: Exception) -> Verdict | None:
         return None
 
@@ -101,6 +107,7 @@ class _Hooks:
     around_run: tuple[Feature, ...]
     around_call: tuple[Feature, ...]
     recording: tuple[Feature, ...]
+    awaits_record: tuple[Feature, ...]
     failed: tuple[Feature, ...]
     ended: tuple[Feature, ...]
 
@@ -189,7 +196,8 @@ class Pipeline:
             if delivery.recorded is not None:  # recorded meanwhile (read under the lock)
                 delivery.republish(delivery.recorded)
             else:
-                delivery.process(engine, self._recorders(delivery))
+                awaited = any(f.awaits_record(delivery) for f in self._hooks.awaits_record)
+                delivery.process(engine, self._recorders(delivery), awaited)
 
     def _recorders(self, delivery: Delivery) -> Callable[[StatePipeline], None]:
         def add(pipe: StatePipeline) -> None:

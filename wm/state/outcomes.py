@@ -114,10 +114,11 @@ class Outcomes:
         group lock first and writes nothing, raising :class:`~wm.errors.FenceRejected`, when
         the lease was lost. ``body``: the outputs :meth:`encoded` already.
 
-        ``unawaited``: the caller needs nothing from the reply (no outputs: see
-        ``wm.state.unawaited``), so where the script is all there is to send (no fence, no
-        WAIT, nothing from ``also``, one server) it is sent without waiting for its reply,
-        and ``outputs`` returned as the outcome that counts."""
+        ``unawaited``: the caller needs nothing from the reply (no outputs, and nothing it
+        does next assumes the record was written: see ``wm.state.unawaited``), so where the
+        script is all there is to send (no fence, no WAIT, nothing from ``also``, one
+        server) it is sent without waiting for its reply, and ``outputs`` returned as the
+        outcome that counts."""
         key = self.key(worker_id, event_key)
         keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
         args = [self.encoded(outputs) if body is None else body, self.ttl_s, settlement.member]
@@ -132,8 +133,9 @@ class Outcomes:
             if also is not None:
                 also(pipe)
             if unawaited and fence is None and len(pipe) == 1 and isinstance(pipe, Pipeline):
+                command = ("EVAL", script, len(keys), *keys, *args)  # as queued, sent alone
                 what = f"the outcome of event {event_key} of worker {worker_id}"
-                UNAWAITED.send(pipe, pipe.command_stack[0][0], what)
+                UNAWAITED.send(pipe, command, what)
                 return outputs, []
             reply, *more = pipe.execute()
         acknowledged = more.pop(0) if waited else None

@@ -6,15 +6,17 @@ recorded first was published by that copy (``wm.dataplane.outputs``). Waiting fo
 cost the process a round trip per delivery (its send, Redis's turn, the wake-up): without
 it such deliveries drain about a tenth faster on two cores (docs/benchmarks.md).
 :class:`Unawaited` sends such a write on a connection of its own (one per thread) and reads
-its reply when the thread sends the next one, by when it has long arrived. A reply that
-holds an error, or a connection lost before it, is logged then, naming what was sent.
+its reply when the thread sends the next one, by when it has long arrived, or when the
+process ends (:meth:`Unawaited.settle`). A reply that holds an error, or a connection lost
+before it, is logged then, naming what was sent.
 
 Nothing is lost when such a write fails: the delivery's entry in the pending ledger stays,
-and the sweep delivers the event again after WM_REDELIVER_AFTER_S (``wm.state.ledger``). The
-send itself still raises when the server cannot be reached (the delivery then goes back to
-its queue, as a record that waits would). The write is with the server before the delivery
-is acknowledged; a read on another connection at the same moment may still miss it (a copy
-of the delivery that then runs again records nothing new: the first record counts).
+and the sweep delivers the event again after WM_REDELIVER_AFTER_S (``wm.state.ledger``).
+A connection the server closed is found before the send, as redis-py's pool finds it, and
+a send that fails raises (the delivery then goes back to its queue, as a record that waits
+would). The write is on its way to the server before the delivery is acknowledged; a read
+on another connection at the same moment may still miss it (a copy of the delivery that
+then runs again records nothing new: the first record counts).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 import redis
 
 logger = logging.getLogger(__name__)
+#: Seconds :meth:`Unawaited.settle` waits for a reply at most.
+SETTLE_TIMEOUT_S = 1.0
 
 
 class _Slot:
@@ -34,7 +39,9 @@ class _Slot:
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.pool = pool
-        self.connection: Any = pool.make_connection()
+        # not the pool's (``make_connection`` counts it there): one nobody else borrows (Any:
+        # redis-py's connections are untyped)
+        self.connection: Any = pool.connection_class(**pool.connection_kwargs)
         self.unread: str | None = None
 
 
@@ -43,15 +50,10 @@ class Unawaited:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._slots: list[_Slot] = []  # every thread's, for :meth:`unread`
-        self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
-        """In a forked child: none of the parent's connections (nor its unread replies)."""
-        self._local = threading.local()
-        self._slots = []
-        self._lock = threading.Lock()
+        #: Every thread's slot, for :meth:`unread`; a slot goes with its thread.
+        self._slots: weakref.WeakSet[_Slot] = weakref.WeakSet()
+        me = weakref.ref(self)  # a hook per instance, which keeps none alive
+        os.register_at_fork(after_in_child=lambda: _forget(me()))
 
     def send(self, client: redis.Redis, command: tuple[Any, ...], what: str) -> None:
         """Send ``command`` (its arguments, as ``execute_command`` takes them) to the server of
@@ -61,37 +63,63 @@ class Unawaited:
         if slot is not None:
             self._settle(slot)
         if slot is None or slot.pool is not client.connection_pool:
-            old, slot = slot, _Slot(client.connection_pool)
-            if old is not None:
-                old.connection.disconnect()
-            self._local.slot = slot
-            with self._lock:
-                self._slots = [s for s in self._slots if s is not old] + [slot]
-        slot.connection.send_command(*command)
+            if slot is not None:
+                slot.connection.disconnect()
+            slot = self._local.slot = _Slot(client.connection_pool)
+            self._slots.add(slot)
+        connection = slot.connection
+        try:  # nothing is due on it: anything readable is the server's close
+            if connection.is_connected and connection.can_read():
+                raise redis.ConnectionError("the server sent what nobody asked for")
+        except (redis.ConnectionError, OSError):
+            connection.disconnect()  # sending connects again
+        connection.send_command(*command)
         slot.unread = what
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """Read the reply this thread's last send left (if any), logging an error it holds,
+        waiting ``timeout_s`` at most (a process that ends: a server that hangs does not
+        hold it)."""
+        slot: _Slot | None = getattr(self._local, "slot", None)
+        if slot is not None:
+            self._settle(slot, timeout_s)
 
     def unread(self) -> list[str]:
         """What each reply not read yet answers, over every thread of this process."""
-        return [slot.unread for slot in self._slots if slot.unread is not None]
+        return [slot.unread for slot in list(self._slots) if slot.unread is not None]
 
     @staticmethod
-    def _settle(slot: _Slot) -> None:
-        """Read the reply the slot's last send left, logging an error it holds."""
+    def _settle(slot: _Slot, timeout_s: float | None = None) -> None:
         what, slot.unread = slot.unread, None
         if what is None:
             return
         try:
+            if timeout_s is not None and not slot.connection.can_read(timeout_s):
+                raise redis.TimeoutError(f"no reply within {timeout_s:g} s")
             slot.connection.read_response()
         except redis.ResponseError as exc:
-            logger.error("%s was not written: %s (the pending ledger sends it again)", what, exc)
-        except (redis.RedisError, OSError) as exc:
-            slot.connection.disconnect()  # the next send connects again
-            logger.warning(
-                "%s may not have been written: the connection was lost before its reply (%s; "
-                "if it was not, the pending ledger sends it again)",
+            logger.error(
+                "%s was not written: %s (the pending ledger's sweep delivers its event again "
+                "after WM_REDELIVER_AFTER_S)",
                 what,
                 exc,
             )
+        except (redis.RedisError, OSError) as exc:
+            slot.connection.disconnect()  # the next send connects again
+            logger.warning(
+                "%s may not have been written: its reply did not come (%s; "
+                "if it was not, the pending ledger's sweep delivers its event again after "
+                "WM_REDELIVER_AFTER_S)",
+                what,
+                exc,
+            )
+
+
+def _forget(unawaited: Unawaited | None) -> None:
+    """In a forked child: none of the parent's connections (nor its unread replies)."""
+    if unawaited is not None:
+        unawaited._local = threading.local()
+        unawaited._slots = weakref.WeakSet()
 
 
 #: The process's one :class:`Unawaited`.

@@ -60,6 +60,10 @@ class Ordering(Feature):
     def batch_key(self, delivery: Delivery) -> str | None:
         return _partition(delivery)
 
+    def awaits_record(self, delivery: Delivery) -> bool:
+        # the turn moves on once the delivery is done: only once its outcome is written
+        return _partition(delivery) is not None
+
     def ended(self, delivery: Delivery, verdict: Verdict) -> None:
         partition = _partition(delivery)
         if partition is not None and isinstance(verdict, Done | Park):
