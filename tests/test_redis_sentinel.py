@@ -35,6 +35,7 @@ from wm.events import make_event
 from wm.local.embedded import find_redis_server
 from wm.sentinelurl import kombu_url, parse
 from wm.state.connection import redis_for
+from wm.state.unawaited import Unawaited
 
 #: The name the sentinels know the primary by.
 MASTER = "wm"
@@ -225,6 +226,31 @@ def test_the_state_store_follows_the_primary_the_sentinels_elect(
     assert not lost
     assert len(acknowledged) == WRITES  # the replica was in sync: every WAIT answered 1
     assert all(new_primary.exists(key) for key in _keys(WRITES, WRITES + WRITES_AFTER))
+
+
+@pytest.mark.timeout(120)
+def test_a_write_nobody_waits_for_goes_to_the_primary_the_sentinels_elect(group: Group) -> None:
+    """``wm.state.unawaited``'s connection asks the sentinels for the primary, as the pool's
+    connections do: before the primary's loss, and after it on a new connection."""
+    client = redis_for(Settings(redis_url=group.url))
+    assert isinstance(client, redis.Redis)
+    later = Unawaited()
+    later.send(client, ("SET", "unawaited:before", "1"), "the first write")
+    later.settle()
+    assert redis.Redis(port=group.primary, db=1).get("unawaited:before") == b"1"
+    group.processes[group.primary].kill()  # SIGKILL
+    deadline = time.monotonic() + FAILOVER_TIMEOUT_S
+    while True:  # no primary until the sentinels elect one
+        try:
+            later.send(client, ("SET", "unawaited:after", "1"), "the second write")
+            later.settle()
+            if redis.Redis(port=group.replica, db=1).get("unawaited:after") == b"1":
+                break
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
+        assert time.monotonic() < deadline, "no write reached the new primary"
+        time.sleep(0.1)
+    assert group.elected() == group.replica
 
 
 def _keys(start: int, stop: int) -> list[str]:

@@ -49,11 +49,15 @@ class Unawaited:
     """Sends commands whose replies are read at the thread's next send (:meth:`send`)."""
 
     def __init__(self) -> None:
+        self._forget()
+        me = weakref.ref(self)  # a hook per instance, which keeps none alive
+        os.register_at_fork(after_in_child=lambda: _forget(me()))
+
+    def _forget(self) -> None:
+        """No connection (nor unread reply): new, or in a forked child."""
         self._local = threading.local()
         #: Every thread's slot, for :meth:`unread`; a slot goes with its thread.
         self._slots: weakref.WeakSet[_Slot] = weakref.WeakSet()
-        me = weakref.ref(self)  # a hook per instance, which keeps none alive
-        os.register_at_fork(after_in_child=lambda: _forget(me()))
 
     def send(self, client: redis.Redis, command: tuple[Any, ...], what: str) -> None:
         """Send ``command`` (its arguments, as ``execute_command`` takes them) to the server of
@@ -71,8 +75,12 @@ class Unawaited:
         try:  # nothing is due on it: anything readable is the server's close
             if connection.is_connected and connection.can_read():
                 raise redis.ConnectionError("the server sent what nobody asked for")
-        except (redis.ConnectionError, OSError):
-            connection.disconnect()  # sending connects again
+        except redis.ConnectionError:
+            connection.disconnect()
+        if not connection.is_connected:
+            # its own connect (a Sentinel's asks the sentinels for the primary), not the
+            # plain one a send makes
+            connection.connect()
         connection.send_command(*command)
         slot.unread = what
 
@@ -94,9 +102,10 @@ class Unawaited:
         if what is None:
             return
         try:
-            if timeout_s is not None and not slot.connection.can_read(timeout_s):
-                raise redis.TimeoutError(f"no reply within {timeout_s:g} s")
-            slot.connection.read_response()
+            if timeout_s is None:
+                slot.connection.read_response()
+            else:
+                slot.connection.read_response(timeout=timeout_s)
         except redis.ResponseError as exc:
             logger.error(
                 "%s was not written: %s (the pending ledger's sweep delivers its event again "
@@ -118,8 +127,7 @@ class Unawaited:
 def _forget(unawaited: Unawaited | None) -> None:
     """In a forked child: none of the parent's connections (nor its unread replies)."""
     if unawaited is not None:
-        unawaited._local = threading.local()
-        unawaited._slots = weakref.WeakSet()
+        unawaited._forget()
 
 
 #: The process's one :class:`Unawaited`.
