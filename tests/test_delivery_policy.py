@@ -563,8 +563,8 @@ def test_a_delivery_without_outputs_does_not_wait_for_its_record(
     keys = [Outcomes.key(str(plain.id), event_key("/tests", e.get_id())) for e in events]
     assert server.mget(keys) == [b"[]"] * len(events)
 
+    key = {"partitionkey": "k"}
     for n in range(3):
-        key = {"partitionkey": "k"}
         manager.publish(make_event("in.ordered", "/tests", {"n": n}, extensions=key))
     eventually(lambda: ledger.pending(str(ordered.id)) == 0, timeout_s=10)
     assert not [w for w in UNAWAITED.unread() if f"of worker {ordered.id}" in w]

@@ -117,7 +117,9 @@ def test_each_thread_has_its_own_connection_and_a_forked_child_none(client: redi
             os.write(write, str(len(later.unread())).encode())
             os._exit(0)
         os.waitpid(pid, 0)
-        assert os.read(read, 16) == b"0"
+        os.close(write)
+        with os.fdopen(read, "rb") as answer:
+            assert answer.read() == b"0"
         assert sorted(later.unread()) == ["its write", "main's write"]
     finally:
         done.set()
