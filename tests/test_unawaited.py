@@ -24,6 +24,12 @@ def client(redis_ok: None) -> redis.Redis:
     return redis.Redis.from_url(f"{REDIS_HOST}/{STATE_DB}")
 
 
+def _kill(client: redis.Redis, name: str) -> None:
+    """Close, on the server's side, the one connection named ``name``."""
+    [ours] = [c for c in client.client_list() if c["name"] == name]
+    client.client_kill_filter(_id=ours["id"])
+
+
 def test_a_reply_is_read_at_the_next_send_not_before(client: redis.Redis) -> None:
     later = Unawaited()
     later.send(client, ("SET", "k", "1"), "the first write")
@@ -58,8 +64,7 @@ def test_a_connection_lost_before_the_reply_is_logged_and_the_next_send_reconnec
     later = Unawaited()
     later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-test"), "the name")
     later.send(client, ("BLPOP", "nothing", 10), "the first write")  # no reply for 10 s
-    [ours] = [c for c in client.client_list() if c["name"] == "wm-unawaited-test"]
-    client.client_kill_filter(_id=ours["id"])
+    _kill(client, "wm-unawaited-test")
     with caplog.at_level(logging.WARNING, logger="wm.state.unawaited"):
         later.send(client, ("SET", "k", "2"), "the second write")
     messages = [r.getMessage() for r in caplog.records]
@@ -75,8 +80,7 @@ def test_a_connection_the_server_closed_is_found_before_the_send(client: redis.R
     later = Unawaited()
     later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-closed"), "the name")
     later.settle()
-    [ours] = [c for c in client.client_list() if c["name"] == "wm-unawaited-closed"]
-    client.client_kill_filter(_id=ours["id"])
+    _kill(client, "wm-unawaited-closed")
     later.send(client, ("SET", "k", "5"), "the write")
     later.settle()
     assert client.get("k") == b"5"

@@ -239,15 +239,9 @@ class Delivery:
             if releasing is not None:
                 self.rt.locks.queue_release(pipe, releasing)
 
+        unawaited = not outputs and not awaited  # nothing to publish: nothing to wait for
         recorded, found = self.rt.outcomes.record(
-            self.owner,
-            self.operation,
-            outputs,
-            self.settlement(),
-            also,
-            fence,
-            body,
-            unawaited=not outputs and not awaited,  # nothing to publish: nothing to wait for
+            self.owner, self.operation, outputs, self.settlement(), also, fence, body, unawaited
         )
         if releasing is not None:
             self.released = self.rt.locks.released(releasing, found[-1])

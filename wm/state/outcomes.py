@@ -120,12 +120,8 @@ class Outcomes:
         server) it is sent without waiting for its reply, and ``outputs`` returned as the
         outcome that counts."""
         key = self.key(worker_id, event_key)
-        keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
-        args = [self.encoded(outputs) if body is None else body, self.ttl_s, settlement.member]
-        args.append(settlement.key)
-        script = _RECORD
-        if fence is not None:
-            script, keys, args = _RECORD_FENCED, [fence.key, *keys], [*args, *fence.args]
+        body = self.encoded(outputs) if body is None else body
+        script, keys, args = self._script(key, body, settlement, fence)
         with redis_errors(self.settings):
             pipe = self.redis.pipeline(transaction=False)
             queue_eval(pipe, script, keys, *args)
@@ -158,13 +154,18 @@ class Outcomes:
     ) -> None:
         """:meth:`record`'s script for one of a batch's deliveries (``body``: its
         :meth:`encoded` outputs), queued in ``pipe``; :meth:`recorded` reads its reply."""
-        keys = [self.key(worker_id, event_key), settlement.index]
-        keys += [settlement.runs] if settlement.runs else []
-        args = [body, self.ttl_s, settlement.member, settlement.key]
-        script = _RECORD
-        if fence is not None:
-            script, keys, args = _RECORD_FENCED, [fence.key, *keys], [*args, *fence.args]
+        script, keys, args = self._script(self.key(worker_id, event_key), body, settlement, fence)
         queue_eval(pipe, script, keys, *args)
+
+    def _script(
+        self, key: str, body: str, settlement: Settlement, fence: WriteFence | None
+    ) -> tuple[str, list[str], list[Any]]:
+        """The record's script, keys and arguments for the outcome ``key`` (fenced or not)."""
+        keys = [key, settlement.index] + ([settlement.runs] if settlement.runs else [])
+        args: list[Any] = [body, self.ttl_s, settlement.member, settlement.key]
+        if fence is None:
+            return _RECORD, keys, args
+        return _RECORD_FENCED, [fence.key, *keys], [*args, *fence.args]
 
     def recorded(
         self, reply: Any, outputs: list[CloudEvent], fence: WriteFence | None = None
