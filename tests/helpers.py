@@ -111,6 +111,19 @@ def drain(
     return events
 
 
+def drain_each(
+    settings: Settings, queue: str, expected: set[str], timeout_s: float = 180
+) -> list[dict[str, Any]]:
+    """Read ``queue`` until an event of each id in ``expected`` has come, or ``timeout_s``
+    has passed. A repeated one (RabbitMQ may repeat an output after a kill,
+    docs/guarantees.md) counts once, so a repeat never ends the wait before a late event."""
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    while (missing := expected - {e["id"] for e in events}) and time.monotonic() < deadline:
+        events += drain(settings, queue, len(missing), timeout_s=deadline - time.monotonic())
+    return events
+
+
 def queue_empty(settings: Settings, queue: str, wait_s: float = 1.0) -> bool:
     """True when nothing more arrives in ``queue`` within ``wait_s``."""
     return not drain(settings, queue, 1, timeout_s=wait_s)

@@ -19,7 +19,16 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import STUB, drain, eventually, free_port, publish_numbered, stub, wm_cli
+from tests.helpers import (
+    STUB,
+    drain,
+    drain_each,
+    eventually,
+    free_port,
+    publish_numbered,
+    stub,
+    wm_cli,
+)
 from wm import BrokerUnavailable, DeadLetters, Settings, WorkManager, make_event
 from wm.dataplane.bus import Bus, Route
 from wm.dataplane.delivery import FENCE_EXTENSION
@@ -192,7 +201,9 @@ def kill_9_mid_stream(
             )
             node.kill(signal.SIGKILL)
         start_node(settings, name="survivor").consuming(queue)
-        outputs = drain(settings, sink, 1000, timeout_s=180)
+        # Every published event (1000 distinct ones) has its output: the one derived from its key.
+        expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
+        outputs = drain_each(settings, sink, expected)
         outputs += drain(settings, sink, 1000, timeout_s=3)  # anything duplicated arrives too
         counts = Counter(e["id"] for e in outputs)
         repeated = [i for i, n in counts.items() if n > 1]
@@ -202,8 +213,6 @@ def kill_9_mid_stream(
             # Each pool process may be between a publish and its marker when it is killed.
             in_flight = kills * processes
             assert len(repeated) <= in_flight and all(counts[i] == 2 for i in repeated), counts
-        # Every published event (1000 distinct ones) has its output: the one derived from its key.
-        expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
         assert len(expected) == 1000
         assert set(counts) == expected
         inputs = {e["data"]["input"]["n"] for e in outputs}
@@ -632,13 +641,8 @@ def test_kill_9_of_group_holders_loses_duplicates_overlaps_and_stalls_nothing(
         for w, group_ids in zip(workers, (ids[:half], ids[half:]), strict=True)
         for i in group_ids
     }
-    # Until every event's output came (a repeated output on RabbitMQ counts once), then
-    # anything repeated late arrives too.
-    outputs: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 120
-    while (missing := expected - {e["id"] for e in outputs}) and time.monotonic() < deadline:
-        outputs += drain(settings, sink, len(missing), timeout_s=deadline - time.monotonic())
-    outputs += drain(settings, sink, 1, timeout_s=3)
+    outputs = drain_each(settings, sink, expected, timeout_s=120)
+    outputs += drain(settings, sink, 1, timeout_s=3)  # anything repeated late
     took_s = time.monotonic() - started
     counts = Counter(e["id"] for e in outputs)
     runs = sorted(  # a repeated output is one run published twice

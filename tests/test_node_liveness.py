@@ -26,7 +26,7 @@ import redis
 from kombu import Connection
 
 from tests.conftest import ROOT, env_of
-from tests.helpers import STUB, drain, eventually, publish_numbered, stub
+from tests.helpers import STUB, drain, drain_each, eventually, publish_numbered, stub
 from wm import DeadLetters, Settings, WorkManager
 from wm.dataplane import liveness
 from wm.dataplane.delivery import FENCE_EXTENSION
@@ -98,10 +98,7 @@ def _chaos(
 def _outputs(settings: Settings, sink: str, expected: set[str]) -> tuple[list[Any], float]:
     """Every expected output (and any repeat arriving soon after), and when the last of the
     expected ones came (monotonic)."""
-    outputs: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 180
-    while (missing := expected - {e["id"] for e in outputs}) and time.monotonic() < deadline:
-        outputs += drain(settings, sink, len(missing), timeout_s=deadline - time.monotonic())
+    outputs = drain_each(settings, sink, expected)
     complete_at = time.monotonic()
     outputs += drain(settings, sink, 1, timeout_s=3)  # a duplicate would arrive too
     return outputs, complete_at

@@ -15,7 +15,7 @@ import pytest
 from kombu import Connection
 
 from tests.conftest import FIGURE, need
-from tests.helpers import STUB, drain, eventually, publish_numbered, stub
+from tests.helpers import STUB, drain, drain_each, eventually, publish_numbered, stub
 from tests.rabbitcluster import BIN, RabbitCluster, start_cluster
 from wm import ConfigurationError, DeadLetters, Settings, WorkManager
 from wm.dataplane.queues import subscription_queue
@@ -91,7 +91,8 @@ def test_kill_9_of_the_queue_leader_loses_nothing(
         stalled = f"no delivery within 30 s of killing {leader.name}:\n{state}"
         raise AssertionError(stalled) from None
     resumed_s = time.monotonic() - killed_at
-    outputs = drain(quorum, sink, count, timeout_s=180)
+    expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
+    outputs = drain_each(quorum, sink, expected)
     outputs += drain(quorum, sink, count, timeout_s=3)  # a repeat arrives too
     counts = Counter(e["id"] for e in outputs)
     repeated = [i for i, n in counts.items() if n > 1]
@@ -99,7 +100,6 @@ def test_kill_9_of_the_queue_leader_loses_nothing(
     assert len(repeated) <= bound and all(counts[i] == 2 for i in repeated), (
         f"{len(repeated)} outputs repeated (at most {bound}): {sorted(counts[i] for i in repeated)}"
     )
-    expected = {derive_id(event_key("/tests", i), str(worker.id), 0) for i in ids}
     lost = len(expected - set(counts))
     record_property(
         FIGURE,

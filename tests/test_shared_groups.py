@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import STUB, drain, eventually, publish_numbered, stub, wm_cli
+from tests.helpers import STUB, drain, drain_each, eventually, publish_numbered, stub, wm_cli
 from wm import DeadLetters, InvalidArgument, Settings, WorkManager
 from wm.events import CloudEvent, derive_id, encode, event_key, key_of, make_event
 from wm.state.ledger import Ledger
@@ -231,8 +231,8 @@ def test_kill_9_while_a_shared_group_consumes_loses_and_duplicates_nothing(
         victim.kill(signal.SIGKILL)
         nodes.remove(victim)
         nodes.append(start_node(settings, name=f"r{round_}"))
-    outputs = drain(settings, sink, events, timeout_s=90)
-    outputs += drain(settings, sink, events, timeout_s=3)
+    outputs = drain_each(settings, sink, _expected(topic, ids), timeout_s=90)
+    outputs += drain(settings, sink, events, timeout_s=3)  # anything repeated late
     counts = Counter(e["id"] for e in outputs)
     executions = len(trace.read_text().splitlines())
     print(
