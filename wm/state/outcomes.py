@@ -135,13 +135,10 @@ class Outcomes:
                 return outputs, []
             reply, *more = pipe.execute()
         acknowledged = more.pop(0) if waited else None
-        if fence is not None:
-            if int(reply[0]) == 0:
-                raise fence.refused(reply[1], reply[2])
-            reply = reply[1]
+        counts = self.recorded(reply, outputs, fence)
         if waited:
             check_wait(self.settings, acknowledged, "an outcome")
-        return (outputs if reply is None else self.parse(reply) or []), more
+        return counts, more
 
     def queue_record(
         self,
