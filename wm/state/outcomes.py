@@ -167,8 +167,9 @@ class Outcomes:
     def recorded(
         self, reply: Any, outputs: list[CloudEvent], fence: WriteFence | None = None
     ) -> list[CloudEvent]:
-        """The outcome that counts, from a :meth:`queue_record` reply (``FenceRejected`` when
-        the lease was lost: nothing was written)."""
+        """The outcome that counts, from the reply of the record's script (queued by
+        :meth:`record` or :meth:`queue_record`; ``FenceRejected`` when the lease was lost:
+        nothing was written)."""
         if fence is not None:
             if int(reply[0]) == 0:
                 raise fence.refused(reply[1], reply[2])
