@@ -74,11 +74,14 @@ def body_of(item: bytes) -> Any:
 
 
 class Reader:
-    """A kombu consumer of ``queues`` on the settings' transport: kombu's BRPOP loop."""
+    """A kombu consumer of ``queues`` on the settings' transport: kombu's BRPOP loop
+    (``prefetch``: the most messages it holds unacknowledged; None: no limit)."""
 
-    def __init__(self, settings: Settings, queues: list[str]) -> None:
+    def __init__(self, settings: Settings, queues: list[str], prefetch: int | None = None) -> None:
         self.conn = make_app(settings).connection_for_read()
         self.channel = self.conn.default_channel
+        if prefetch is not None:
+            self.channel.basic_qos(0, prefetch, False)
         self.received: list[dict[str, Any]] = []
         self.messages: list[Any] = []
         self.consumer = Consumer(
@@ -274,16 +277,18 @@ def test_a_queue_nobody_reads_waits_and_is_listed_when_consumed(
         later.close()
 
 
+@pytest.mark.parametrize("prefetch", [None, 8])
 def test_a_backlog_is_taken_without_blocking_and_leaves_queues_it_does_not_consume(
-    broker_settings: Settings, broker: redis.Redis
+    broker_settings: Settings, broker: redis.Redis, prefetch: int | None
 ) -> None:
-    """While names wait, a node takes name and message in one script per message; a
-    message of a queue it does not consume goes back, in order, and its name off the list."""
+    """While names wait, a node takes names and messages in one script (as many messages
+    as its prefetch window has room for); a message of a queue it does not consume goes
+    back, in order, and its name off the list."""
     busy, stopped = worker_queue("busy"), worker_queue("stopped")
     publish(broker_settings, busy, 3)
     publish(broker_settings, stopped, 3)
     publish(broker_settings, busy, 3, start=3)
-    reader = Reader(broker_settings, [busy])
+    reader = Reader(broker_settings, [busy], prefetch)
     try:
         assert [body["n"] for body in reader.read(6)] == [0, 1, 2, 3, 4, 5]
         assert reader.read(7, timeout_s=1) == reader.received[:6]
@@ -294,6 +299,40 @@ def test_a_backlog_is_taken_without_blocking_and_leaves_queues_it_does_not_consu
     assert broker.lrange(READY_LIST, 0, -1) == [], (busy, stopped)
     left = [body_of(item)["n"] for item in broker.lrange(stopped, 0, -1)]
     assert left == [2, 1, 0]  # kombu pops from the right: 0 is still next
+
+
+def test_a_take_without_blocking_takes_what_the_prefetch_window_has_room_for(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """One script takes several messages of a backlog, each as a take of its own would:
+    round robin over the listed queues, each queue in order, each recorded as held
+    (unacknowledged) before the reply; never more than the window has room for."""
+    first, second = worker_queue("a"), worker_queue("b")
+    publish(broker_settings, first, 6)
+    publish(broker_settings, second, 6)
+    reader = Reader(broker_settings, [first, second], prefetch=4)
+    takes: list[int] = []
+    took = reader.channel._took_next
+
+    def counted(reply: Any) -> bool:
+        takes.append(len(reply or []))
+        return took(reply)
+
+    reader.channel._took_next = counted
+    try:
+        for held in (4, 8, 12):  # a window's worth, then no more until it is acknowledged
+            assert len(reader.read(held)) == held
+            assert reader.read(held + 1, timeout_s=1) == reader.received[:held]
+            assert broker.hlen("unacked") == 4
+            for message in reader.messages[held - 4 : held]:
+                message.ack()
+    finally:
+        reader.close()
+    assert max(takes) > 1 and max(takes) <= 4, takes
+    for queue in (first, second):
+        mine = [body["n"] for body in reader.received if body["queue"] == queue]
+        assert mine == list(range(6)), (queue, mine)
+    assert broker.hlen("unacked") == 0 and broker.llen(READY_LIST) == 0
 
 
 def test_an_unacknowledged_message_restored_is_listed_again(

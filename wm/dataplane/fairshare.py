@@ -55,6 +55,11 @@ def tenant_of(job: Any) -> str | None:
 _CROWDED = [False]
 
 
+def crowded() -> bool:
+    """Whether tenants compete for this node's pool processes now."""
+    return _CROWDED[0]
+
+
 def avoided(last_tenant: str) -> str:
     """The tenant whose listed queues the next take passes over for another tenant's
     (``wm.dataplane.transport``): the last one taken from, while tenants compete; else

@@ -61,32 +61,38 @@ end
 return false
 """
 )
-# Without blocking: the next message of the ready list's queues (this node's inbox first,
-# placement.PLACE), or of the other queues consumed. KEYS: the ready list, then the other
-# queues' lists. ARGV: 1 to try the other queues first (then ``:<tenant>`` to take a listed
-# queue of another tenant before the next of that one's, ``wm.dataplane.fairshare``), the
-# number L of levels, the L suffixes of a level's list, then the six H of liveness.HOLD, the
-# F of takenfacts.FACTS and the P of placement.PLACE.
-# Returns {queue, message, the list it came from, its delivery tag if recorded as held, the
-# facts read for a worker queue's message} or nil. A name whose queue is empty is dropped;
-# one placed on another node goes to its inbox.
+# Without blocking: the next messages of the ready list's queues (this node's inbox first,
+# placement.PLACE), or of the other queues consumed, up to a number, each taken as one take
+# after another would take it. KEYS: the ready list, then the other queues' lists. ARGV: 1
+# to try the other queues first (they and the ready list then alternate from one message to
+# the next), then ``:<tenant>`` to take a listed queue of another tenant before the next of
+# that one's (``wm.dataplane.fairshare``); the most messages to take; 1 while tenants compete
+# (each message's tenant is then the one the next passes over); the number L of levels, the
+# L suffixes of a level's list, then the six H of liveness.HOLD, the F of takenfacts.FACTS
+# and the P of placement.PLACE.
+# Returns a list of {queue, message, the list it came from, its delivery tag if recorded as
+# held, the facts read for a worker queue's message}, oldest first, empty when nothing was
+# there. A name whose queue is empty is dropped; one placed on another node goes to its inbox.
 TAKE_NEXT = (
     HOLD
     + PLACE
     + FACTS
     + """
-local levels = tonumber(ARGV[2])
-local H, F = {unpack(ARGV, levels + 3, levels + 8)}, ARGV[levels + 9]
-local P = {unpack(ARGV, levels + 10)}
+local most, crowded, levels = tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local H, F = {unpack(ARGV, levels + 5, levels + 10)}, ARGV[levels + 11]
+local P = {unpack(ARGV, levels + 12)}
 local inbox = P[1] ~= '' and (P[1] .. P[2]) or nil
 local function pop()
   local queue = inbox and redis.call('RPOP', inbox)
   if queue then return queue, true end
   return redis.call('RPOP', KEYS[1]), false
 end
+local function tenant(queue)
+  return string.match(queue, '^(.-)::.-::') or 'default'
+end
 local avoid = string.sub(ARGV[1], 3)
 local function avoided(queue)
-  return avoid ~= '' and (string.match(queue, '^(.-)::.-::') or 'default') == avoid
+  return avoid ~= '' and tenant(queue) == avoid
 end
 local function listed()
   local queue, mine = pop()
@@ -97,7 +103,7 @@ local function listed()
       first, skipped = first or queue, skipped + 1
     else
       local lists = {}
-      for l = 3, levels + 2 do lists[#lists + 1] = queue .. ARGV[l] end
+      for l = 5, levels + 4 do lists[#lists + 1] = queue .. ARGV[l] end
       if mine or placed(queue, lists, P) then
         for _, key in ipairs(lists) do
           local message = redis.call('RPOP', key)
@@ -119,18 +125,25 @@ local function others()
   end
   return false
 end
-local taken
-if string.sub(ARGV[1], 1, 1) == '1' then
-  taken = others() or listed()
-else
-  taken = listed() or others()
-end
-if taken then
+local all, others_first = {}, string.sub(ARGV[1], 1, 1) == '1'
+while #all < most do
+  local taken
+  if others_first then
+    taken = others() or listed()
+  else
+    taken = listed() or others()
+  end
+  if not taken then break end
   local tag, m = hold(taken[2], H)
-  taken[5] = taken[4] and facts(taken[1], m, taken[2], F)
+  if taken[4] then
+    taken[5] = facts(taken[1], m, taken[2], F)
+    if crowded then avoid = tenant(taken[1]) end
+  end
   taken[4] = tag
+  all[#all + 1] = taken
+  others_first = not others_first
 end
-return taken
+return all
 """
 )
 # KEYS: the ready list, the lists of the queue's levels read. ARGV: the queue. Lists it if it

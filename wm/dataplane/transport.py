@@ -31,8 +31,10 @@ a node instead waits on one list, the *ready list*, naming the worker queues tha
 messages, each once, in the order they became ready. A publish that makes a queue non-empty
 lists it (one script: the push and, if the push made the list's length 1, the name). An
 idle node waits in BRPOP on the ready list and takes the named queue's oldest message; while
-there is a backlog it sends one script per message instead, which pops a name and takes that
-queue's message together. A queue that still holds messages goes back to the end of the
+there is a backlog it sends a script instead, which pops names and takes their queues'
+messages together: as many messages as the prefetch window has room for (up to
+:data:`TAKE_MOST`), each taken as a take of its own would take it, so one round trip serves
+several deliveries. A queue that still holds messages goes back to the end of the
 ready list (round robin over busy queues); an empty one is not listed. A node's cost per
 message does not depend on how many queues it consumes. A queue whose name a node popped and
 did not take from (the node died in between; or it does not consume the queue, a stopped
@@ -86,6 +88,9 @@ RAW_CONTENT_TYPE = "application/octet-stream"
 #: Keys every kombu message has; an item without them is raw input.
 _MESSAGE_KEYS = frozenset({"body", "headers", "properties"})
 _DELIVERY_INFO_KEYS = frozenset({"exchange", "routing_key"})
+#: Most messages one take without blocking takes (as many as the prefetch window has room
+#: for, up to this): one round trip to Redis for several messages while there is a backlog.
+TAKE_MOST = 8
 #: Priorities a kombu message may carry: kombu clamps them to 0..9 (``max_priority``).
 PRIORITIES = range(10)
 
@@ -335,7 +340,9 @@ class Channel(kombu_redis.Channel):
             suffixes = self._levels("")
             command = ["EVAL", TAKE_NEXT, 1 + len(others), self.ready_key, *others]
             first = f"{int(self._others_first)}:{fairshare.avoided(self._last_tenant)}"
-            command += [first, len(suffixes), *suffixes, *hold_args(self), *facts_args()]
+            crowded = int(fairshare.crowded())
+            command += [first, self._room(), crowded, len(suffixes), *suffixes]
+            command += [*hold_args(self), *facts_args()]
             command += place_args(self)
         else:
             self._sent = "BRPOP"
@@ -392,33 +399,51 @@ class Channel(kombu_redis.Channel):
         self._deliver_item(item, queue, tag, facts)
         return True
 
+    def _room(self) -> int:
+        """The most messages one take without blocking takes: what the prefetch window has
+        room for, up to :data:`TAKE_MOST` (at least one)."""
+        room = self.qos.can_consume_max_estimate()
+        return max(1, min(room or 1, TAKE_MOST))
+
     def _took_next(self, reply: Any) -> bool:
-        """Deliver what a take without blocking returned; None: wait in BRPOP again."""
+        """Deliver what a take without blocking returned, in order; none: wait in BRPOP
+        again. What was not this node's to take (a stopped worker's queue) goes back."""
         if not reply:
             self._backlog = False
             raise Empty()
-        queue, item, key = (bytes_to_str(reply[0]), reply[1], bytes_to_str(reply[2]))
-        tag, facts = (*reply[3:], None, None)[:2]
-        if not self._ready_for(queue):  # one of the other queues
-            queue = queue.rsplit(self.sep, 1)[0]
-            self._queue_cycle.rotate(queue)
-        elif queue not in self.active_queues:
-            # Not this node's to take (a stopped worker's): back where it was, unlisted, in
-            # the shared list and in this node's inbox (the take may have listed it there
-            # again: left in, the next take would pop it again, and again)
-            with self.conn_or_acquire() as client, client.pipeline() as pipe:
+        back = []
+        for taken in reply:
+            queue, item, key = (bytes_to_str(taken[0]), taken[1], bytes_to_str(taken[2]))
+            tag, facts = (*taken[3:], None, None)[:2]
+            if not self._ready_for(queue):  # one of the other queues
+                queue = queue.rsplit(self.sep, 1)[0]
+                self._queue_cycle.rotate(queue)
+            elif queue not in self.active_queues:
+                back.append((queue, item, key, tag))
+                continue
+            else:
+                self._last_tenant = fairshare.queue_tenant(queue)
+            self._deliver_item(item, queue, tag, facts)
+        if back:
+            self._put_back(back)
+        if len(back) == len(reply):
+            raise Empty()
+        return True
+
+    def _put_back(self, taken: list[tuple[str, bytes, str, bytes | None]]) -> None:
+        """Messages of queues this node does not consume (a stopped worker's), taken oldest
+        first: back where they were, in their order, their queues unlisted, in the shared
+        list and in this node's inbox (the take may have listed them there again: left in,
+        the next take would pop them again, and again)."""
+        with self.conn_or_acquire() as client, client.pipeline() as pipe:
+            for queue, item, key, tag in reversed(taken):  # the oldest goes back last
                 pipe.rpush(key, item).lrem(self.ready_key, 0, queue)
                 inbox = my_inbox(self)
                 if inbox:
                     pipe.lrem(inbox, 0, queue)
                 if tag:
                     self.qos._remove_from_indices(bytes_to_str(tag), pipe)
-                pipe.execute()
-            raise Empty()
-        else:
-            self._last_tenant = fairshare.queue_tenant(queue)
-        self._deliver_item(item, queue, tag, facts)
-        return True
+            pipe.execute()
 
     def _deliver_item(
         self, item: bytes, queue: str, tag: bytes | None = None, facts: Any = None
