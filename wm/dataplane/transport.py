@@ -82,6 +82,7 @@ from wm.dataplane.readyscripts import (
 from wm.dataplane.takenfacts import facts_args, hand_over
 from wm.errors import BrokerUnavailable
 from wm.state.connection import refuse_cluster_broker
+from wm.state.packing import connection_options
 
 #: Content type of an item that was not a kombu message: its bytes, undecoded.
 RAW_CONTENT_TYPE = "application/octet-stream"
@@ -471,7 +472,7 @@ class Channel(kombu_redis.Channel):
             raise redis.exceptions.ConnectionError(
                 "the broker connection is closed; unacknowledged messages stay in Redis"
             )
-        return super()._connparams(asynchronous=asynchronous)
+        return {**super()._connparams(asynchronous=asynchronous), **connection_options()}
 
     def unread_levels(self, queue: str) -> list[tuple[str, str]]:
         """(list of a level this channel does not read, list of the level it reads that a

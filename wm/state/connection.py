@@ -24,6 +24,7 @@ from redis.sentinel import Sentinel
 from wm import sentinelurl
 from wm.config import Settings, masked
 from wm.errors import BrokerUnavailable, ConfigurationError
+from wm.state.packing import connection_options
 
 #: A client of the state store: one server, or a cluster.
 StateRedis: TypeAlias = redis.Redis | RedisCluster
@@ -97,6 +98,7 @@ def _single(url: str, socket_timeout_s: float | None) -> redis.Redis:
         socket_connect_timeout=_CONNECT_TIMEOUT_S,
         socket_timeout=socket_timeout_s,
         health_check_interval=_HEALTH_CHECK_INTERVAL_S,
+        **connection_options(),
     )
 
 
@@ -119,6 +121,7 @@ def _sentinel_primary(url: str, socket_timeout_s: float | None) -> redis.Redis:
         socket_connect_timeout=_CONNECT_TIMEOUT_S,
         socket_timeout=socket_timeout_s,
         health_check_interval=_HEALTH_CHECK_INTERVAL_S,
+        **connection_options(),
     )
     return client
 
