@@ -335,6 +335,32 @@ def test_a_take_without_blocking_takes_what_the_prefetch_window_has_room_for(
     assert broker.hlen("unacked") == 0 and broker.llen(READY_LIST) == 0
 
 
+def test_a_message_whose_delivery_fails_keeps_no_other_of_its_take_from_delivery(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A take of several messages delivers each even when one's delivery raises; the error
+    comes out of the take afterwards, as a take of that message alone would raise it."""
+    queue = worker_queue()
+    publish(broker_settings, queue, 6)
+    reader = Reader(broker_settings, [queue], prefetch=4)
+    deliver, calls = reader.channel._deliver_item, []
+
+    def failing_once(item: bytes, *args: Any) -> None:
+        calls.append(body_of(item)["n"])
+        if len(calls) == 3:  # the second of the first backlog take (the first came by BRPOP)
+            raise RuntimeError("a delivery failed")
+        deliver(item, *args)
+
+    reader.channel._deliver_item = failing_once
+    try:
+        with pytest.raises(RuntimeError, match="a delivery failed"):
+            reader.read(6)
+        assert calls == [0, 1, 2, 3], calls  # one take of three after the first message
+        assert [body["n"] for body in reader.received] == [0, 1, 3]
+    finally:
+        reader.close()
+
+
 def test_an_unacknowledged_message_restored_is_listed_again(
     broker_settings: Settings, broker: redis.Redis
 ) -> None:

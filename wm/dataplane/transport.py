@@ -408,28 +408,41 @@ class Channel(kombu_redis.Channel):
 
     def _took_next(self, reply: Any) -> bool:
         """Deliver what a take without blocking returned, in order; none: wait in BRPOP
-        again. What was not this node's to take (a stopped worker's queue) goes back."""
+        again. What was not this node's to take (a stopped worker's queue) goes back. A
+        message whose delivery raises does not keep the others from theirs: the first error
+        is raised once each was delivered, as a take of one message would raise it."""
         if not reply:
             self._backlog = False
             raise Empty()
-        back = []
+        back: list[tuple[str, bytes, str, bytes | None]] = []
+        errors = []
         for taken in reply:
-            queue, item, key = (bytes_to_str(taken[0]), taken[1], bytes_to_str(taken[2]))
-            tag, facts = (*taken[3:], None, None)[:2]
-            if not self._ready_for(queue):  # one of the other queues
-                queue = queue.rsplit(self.sep, 1)[0]
-                self._queue_cycle.rotate(queue)
-            elif queue not in self.active_queues:
-                back.append((queue, item, key, tag))
-                continue
-            else:
-                self._last_tenant = fairshare.queue_tenant(queue)
-            self._deliver_item(item, queue, tag, facts)
+            try:
+                self._took(taken, back)
+            except Exception as exc:
+                errors.append(exc)
         if back:
             self._put_back(back)
+        if errors:
+            raise errors[0]
         if len(back) == len(reply):
             raise Empty()
         return True
+
+    def _took(self, taken: Any, back: list[tuple[str, bytes, str, bytes | None]]) -> None:
+        """Deliver one message of a take without blocking, or add it to ``back`` when it is
+        not this node's to take."""
+        queue, item, key = (bytes_to_str(taken[0]), taken[1], bytes_to_str(taken[2]))
+        tag, facts = (*taken[3:], None, None)[:2]
+        if not self._ready_for(queue):  # one of the other queues
+            queue = queue.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+        elif queue not in self.active_queues:
+            back.append((queue, item, key, tag))
+            return
+        else:
+            self._last_tenant = fairshare.queue_tenant(queue)
+        self._deliver_item(item, queue, tag, facts)
 
     def _put_back(self, taken: list[tuple[str, bytes, str, bytes | None]]) -> None:
         """Messages of queues this node does not consume (a stopped worker's), taken oldest
