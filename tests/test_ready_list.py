@@ -329,6 +329,7 @@ def test_a_take_without_blocking_takes_what_the_prefetch_window_has_room_for(
     finally:
         reader.close()
     assert max(takes) > 1 and max(takes) <= 4, takes
+    assert [body["queue"] for body in reader.received] == [first, second] * 6
     for queue in (first, second):
         mine = [body["n"] for body in reader.received if body["queue"] == queue]
         assert mine == list(range(6)), (queue, mine)

@@ -449,10 +449,10 @@ class Channel(kombu_redis.Channel):
         first: back where they were, in their order, their queues unlisted, in the shared
         list and in this node's inbox (the take may have listed them there again: left in,
         the next take would pop them again, and again)."""
+        inbox = my_inbox(self)
         with self.conn_or_acquire() as client, client.pipeline() as pipe:
             for queue, item, key, tag in reversed(taken):  # the oldest goes back last
                 pipe.rpush(key, item).lrem(self.ready_key, 0, queue)
-                inbox = my_inbox(self)
                 if inbox:
                     pipe.lrem(inbox, 0, queue)
                 if tag:
