@@ -24,7 +24,7 @@ from kombu import Consumer, Producer
 from tests.conftest import AMQP_URL, BROKER_DB, STATE_DB, flush_redis, make_settings
 from tests.helpers import STUB, command_calls, drain, stub
 from wm import Settings, WorkManager, make_event
-from wm.dataplane import placement
+from wm.dataplane import liveness, placement
 from wm.dataplane.app import celery_settings, make_app
 from wm.dataplane.batches import ready_batch
 from wm.dataplane.queues import (
@@ -360,6 +360,43 @@ def test_a_message_whose_delivery_fails_keeps_no_other_of_its_take_from_delivery
         assert [body["n"] for body in reader.received] == [0, 1, 3]
     finally:
         reader.close()
+
+
+def test_a_message_whose_delivery_raises_goes_back_to_the_head_of_its_queue(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """On a node, a message the take recorded as held whose delivery raises before kombu
+    took it is not left held (the node's heartbeat would keep it from every other node until
+    this one stopped): it is the next one of its queue, and nothing stays held."""
+    queue = worker_queue()
+    publish(broker_settings, queue, 6)
+    liveness.hold_as("node-a")
+    reader = Reader(broker_settings, [queue], prefetch=4)
+    transport = reader.channel.connection
+    deliver, calls = transport._deliver, []
+
+    def failing_once(message: Any, *args: Any) -> None:
+        calls.append(message)
+        if len(calls) == 3:  # the second of the first backlog take (the first came by BRPOP)
+            raise RuntimeError("a delivery failed")
+        deliver(message, *args)
+
+    transport._deliver = failing_once
+    try:
+        with pytest.raises(RuntimeError, match="a delivery failed"):
+            reader.read(6)
+        assert broker.scard(liveness.held_key("node-a")) == 3  # 0, 1 and 3
+        assert broker.hlen("unacked") == 3 and broker.llen(queue) == 3
+        for message in reader.messages:  # the window has room for the rest
+            message.ack()
+        assert [body["n"] for body in reader.read(6)] == [0, 1, 3, 2, 4, 5]
+        for message in reader.messages[3:]:
+            message.ack()
+        reader.channel.qos.acks.flush()
+        assert broker.hlen("unacked") == 0 and broker.scard(liveness.held_key("node-a")) == 0
+    finally:
+        reader.close()
+        liveness.hold_as("")
 
 
 def test_an_unacknowledged_message_restored_is_listed_again(

@@ -52,6 +52,7 @@ followed by WAIT on the connection that pushed it and fails unless enough replic
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from time import monotonic
@@ -83,6 +84,8 @@ from wm.dataplane.takenfacts import facts_args, hand_over
 from wm.errors import BrokerUnavailable
 from wm.state.connection import refuse_cluster_broker
 from wm.state.packing import connection_options
+
+logger = logging.getLogger(__name__)
 
 #: Content type of an item that was not a kombu message: its bytes, undecoded.
 RAW_CONTENT_TYPE = "application/octet-stream"
@@ -477,8 +480,26 @@ class Channel(kombu_redis.Channel):
         self.recorded = bytes_to_str(tag) if tag else None
         try:
             self.connection._deliver(message, queue)
+        except Exception:
+            self._unhold(self.recorded)
+            raise
         finally:
             self.recorded = None
+
+    def _unhold(self, tag: str | None) -> None:
+        """After a delivery raised: a message the take recorded as held that kombu's QoS
+        never took goes back to the head of its queue now (left held, a node's heartbeat
+        would keep it from every other node until this one stopped)."""
+        if tag is None or tag in self.qos._delivered:
+            return  # kombu holds it: acknowledged, rejected or restored as any other
+        try:
+            self.qos.restore_by_tag(tag)  # kombu's restore: where BRPOP pops next
+        except Exception:
+            logger.exception(
+                "message %s could not go back to its queue now: it stays held by this node "
+                "until the node stops",
+                tag,
+            )
 
     def _connparams(self, asynchronous: bool = False) -> Any:
         if self.connection.client is None:
