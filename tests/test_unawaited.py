@@ -10,12 +10,18 @@ import logging
 import os
 import threading
 import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
 
-from tests.conftest import REDIS_HOST, STATE_DB, flush_redis
-from wm.state.unawaited import Unawaited
+from tests.conftest import REDIS_HOST, STATE_DB, flush_redis, make_settings
+from tests.helpers import free_port
+from wm.state.ledger import Ledger
+from wm.state.outcomes import Outcomes
+from wm.state.unawaited import UNAWAITED, Unawaited
 
 
 @pytest.fixture
@@ -72,6 +78,67 @@ def test_a_connection_lost_before_the_reply_is_logged_and_the_next_send_reconnec
     later.send(client, ("SET", "k", "3"), "the third write")  # read the second's reply
     later.settle()
     assert client.get("k") == b"3"  # both on the new connection
+
+
+#: What a replica answers a write with: the error of a failover, for a while.
+READONLY = ("EVAL", "return redis.error_reply('READONLY a read only replica')", 0)
+
+
+def test_a_write_a_failover_refused_has_its_fallback_run(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fallback (a record's: its ledger entry due at once) runs, and waits, when the
+    reply holds a failover's error; an entry settled meanwhile is not added back."""
+    later = Unawaited()
+    client.zadd("index", {"pending": 1000.0})
+    with caplog.at_level(logging.ERROR, logger="wm.state.unawaited"):
+        later.send(client, READONLY, "the outcome of e1", ("ZADD", "index", "XX", 0, "pending"))
+        later.send(client, READONLY, "the outcome of e2", ("ZADD", "index", "XX", 0, "settled"))
+        later.settle()
+    assert client.zscore("index", "pending") == 0  # due at the sweep's next turn
+    assert client.zscore("index", "settled") is None
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first.startswith("the outcome of e1 was not written: a read only replica"), first
+    assert "the pending ledger's sweep delivers its event again at its next turn" in first
+    assert "the outcome of e2 was not written" in second
+
+
+def test_a_write_that_would_fail_again_keeps_its_entry_as_it_was(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error the write would meet again (a key of the wrong type) does not run the
+    fallback: run again at every sweep, the event's code would run again at every sweep."""
+    later = Unawaited()
+    client.zadd("index", {"pending": 1000.0})
+    client.hset("h", "f", "v")
+    wrong = ("EVAL", "return redis.call('GET', KEYS[1])", 1, "h")
+    with caplog.at_level(logging.ERROR, logger="wm.state.unawaited"):
+        later.send(client, wrong, "the outcome of e1", ("ZADD", "index", "XX", 0, "pending"))
+        later.settle()
+    assert client.zscore("index", "pending") == 1000.0
+    [line] = caplog.records
+    assert "again after WM_REDELIVER_AFTER_S" in line.getMessage(), line.getMessage()
+
+
+def test_a_write_whose_reply_never_came_has_its_fallback_run_on_a_new_connection(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    later = Unawaited()
+    client.zadd("index", {"pending": 1000.0})
+    later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-lost"), "the name")
+    fallback = ("ZADD", "index", "XX", 0, "pending")
+    later.send(client, ("BLPOP", "nothing", 10), "the outcome of e1", fallback)
+    _kill(client, "wm-unawaited-lost")
+    with caplog.at_level(logging.WARNING, logger="wm.state.unawaited"):
+        later.settle()
+    assert client.zscore("index", "pending") == 0
+    [line] = caplog.records
+    message = line.getMessage()
+    assert "the outcome of e1 may not have been written" in message, message
+    assert (
+        "if it was not, the pending ledger's sweep delivers its event again at its next turn)"
+        in message
+    )
 
 
 def test_a_connection_the_server_closed_is_found_before_the_send(client: redis.Redis) -> None:
@@ -131,3 +198,24 @@ def test_each_thread_has_its_own_connection_and_a_forked_child_none(client: redi
     del thread
     gc.collect()
     assert later.unread() == ["main's write"]  # a thread's slot goes with it
+
+
+def test_a_record_a_failover_refused_is_due_at_the_sweeps_next_turn(
+    own_redis: tuple[int, Callable[[], None]], tmp_path: Path
+) -> None:
+    """On the defaults: a delivery without outputs whose record a demoted primary refused
+    (READONLY), read after the failover, is due at once in the pending ledger, so the sweep's
+    next turn delivers its event again, not the turn an hour later."""
+    port, _ = own_redis
+    url = f"redis://127.0.0.1:{port}/1"
+    settings = make_settings(f"sqlite:///{tmp_path / 'wm.db'}", redis_url=url)
+    ledger, worker, key, payload = Ledger(settings), str(uuid.uuid4()), "/src:e1", "{}"
+    ledger.add([(worker, "queue")], key, payload)
+    server = redis.Redis(port=port)
+    server.replicaof("127.0.0.1", free_port())  # demoted: a replica of a primary not there
+    settlement = ledger.settlement(worker, key, payload)
+    Outcomes(settings).record(worker, key, [], settlement, unawaited=True)
+    server.replicaof("NO", "ONE")  # the failover: it is the primary again
+    UNAWAITED.settle()
+    assert [p.key for p in ledger.overdue(worker, settings.redeliver_after_s)] == [key]
+    assert settings.redeliver_after_s == 3600  # the default: an hour it no longer waits

@@ -165,6 +165,12 @@ class Settlement:
     runs: str | None
     key: str
 
+    def due_now(self) -> tuple[Any, ...]:
+        """The command that makes the delivery due at the sweep's next turn, where it is
+        still pending (a record that failed: the event runs again then, not after
+        WM_REDELIVER_AFTER_S)."""
+        return ("ZADD", self.index, "XX", 0, self.member)
+
 
 class Ledger:
     def __init__(self, settings: Settings) -> None:

@@ -131,7 +131,7 @@ class Outcomes:
             if unawaited and fence is None and len(pipe) == 1 and isinstance(pipe, Pipeline):
                 command = ("EVAL", script, len(keys), *keys, *args)  # as queued, sent alone
                 what = f"the outcome of event {event_key} of worker {worker_id}"
-                UNAWAITED.send(pipe, command, what)
+                UNAWAITED.send(pipe, command, what, settlement.due_now())
                 return outputs, []
             reply, *more = pipe.execute()
         acknowledged = more.pop(0) if waited else None

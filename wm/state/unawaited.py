@@ -11,7 +11,13 @@ process ends (:meth:`Unawaited.settle`). A reply that holds an error, or a conne
 before it, is logged then, naming what was sent.
 
 Nothing is lost when such a write fails: the delivery's entry in the pending ledger stays,
-and the sweep delivers the event again after WM_REDELIVER_AFTER_S (``wm.state.ledger``).
+and the sweep delivers the event again (``wm.state.ledger``) after WM_REDELIVER_AFTER_S. A
+write sent with a ``fallback`` (the record's: its ledger entry made due at once) has it run
+when its reply does not come or holds a failover's error (:data:`PASSING`), so the sweep's
+next turn (every WM_RECONCILE_INTERVAL_S) delivers the event again, not an hour later by
+default. An error the write would meet again (a key of the wrong type) keeps the hour: run
+again every turn, the event's code would run again every turn. A fallback that fails too
+leaves the entry to the later turn.
 A connection the server closed is found before the send, as redis-py's pool finds it, and
 a send that fails raises (the delivery then goes back to its queue, as a record that waits
 would). The write is on its way to the server before the delivery is acknowledged; a read
@@ -32,6 +38,23 @@ import redis
 logger = logging.getLogger(__name__)
 #: Seconds :meth:`Unawaited.settle` waits for a reply at most.
 SETTLE_TIMEOUT_S = 1.0
+#: Errors a failover answers with, for a while (a replica, a server loading its data, a
+#: cluster without a primary for a slot): a write's fallback runs after one of them, or
+#: after its connection was lost, not after an error the write would meet again.
+PASSING = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+#: Their codes, as a script's error quotes them (``... -READONLY You can't write ...``).
+_PASSING_CODES = ("-READONLY ", "-LOADING ", "-MASTERDOWN ", "-TRYAGAIN ", "-CLUSTERDOWN ")
+
+
+def _passing(error: redis.ResponseError) -> bool:
+    """Whether ``error`` is a failover's (:data:`PASSING`), its own or a script's."""
+    return isinstance(error, PASSING) or any(code in str(error) for code in _PASSING_CODES)
 
 
 class _Slot:
@@ -43,6 +66,8 @@ class _Slot:
         # redis-py's connections are untyped)
         self.connection: Any = pool.connection_class(**pool.connection_kwargs)
         self.unread: str | None = None
+        #: What to run should the unread reply hold an error or not come (None: nothing).
+        self.fallback: tuple[Any, ...] | None = None
 
 
 class Unawaited:
@@ -59,10 +84,17 @@ class Unawaited:
         #: Every thread's slot, for :meth:`unread`; a slot goes with its thread.
         self._slots: weakref.WeakSet[_Slot] = weakref.WeakSet()
 
-    def send(self, client: redis.Redis, command: tuple[Any, ...], what: str) -> None:
+    def send(
+        self,
+        client: redis.Redis,
+        command: tuple[Any, ...],
+        what: str,
+        fallback: tuple[Any, ...] | None = None,
+    ) -> None:
         """Send ``command`` (its arguments, as ``execute_command`` takes them) to the server of
         ``client`` without waiting for its reply; ``what`` names it in a log line should the
-        reply hold an error. Raises redis-py's errors when it cannot be sent."""
+        reply hold an error, and ``fallback`` is run then (and waited for). Raises redis-py's
+        errors when it cannot be sent."""
         slot: _Slot | None = getattr(self._local, "slot", None)
         if slot is not None:
             self._settle(slot)
@@ -82,7 +114,7 @@ class Unawaited:
             # plain one a send makes
             connection.connect()
         connection.send_command(*command)
-        slot.unread = what
+        slot.unread, slot.fallback = what, fallback
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Read the reply this thread's last send left (if any), logging an error it holds,
@@ -99,29 +131,56 @@ class Unawaited:
     @staticmethod
     def _settle(slot: _Slot, timeout_s: float | None = None) -> None:
         what, slot.unread = slot.unread, None
+        fallback, slot.fallback = slot.fallback, None
         if what is None:
             return
+        error: Exception
         try:
             if timeout_s is None:
                 slot.connection.read_response()
             else:
                 slot.connection.read_response(timeout=timeout_s)
+            return
         except redis.ResponseError as exc:
-            logger.error(
-                "%s was not written: %s (the pending ledger's sweep delivers its event again "
-                "after WM_REDELIVER_AFTER_S)",
-                what,
-                exc,
-            )
+            error, lost = exc, False
+            if not _passing(exc):  # it would fail again: not sooner than before
+                fallback = None
         except (redis.RedisError, OSError) as exc:
             slot.connection.disconnect()  # the next send connects again
+            error, lost = exc, True
+        if _fall_back(slot, fallback):
+            then = "the pending ledger's sweep delivers its event again at its next turn"
+        else:
+            then = "the pending ledger's sweep delivers its event again after WM_REDELIVER_AFTER_S"
+        if lost:
             logger.warning(
-                "%s may not have been written: its reply did not come (%s; "
-                "if it was not, the pending ledger's sweep delivers its event again after "
-                "WM_REDELIVER_AFTER_S)",
+                "%s may not have been written: its reply did not come (%s; if it was not, %s)",
                 what,
-                exc,
+                error,
+                then,
             )
+        else:
+            logger.error("%s was not written: %s (%s)", what, error, then)
+
+
+def _fall_back(slot: _Slot, fallback: tuple[Any, ...] | None) -> bool:
+    """Run ``fallback`` on ``slot``'s connection, then once more on a new one (a failover's
+    new primary) should it fail; whether it ran."""
+    if fallback is None:
+        return False
+    for attempt in (1, 2):
+        connection = slot.connection
+        try:
+            if not connection.is_connected:
+                connection.connect()
+            connection.send_command(*fallback)
+            connection.read_response(timeout=SETTLE_TIMEOUT_S)
+            return True
+        except (redis.RedisError, OSError) as exc:
+            connection.disconnect()
+            if attempt == 2:
+                logger.warning("could not run %s after a write failed: %s", fallback[0], exc)
+    return False
 
 
 def _forget(unawaited: Unawaited | None) -> None:
