@@ -537,7 +537,8 @@ class Settings:
         "WM_RECONCILE_INTERVAL_S",
         10.0,
         _parse_float,
-        "How often a node re-checks that it consumes every running worker's queue.",
+        "How often a node re-checks that it consumes every running worker's queue, and one "
+        "node maintains what is derived (the pending ledger's sweep included).",
     )
     priority_steps: tuple[int, ...] = _setting(
         "WM_PRIORITY_STEPS",
