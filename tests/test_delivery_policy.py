@@ -541,12 +541,16 @@ def test_a_delivery_without_a_group_runs_four_redis_commands(
 
 
 def test_a_delivery_without_outputs_does_not_wait_for_its_record(
-    node: WorkController, manager: WorkManager, node_settings: Settings
+    node: WorkController,
+    manager: WorkManager,
+    node_settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With nothing to publish, the record is sent and the delivery goes on: its reply is read
     at the thread's next record (``wm.state.unawaited``). Once the ledger is settled (every
     record ran), the last one's reply is still unread; every outcome is recorded. An ordered
     key's delivery waits for it: its turn moves on only once its outcome is written."""
+    monkeypatch.setattr(UNAWAITED, "idle_s", 3600.0)  # no reply read by the reader thread
     plain = manager.create_worker(code=stub(), mime_type=STUB, topic="in")
     ordered = manager.create_worker(
         code=stub(), mime_type=STUB, topic="in.ordered", settings={"ordering": "key"}

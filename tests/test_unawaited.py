@@ -30,6 +30,10 @@ def client(redis_ok: None) -> redis.Redis:
     return redis.Redis.from_url(f"{REDIS_HOST}/{STATE_DB}")
 
 
+#: An age no reply reaches in a test: only a send (or settle) reads it.
+NEVER = 3600.0
+
+
 def _kill(client: redis.Redis, name: str) -> None:
     """Close, on the server's side, the one connection named ``name``."""
     [ours] = [c for c in client.client_list() if c["name"] == name]
@@ -37,7 +41,7 @@ def _kill(client: redis.Redis, name: str) -> None:
 
 
 def test_a_reply_is_read_at_the_next_send_not_before(client: redis.Redis) -> None:
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     later.send(client, ("SET", "k", "1"), "the first write")
     assert later.unread() == ["the first write"]
     later.send(client, ("INCR", "k"), "the second write")  # reads the first's reply
@@ -50,7 +54,7 @@ def test_a_reply_is_read_at_the_next_send_not_before(client: redis.Redis) -> Non
 def test_an_error_in_a_reply_is_logged_naming_what_was_sent(
     client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     client.hset("h", "f", "v")
     later.send(client, ("EVAL", "return redis.call('GET', KEYS[1])", 1, "h"), "the outcome of e1")
     assert not caplog.records  # nobody waited: nothing known yet
@@ -67,7 +71,7 @@ def test_an_error_in_a_reply_is_logged_naming_what_was_sent(
 def test_a_connection_lost_before_the_reply_is_logged_and_the_next_send_reconnects(
     client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-test"), "the name")
     later.send(client, ("BLPOP", "nothing", 10), "the first write")  # no reply for 10 s
     _kill(client, "wm-unawaited-test")
@@ -89,7 +93,7 @@ def test_a_write_a_failover_refused_has_its_fallback_run(
 ) -> None:
     """The fallback (a record's: its ledger entry due at once) runs, and waits, when the
     reply holds a failover's error; an entry settled meanwhile is not added back."""
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     client.zadd("index", {"pending": 1000.0})
     with caplog.at_level(logging.ERROR, logger="wm.state.unawaited"):
         later.send(client, READONLY, "the outcome of e1", ("ZADD", "index", "XX", 0, "pending"))
@@ -108,7 +112,7 @@ def test_a_write_that_would_fail_again_keeps_its_entry_as_it_was(
 ) -> None:
     """An error the write would meet again (a key of the wrong type) does not run the
     fallback: run again at every sweep, the event's code would run again at every sweep."""
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     client.zadd("index", {"pending": 1000.0})
     client.hset("h", "f", "v")
     wrong = ("EVAL", "return redis.call('GET', KEYS[1])", 1, "h")
@@ -123,7 +127,7 @@ def test_a_write_that_would_fail_again_keeps_its_entry_as_it_was(
 def test_a_write_whose_reply_never_came_has_its_fallback_run_on_a_new_connection(
     client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     client.zadd("index", {"pending": 1000.0})
     later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-lost"), "the name")
     fallback = ("ZADD", "index", "XX", 0, "pending")
@@ -144,7 +148,7 @@ def test_a_write_whose_reply_never_came_has_its_fallback_run_on_a_new_connection
 def test_a_connection_the_server_closed_is_found_before_the_send(client: redis.Redis) -> None:
     """The write would go into a socket the server closed (and be lost, logged only at the
     next send): the send finds the close first, as redis-py's pool does, and connects again."""
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     later.send(client, ("CLIENT", "SETNAME", "wm-unawaited-closed"), "the name")
     later.settle()
     _kill(client, "wm-unawaited-closed")
@@ -156,7 +160,7 @@ def test_a_connection_the_server_closed_is_found_before_the_send(client: redis.R
 def test_settling_waits_for_a_reply_a_bounded_time(
     client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     later.send(client, ("BLPOP", "nothing", 10), "the slow one")
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="wm.state.unawaited"):
@@ -168,7 +172,7 @@ def test_settling_waits_for_a_reply_a_bounded_time(
 
 
 def test_each_thread_has_its_own_connection_and_a_forked_child_none(client: redis.Redis) -> None:
-    later = Unawaited()
+    later = Unawaited(idle_s=NEVER)
     later.send(client, ("SET", "a", "1"), "main's write")
     sent, done = threading.Event(), threading.Event()
 
@@ -201,7 +205,7 @@ def test_each_thread_has_its_own_connection_and_a_forked_child_none(client: redi
 
 
 def test_a_record_a_failover_refused_is_due_at_the_sweeps_next_turn(
-    own_redis: tuple[int, Callable[[], None]], tmp_path: Path
+    own_redis: tuple[int, Callable[[], None]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the defaults: a delivery without outputs whose record a demoted primary refused
     (READONLY), read after the failover, is due at once in the pending ledger, so the sweep's
@@ -211,6 +215,7 @@ def test_a_record_a_failover_refused_is_due_at_the_sweeps_next_turn(
     settings = make_settings(f"sqlite:///{tmp_path / 'wm.db'}", redis_url=url)
     ledger, worker, key, payload = Ledger(settings), str(uuid.uuid4()), "/src:e1", "{}"
     ledger.add([(worker, "queue")], key, payload)
+    monkeypatch.setattr(UNAWAITED, "idle_s", NEVER)  # read below, after the failover
     server = redis.Redis(port=port)
     server.replicaof("127.0.0.1", free_port())  # demoted: a replica of a primary not there
     settlement = ledger.settlement(worker, key, payload)
@@ -219,3 +224,32 @@ def test_a_record_a_failover_refused_is_due_at_the_sweeps_next_turn(
     UNAWAITED.settle()
     assert [p.key for p in ledger.overdue(worker, settings.redeliver_after_s)] == [key]
     assert settings.redeliver_after_s == 3600  # the default: an hour it no longer waits
+
+
+def test_a_reply_no_send_reads_is_read_by_the_reader_thread(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process gone idle after a failed write: its reader thread reads the reply once it
+    is ``idle_s`` old, and runs the fallback, with no other send."""
+    later = Unawaited(idle_s=0.2)
+    client.zadd("index", {"pending": 1000.0})
+    with caplog.at_level(logging.ERROR, logger="wm.state.unawaited"):
+        later.send(client, READONLY, "the outcome of e1", ("ZADD", "index", "XX", 0, "pending"))
+        deadline = time.monotonic() + 10
+        while client.zscore("index", "pending") != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert client.zscore("index", "pending") == 0
+    assert later.unread() == []
+    [line] = caplog.records
+    assert line.threadName == "wm-unawaited", line.threadName
+    assert "the outcome of e1 was not written" in line.getMessage()
+
+
+def test_a_reply_that_has_not_come_is_left_to_the_next_send(client: redis.Redis) -> None:
+    """A slow server is no lost connection: the reader reads only a reply that came."""
+    later = Unawaited(idle_s=0.1)
+    later.send(client, ("BLPOP", "slow", 1), "the slow one")
+    time.sleep(0.5)  # the reader's turns came and went
+    assert later.unread() == ["the slow one"]
+    later.settle(timeout_s=5)
+    assert later.unread() == []

@@ -7,8 +7,9 @@ cost the process a round trip per delivery (its send, Redis's turn, the wake-up)
 it such deliveries drain about a tenth faster on two cores (docs/benchmarks.md).
 :class:`Unawaited` sends such a write on a connection of its own (one per thread) and reads
 its reply when the thread sends the next one, by when it has long arrived, or when the
-process ends (:meth:`Unawaited.settle`). A reply that holds an error, or a connection lost
-before it, is logged then, naming what was sent.
+process ends (:meth:`Unawaited.settle`); a reply that came and that no send read for
+:data:`IDLE_S` (a process gone idle) is read by the process's reader thread. A reply that
+holds an error, or a connection lost before it, is logged then, naming what was sent.
 
 Nothing is lost when such a write fails: the delivery's entry in the pending ledger stays,
 and the sweep delivers the event again (``wm.state.ledger``) after WM_REDELIVER_AFTER_S. A
@@ -18,6 +19,7 @@ next turn (every WM_RECONCILE_INTERVAL_S) delivers the event again, not an hour 
 default. An error the write would meet again (a key of the wrong type) keeps the hour: run
 again every turn, the event's code would run again every turn. A fallback that fails too
 leaves the entry to the later turn.
+
 A connection the server closed is found before the send, as redis-py's pool finds it, and
 a send that fails raises (the delivery then goes back to its queue, as a record that waits
 would). The write is on its way to the server before the delivery is acknowledged; a read
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -38,6 +41,10 @@ import redis
 logger = logging.getLogger(__name__)
 #: Seconds :meth:`Unawaited.settle` waits for a reply at most.
 SETTLE_TIMEOUT_S = 1.0
+#: Seconds after which a reply that has come but that no send read yet (a thread that sends
+#: no more, a process gone idle) is read by the process's reader thread: a failed write is
+#: known, and its fallback run, about this long after it at most.
+IDLE_S = 1.0
 #: Errors a failover answers with, for a while (a replica, a server loading its data, a
 #: cluster without a primary for a slot): a write's fallback runs after one of them, or
 #: after its connection was lost, not after an error the write would meet again.
@@ -68,12 +75,18 @@ class _Slot:
         self.unread: str | None = None
         #: What to run should the unread reply hold an error or not come (None: nothing).
         self.fallback: tuple[Any, ...] | None = None
+        #: When the unread reply's write was sent (``time.monotonic()``).
+        self.sent_at = 0.0
+        #: Held by whoever uses the connection: its thread, or the reader of idle replies.
+        self.lock = threading.Lock()
 
 
 class Unawaited:
     """Sends commands whose replies are read at the thread's next send (:meth:`send`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = IDLE_S) -> None:
+        #: Age at which the reader thread reads a reply no send read (:data:`IDLE_S`).
+        self.idle_s = idle_s
         self._forget()
         me = weakref.ref(self)  # a hook per instance, which keeps none alive
         os.register_at_fork(after_in_child=lambda: _forget(me()))
@@ -83,6 +96,8 @@ class Unawaited:
         self._local = threading.local()
         #: Every thread's slot, for :meth:`unread`; a slot goes with its thread.
         self._slots: weakref.WeakSet[_Slot] = weakref.WeakSet()
+        #: The thread that reads replies left unread for :data:`IDLE_S` (started at a send).
+        self._reader: threading.Thread | None = None
 
     def send(
         self,
@@ -95,26 +110,66 @@ class Unawaited:
         ``client`` without waiting for its reply; ``what`` names it in a log line should the
         reply hold an error, and ``fallback`` is run then (and waited for). Raises redis-py's
         errors when it cannot be sent."""
-        slot: _Slot | None = getattr(self._local, "slot", None)
-        if slot is not None:
+        slot = self._slot(client)
+        with slot.lock:
             self._settle(slot)
-        if slot is None or slot.pool is not client.connection_pool:
-            if slot is not None:
+            connection = slot.connection
+            try:  # nothing is due on it: anything readable is the server's close
+                if connection.is_connected and connection.can_read():
+                    raise redis.ConnectionError("the server sent what nobody asked for")
+            except redis.ConnectionError:
+                connection.disconnect()
+            if not connection.is_connected:
+                # its own connect (a Sentinel's asks the sentinels for the primary), not the
+                # plain one a send makes
+                connection.connect()
+            connection.send_command(*command)
+            slot.unread, slot.fallback, slot.sent_at = what, fallback, time.monotonic()
+        if self._reader is None:
+            self._start_reader()
+
+    def _slot(self, client: redis.Redis) -> _Slot:
+        """This thread's slot on ``client``'s server: a new one when its last was another's
+        (whose reply is read first)."""
+        slot: _Slot | None = getattr(self._local, "slot", None)
+        if slot is not None and slot.pool is client.connection_pool:
+            return slot
+        if slot is not None:
+            with slot.lock:
+                self._settle(slot)
                 slot.connection.disconnect()
-            slot = self._local.slot = _Slot(client.connection_pool)
-            self._slots.add(slot)
-        connection = slot.connection
-        try:  # nothing is due on it: anything readable is the server's close
-            if connection.is_connected and connection.can_read():
-                raise redis.ConnectionError("the server sent what nobody asked for")
-        except redis.ConnectionError:
-            connection.disconnect()
-        if not connection.is_connected:
-            # its own connect (a Sentinel's asks the sentinels for the primary), not the
-            # plain one a send makes
-            connection.connect()
-        connection.send_command(*command)
-        slot.unread, slot.fallback = what, fallback
+        slot = self._local.slot = _Slot(client.connection_pool)
+        self._slots.add(slot)
+        return slot
+
+    def _start_reader(self) -> None:
+        with _start_lock:
+            if self._reader is None:
+                reader = threading.Thread(
+                    target=_read_idle, args=(weakref.ref(self),), name="wm-unawaited", daemon=True
+                )
+                reader.start()
+                self._reader = reader
+
+    def read_idle(self) -> None:
+        """Read each reply that came, whose write is :attr:`idle_s` old and that no send
+        read yet, running its fallback if it failed; a slot in use is left for later,
+        and so is a reply that has not come (a slow server is no lost connection)."""
+        now = time.monotonic()
+        for slot in list(self._slots):
+            if slot.unread is None or now - slot.sent_at < self.idle_s:
+                continue
+            if not slot.lock.acquire(blocking=False):
+                continue
+            try:
+                try:
+                    ready = slot.unread is not None and slot.connection.can_read(timeout=0)
+                except (redis.RedisError, OSError):
+                    ready = True  # the connection broke: settling finds it, and says so
+                if ready:
+                    self._settle(slot, SETTLE_TIMEOUT_S)
+            finally:
+                slot.lock.release()
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Read the reply this thread's last send left (if any), logging an error it holds,
@@ -122,7 +177,8 @@ class Unawaited:
         hold it)."""
         slot: _Slot | None = getattr(self._local, "slot", None)
         if slot is not None:
-            self._settle(slot, timeout_s)
+            with slot.lock:
+                self._settle(slot, timeout_s)
 
     def unread(self) -> list[str]:
         """What each reply not read yet answers, over every thread of this process."""
@@ -181,6 +237,26 @@ def _fall_back(slot: _Slot, fallback: tuple[Any, ...] | None) -> bool:
             if attempt == 2:
                 logger.warning("could not run %s after a write failed: %s", fallback[0], exc)
     return False
+
+
+def _read_idle(unawaited: weakref.ref[Unawaited]) -> None:
+    """The reader thread: :meth:`Unawaited.read_idle` every half ``idle_s``, while its
+    :class:`Unawaited` lives."""
+    while True:
+        me = unawaited()
+        if me is None:
+            return
+        wait = me.idle_s / 2
+        try:
+            me.read_idle()
+        except Exception:  # never end the thread: the next send reads what this could not
+            logger.exception("reading the replies nobody waited for")
+        del me
+        time.sleep(wait)
+
+
+#: Guards the start of each instance's reader thread.
+_start_lock = threading.Lock()
 
 
 def _forget(unawaited: Unawaited | None) -> None:
