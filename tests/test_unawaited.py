@@ -248,8 +248,10 @@ def test_a_reply_no_send_reads_is_read_by_the_reader_thread(
 def test_a_reply_that_has_not_come_is_left_to_the_next_send(client: redis.Redis) -> None:
     """A slow server is no lost connection: the reader reads only a reply that came."""
     later = Unawaited(idle_s=0.1)
-    later.send(client, ("BLPOP", "slow", 1), "the slow one")
+    later.send(client, ("BLPOP", "slow", 30), "the slow one")
     time.sleep(0.5)  # the reader's turns came and went
     assert later.unread() == ["the slow one"]
+    client.lpush("slow", "now")  # the reply comes
     later.settle(timeout_s=5)
     assert later.unread() == []
+    assert client.llen("slow") == 0  # it was the BLPOP's
