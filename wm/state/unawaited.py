@@ -82,7 +82,8 @@ class _Slot:
 
 
 class Unawaited:
-    """Sends commands whose replies are read at the thread's next send (:meth:`send`)."""
+    """Sends commands whose replies are read at the thread's next send (:meth:`send`), or by
+    the process's reader thread once they are :attr:`idle_s` old (:meth:`read_idle`)."""
 
     def __init__(self, idle_s: float = IDLE_S) -> None:
         #: Age at which the reader thread reads a reply no send read (:data:`IDLE_S`).
