@@ -205,10 +205,8 @@ class Unawaited:
         except (redis.RedisError, OSError) as exc:
             slot.connection.disconnect()  # the next send connects again
             error, lost = exc, True
-        if _fall_back(slot, fallback):
-            then = "the pending ledger's sweep delivers its event again at its next turn"
-        else:
-            then = "the pending ledger's sweep delivers its event again after WM_REDELIVER_AFTER_S"
+        when = "at its next turn" if _fall_back(slot, fallback) else "after WM_REDELIVER_AFTER_S"
+        then = f"the pending ledger's sweep delivers its event again {when}"
         if lost:
             logger.warning(
                 "%s may not have been written: its reply did not come (%s; if it was not, %s)",
