@@ -88,6 +88,23 @@ def test_stopped_worker_keeps_its_queue_and_resumes(fast: Settings, start_node: 
 
 
 @pytest.mark.slow
+def test_a_node_takes_a_backlog_several_messages_at_a_time_and_delivers_all_of_it(
+    pg_settings: Settings, start_node: Any
+) -> None:
+    """On the defaults (two pool processes, a prefetch multiplier of 4) a node takes a
+    backlog again once its window has room for three messages, not at each acknowledgement
+    (``wm.dataplane.transport.refill_at``), and every message of the backlog is delivered."""
+    manager = WorkManager(pg_settings)
+    sink = manager.subscribe("paced.out", "sink")
+    manager.create_worker(code=stub(output_type="paced.out"), mime_type=STUB, topic="paced")
+    publish_numbered(manager, "paced", 60)
+    node = start_node(pg_settings)
+    node.wait_for("the prefetch window of 8 takes again once it has room for 3 (2 pool processes)")
+    outputs = drain(pg_settings, sink, 60)
+    assert len({e["id"] for e in outputs}) == 60
+
+
+@pytest.mark.slow
 def test_deleting_a_worker_removes_its_queue(fast: Settings, start_node: Any) -> None:
     manager = WorkManager(fast)
     start_node(fast)

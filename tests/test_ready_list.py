@@ -38,6 +38,7 @@ from wm.dataplane.queues import (
 from wm.dataplane.readybatch import TaskTexts
 from wm.dataplane.readyscripts import PUT_MESSAGES
 from wm.dataplane.takenfacts import KEY_HEADER
+from wm.dataplane.transport import refill_at
 from wm.events import encode
 
 
@@ -334,6 +335,52 @@ def test_a_take_without_blocking_takes_what_the_prefetch_window_has_room_for(
         mine = [body["n"] for body in reader.received if body["queue"] == queue]
         assert mine == list(range(6)), (queue, mine)
     assert broker.hlen("unacked") == 0 and broker.llen(READY_LIST) == 0
+
+
+def test_a_node_takes_a_backlog_again_once_its_window_has_room_for_several(
+    broker_settings: Settings, broker: redis.Redis
+) -> None:
+    """A node's channel (its pool processes known) takes a backlog again only once its
+    prefetch window has room for ``refill_at`` messages, then takes them in one script; with
+    no backlog left, a new message is taken at once, whatever the room."""
+    queue = worker_queue()
+    publish(broker_settings, queue, 12)
+    reader = Reader(broker_settings, [queue], prefetch=8)
+    reader.channel.processes = 2
+    assert refill_at(8, 2) == 3  # half of the six held beyond one message per process
+    takes: list[int] = []
+    took = reader.channel._took_next
+
+    def counted(reply: Any) -> bool:
+        takes.append(len(reply or []))
+        return took(reply)
+
+    reader.channel._took_next = counted
+    try:
+        assert len(reader.read(8)) == 8  # one by BRPOP, then seven in one take
+        for message in reader.messages[:2]:
+            message.ack()
+        assert len(reader.read(9, timeout_s=1)) == 8  # room for two: no take
+        reader.messages[2].ack()
+        assert len(reader.read(11)) == 11 and takes[-1] == 3  # room for three: one take
+        for message in reader.messages[3:6]:
+            message.ack()
+        assert len(reader.read(12)) == 12  # the last one: the backlog is over
+        publish(broker_settings, queue, 1, start=12)
+        assert len(reader.read(13)) == 13  # room for two, taken at once
+        for message in reader.messages[6:]:
+            message.ack()
+    finally:
+        reader.close()
+    assert [body["n"] for body in reader.received] == list(range(13))
+    eventually(lambda: broker.hlen("unacked") == 0, timeout_s=10, interval_s=0.05)
+
+
+def test_the_room_a_backlog_take_waits_for() -> None:
+    """One message a process (a fair share's shallow prefetch) leaves nothing to wait for;
+    a deep window waits for half a take's most at most."""
+    assert refill_at(2, 2) == refill_at(1, 1) == refill_at(3, 2) == 1
+    assert refill_at(8, 2) == 3 and refill_at(64, 16) == 4
 
 
 def test_a_message_whose_delivery_fails_keeps_no_other_of_its_take_from_delivery(

@@ -36,6 +36,7 @@ from wm.dataplane import (
     runtime,
     sweep,
     takenfacts,
+    transport,
     workerhealth,
 )
 from wm.dataplane.app import broker_errors, redis_broker, shared_server
@@ -211,6 +212,7 @@ class Reconciler(bootsteps.StartStopStep):
             if self.watcher is not None:
                 self.watcher.rename(self.heartbeat.node)
         self.turns = watch_loop(self.heartbeat, parent)
+        pace_takes(parent)
         if self.heartbeat is None and self.beats is None:
             self.beats = tell_heartbeats(self.settings, parent)
         if parent.hub is not None:
@@ -324,6 +326,26 @@ def leave_placement(watcher: placement.Watcher, app: Celery) -> None:
             watcher.leave(conn.default_channel)
     except Exception as exc:  # the broker is away: the membership lapses instead
         logger.warning("placement: could not leave (%s); the others wait for it to lapse", exc)
+
+
+def pace_takes(parent: Any) -> None:
+    """Tell the task consumer's channel (a new one after each broker reconnect) how many pool
+    processes the node has, so that while a backlog lasts it takes several messages at once
+    (``transport.refill_at``)."""
+    channel = getattr(parent.task_consumer, "channel", None)
+    processes = int(getattr(parent.pool, "num_processes", 0) or 0)
+    if not isinstance(channel, transport.Channel) or processes < 1:
+        return
+    channel.processes = processes
+    window = channel.qos.prefetch_count
+    if window:
+        logger.info(
+            "takes: while a backlog lasts, the prefetch window of %d takes again once it "
+            "has room for %d (%d pool processes)",
+            window,
+            transport.refill_at(window, processes),
+            processes,
+        )
 
 
 def watch_loop(heartbeat: Heartbeat | None, parent: Any) -> Any:

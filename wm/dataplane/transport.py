@@ -34,7 +34,10 @@ idle node waits in BRPOP on the ready list and takes the named queue's oldest me
 there is a backlog it sends a script instead, which pops names and takes their queues'
 messages together: as many messages as the prefetch window has room for (up to
 :data:`TAKE_MOST`), each taken as a take of its own would take it, so one round trip serves
-several deliveries. A queue that still holds messages goes back to the end of the
+several deliveries. A node's task channel takes such a backlog again only once its window
+has room for several messages (:func:`refill_at`), not at each acknowledgement; a take
+that finds fewer messages than it asked for ends the backlog, and the node waits in BRPOP
+again. A queue that still holds messages goes back to the end of the
 ready list (round robin over busy queues); an empty one is not listed. A node's cost per
 message does not depend on how many queues it consumes. A queue whose name a node popped and
 did not take from (the node died in between; or it does not consume the queue, a stopped
@@ -99,8 +102,31 @@ TAKE_MOST = 8
 PRIORITIES = range(10)
 
 
+def refill_at(window: int, processes: int) -> int:
+    """The room a prefetch ``window`` of a node with ``processes`` pool processes must have
+    before a take of a backlog: half of what the node holds beyond one message per process,
+    up to half of :data:`TAKE_MOST` (at least one). One take then serves several deliveries,
+    where a take at each acknowledgement cost a script, a round trip and a turn of the loop
+    per message; meanwhile each process still has its delivery and the node holds half of
+    the rest."""
+    return max(1, min(window - processes, TAKE_MOST) // 2)
+
+
+class PacedQoS(QoS):
+    """kombu's acknowledgement emulation (with holders, ``wm.dataplane.liveness``), which
+    lets the channel take again only once its prefetch window has the room
+    :meth:`Channel.refill_room` asks for."""
+
+    def can_consume(self) -> bool:
+        window = self.prefetch_count
+        if not window:
+            return True
+        room = window - (len(self._delivered) - len(self._dirty))
+        return bool(room >= self.channel.refill_room(window))
+
+
 class Channel(kombu_redis.Channel):
-    QoS = QoS
+    QoS = PacedQoS
     from_transport_options = (  # type: ignore[assignment]  # kombu types it by its length
         *kombu_redis.Channel.from_transport_options,
         "ready_key",
@@ -113,6 +139,9 @@ class Channel(kombu_redis.Channel):
     #: ``wait_timeout_ms``: WM_BROKER_WAIT_REPLICAS and WM_REDIS_WAIT_TIMEOUT_MS.
     wait_replicas = 0
     wait_timeout_ms = 500
+    #: The node's pool processes (``wm.dataplane.node.pace_takes``); 0, not a node's task
+    #: channel: a take whenever the prefetch window has room.
+    processes = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: Queues consumed that are not worker queues, and how many worker queues are, from
@@ -125,6 +154,7 @@ class Channel(kombu_redis.Channel):
         self._last_tenant = ""  # the tenant of the worker queue taken from last
         self._backlog = False  # the last take saw more listed: take without blocking
         self._sent = "BRPOP"  # the command in flight on the polling connection
+        self._asked = 0  # the most messages the take in flight without blocking takes
         self._scripts: dict[str, Any] = {}
         self._bound: set[str] = set()  # queues bound to EXCHANGE under their own name
         self._commands: Any = None  # the client conn_or_acquire lends
@@ -345,7 +375,8 @@ class Channel(kombu_redis.Channel):
             command = ["EVAL", TAKE_NEXT, 1 + len(others), self.ready_key, *others]
             first = f"{int(self._others_first)}:{fairshare.avoided(self._last_tenant)}"
             crowded = int(fairshare.crowded())
-            command += [first, self._room(), crowded, len(suffixes), *suffixes]
+            self._asked = self._room()
+            command += [first, self._asked, crowded, len(suffixes), *suffixes]
             command += [*hold_args(self), *facts_args()]
             command += place_args(self)
         else:
@@ -403,6 +434,14 @@ class Channel(kombu_redis.Channel):
         self._deliver_item(item, queue, tag, facts)
         return True
 
+    def refill_room(self, window: int) -> int:
+        """The room the prefetch ``window`` must have before the next take:
+        :func:`refill_at` while a backlog is taken without blocking, else one (an idle
+        queue's message is taken at once)."""
+        if not (self._backlog and self.processes):
+            return 1
+        return refill_at(window, self.processes)
+
     def _room(self) -> int:
         """The most messages one take without blocking takes: what the prefetch window has
         room for, up to :data:`TAKE_MOST` (at least one)."""
@@ -414,8 +453,8 @@ class Channel(kombu_redis.Channel):
         again. What was not this node's to take (a stopped worker's queue) goes back. A
         message whose delivery raises does not keep the others from theirs: the first error
         is raised once each was delivered, as a take of one message would raise it."""
+        self._backlog = len(reply or ()) >= self._asked  # fewer: nothing was left to take
         if not reply:
-            self._backlog = False
             raise Empty()
         back: list[tuple[str, bytes, str, bytes | None]] = []
         errors = []
