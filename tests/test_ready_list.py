@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis
 from kombu import Consumer, Producer
+from kombu.asynchronous import Hub
 
 from tests.conftest import AMQP_URL, BROKER_DB, STATE_DB, flush_redis, make_settings
 from tests.helpers import STUB, command_calls, drain, eventually, stub
@@ -445,6 +446,63 @@ def test_a_message_whose_delivery_raises_goes_back_to_the_head_of_its_queue(
     finally:
         reader.close()
         liveness.hold_as("")
+
+
+def test_the_event_loop_adds_the_transports_sockets_once_and_again_after_a_lost_connection(
+    broker_settings: Settings,
+) -> None:
+    """In an event loop (a node's), the transport's socket is added to the poller when it is
+    new, not again at every turn of the loop; after its connection is lost, the new socket
+    is added, and messages still come."""
+    queue = worker_queue()
+    hub = Hub()
+    conn = make_app(broker_settings).connection_for_read()
+    received: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body["n"])
+        message.ack()
+
+    consumer = Consumer(
+        conn.default_channel, queues=[subscription_queue(queue)], callbacks=[on_message]
+    )
+    registered: list[int] = []
+    register = hub.poller.register
+
+    def counted(fd: Any, flags: int) -> Any:
+        registered.append(fd if isinstance(fd, int) else fd.fileno())
+        return register(fd, flags)
+
+    hub.poller.register = counted
+    try:
+        consumer.consume()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+
+        def turn_until(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while len(received) < count and time.monotonic() < deadline:
+                hub.run_once()
+
+        def socket() -> int:
+            return int(conn.default_channel.client.connection._sock.fileno())
+
+        for _ in range(3):
+            hub.run_once()
+        publish(broker_settings, queue, 2)
+        turn_until(2)
+        assert received == [0, 1]
+        # kombu's poller registers it, the loop's reader once: not once a turn
+        assert registered.count(socket()) == 2, registered
+        conn.default_channel.client.connection.disconnect()  # kombu's hook: out of the loop
+        before = len(registered)
+        publish(broker_settings, queue, 2, start=2)
+        turn_until(4)
+        assert received == [0, 1, 2, 3]
+        assert registered[before:].count(socket()) == 2, registered
+    finally:
+        consumer.cancel()
+        conn.release()
+        hub.close()
 
 
 def test_an_unacknowledged_message_restored_is_listed_again(

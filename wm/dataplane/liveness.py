@@ -344,7 +344,6 @@ class Acks:
                 self.connection = None
 
     def _write(self, keys: list[str], args: list[Any]) -> None:
-        self._read(block=False)
         self.connection.send_command("EVAL", _ACK, len(keys), *keys, *args, **_UNCHECKED)
         self._read(block=len(self.unread) >= MAX_UNREAD_ACKS)
 

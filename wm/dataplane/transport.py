@@ -594,6 +594,31 @@ class Channel(kombu_redis.Channel):
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """kombu's registration, whose hook at each turn of the loop adds every socket of
+        the transport to the loop again: a failing ``epoll_ctl`` and a Python exception
+        caught, per socket and turn, in the node's busiest process. Here a socket whose
+        reader is already this transport's is left as it is; kombu registers each new socket
+        with the poller itself (``MultiChannelPoller._register``), and a socket removed from
+        the loop (a lost connection, a paused poll) has no reader and is added as before."""
+        before = set(loop.on_tick)
+        super().register_with_event_loop(connection, loop)
+        added = [hook for hook in loop.on_tick - before if hook.__name__ == "on_poll_start"]
+        if len(added) != 1:  # not the kombu this was written for: leave its hook
+            return
+        loop.on_tick.discard(added[0])
+        cycle: Any = self.cycle  # kombu types it as its base class
+        on_readable = self.on_readable
+
+        def on_poll_start() -> None:
+            cycle.on_poll_start()
+            readers = loop.readers
+            for fd in cycle.fds:
+                if readers.get(fd) != (on_readable, (fd,)):
+                    loop.add_reader(fd, on_readable, fd)
+
+        loop.on_tick.add(on_poll_start)
+
     def _deliver(self, message: Any, queue: str) -> None:
         """Valid JSON that is not a kombu message is raw input too, and so is one shaped
         like it that kombu cannot take (no delivery tag: kombu's consumer failed on it after
