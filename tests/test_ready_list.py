@@ -303,6 +303,19 @@ def test_a_backlog_is_taken_without_blocking_and_leaves_queues_it_does_not_consu
     assert left == [2, 1, 0]  # kombu pops from the right: 0 is still next
 
 
+def count_takes(reader: Reader) -> list[int]:
+    """The number of messages each take without blocking of ``reader`` returns, from now."""
+    takes: list[int] = []
+    took = reader.channel._took_next
+
+    def counted(reply: Any) -> bool:
+        takes.append(len(reply or []))
+        return took(reply)
+
+    reader.channel._took_next = counted
+    return takes
+
+
 def test_a_take_without_blocking_takes_what_the_prefetch_window_has_room_for(
     broker_settings: Settings, broker: redis.Redis
 ) -> None:
@@ -313,14 +326,7 @@ def test_a_take_without_blocking_takes_what_the_prefetch_window_has_room_for(
     publish(broker_settings, first, 6)
     publish(broker_settings, second, 6)
     reader = Reader(broker_settings, [first, second], prefetch=4)
-    takes: list[int] = []
-    took = reader.channel._took_next
-
-    def counted(reply: Any) -> bool:
-        takes.append(len(reply or []))
-        return took(reply)
-
-    reader.channel._took_next = counted
+    takes = count_takes(reader)
     try:
         for held in (4, 8, 12):  # a window's worth, then no more until it is acknowledged
             assert len(reader.read(held)) == held
@@ -349,14 +355,7 @@ def test_a_node_takes_a_backlog_again_once_its_window_has_room_for_several(
     reader = Reader(broker_settings, [queue], prefetch=8)
     reader.channel.processes = 2
     assert refill_at(8, 2) == 3  # half of the six held beyond one message per process
-    takes: list[int] = []
-    took = reader.channel._took_next
-
-    def counted(reply: Any) -> bool:
-        takes.append(len(reply or []))
-        return took(reply)
-
-    reader.channel._took_next = counted
+    takes = count_takes(reader)
     try:
         assert len(reader.read(8)) == 8  # one by BRPOP, then seven in one take
         for message in reader.messages[:2]:
