@@ -118,11 +118,8 @@ class PacedQoS(QoS):
     :meth:`Channel.refill_room` asks for."""
 
     def can_consume(self) -> bool:
-        window = self.prefetch_count
-        if not window:
-            return True
-        room = window - (len(self._delivered) - len(self._dirty))
-        return bool(room >= self.channel.refill_room(window))
+        room = self.can_consume_max_estimate()  # None: no prefetch limit
+        return room is None or bool(room >= self.channel.refill_room(self.prefetch_count))
 
 
 class Channel(kombu_redis.Channel):
