@@ -169,7 +169,10 @@ def time_drain(side: Side, events: int) -> Timing:
         if side.probe.done(side.queue, events, left):
             break
         if now - started > DRAIN_TIMEOUT_S:
-            raise RuntimeError(f"{side.name}: not drained after {DRAIN_TIMEOUT_S:.0f} s")
+            raise RuntimeError(
+                f"{side.name}: not drained after {DRAIN_TIMEOUT_S:.0f} s "
+                f"({left} of {events} events still queued)"
+            )
         time.sleep(POLL_S)
     elapsed = time.monotonic() - started
     cpu = tree_cpu_s(side.pids()) - cpu
