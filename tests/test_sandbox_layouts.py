@@ -225,11 +225,17 @@ def wheelhouse(root: Path, python: str | Path) -> Path:
     key = hashlib.sha256("\n".join([tag, *requirements, pins]).encode()).hexdigest()[:16]
     final = root / key
     if not final.is_dir():
-        partial = root / f"{key}.partial"
+        # a directory of this process's own: another xdist worker may build the same one
+        partial = root / f"{key}.{os.getpid()}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         _build_wheels(python, partial, requirements, pins)
-        partial.rename(final)
+        try:
+            partial.rename(final)
+        except OSError:  # the other finished first: its wheels are the same
+            if not final.is_dir():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
     return final
 
 
