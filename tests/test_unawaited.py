@@ -107,6 +107,31 @@ def test_a_write_a_failover_refused_has_its_fallback_run(
     assert "the outcome of e2 was not written" in second
 
 
+def test_commands_sent_together_have_every_reply_read_and_any_refusal_runs_the_fallback(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record with its outputs' pushes behind it, in one write: every reply is read (the
+    next send's replies are its own), and a failover's error in any of them runs the
+    fallback (here the second's: the record was written, the push was not)."""
+    later = Unawaited(idle_s=NEVER)
+    with caplog.at_level(logging.ERROR, logger="wm.state.unawaited"):
+        later.send(
+            client,
+            ("SET", "k", "1"),
+            "the outcome of e1",
+            ("ZADD", "index", 0, "e1"),
+            [READONLY, ("INCR", "k")],
+        )
+        assert later.unread() == ["the outcome of e1"]
+        later.send(client, ("INCR", "k"), "the outcome of e2", None, [("INCR", "k")])
+        later.settle()
+    assert client.zscore("index", "e1") == 0  # due at the sweep's next turn
+    assert client.get("k") == b"4"  # every command ran, in order
+    [line] = caplog.records
+    assert line.getMessage().startswith("the outcome of e1 was not written: a read only replica")
+    assert later.unread() == []
+
+
 def test_a_write_that_would_fail_again_keeps_its_entry_as_it_was(
     client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -219,7 +244,7 @@ def test_a_record_a_failover_refused_is_due_at_the_sweeps_next_turn(
     server = redis.Redis(port=port)
     server.replicaof("127.0.0.1", free_port())  # demoted: a replica of a primary not there
     settlement = ledger.settlement(worker, key, payload)
-    Outcomes(settings).record(worker, key, [], settlement, unawaited=True)
+    Outcomes(settings).record(worker, key, [], settlement, unread=0)
     server.replicaof("NO", "ONE")  # the failover: it is the primary again
     UNAWAITED.settle()
     assert [p.key for p in ledger.overdue(worker, settings.redeliver_after_s)] == [key]

@@ -216,17 +216,20 @@ class Delivery:
         before it on a Redis Cluster) with the features' writes (``recording``), publish
         what was recorded. An error the worker answered with is reported as
         ``worker.error`` once published. A group member with no output releases its lease
-        in the record's round trip: nothing is left to do under it. Without outputs the
-        record's reply is not waited for, unless ``awaited`` (a feature acts on it)."""
+        in the record's round trip: nothing is left to do under it. The record's reply is
+        not waited for where nothing is left to do after it (:meth:`_unread`), unless
+        ``awaited`` (a feature acts on it)."""
         produced = self.execute(engine)
         outputs = self.stamp(produced)
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
         texts = [encode(e) for e in outputs]  # once, for the record and the publishes
         body = self.rt.outcomes.encoded(outputs, texts)
+        unread, settlement = None if awaited else self._unread(outputs), self.settlement()
         # No lease to check before each push: the pushes may fold into the record's round trip
         folding = None
-        if outputs and self.lease is None:
-            folding = self.rt.outputs.folded(outputs, texts, self.outcome_key, body)
+        if outputs and self.lease is None and self.rt.outputs.folds:
+            owed = None if unread is None else settlement
+            folding = self.rt.outputs.folded(outputs, texts, self.outcome_key, body, owed)
         lookups = folding or self.rt.outputs.lookups(outputs)
         # The lease to release with the record: a fenced record with nothing to publish after
         releasing = self.lease if fence is not None and not outputs else None
@@ -239,18 +242,29 @@ class Delivery:
             if releasing is not None:
                 self.rt.locks.queue_release(pipe, releasing)
 
-        unawaited = not outputs and not awaited  # nothing to publish: nothing to wait for
         recorded, found = self.rt.outcomes.record(
-            self.owner, self.operation, outputs, self.settlement(), also, fence, body, unawaited
+            self.owner, self.operation, outputs, settlement, also, fence, body, unread
         )
         if releasing is not None:
             self.released = self.rt.locks.released(releasing, found[-1])
-        if recorded is outputs:  # the routes looked up with the record are these outputs'
-            routes = self.rt.outputs.looked_up(found[: len(outputs)], folding is not None)
-            self.publish(outputs, routes, settled=True, texts=texts)
-        else:
+        if recorded is not outputs:
             self.publish(recorded, settled=True)
+        elif found:  # the routes looked up with the record (none: nothing left to publish)
+            routes = self.rt.outputs.looked_up(outputs, found[: len(outputs)], bool(folding))
+            self.publish(outputs, routes, settled=True, texts=texts)
         self.published(recorded, produced)
+
+    def _unread(self, outputs: list[CloudEvent]) -> int | None:
+        """How many of the record's round trip's commands after it need not be read, when its
+        reply need not be (None: it must): without outputs, the record is all; with outputs
+        pushed in its round trip to topics without worker subscribers
+        (:meth:`~wm.dataplane.outputs.OutputPublisher.quiet`), their pushes are all, and
+        nothing is left to publish after them."""
+        if not outputs:
+            return 0
+        publisher = self.rt.outputs
+        quiet = self.lease is None and publisher.folds and publisher.quiet(outputs)
+        return len(outputs) if quiet else None
 
     def published(self, outputs: list[CloudEvent], produced: list[CloudEvent]) -> None:
         sent = self.event.get_time()

@@ -18,6 +18,14 @@ round trip that records its outcome (:meth:`OutputPublisher.folded`): a script q
 the record reads the topic's routes and, if the outcome recorded is this one, pushes to the
 plain subscriptions in the broker's database. One round trip fewer per delivery with
 outputs, and the same guarantee: the marker and the pushes in one script, after the record.
+The script returns the topic's routes, for the delivery to send to its worker subscribers.
+Where this process found, less than :data:`QUIET_S` ago, that each output's topic has none
+(:meth:`OutputPublisher.quiet`), the delivery does not wait for that reply
+(``wm.state.unawaited``): the script is given the delivery's ledger entry instead and puts
+it back, due at once, should it find worker subscribers after all (or another outcome, or
+routes to load), so the sweep's next turn delivers the event again and the outcome recorded
+is republished to them. Nothing is lost; such an output reaches a worker that subscribed in
+that second up to WM_RECONCILE_INTERVAL_S later.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +48,13 @@ from wm.dataplane.routes import COUNT_ENDS, DROPPED, READY, ROUTES, topic_key
 from wm.events import CloudEvent, encode, key_of, tenant_of
 from wm.names import route_topic
 from wm.state.connection import StatePipeline, pooled_client, queue_eval, redis_errors
+from wm.state.ledger import Settlement
 
 _MARKER = "wm:published:"
+#: Seconds a process takes a topic it found without worker subscribers to have none still
+#: (:meth:`OutputPublisher.quiet`). A subscriber that comes meanwhile gets the outputs the
+#: process pushed without reading the reply from the sweep's next turn, not at once.
+QUIET_S = 1.0
 #: Seconds an output's push may wait for the broker's Redis before it fails (and is retried).
 BROKER_SOCKET_TIMEOUT_S = 30
 # KEYS: marker, queue lists. ARGV: marker ttl s, one kombu message per queue.
@@ -54,21 +68,28 @@ _QUEUE, _TAG = "@wm-queue@", "@wm-tag@"
 #: Where :meth:`OutputPublisher._message_template` puts the body into the message it made.
 _BODY = "@wm-body@"
 # Run in the state store's database, queued behind an outcome's record. KEYS: the topic's
-# ready flag, routes and drop counter, the outcome, the marker (in the broker's database).
-# ARGV: the state's database, the broker's, the outcome's SHA-1, the marker's ttl s, the
-# kombu message with the placeholders, a delivery tag prefix. Returns false, having done
-# nothing (the topic's routes must be loaded, or the outcome recorded is another one), else
-# the topic's routes (HGETALL's list) with its plain subscriptions pushed to once. The writes
-# in the broker's database are pcall'd, so the state's database is always selected back
-# (before Redis 7, a script's SELECT outlives it on its connection).
+# ready flag, routes and drop counter, the outcome, the marker (in the broker's database)[,
+# the worker's pending ledger]. ARGV: the state's database, the broker's, the outcome's
+# SHA-1, the marker's ttl s, the kombu message with the placeholders, a delivery tag
+# prefix[, the delivery's ledger member]. Returns false, having done nothing (the topic's
+# routes must be loaded, or the outcome recorded is another one), else the topic's routes
+# (HGETALL's list) with its plain subscriptions pushed to once. Given the ledger's entry (a
+# caller that reads no reply, :meth:`OutputPublisher.quiet`), it puts the delivery back in
+# the ledger, due at once, where the caller would have had more to do: the sweep's next turn
+# delivers the event again, which republishes the outcome recorded (and so where a push
+# failed: the caller that waits raises then, and its retry republishes). The writes in the
+# broker's database are pcall'd, so the state's database is always selected back (before
+# Redis 7, a script's SELECT outlives it on its connection).
 _PUSH_FOLDED = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local function owed() if KEYS[6] then redis.call('ZADD', KEYS[6], 0, ARGV[7]) end end
+if redis.call('EXISTS', KEYS[1]) == 0 then owed() return false end
 local outcome = redis.call('GET', KEYS[4])
-if not outcome or redis.sha1hex(outcome) ~= ARGV[3] then return false end
+if not outcome or redis.sha1hex(outcome) ~= ARGV[3] then owed() return false end
 local routes = redis.call('HGETALL', KEYS[2])
 if #routes == 0 then redis.call('INCR', KEYS[3]) <ends> return routes end
 local plain = {}
 for i = 1, #routes, 2 do if routes[i + 1] == '' then plain[#plain + 1] = routes[i] end end
+if #plain < #routes / 2 then owed() end
 if #plain == 0 then return routes end
 local function put(text, mark, value)
   local first, last = string.find(text, mark, 1, true)
@@ -86,7 +107,7 @@ if type(marked) == 'table' and marked.ok then
   end
 end
 redis.call('SELECT', ARGV[1])
-if failed then return failed end
+if failed then owed() return failed end
 return routes
 """
 _PUSH_FOLDED = (
@@ -106,6 +127,8 @@ class OutputPublisher:
         self._push_script: Any = None
         #: The text of kombu's message before and after its body (:meth:`_message_template`).
         self._around_body: list[str] | None = None
+        #: Topics with no worker subscriber, until when (``time.monotonic()``; :meth:`quiet`).
+        self._quiet: dict[str, float] = {}
 
     def lookups(self, outputs: list[CloudEvent]) -> Callable[[StatePipeline], None]:
         """Queues the routes lookups of ``outputs`` in a pipeline (drops counted), so
@@ -126,37 +149,67 @@ class OutputPublisher:
             return None
         return shared_server(self.bus.settings)
 
+    @property
+    def folds(self) -> bool:
+        """Whether outputs' pushes fold into their record's round trip (:meth:`folded`)."""
+        return self._databases is not None
+
     def folded(
-        self, outputs: list[CloudEvent], texts: list[str], outcome: str, body: str
-    ) -> Callable[[StatePipeline], None] | None:
+        self,
+        outputs: list[CloudEvent],
+        texts: list[str],
+        outcome: str,
+        body: str,
+        owed: Settlement | None = None,
+    ) -> Callable[[StatePipeline], None]:
         """Queues, for each output (``texts``: each one's :func:`~wm.events.encode`), its
-        push in the round trip of its record (``outcome``, recorded as ``body``) where the
-        pushes fold (else None: see :meth:`lookups`); :meth:`looked_up` reads their replies."""
+        push in the round trip of its record (``outcome``, recorded as ``body``), where the
+        pushes fold (:attr:`folds`); :meth:`looked_up` reads their replies. ``owed``: the
+        delivery's ledger entry, for a caller that reads no reply (:meth:`quiet`): the
+        push puts it back, due at once, wherever the caller would have had more to do."""
         dbs = self._databases
-        if dbs is None:
-            return None
+        assert dbs is not None, "the pushes do not fold here"
         digest = hashlib.sha1(body.encode()).hexdigest()
+        ledger = [] if owed is None else [owed.index]
+        entry = [] if owed is None else [owed.member]
 
         def queue(pipe: StatePipeline) -> None:
             for output, text in zip(outputs, texts, strict=True):
                 topic = output_topic(output)
                 keys = [topic_key(topic, kind) for kind in (READY, ROUTES, DROPPED)]
-                keys += [outcome, f"{_MARKER}{topic}:{key_of(output)}"]
+                keys += [outcome, f"{_MARKER}{topic}:{key_of(output)}", *ledger]
                 message = self._message_template(text)
                 tags = os.urandom(16).hex()  # a uuid4's randomness, without its object
-                args = (*dbs, digest, self.ttl_s, message, tags)
+                args = (*dbs, digest, self.ttl_s, message, tags, *entry)
                 queue_eval(pipe, _PUSH_FOLDED, keys, *args)
 
         return queue
 
-    def looked_up(self, replies: list[Any], folded: bool) -> list[list[Route] | None]:
+    def quiet(self, outputs: list[CloudEvent]) -> bool:
+        """Whether each output's topic had no worker subscriber (its routes loaded) when this
+        process last read its routes, less than :data:`QUIET_S` ago: then a folded push
+        (:meth:`folded`, given the ledger's entry) leaves nothing to send after it, and its
+        reply need not be read."""
+        now = time.monotonic()
+        return all(self._quiet.get(output_topic(o), 0.0) > now for o in outputs)
+
+    def looked_up(
+        self, outputs: list[CloudEvent], replies: list[Any], folded: bool
+    ) -> list[list[Route] | None]:
         """Each output's routes from the replies of :meth:`lookups` or :meth:`folded` (None:
         look them up when publishing). Folded, the plain subscriptions were pushed to: only
-        the workers' routes are left."""
+        the workers' routes are left, and :meth:`quiet` learns which topics have none."""
         found = [self.bus.parse_routes(reply) for reply in replies]
         if not folded:
             return found
-        return [None if r is None else [x for x in r if x.worker_id is not None] for r in found]
+        left = [None if r is None else [x for x in r if x.worker_id is not None] for r in found]
+        until = time.monotonic() + QUIET_S
+        for output, routes in zip(outputs, left, strict=True):
+            if routes == []:
+                self._quiet[output_topic(output)] = until
+            else:
+                self._quiet.pop(output_topic(output), None)
+        return left
 
     def publish(
         self, output: CloudEvent, routes: list[Route] | None = None, payload: str | None = None

@@ -104,7 +104,7 @@ class Outcomes:
         also: Callable[[StatePipeline], None] | None = None,
         fence: WriteFence | None = None,
         body: str | None = None,
-        unawaited: bool = False,
+        unread: int | None = None,
     ) -> tuple[list[CloudEvent], list[Any]]:
         """Record the outcome and settle the delivery in the pending ledger, in one script;
         return the outcome that counts: when two copies of a delivery ran at once, the
@@ -114,11 +114,13 @@ class Outcomes:
         group lock first and writes nothing, raising :class:`~wm.errors.FenceRejected`, when
         the lease was lost. ``body``: the outputs :meth:`encoded` already.
 
-        ``unawaited``: the caller needs nothing from the reply (no outputs, and nothing it
-        does next assumes the record was written: see ``wm.state.unawaited``), so where the
-        script is all there is to send (no fence, no WAIT, nothing from ``also``, one
-        server) it is sent without waiting for its reply, and ``outputs`` returned as the
-        outcome that counts."""
+        ``unread``: the caller needs nothing from the reply, nor from the first ``unread``
+        commands ``also`` queues, and nothing it does next assumes they were written (see
+        ``wm.state.unawaited``), so where they are all there is to send (no fence, no WAIT,
+        nothing more from ``also``, one server) they are sent without waiting for their
+        replies, and ``(outputs, [])`` is returned. Should their replies hold a failover's
+        error or not come, the delivery is made due at the sweep's next turn (where it is
+        still pending, or, with outputs, anyway: their pushes may not have run)."""
         key = self.key(worker_id, event_key)
         body = self.encoded(outputs) if body is None else body
         script, keys, args = self._script(key, body, settlement, fence)
@@ -128,10 +130,14 @@ class Outcomes:
             waited = queue_wait(pipe, self.settings, key)  # right behind the record
             if also is not None:
                 also(pipe)
-            if unawaited and fence is None and len(pipe) == 1 and isinstance(pipe, Pipeline):
-                command = ("EVAL", script, len(keys), *keys, *args)  # as queued, sent alone
-                what = f"the outcome of event {event_key} of worker {worker_id}"
-                UNAWAITED.send(pipe, command, what, settlement.due_now())
+            if (
+                unread is not None
+                and fence is None
+                and not waited
+                and len(pipe) == 1 + unread
+                and isinstance(pipe, Pipeline)  # a cluster's may go to several nodes
+            ):
+                self._send_unawaited(pipe, worker_id, event_key, settlement, unread)
                 return outputs, []
             reply, *more = pipe.execute()
         acknowledged = more.pop(0) if waited else None
@@ -139,6 +145,20 @@ class Outcomes:
         if waited:
             check_wait(self.settings, acknowledged, "an outcome")
         return counts, more
+
+    @staticmethod
+    def _send_unawaited(
+        pipe: Pipeline, worker_id: str, event_key: str, settlement: Settlement, more: int
+    ) -> None:
+        """Send the commands queued in ``pipe`` (the record, then ``more``) without waiting
+        for their replies (:data:`~wm.state.unawaited.UNAWAITED`)."""
+        record, *pushes = [args for args, _ in pipe.command_stack]  # as queued
+        what = f"the outcome of event {event_key} of worker {worker_id}"
+        fallback = settlement.due_now()
+        if more:
+            what += f" and its {more} output(s)' push"
+            fallback = ("ZADD", settlement.index, 0, settlement.member)  # pushes may not have run
+        UNAWAITED.send(pipe, record, what, fallback, pushes)
 
     def queue_record(
         self,

@@ -2,9 +2,13 @@
 
 A pool process that records the outcome of a delivery without outputs needs nothing from
 the reply: there is no output to publish, and an outcome that another copy of the delivery
-recorded first was published by that copy (``wm.dataplane.outputs``). Waiting for the reply
-cost the process a round trip per delivery (its send, Redis's turn, the wake-up): without
-it such deliveries drain about a tenth faster on two cores (docs/benchmarks.md).
+recorded first was published by that copy (``wm.dataplane.outputs``). Nor does one whose
+outputs go only to topics without worker subscribers: their pushes to plain subscriptions
+run in the record's round trip, and a push that finds more to do (a worker subscriber come
+meanwhile, routes to load) puts the delivery back in the ledger, due at once
+(``wm.dataplane.outputs``). Waiting for the reply cost the process a round trip per
+delivery (its send, Redis's turn, the wake-up): without it such deliveries drain about a
+tenth faster on two cores (docs/benchmarks.md).
 :class:`Unawaited` sends such a write on a connection of its own (one per thread) and reads
 its reply when the thread sends the next one, by when it has long arrived, or when the
 process ends (:meth:`Unawaited.settle`); a reply that came and that no send read for
@@ -34,6 +38,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -73,6 +78,8 @@ class _Slot:
         # redis-py's connections are untyped)
         self.connection: Any = pool.connection_class(**pool.connection_kwargs)
         self.unread: str | None = None
+        #: How many replies the unread write has coming (its commands sent together).
+        self.replies = 0
         #: What to run should the unread reply hold an error or not come (None: nothing).
         self.fallback: tuple[Any, ...] | None = None
         #: When the unread reply's write was sent (``time.monotonic()``).
@@ -106,11 +113,13 @@ class Unawaited:
         command: tuple[Any, ...],
         what: str,
         fallback: tuple[Any, ...] | None = None,
+        more: Sequence[tuple[Any, ...]] = (),
     ) -> None:
         """Send ``command`` (its arguments, as ``execute_command`` takes them) to the server of
-        ``client`` without waiting for its reply; ``what`` names it in a log line should the
-        reply hold an error, and ``fallback`` is run then (and waited for). Raises redis-py's
-        errors when it cannot be sent."""
+        ``client`` without waiting for its reply, with ``more`` commands behind it in the
+        same write; ``what`` names them in a log line should a reply hold an error, and
+        ``fallback`` is run then (and waited for). Raises redis-py's errors when they cannot
+        be sent."""
         slot = self._slot(client)
         with slot.lock:
             self._settle(slot)
@@ -124,8 +133,12 @@ class Unawaited:
                 # its own connect (a Sentinel's asks the sentinels for the primary), not the
                 # plain one a send makes
                 connection.connect()
-            connection.send_command(*command)
+            if more:
+                connection.send_packed_command(connection.pack_commands([command, *more]))
+            else:
+                connection.send_command(*command)
             slot.unread, slot.fallback, slot.sent_at = what, fallback, time.monotonic()
+            slot.replies = 1 + len(more)
         if self._reader is None:
             self._start_reader()
 
@@ -189,22 +202,29 @@ class Unawaited:
     def _settle(slot: _Slot, timeout_s: float | None = None) -> None:
         what, slot.unread = slot.unread, None
         fallback, slot.fallback = slot.fallback, None
+        replies, slot.replies = slot.replies, 0
         if what is None:
             return
+        refused: redis.ResponseError | None = None
         error: Exception
         try:
-            if timeout_s is None:
-                slot.connection.read_response()
-            else:
-                slot.connection.read_response(timeout=timeout_s)
-            return
-        except redis.ResponseError as exc:
-            error, lost = exc, False
-            if not _passing(exc):  # it would fail again: not sooner than before
-                fallback = None
+            for _ in range(replies):  # each one, even after an error: none is left unread
+                try:
+                    if timeout_s is None:
+                        slot.connection.read_response()
+                    else:
+                        slot.connection.read_response(timeout=timeout_s)
+                except redis.ResponseError as exc:
+                    refused = refused or exc
         except (redis.RedisError, OSError) as exc:
             slot.connection.disconnect()  # the next send connects again
             error, lost = exc, True
+        else:
+            if refused is None:
+                return
+            error, lost = refused, False
+            if not _passing(refused):  # it would fail again: not sooner than before
+                fallback = None
         when = "at its next turn" if _fall_back(slot, fallback) else "after WM_REDELIVER_AFTER_S"
         then = f"the pending ledger's sweep delivers its event again {when}"
         if lost:
