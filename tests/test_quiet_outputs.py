@@ -158,28 +158,31 @@ def test_with_the_defaults_a_worker_subscribing_while_outputs_stream_gets_every_
 
     thread = threading.Thread(target=stream, name="stream")
     thread.start()
+    lates: list[tuple[str, Path, int]] = []  # each late worker: id, trace, events before it
+    index, owed = f"wm:pending:{{{source.id}}}", set()
     try:
         time.sleep(3)  # both pool processes learn the topic is quiet
-        trace = tmp_path / "late.jsonl"
-        late = manager.create_worker(code=stub(trace=str(trace)), mime_type=STUB, topic=TOPIC)
-        mark = len(published)
-        index, owed = f"wm:pending:{{{source.id}}}", set()
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:  # deliveries owed to the late worker, due at once
-            owed |= set(redis_for(pg_settings).zrangebyscore(index, 0, 0))
-            time.sleep(0.01)
+        while not owed and len(lates) < 3:  # a node stalled past the second: try once more
+            trace = tmp_path / f"late{len(lates)}.jsonl"
+            late = manager.create_worker(code=stub(trace=str(trace)), mime_type=STUB, topic=TOPIC)
+            lates.append((str(late.id), trace, len(published)))
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:  # deliveries owed to it, due at once
+                owed |= set(redis_for(pg_settings).zrangebyscore(index, 0, 0))
+                time.sleep(0.01)
     finally:
         stop.set()
         thread.join()
-    assert owed, "no push found the late worker: nothing tested the race"
-    expected = {derive_id(event_key("/tests", i), str(source.id), 0) for i in published[mark:]}
+    assert owed, "no push found a late worker in three tries: nothing tested the race"
 
-    def late_ran() -> set[str]:
+    def ran(trace: Path) -> set[str]:
         lines = trace.read_text().splitlines() if trace.exists() else []
         return {json.loads(line)["event_id"] for line in lines}
 
-    node.consuming(f"{TOPIC}::{late.id}")
-    eventually(lambda: expected <= late_ran(), timeout_s=90, interval_s=0.5)
+    for late_id, trace, mark in lates:
+        node.consuming(f"{TOPIC}::{late_id}")
+        later = {derive_id(event_key("/tests", i), str(source.id), 0) for i in published[mark:]}
+        eventually(lambda t=trace, e=later: e <= ran(t), timeout_s=90, interval_s=0.5)
     outputs_seen = drain(pg_settings, sink, len(published), timeout_s=60)
     ids = [e["id"] for e in outputs_seen]
     assert len(ids) == len(set(ids)) == len(published)
