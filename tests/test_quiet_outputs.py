@@ -111,6 +111,18 @@ def test_a_push_whose_reply_is_not_read_owes_the_delivery_wherever_more_was_to_d
     raced, _ = deliveries.deliver(3, unread=True, prepared=prepared)
     assert deliveries.owed() == {late, raced}
 
+    # no outcome at all (the record failed: its own reply decides): nothing pushed, none owed
+    key, payload, output = deliveries.output(7)
+    texts = [encode(output)]
+    settlement = deliveries.ledger.settlement(deliveries.worker, key, payload)
+    fold = publisher.folded(
+        [output], texts, Outcomes.key(deliveries.worker, key), encode(output), settlement
+    )
+    pipe = redis_for(settings).pipeline(transaction=False)
+    fold(pipe)
+    assert pipe.execute() == [None]
+    assert deliveries.owed() == {late, raced}
+
     # routes to load (their flag ended): nothing pushed, the delivery owed
     redis_for(settings).delete(topic_key(TOPIC, READY))
     unloaded, _ = deliveries.deliver(4, unread=True)

@@ -130,6 +130,14 @@ def test_commands_sent_together_have_every_reply_read_and_any_refusal_runs_the_f
     [line] = caplog.records
     assert line.getMessage().startswith("the outcome of e1 was not written: a read only replica")
     assert later.unread() == []
+    # an error a command behind meets again runs it too; the first command's does not
+    client.hset("h", "f", "v")
+    wrong = ("EVAL", "return redis.call('GET', KEYS[1])", 1, "h")
+    later.send(client, ("SET", "k", "1"), "e2", ("ZADD", "index", 0, "e2"), [wrong])
+    later.send(client, wrong, "e3", ("ZADD", "index", 0, "e3"), [("SET", "k", "1")])
+    later.settle()
+    assert client.zscore("index", "e2") == 0
+    assert client.zscore("index", "e3") is None
 
 
 def test_a_write_that_would_fail_again_keeps_its_entry_as_it_was(

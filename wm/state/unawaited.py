@@ -21,8 +21,11 @@ write sent with a ``fallback`` (the record's: its ledger entry made due at once)
 when its reply does not come or holds a failover's error (:data:`PASSING`), so the sweep's
 next turn (every WM_RECONCILE_INTERVAL_S) delivers the event again, not an hour later by
 default. An error the write would meet again (a key of the wrong type) keeps the hour: run
-again every turn, the event's code would run again every turn. A fallback that fails too
-leaves the entry to the later turn.
+again every turn, the event's code would run again every turn. An error in a command sent
+behind it (an output's push, after the record was written) runs the fallback whatever it
+is: the event delivered again finds its outcome recorded and republishes it, waiting for
+the replies, so that error fails the delivery and its retries and dead letter follow. A
+fallback that fails too leaves the entry to the later turn.
 
 A connection the server closed is found before the send, as redis-py's pool finds it, and
 a send that fails raises (the delivery then goes back to its queue, as a record that waits
@@ -118,8 +121,8 @@ class Unawaited:
         """Send ``command`` (its arguments, as ``execute_command`` takes them) to the server of
         ``client`` without waiting for its reply, with ``more`` commands behind it in the
         same write; ``what`` names them in a log line should a reply hold an error, and
-        ``fallback`` is run then (and waited for). Raises redis-py's errors when they cannot
-        be sent."""
+        ``fallback`` is run then (and waited for), unless ``command`` itself met an error it
+        would meet again. Raises redis-py's errors when they cannot be sent."""
         slot = self._slot(client)
         with slot.lock:
             self._settle(slot)
@@ -205,25 +208,17 @@ class Unawaited:
         replies, slot.replies = slot.replies, 0
         if what is None:
             return
-        refused: redis.ResponseError | None = None
         error: Exception
         try:
-            for _ in range(replies):  # each one, even after an error: none is left unread
-                try:
-                    if timeout_s is None:
-                        slot.connection.read_response()
-                    else:
-                        slot.connection.read_response(timeout=timeout_s)
-                except redis.ResponseError as exc:
-                    refused = refused or exc
+            refused = _read(slot.connection, replies, timeout_s)
         except (redis.RedisError, OSError) as exc:
             slot.connection.disconnect()  # the next send connects again
             error, lost = exc, True
         else:
             if refused is None:
                 return
-            error, lost = refused, False
-            if not _passing(refused):  # it would fail again: not sooner than before
+            (error, first), lost = refused, False
+            if first and not _passing(error):  # it would fail again: not sooner than before
                 fallback = None
         when = "at its next turn" if _fall_back(slot, fallback) else "after WM_REDELIVER_AFTER_S"
         then = f"the pending ledger's sweep delivers its event again {when}"
@@ -236,6 +231,23 @@ class Unawaited:
             )
         else:
             logger.error("%s was not written: %s (%s)", what, error, then)
+
+
+def _read(
+    connection: Any, replies: int, timeout_s: float | None
+) -> tuple[redis.ResponseError, bool] | None:
+    """Read ``replies`` replies, each one even after an error (none is left unread); the
+    first error one held, and whether it was the first reply's (None: no error)."""
+    refused = None
+    for index in range(replies):
+        try:
+            if timeout_s is None:
+                connection.read_response()
+            else:
+                connection.read_response(timeout=timeout_s)
+        except redis.ResponseError as exc:
+            refused = refused or (exc, index == 0)
+    return refused
 
 
 def _fall_back(slot: _Slot, fallback: tuple[Any, ...] | None) -> bool:
