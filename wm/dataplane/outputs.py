@@ -78,9 +78,9 @@ _BODY = "@wm-body@"
 # the ledger, due at once, where the caller would have had more to do: the sweep's next turn
 # delivers the event again, which republishes the outcome recorded (and so where a push
 # failed: the caller that waits raises then, and its retry republishes). No outcome at all
-# means the record failed: its reply says so, and ``wm.state.unawaited`` decides. The writes in the
-# broker's database are pcall'd, so the state's database is always selected back (before
-# Redis 7, a script's SELECT outlives it on its connection).
+# means the record failed: its reply says so, and ``wm.state.unawaited`` decides. The writes
+# in the broker's database are pcall'd, so the state's database is always selected back
+# (before Redis 7, a script's SELECT outlives it on its connection).
 _PUSH_FOLDED = """
 local function owed() if KEYS[6] then redis.call('ZADD', KEYS[6], 0, ARGV[7]) end end
 if redis.call('EXISTS', KEYS[1]) == 0 then owed() return false end

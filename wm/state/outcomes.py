@@ -130,14 +130,8 @@ class Outcomes:
             waited = queue_wait(pipe, self.settings, key)  # right behind the record
             if also is not None:
                 also(pipe)
-            if (
-                unread is not None
-                and fence is None
-                and not waited
-                and len(pipe) == 1 + unread
-                and isinstance(pipe, Pipeline)  # a cluster's may go to several nodes
-            ):
-                self._send_unawaited(pipe, worker_id, event_key, settlement, unread)
+            what = f"the outcome of event {event_key} of worker {worker_id}"
+            if fence is None and not waited and self._sent(pipe, what, settlement, unread):
                 return outputs, []
             reply, *more = pipe.execute()
         acknowledged = more.pop(0) if waited else None
@@ -147,18 +141,20 @@ class Outcomes:
         return counts, more
 
     @staticmethod
-    def _send_unawaited(
-        pipe: Pipeline, worker_id: str, event_key: str, settlement: Settlement, more: int
-    ) -> None:
-        """Send the commands queued in ``pipe`` (the record, then ``more``) without waiting
-        for their replies (:data:`~wm.state.unawaited.UNAWAITED`)."""
+    def _sent(pipe: StatePipeline, what: str, settlement: Settlement, more: int | None) -> bool:
+        """Send the commands queued in ``pipe`` (``what``: the record) without waiting for
+        their replies (:data:`~wm.state.unawaited.UNAWAITED`) where they are the record and
+        ``more`` on a single server (a cluster's pipeline may go to several); whether they
+        were sent."""
+        if more is None or len(pipe) != 1 + more or not isinstance(pipe, Pipeline):
+            return False
         record, *pushes = [args for args, _ in pipe.command_stack]  # as queued
-        what = f"the outcome of event {event_key} of worker {worker_id}"
         fallback = settlement.due_now()
         if more:
             what += f" and its {more} output(s)' push"
             fallback = ("ZADD", settlement.index, 0, settlement.member)  # pushes may not have run
         UNAWAITED.send(pipe, record, what, fallback, pushes)
+        return True
 
     def queue_record(
         self,
