@@ -102,7 +102,7 @@ def test_a_push_whose_reply_is_not_read_owes_the_delivery_wherever_more_was_to_d
     assert deliveries.owed() == {late}
     assert [e["data"]["n"] for e in drain(settings, sink, 1)] == [2]  # plain: pushed already
 
-    # another outcome recorded first (a copy that ran alongside): it may be this one's
+    # another outcome recorded first (a copy that ran alongside): owed, the sweep republishes it
     prepared = key, payload, output = deliveries.output(3)
     first = make_event(TOPIC, "/first", {}, id=output.get_id())
     settlement = deliveries.ledger.settlement(deliveries.worker, key, payload)
