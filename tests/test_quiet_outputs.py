@@ -66,8 +66,8 @@ class Deliveries:
     def owed(self) -> set[str]:
         """The keys of the deliveries due at the sweep's next turn."""
         pending = self.ledger.overdue(self.worker, 3600)
-        index = f"wm:pending:{{{self.worker}}}"
         scores = redis_for(self.ledger.settings)
+        index = Ledger._index(self.worker)
         return {p.key for p in pending if scores.zscore(index, p.member) == 0}
 
 
@@ -171,7 +171,7 @@ def test_with_the_defaults_a_worker_subscribing_while_outputs_stream_gets_every_
     thread = threading.Thread(target=stream, name="stream")
     thread.start()
     lates: list[tuple[str, Path, int]] = []  # each late worker: id, trace, events before it
-    index, owed = f"wm:pending:{{{source.id}}}", set()
+    index, owed = Ledger._index(str(source.id)), set()
     try:
         time.sleep(3)  # both pool processes learn the topic is quiet
         while not owed and len(lates) < 3:  # a node stalled past the second: try once more

@@ -224,10 +224,11 @@ class Delivery:
         fence = None if self.lease is None else self.rt.locks.write_fence(self.lease)
         texts = [encode(e) for e in outputs]  # once, for the record and the publishes
         body = self.rt.outcomes.encoded(outputs, texts)
-        unread, settlement = None if awaited else self._unread(outputs), self.settlement()
         # No lease to check before each push: the pushes may fold into the record's round trip
+        folds = bool(outputs) and self.lease is None and self.rt.outputs.folds
+        unread, settlement = None if awaited else self._unread(outputs, folds), self.settlement()
         folding = None
-        if outputs and self.lease is None and self.rt.outputs.folds:
+        if folds:
             owed = None if unread is None else settlement
             folding = self.rt.outputs.folded(outputs, texts, self.outcome_key, body, owed)
         lookups = folding or self.rt.outputs.lookups(outputs)
@@ -254,17 +255,15 @@ class Delivery:
             self.publish(outputs, routes, settled=True, texts=texts)
         self.published(recorded, produced)
 
-    def _unread(self, outputs: list[CloudEvent]) -> int | None:
+    def _unread(self, outputs: list[CloudEvent], folds: bool) -> int | None:
         """How many of the record's round trip's commands after it need not be read, when its
         reply need not be (None: it must): without outputs, the record is all; with outputs
-        pushed in its round trip to topics without worker subscribers
+        pushed in its round trip (``folds``) to topics without worker subscribers
         (:meth:`~wm.dataplane.outputs.OutputPublisher.quiet`), their pushes are all, and
         nothing is left to publish after them."""
         if not outputs:
             return 0
-        publisher = self.rt.outputs
-        quiet = self.lease is None and publisher.folds and publisher.quiet(outputs)
-        return len(outputs) if quiet else None
+        return len(outputs) if folds and self.rt.outputs.quiet(outputs) else None
 
     def published(self, outputs: list[CloudEvent], produced: list[CloudEvent]) -> None:
         sent = self.event.get_time()

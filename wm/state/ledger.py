@@ -165,11 +165,12 @@ class Settlement:
     runs: str | None
     key: str
 
-    def due_now(self) -> tuple[Any, ...]:
+    def due_now(self, pending_only: bool = True) -> tuple[Any, ...]:
         """The command that makes the delivery due at the sweep's next turn, where it is
         still pending (a record that failed: the event runs again then, not after
-        WM_REDELIVER_AFTER_S)."""
-        return ("ZADD", self.index, "XX", 0, self.member)
+        WM_REDELIVER_AFTER_S); not ``pending_only``, settled or not (writes after the
+        record's may not have run)."""
+        return ("ZADD", self.index, *(["XX"] if pending_only else []), 0, self.member)
 
 
 class Ledger:

@@ -149,11 +149,9 @@ class Outcomes:
         if more is None or len(pipe) != 1 + more or not isinstance(pipe, Pipeline):
             return False
         record, *pushes = [args for args, _ in pipe.command_stack]  # as queued
-        fallback = settlement.due_now()
         if more:
             what += f" and its {more} output(s)' push"
-            fallback = ("ZADD", settlement.index, 0, settlement.member)  # pushes may not have run
-        UNAWAITED.send(pipe, record, what, fallback, pushes)
+        UNAWAITED.send(pipe, record, what, settlement.due_now(pending_only=not more), pushes)
         return True
 
     def queue_record(

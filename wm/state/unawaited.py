@@ -136,10 +136,7 @@ class Unawaited:
                 # its own connect (a Sentinel's asks the sentinels for the primary), not the
                 # plain one a send makes
                 connection.connect()
-            if more:
-                connection.send_packed_command(connection.pack_commands([command, *more]))
-            else:
-                connection.send_command(*command)
+            connection.send_packed_command(connection.pack_commands([command, *more]))
             slot.unread, slot.fallback, slot.sent_at = what, fallback, time.monotonic()
             slot.replies = 1 + len(more)
         if self._reader is None:
